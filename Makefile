@@ -1,0 +1,45 @@
+# megabert: `make demo` and `make test` do all set-up on a fresh machine.
+# `make install` creates .venv in the repo root and installs megabert into it with its
+# C++ extensions built; it is idempotent and does nothing when nothing changed.
+
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.megabert-installed
+# A CPU build of this torch lies on the development machines' disk; a bare `torch`
+# would pull a multi-GB CUDA build. A torch already in the venv (a GPU machine's) is kept.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= deepspeed,mpi,test
+SOURCES := Makefile setup.py pyproject.toml $(shell find megabert -name '*.cpp' -o -name '*.cu' -o -name '*.h' 2>/dev/null)
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade "pip>=24" setuptools wheel
+
+$(STAMP): $(VPY) $(SOURCES)
+	@$(VPY) -c "import torch" 2>/dev/null \
+	  && echo "keeping torch $$($(VPY) -c 'import torch; print(torch.__version__)')" \
+	  || $(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q ninja numpy "pybind11>=2.12"
+	# --no-build-isolation: the extensions must link against the torch in the venv.
+	$(VPY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	$(VPY) -c "import megabert, megabert.fused_kernels as fk; print('megabert', megabert.__version__, '| fused kernels:', fk.is_available())"
+	@touch $(STAMP)
+
+test: install
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+
+demo: install
+	$(VPY) examples/demo.py --workdir demo_out
+
+bench: install
+	$(VPY) bench/run_all.py
+
+clean:
+	rm -rf build *.egg-info demo_out
+	find megabert -name '*.so' -delete

@@ -1,0 +1,26 @@
+"""megabert: BERT pre-training and SQuAD fine-tuning with tensor, pipeline and ZeRO
+data parallelism, from one CPU to many GPU nodes."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from megabert.config import (DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, bert_base,
+                             bert_large, bert_tiny)
+from megabert.errors import ConfigError, MegabertError
+from megabert.parallel import ParallelState, destroy_parallel, get_parallel_state, init_parallel
+
+__all__ = [
+    "__version__", "ModelConfig", "ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig",
+    "bert_tiny", "bert_base", "bert_large", "ConfigError", "MegabertError", "ParallelState",
+    "init_parallel", "get_parallel_state", "destroy_parallel",
+    "BertForPreTraining", "BertForQuestionAnswering", "BertModel",
+]
+
+
+def __getattr__(name: str):
+    # The model pulls in more of torch; import it when first asked for.
+    if name in ("BertForPreTraining", "BertForQuestionAnswering", "BertModel"):
+        from megabert import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'megabert' has no attribute {name!r}")

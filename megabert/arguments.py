@@ -1,0 +1,100 @@
+"""The CLI, generated from the config dataclasses (one flag per field, Megatron names).
+
+`parse_args()` returns a `Configs` bundle of typed configs; nothing in the library reads
+an args namespace. `--preset` fills the model's defaults; explicit flags win over it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from megabert.config import (PRESETS, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from megabert.errors import ConfigError
+
+
+@dataclass
+class Configs:
+    model: ModelConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    optim: OptimConfig
+    train: TrainConfig
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
+            "optim": OptimConfig, "train": TrainConfig}
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _base_type(tp) -> type:
+    """Optional[int] -> int; list -> str (items), bool stays bool."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing), {})  # annotations are strings under `from __future__ import annotations`
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(SECTIONS)) -> None:
+    for section in sections:
+        cls = SECTIONS[section]
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            kind = _base_type(f.type)
+            help_ = f.metadata.get("help", "")
+            dest = f"{section}.{f.name}"
+            if kind is bool:
+                # BooleanOptionalAction gives --x and --no-x; the default comes from the dataclass.
+                group.add_argument(_flag(f), dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=help_)
+            elif kind is list:
+                group.add_argument(_flag(f), dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_)
+            else:
+                choices = f.metadata.get("choices")
+                if choices is not None:
+                    choices = [c for c in choices if c is not None]
+                group.add_argument(_flag(f), dest=dest, type=kind, choices=choices,
+                                   default=argparse.SUPPRESS, help=help_)
+    if "model" in sections:
+        parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                            help="Model size preset; explicit model flags override it.")
+        parser.add_argument("--bert-no-binary-head", dest="model.bert_binary_head", action="store_false",
+                            default=argparse.SUPPRESS, help="Train masked LM only, without the SOP/NSP head.")
+
+
+def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = tuple(SECTIONS)) -> dict:
+    """Builds each section's dataclass from the parsed flags (raises ConfigError)."""
+    values: dict[str, dict] = {s: {} for s in sections}
+    for key, value in vars(ns).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            if section in values:
+                values[section][name] = value
+    out = {}
+    for section in sections:
+        if section == "model" and getattr(ns, "preset", None):
+            out[section] = PRESETS[ns.preset](**values[section])
+        else:
+            out[section] = SECTIONS[section](**values[section])
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> Configs:
+    parser = argparse.ArgumentParser(description=description)
+    add_config_arguments(parser)
+    ns = parser.parse_args(argv)
+    try:
+        cfg = Configs(**configs_from_namespace(ns))
+        if cfg.data.seq_length > cfg.model.max_position_embeddings:
+            raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds --max-position-embeddings "
+                              f"{cfg.model.max_position_embeddings}")
+    except ConfigError as e:
+        parser.error(str(e))  # one line + usage, exit code 2
+    return cfg

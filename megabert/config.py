@@ -1,0 +1,258 @@
+"""Typed configuration tree and presets.
+
+Each field carries its CLI flag (Megatron-LM's name wherever Megatron has the flag) and
+its help text in `metadata`; `megabert.arguments` turns these dataclasses into the CLI,
+so a flag exists in exactly one place. Cross-field checks live in `__post_init__` and
+raise ConfigError with a one-line message that names the flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megabert.errors import ConfigError
+
+
+def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
+        choices: tuple | None = None, factory: Any = None, cli: bool = True) -> Any:
+    """A dataclass field with the metadata `megabert.arguments` needs for its flag."""
+    meta = {"help": help, "flag": flag, "choices": choices, "cli": cli}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The BERT architecture and how its layers compute."""
+
+    num_layers: int = arg(2, "Number of transformer layers.")
+    hidden_size: int = arg(128, "Transformer hidden size.")
+    num_attention_heads: int = arg(2, "Number of attention heads.")
+    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size; default 4 x hidden size.")
+    vocab_size: int = arg(30522, "Vocabulary size before padding (taken from the tokenizer when one is given).",
+                          cli=False)
+    make_vocab_size_divisible_by: int = arg(128, "Pad the vocab to a multiple of this x tensor parallel size.")
+    max_position_embeddings: int = arg(512, "Number of position embeddings.")
+    type_vocab_size: int = arg(2, "Number of token types (segments).", flag="--num-tokentypes")
+    hidden_dropout: float = arg(0.1, "Dropout on hidden states and embeddings.")
+    attention_dropout: float = arg(0.1, "Dropout on attention probabilities.")
+    layernorm_epsilon: float = arg(1e-12, "LayerNorm epsilon (1e-12 as the original BERT and transformers).")
+    init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.")
+    layernorm_position: str = arg("post", "post: the original BERT; pre: LayerNorm before each sublayer "
+                                  "(more stable for deep models).", choices=("post", "pre"))
+    bert_binary_head: bool = arg(True, "Train the sentence-pair (SOP/NSP) head.", cli=False)
+    mlm_logits_at_masked_only: bool = arg(False, "Compute MLM logits only at masked positions (saves the "
+                                          "[tokens, vocab] matmul and memory for unmasked tokens).")
+    attention_backend: str = arg("auto", "Core attention: torch (unfused reference), sdpa "
+                                 "(torch scaled_dot_product_attention), fused (megabert kernels), "
+                                 "auto (fused when built, else sdpa).", choices=("auto", "torch", "sdpa", "fused"))
+    layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused when built).",
+                                 choices=("auto", "torch", "fused"))
+    recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or "
+                                               "selective (attention core only).", choices=(None, "full", "selective"))
+    sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence over the "
+                                  "tensor-parallel group (needs --tensor-model-parallel-size > 1 to matter).")
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "max_position_embeddings", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by "
+                              f"--num-attention-heads {self.num_attention_heads}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Vocab rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule),
+        so every TP rank holds an equal, GEMM-friendly slice."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return ((self.vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How ranks are laid out: TP ranks adjacent, then DP, then PP."""
+
+    tensor_model_parallel_size: int = arg(1, "Tensor (intra-layer) model parallel size.")
+    pipeline_model_parallel_size: int = arg(1, "Pipeline (inter-layer) model parallel size.")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
+        None, "Layers per virtual stage for the interleaved 1F1B schedule.")
+    distributed_backend: Optional[str] = arg(None, "Process group backend; default nccl on GPU, gloo on CPU.",
+                                             choices=(None, "nccl", "gloo"))
+    distributed_timeout_minutes: float = arg(10.0, "A collective that waits longer than this ends the job "
+                                             "instead of hanging it.")
+
+    def __post_init__(self):
+        if self.tensor_model_parallel_size < 1:
+            raise ConfigError("--tensor-model-parallel-size must be >= 1")
+        if self.pipeline_model_parallel_size < 1:
+            raise ConfigError("--pipeline-model-parallel-size must be >= 1")
+        if self.distributed_timeout_minutes <= 0:
+            raise ConfigError("--distributed-timeout-minutes must be positive")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where samples come from and how they are built."""
+
+    data_path: list = arg(help="Dataset prefix (P for P.bin/P.idx) or weighted prefixes: 0.3 A 0.7 B.",
+                          factory=list)
+    split: str = arg("969,30,1", "Train,valid,test proportions, e.g. 949,50,1.")
+    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json).")
+    tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type.",
+                              choices=("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+                                       "HuggingFaceTokenizer"))
+    seq_length: int = arg(128, "Sequence length of a sample.")
+    mask_prob: float = arg(0.15, "Fraction of tokens chosen for masked-LM prediction.")
+    short_seq_prob: float = arg(0.1, "Probability of a sample shorter than --seq-length.")
+    whole_word_masking: bool = arg(False, "Mask all WordPieces of a word together.")
+    binary_head_task: str = arg("sop", "Sentence-pair objective of the binary head.", choices=("sop", "nsp"))
+    num_workers: int = arg(2, "DataLoader worker processes.")
+    data_cache_path: Optional[str] = arg(None, "Where sample-mapping caches go (default: next to the data).")
+
+    def __post_init__(self):
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ConfigError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
+        if self.seq_length < 8:
+            raise ConfigError(f"--seq-length must be at least 8, got {self.seq_length}")
+        try:
+            parts = [float(x) for x in self.split.replace("/", ",").split(",")]
+        except ValueError:
+            raise ConfigError(f"--split must be comma-separated numbers such as 949,50,1, got {self.split!r}")
+        if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+            raise ConfigError(f"--split must be up to three non-negative numbers with a positive sum, "
+                              f"got {self.split!r}")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule and loss scaling."""
+
+    optimizer: str = arg("adam", "adam (AdamW, decoupled weight decay) or lamb.", choices=("adam", "lamb"))
+    lr: float = arg(1e-4, "Peak learning rate.")
+    min_lr: float = arg(0.0, "Learning rate at the end of decay.")
+    lr_warmup_iters: int = arg(0, "Linear warmup iterations.")
+    lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of --lr-decay-iters (overrides iters).")
+    lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over; default --train-iters.")
+    lr_decay_style: str = arg("linear", "Decay after warmup.",
+                              choices=("constant", "linear", "cosine", "polynomial", "warmup_exp_decay_exp"))
+    lr_decay_power: float = arg(0.5, "Power of the polynomial decay (NVIDIA's LAMB recipe uses 0.5).")
+    weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and LayerNorm).")
+    adam_beta1: float = arg(0.9, "First-moment decay.")
+    adam_beta2: float = arg(0.999, "Second-moment decay.")
+    adam_eps: float = arg(1e-6, "Denominator epsilon (1e-6 as the original BERT).")
+    clip_grad: float = arg(1.0, "Clip the global gradient norm to this value (0 disables).")
+    loss_scale: Optional[float] = arg(None, "Static fp16 loss scale; default dynamic.")
+    initial_loss_scale: float = arg(2.0 ** 32, "Initial dynamic fp16 loss scale.")
+    min_loss_scale: float = arg(1.0, "Dynamic loss scale floor.")
+    loss_scale_window: int = arg(1000, "Steps without overflow before the scale doubles.")
+    hysteresis: int = arg(2, "Overflows tolerated before the scale halves.")
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr must be in [0, --lr], got {self.min_lr} with --lr {self.lr}")
+        if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction <= 1.0:
+            raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
+        if self.clip_grad < 0:
+            raise ConfigError("--clip-grad must be >= 0")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop: batch sizes, precision, checkpoints, logging, DeepSpeed."""
+
+    micro_batch_size: int = arg(8, "Samples per forward pass on one data-parallel rank.")
+    global_batch_size: Optional[int] = arg(None, "Samples per optimizer step over all ranks; default "
+                                           "micro batch x data-parallel size (no accumulation).")
+    train_iters: int = arg(100, "Total optimizer steps, counted from the start of training.")
+    seed: int = arg(1234, "Random seed for initialisation, dropout and data.")
+    bf16: bool = arg(False, "bfloat16 mixed precision.")
+    fp16: bool = arg(False, "float16 mixed precision with loss scaling.")
+    save: Optional[str] = arg(None, "Checkpoint directory to save to.")
+    load: Optional[str] = arg(None, "Checkpoint (megabert or Hugging Face) to start from.")
+    save_interval: Optional[int] = arg(None, "Save every this many iterations.")
+    keep_last_checkpoints: Optional[int] = arg(None, "Keep only the newest N checkpoints.")
+    eval_interval: int = arg(1000, "Evaluate on the valid split every this many iterations.")
+    eval_iters: int = arg(10, "Batches per evaluation.")
+    log_interval: int = arg(10, "Log every this many iterations.")
+    metrics_file: Optional[str] = arg(None, "Append one JSON object per logged iteration to this file.")
+    tensorboard_dir: Optional[str] = arg(None, "Write TensorBoard scalars here.")
+    deepspeed: bool = arg(False, "Train through a DeepSpeed engine (ZeRO).")
+    deepspeed_config: Optional[str] = arg(None, "DeepSpeed JSON; default built from these flags.",
+                                          flag="--deepspeed_config")
+    zero_stage: int = arg(0, "ZeRO stage with --deepspeed.", choices=(0, 1, 2, 3))
+
+    def __post_init__(self):
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive: pick one")
+        if self.micro_batch_size < 1:
+            raise ConfigError("--micro-batch-size must be >= 1")
+        if self.train_iters < 0:
+            raise ConfigError("--train-iters must be >= 0")
+        if self.deepspeed_config and not self.deepspeed:
+            raise ConfigError("--deepspeed_config needs --deepspeed")
+        if self.zero_stage and not self.deepspeed:
+            raise ConfigError(f"--zero-stage {self.zero_stage} needs --deepspeed")
+
+
+def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int,
+                    train: TrainConfig | None = None) -> int:
+    """Checks the model against the rank grid; returns the data-parallel size."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
+    if model.num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if model.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if model.num_layers % pp:
+        raise ConfigError(f"--num-layers {model.num_layers} is not divisible by "
+                          f"--pipeline-model-parallel-size {pp}")
+    vpp = parallel.num_layers_per_virtual_pipeline_stage
+    if vpp is not None and (model.num_layers // pp) % vpp:
+        raise ConfigError(f"layers per pipeline stage ({model.num_layers // pp}) is not divisible by "
+                          f"--num-layers-per-virtual-pipeline-stage {vpp}")
+    dp = world_size // (tp * pp)
+    if train is not None and train.global_batch_size is not None:
+        if train.global_batch_size % (train.micro_batch_size * dp):
+            raise ConfigError(f"--global-batch-size {train.global_batch_size} is not divisible by "
+                              f"--micro-batch-size {train.micro_batch_size} x data-parallel size {dp}")
+    return dp
+
+
+# Presets: plain functions so a user can read and copy them.
+
+def bert_tiny(**overrides) -> ModelConfig:
+    """2 layers, hidden 128: for CPU demos and tests (about 4M parameters with a 30k vocab)."""
+    return ModelConfig(**{"num_layers": 2, "hidden_size": 128, "num_attention_heads": 2, **overrides})
+
+
+def bert_base(**overrides) -> ModelConfig:
+    """BERT-base: 12 layers, hidden 768, 12 heads (110M parameters)."""
+    return ModelConfig(**{"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, **overrides})
+
+
+def bert_large(**overrides) -> ModelConfig:
+    """BERT-large: 24 layers, hidden 1024, 16 heads (340M parameters)."""
+    return ModelConfig(**{"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, **overrides})
+
+
+PRESETS = {"bert-tiny": bert_tiny, "bert-base": bert_base, "bert-large": bert_large}

@@ -1,0 +1,61 @@
+"""Core attention, softmax(Q K^T / sqrt(d)) V, with a choice of backend made once.
+
+torch: explicit scores, `scaled_masked_softmax`, dropout, matmul (the reference).
+sdpa:  torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient).
+fused: explicit scores through megabert's fused softmax kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megabert.errors import ConfigError
+from megabert.ops.reference import scaled_masked_softmax_reference
+from megabert.ops.softmax import scaled_masked_softmax
+
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def resolve_attention_backend(backend: str) -> str:
+    """'auto' -> 'fused' when the kernels are built, else 'sdpa'. Logged once per choice."""
+    from megabert import fused_kernels
+
+    if backend == "auto":
+        backend = "fused" if fused_kernels.is_available() else "sdpa"
+    elif backend == "fused" and not fused_kernels.is_available():
+        raise ConfigError(f"--attention-backend fused: the fused kernels are not built "
+                          f"({fused_kernels.load_error()}); run `make install` or use --attention-backend sdpa")
+    if backend not in _logged:
+        _logged.add(backend)
+        logger.info("attention backend: %s", backend)
+    return backend
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *,
+                   backend: str, dropout_p: float = 0.0, rng_fork=None) -> torch.Tensor:
+    """q, k, v: [b, heads, s, head_dim]; mask: bool, True = masked, broadcastable to
+    [b, heads, sq, sk]. `rng_fork()` is the context in which dropout draws (the
+    per-TP-rank stream, since heads are split over TP ranks). Returns [b, heads, sq, head_dim]."""
+    fork = rng_fork if rng_fork is not None else contextlib.nullcontext
+    if backend == "sdpa":
+        with fork():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask,
+                                                  dropout_p=dropout_p)
+    scale = 1.0 / math.sqrt(q.size(-1))
+    scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, sq, sk]
+    if backend == "fused":
+        probs = scaled_masked_softmax(scores, mask, scale)
+    elif backend == "torch":
+        probs = scaled_masked_softmax_reference(scores, mask, scale)
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}")
+    if dropout_p > 0.0:
+        with fork():
+            probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)

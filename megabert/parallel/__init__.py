@@ -1,0 +1,82 @@
+"""Process groups for tensor, pipeline and data parallelism, and launcher discovery."""
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megabert.errors import ConfigError
+from megabert.parallel.launch import LaunchInfo, discover_launch, mpi_rendezvous
+from megabert.parallel.state import ParallelState, rank_of
+
+__all__ = ["ParallelState", "LaunchInfo", "init_parallel", "get_parallel_state", "destroy_parallel",
+           "discover_launch", "rank_of"]
+
+logger = logging.getLogger(__name__)
+
+# The state made by the last init_parallel(). Only the top-level convenience API
+# (`BertForPreTraining.from_pretrained(path)` with no `parallel_state=`) reads it;
+# layers always receive their groups explicitly.
+_current: Optional[ParallelState] = None
+
+
+def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, *,
+                  backend: Optional[str] = None, timeout_minutes: float = 10.0) -> ParallelState:
+    """Initialises torch.distributed from whatever launched this process and builds the groups.
+
+    Works under torchrun, the deepspeed launcher, mpirun (Open MPI, MPICH), srun, and as a
+    plain single process. gloo on CPU, nccl on GPU unless `backend` says otherwise. A
+    collective that waits longer than `timeout_minutes` raises instead of hanging.
+    """
+    global _current
+    info = discover_launch()
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("--distributed-backend nccl needs a GPU; use gloo on CPU")
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+
+    if not dist.is_initialized():
+        if info.launcher == "single":
+            # An in-memory store: a lone process needs no port and cannot collide with others.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            if info.launcher in ("openmpi", "mpich"):
+                info = mpi_rendezvous(info)
+            if not info.master_addr or not info.master_port:
+                raise ConfigError(f"launched by {info.launcher} but MASTER_ADDR/MASTER_PORT are not set; "
+                                  f"export them (the address and a free port of rank 0's host)")
+            dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                    rank=info.rank, world_size=info.world_size, timeout=timeout)
+    state = ParallelState.build(tensor_parallel_size, pipeline_model_parallel_size, device=device,
+                                backend=dist.get_backend(), local_rank=info.local_rank, launcher=info.launcher)
+    if state.rank == 0:
+        logger.info("megabert: %d processes (%s, %s): tp=%d pp=%d dp=%d", state.world_size, info.launcher,
+                    state.backend, state.tp_size, state.pp_size, state.dp_size)
+    _current = state
+    return state
+
+
+def get_parallel_state() -> ParallelState:
+    """The state of the last init_parallel(); a single process is initialised on demand."""
+    if _current is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError("torch.distributed is initialised but megabert.init_parallel() was not called; "
+                              "call it with your tensor/pipeline parallel sizes first")
+        return init_parallel()
+    return _current
+
+
+def destroy_parallel() -> None:
+    global _current
+    _current = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""One explicit description of the rank grid and its process groups.
+
+Layout (Megatron's order): tensor-parallel ranks are adjacent (they talk the most, so
+they share a node), then data-parallel, then pipeline-parallel:
+
+    rank = tp_rank + tp_size * (dp_rank + dp_size * pp_rank)
+
+Layers receive the group they need (`tp_group`, ...) as an argument; nothing in the
+library looks groups up in module globals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megabert.errors import ConfigError
+
+
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:
+    return tp_rank + tp_size * (dp_rank + dp_size * pp_rank)
+
+
+@dataclass
+class ParallelState:
+    """The rank grid of one process and the groups it belongs to."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    backend: str
+    tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    mp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # tp x pp: one model replica
+    embedding_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # first + last stage
+    local_rank: int = 0
+    launcher: str = "single"
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+    def pp_rank_to_global(self, pp_rank: int) -> int:
+        return rank_of(self.tp_rank, self.dp_rank, pp_rank, self.tp_size, self.dp_size)
+
+    @classmethod
+    def build(cls, tp_size: int, pp_size: int, *, device: torch.device, backend: str,
+              local_rank: int = 0, launcher: str = "single") -> "ParallelState":
+        """Creates every group. Collective: all ranks must call it with the same sizes."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % (tp_size * pp_size):
+            raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size} "
+                              f"x --pipeline-model-parallel-size {pp_size}; launch a multiple of "
+                              f"{tp_size * pp_size} processes")
+        dp_size = world // (tp_size * pp_size)
+        tp_rank = rank % tp_size
+        dp_rank = (rank // tp_size) % dp_size
+        pp_rank = rank // (tp_size * dp_size)
+        groups: dict[str, dist.ProcessGroup] = {}
+
+        # NOTE: new_group is collective over the whole world and must be called for every
+        # group in the same order on every rank, including groups this rank is not in.
+        def make(name: str, ranks_list: list[list[int]]) -> None:
+            for ranks in ranks_list:
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    groups[name] = g
+
+        r = lambda t, d, p: rank_of(t, d, p, tp_size, dp_size)  # noqa: E731
+        make("tp", [[r(t, d, p) for t in range(tp_size)] for p in range(pp_size) for d in range(dp_size)])
+        make("dp", [[r(t, d, p) for d in range(dp_size)] for p in range(pp_size) for t in range(tp_size)])
+        make("pp", [[r(t, d, p) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)])
+        make("mp", [[r(t, d, p) for p in range(pp_size) for t in range(tp_size)] for d in range(dp_size)])
+        # Tied word embeddings live on the first and the last stage; their gradients are
+        # summed over this group (it is the pp group itself when pp_size <= 2).
+        make("emb", [sorted({r(t, d, 0), r(t, d, pp_size - 1)}) for d in range(dp_size) for t in range(tp_size)])
+        return cls(rank=rank, world_size=world, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
+                   tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
+                   tp_group=groups["tp"], dp_group=groups["dp"], pp_group=groups["pp"], mp_group=groups["mp"],
+                   embedding_group=groups["emb"], local_rank=local_rank, launcher=launcher)
+
+    # DeepSpeed's `mpu=` protocol, so ZeRO partitions over our data-parallel group and
+    # computes gradient norms over our model-parallel group.
+    def get_model_parallel_rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp_group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self.dp_group

@@ -1,0 +1,169 @@
+"""Column- and row-parallel linear layers and the vocab-parallel embedding.
+
+Weights are created as the full matrix by `init_method` and then sliced, so a model
+built at TP=1, 2 or 4 from one seed holds the same numbers, only distributed
+differently. Every sharded parameter is tagged with `tensor_model_parallel`,
+`partition_dim` and `partition_stride`, which checkpoint conversion and resharding
+use to put the full matrix back together.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megabert.tensor_parallel.mappings import (Group, copy_to_tp, gather_from_sp, gather_from_tp, group_rank,
+                                               group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def default_init(tensor: torch.Tensor) -> None:
+    nn.init.normal_(tensor, mean=0.0, std=0.02)
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """This rank's slice of `full` along `dim`.
+
+    stride > 1 means `full` is `stride` matrices stacked along dim (e.g. [Q; K; V]) and
+    each rank takes its slice of every one: rank r gets [Q_r; K_r; V_r], so its heads'
+    query, key and value stay together.
+    """
+    if size == 1:
+        return full.clone()
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
+
+
+def unshard(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's slice, in rank order."""
+    if len(parts) == 1:
+        return parts[0].clone()
+    per_rank = [p.chunk(stride, dim=dim) for p in parts]
+    return torch.cat([torch.cat([pr[s] for pr in per_rank], dim=dim) for s in range(stride)], dim=dim)
+
+
+def _tag(param: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = stride
+    return param
+
+
+def _sharded_param(full_shape, dim, stride, init_method, group, dtype, device) -> nn.Parameter:
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full)
+    local = shard(full, dim, group_rank(group), group_size(group), stride)
+    return _tag(nn.Parameter(local.to(device=device, dtype=dtype)), dim, stride)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: rank r holds A[:, r] and computes Y[:, r].
+
+    Input is replicated over the TP group (or, with sequence parallelism, sharded along
+    the sequence and all-gathered here); output is split along its last dim unless
+    `gather_output`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
+                 gather_output: bool = False, init_method: InitMethod = default_init, stride: int = 1,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        tp = group_size(tp_group)
+        if out_features % tp:
+            raise ValueError(f"output size {out_features} is not divisible by tensor parallel size {tp}")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.weight = _sharded_param((out_features, in_features), 0, stride, init_method, tp_group,
+                                     params_dtype, device)
+        if bias:
+            # Biases start at zero (BERT); they are sharded like the output columns.
+            self.bias = _tag(nn.Parameter(torch.zeros(out_features // tp, dtype=params_dtype, device=device)),
+                             0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        else:
+            x = copy_to_tp(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows: rank r holds A[r, :] and X[:, r]; the partial
+    products are summed over the TP group (or reduce-scattered along the sequence with
+    sequence parallelism). The bias is replicated and added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
+                 input_is_parallel: bool = True, init_method: InitMethod = default_init,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        tp = group_size(tp_group)
+        if in_features % tp:
+            raise ValueError(f"input size {in_features} is not divisible by tensor parallel size {tp}")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence parallelism needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
+        self.weight = _sharded_param((out_features, in_features), 1, 1, init_method, tp_group, params_dtype, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
+            # With sequence parallelism each rank sees only its slice of the sequence, so
+            # this bias's gradient is partial and must be summed over the TP group.
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocab rows: rank r holds rows [r*V/tp, (r+1)*V/tp).
+
+    Each rank looks up the ids in its range and writes zeros elsewhere; the sum over
+    the TP group is then the full lookup. `num_embeddings` must be the padded vocab.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group,
+                 init_method: InitMethod = default_init, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        if num_embeddings % tp:
+            raise ValueError(f"vocab size {num_embeddings} is not divisible by tensor parallel size {tp}; "
+                             f"pad it (ModelConfig.padded_vocab_size)")
+        self.num_embeddings, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
+        per_rank = num_embeddings // tp
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
+        self.weight = _sharded_param((num_embeddings, embedding_dim), 0, 1, init_method, tp_group,
+                                     params_dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, tp={group_size(self.tp_group)}"

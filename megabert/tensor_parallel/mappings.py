@@ -1,0 +1,186 @@
+"""Communication at the edges of tensor-parallel regions, as tiny autograd Functions.
+
+Megatron-LM paper (Shoeybi et al., 2019), section 3: `f` is identity forward and
+all-reduce backward; `g` is all-reduce forward and identity backward. An MLP is then
+    Y = g(GeLU(f(X) A_col) B_row)
+and each op below is the conjugate pair of one of those. Every Function takes its
+process group explicitly. With a group of size 1 all of them are identities.
+
+Sequence parallelism (Korthikanti et al., 2022) swaps the all-reduce for an
+all-gather / reduce-scatter pair along the sequence dim (dim 0 of [s, b, h]).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.size(dim) % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.size(dim)} over {n} tensor-parallel ranks")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if dist.get_backend(group) == "gloo":
+        # NOTE: gloo has no reduce_scatter; all-reduce then keep our slice (same result).
+        return _split(_all_reduce(x.clone(), group), dim, group)
+    chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: forward identity; backward all-reduce of the input gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: forward all-reduce (sum of partial products); backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone() if group_size(group) > 1 else x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ScatterToTensorParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, -1, ctx.group), None
+
+
+class GatherFromTensorParallelRegion(torch.autograd.Function):
+    """Forward: all-gather the last dim; backward: keep this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's slice of the sequence (dim 0); backward: all-gather dim 0."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Forward: all-gather the sequence (dim 0) before a column-parallel GEMM;
+    backward: reduce-scatter, since each rank's GEMM produced a partial input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 0, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter the row-parallel GEMM's partial sums along dim 0;
+    backward: all-gather dim 0."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+def copy_to_tp(x, group: Group):
+    return CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tp(x, group: Group):
+    return ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def scatter_to_tp(x, group: Group):
+    return ScatterToTensorParallelRegion.apply(x, group)
+
+
+def gather_from_tp(x, group: Group):
+    return GatherFromTensorParallelRegion.apply(x, group)
+
+
+def scatter_to_sp(x, group: Group):
+    return ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sp(x, group: Group):
+    return GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sp(x, group: Group):
+    return ReduceScatterToSequenceParallelRegion.apply(x, group)

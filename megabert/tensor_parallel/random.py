@@ -1,0 +1,106 @@
+"""Named RNG streams and activation checkpointing that replays them.
+
+Dropout on activations that are split over the TP group (attention probabilities,
+split by heads) must differ between TP ranks, or every rank would drop the same
+pattern in its own heads; dropout on replicated activations must be identical on all
+TP ranks. So the default generator is seeded the same on every TP rank, and a second,
+per-TP-rank "tensor-parallel" stream is swapped in with `tracker.fork()` (Megatron's
+CudaRNGStatesTracker, here for CPU and CUDA alike).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.utils.checkpoint
+
+TP_STREAM = "tensor-parallel"
+# Megatron's offset between the default and the tensor-parallel seed: keeps the two
+# streams apart for any seed a user picks.
+TP_SEED_OFFSET = 2718
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Keeps named generator states and swaps them into the device's default generator."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        saved = _get_state(self.device)
+        gen = torch.cuda if self.device.type == "cuda" else torch
+        gen.manual_seed(seed)
+        self.states[name] = _get_state(self.device)
+        _set_state(saved, self.device)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TP_STREAM):
+        """Runs the block on stream `name`; the default stream is untouched by it."""
+        if name not in self.states:
+            raise KeyError(f"RNG stream {name!r} was never added")
+        saved = _get_state(self.device)
+        _set_state(self.states[name], self.device)
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state(self.device)
+            _set_state(saved, self.device)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+
+def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device | str = "cpu") -> RNGStatesTracker:
+    """Seeds the default stream (same on TP ranks, distinct per pipeline stage) and returns
+    a tracker with the per-TP-rank stream, as Megatron's model_parallel_cuda_manual_seed."""
+    device = torch.device(device)
+    default_seed = seed + 100 * pp_rank
+    torch.manual_seed(default_seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(default_seed)
+    tracker = RNGStatesTracker(device)
+    tracker.add(TP_STREAM, default_seed + TP_SEED_OFFSET + tp_rank)
+    return tracker
+
+
+def checkpoint(fn: Callable, tracker: Optional[RNGStatesTracker], *args):
+    """Activation checkpointing that reproduces dropout exactly in the recompute.
+
+    torch.utils.checkpoint restores the default CPU/CUDA generators; the tracker's
+    streams are restored here, since the recompute would otherwise draw from streams
+    that the first forward has already advanced.
+    """
+    snapshot = tracker.get_states() if tracker is not None else None
+    calls = 0
+
+    def run(*a):
+        nonlocal calls
+        calls += 1
+        if calls == 1 or tracker is None:
+            return fn(*a)
+        current = tracker.get_states()
+        tracker.set_states(snapshot)
+        try:
+            return fn(*a)
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -1,0 +1,28 @@
+"""Runs a test body in N spawned processes joined by a gloo process group."""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # N processes on a 2-core machine: oversubscription only slows them
+    os.environ.pop("RANK", None)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args) -> None:
+    """Calls fn(rank, world_size, *args) in `world_size` processes; a failure in any
+    worker fails the test with that worker's traceback. `fn` must be module-level."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(fn, world_size, os.path.join(tmp, "store"), args),
+                           nprocs=world_size, join=True, start_method="spawn")
