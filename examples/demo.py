@@ -11,9 +11,10 @@ def main() -> int:
     import torch
 
     import megabert
+    from megabert import fused_kernels
 
     print(f"megabert {megabert.__version__}, torch {torch.__version__}, "
-          f"fused kernels built: {megabert.fused_kernels.is_available()}")
+          f"fused kernels built: {fused_kernels.is_available()}")
     print("still to come in this demo: corpus -> vocab -> preprocess -> TP=2 pre-training -> SQuAD")
     return 0
 
