@@ -158,6 +158,21 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather(grad, 0, ctx.group), None
 
 
+class GatherFromSequenceParallelToReplicated(torch.autograd.Function):
+    """Forward: all-gather the sequence (dim 0) into a region every TP rank computes
+    identically (pooler, LM-head transform); backward: keep this rank's slice, since the
+    gradient arriving from a replicated region is already the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, 0, ctx.group), None
+
+
 def copy_to_tp(x, group: Group):
     return CopyToTensorParallelRegion.apply(x, group)
 
@@ -184,3 +199,7 @@ def gather_from_sp(x, group: Group):
 
 def reduce_scatter_to_sp(x, group: Group):
     return ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sp_to_replicated(x, group: Group):
+    return GatherFromSequenceParallelToReplicated.apply(x, group)

@@ -1,0 +1,1 @@
+"""Checkpoint files: Megatron's layout, sharding rules, Hugging Face conversion."""

@@ -1,0 +1,178 @@
+"""Megatron's checkpoint layout, written atomically.
+
+    ROOT/latest_checkpointed_iteration.txt        "release" or the iteration number
+    ROOT/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt
+    ROOT/release/...                              (converted, not trained)
+
+A save goes to `ITER.tmp/`, each file is fsynced, the directory is renamed into place
+and only then does the pointer file change (itself via rename). A job killed mid-save
+leaves the previous checkpoint and pointer intact. Files are read with
+`torch.load(weights_only=True)`: a checkpoint holds tensors and plain Python values only.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import asdict
+from typing import Optional, Union
+
+import torch
+
+from megabert.config import ModelConfig
+from megabert.errors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILENAME = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def tag_dir_name(tag: Union[int, str]) -> str:
+    return "release" if tag == "release" else f"iter_{int(tag):07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_tracker(root: str) -> Optional[str]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    if tag != "release" and not tag.isdigit():
+        raise CheckpointError(f"{path} holds {tag!r}, neither an iteration number nor 'release'")
+    return tag
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """ROOT (with the pointer file) or an iteration directory itself -> the iteration directory."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    tag = read_tracker(path)
+    if tag is not None:
+        d = os.path.join(path, tag_dir_name(tag))
+        if not os.path.isdir(d):
+            raise CheckpointError(f"{os.path.join(path, TRACKER)} points to {d}, which does not exist")
+        return d
+    if any(_RANK_DIR.match(n) for n in os.listdir(path)):
+        return path
+    raise CheckpointError(f"{path} is neither a megabert/Megatron checkpoint (no {TRACKER}, no mp_rank_* "
+                          f"directories) nor a Hugging Face BERT directory (config.json + weights)")
+
+
+def rank_files(ckpt_dir: str) -> dict[tuple[int, int], str]:
+    """{(tp_rank, pp_rank): file} of an iteration directory, checked to be a full grid."""
+    found = {}
+    for name in os.listdir(ckpt_dir):
+        m = _RANK_DIR.match(name)
+        if m:
+            f = os.path.join(ckpt_dir, name, FILENAME)
+            if not os.path.isfile(f):
+                raise CheckpointError(f"{f} is missing: the checkpoint is incomplete")
+            found[(int(m.group(1)), int(m.group(2) or 0))] = f
+    if not found:
+        raise CheckpointError(f"{ckpt_dir} holds no mp_rank_* directories")
+    tp = max(t for t, _ in found) + 1
+    pp = max(p for _, p in found) + 1
+    if len(found) != tp * pp:
+        raise CheckpointError(f"{ckpt_dir} holds {len(found)} rank directories, expected tp {tp} x pp {pp}")
+    return found
+
+
+def load_file(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: say which one
+        raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from e
+
+
+def staging_dir(root: str, tag: Union[int, str]) -> str:
+    return os.path.join(root, tag_dir_name(tag) + ".tmp")
+
+
+def write_rank_file(stage: str, tp_rank: int, pp_rank: int, pp_size: int, payload: dict) -> str:
+    d = os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size))
+    os.makedirs(d, exist_ok=True)
+    final = os.path.join(d, FILENAME)
+    tmp = final + ".part"
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(d)
+    return final
+
+
+def commit(root: str, tag: Union[int, str]) -> str:
+    """Moves the staged directory into place, then updates the pointer. Call once (rank 0)
+    after every rank's write_rank_file has returned (a barrier)."""
+    stage, final = staging_dir(root, tag), os.path.join(root, tag_dir_name(tag))
+    for d in os.listdir(stage):
+        _fsync_dir(os.path.join(stage, d))
+    if os.path.exists(final):  # re-saving an iteration: the new one wins
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(stage, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, final)
+    _fsync_dir(root)
+    tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(tag))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
+    _fsync_dir(root)
+    return final
+
+
+def model_payload(state: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, model_class: str,
+                  iteration: int = 0, **extra) -> dict:
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": state,
+            "model_config": asdict(cfg), "model_class": model_class,
+            "parallel": {"tensor_model_parallel_size": tp_size, "pipeline_model_parallel_size": pp_size}, **extra}
+
+
+def save_full_model(root: str, full: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, model_class: str,
+                    tag: Union[int, str] = "release") -> str:
+    """Writes every rank's shard of a full state dict from one process (conversion, resharding)."""
+    from megabert.checkpoint.sharding import shard_state
+
+    os.makedirs(root, exist_ok=True)
+    stage = staging_dir(root, tag)
+    shutil.rmtree(stage, ignore_errors=True)
+    for pp in range(pp_size):
+        for tp in range(tp_size):
+            local = shard_state(full, tp_rank=tp, tp_size=tp_size, pp_rank=pp, pp_size=pp_size,
+                                num_layers=cfg.num_layers)
+            write_rank_file(stage, tp, pp, pp_size, model_payload(local, cfg, tp_size=tp_size, pp_size=pp_size,
+                                                                  model_class=model_class,
+                                                                  iteration=0 if tag == "release" else int(tag)))
+    return commit(root, tag)
+
+
+def load_full_model(path: str) -> tuple[dict, dict]:
+    """(full state dict, metadata of rank 0's file) from any TP x PP layout."""
+    from megabert.checkpoint.sharding import unshard_states
+
+    files = rank_files(resolve_checkpoint_dir(path))
+    tp = max(t for t, _ in files) + 1
+    pp = max(p for _, p in files) + 1
+    payloads = {k: load_file(f) for k, f in files.items()}
+    full = unshard_states([[payloads[(t, p)]["model"] for t in range(tp)] for p in range(pp)])
+    meta = {k: v for k, v in payloads[(0, 0)].items() if k != "model"}
+    return full, meta

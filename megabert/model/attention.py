@@ -1,0 +1,51 @@
+"""Self-attention with heads split over the tensor-parallel group."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from megabert import ops
+from megabert.model.context import BuildContext
+from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
+
+
+class SelfAttention(nn.Module):
+    """QKV is one column-parallel GEMM whose full weight is [Q; K; V] (3h x h); with
+    stride 3 each rank holds [Q_r; K_r; V_r], i.e. whole heads. The output projection
+    is row-parallel, so the only communication is its all-reduce (or reduce-scatter)."""
+
+    def __init__(self, ctx: BuildContext, prefix: str):
+        super().__init__()
+        cfg = ctx.config
+        self.ctx = ctx
+        self.heads_per_rank = cfg.num_attention_heads // ctx.tp_size
+        self.head_dim = cfg.head_dim
+        common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel,
+                      params_dtype=ctx.params_dtype, device=ctx.device)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3,
+                                        init_method=ctx.init(prefix + "qkv.weight"), **common)
+        self.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, input_is_parallel=True,
+                                       init_method=ctx.init(prefix + "dense.weight"), **common)
+        self.selective_recompute = cfg.recompute_granularity == "selective"
+
+    def _core(self, q, k, v, mask):
+        return ops.core_attention(q, k, v, mask, backend=self.ctx.attention_backend,
+                                  dropout_p=self.ctx.config.attention_dropout if self.training else 0.0,
+                                  rng_fork=self.ctx.rng.fork)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """x: [s, b, h] (or [s/tp, b, h] with sequence parallelism); mask: bool [b, 1, 1|s, s]."""
+        qkv = self.qkv(x)  # [s, b, 3h/tp]
+        s, b = qkv.shape[:2]
+        q, k, v = (t.reshape(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
+                   for t in qkv.chunk(3, dim=-1))  # each [b, n/tp, s, d]
+        if self.selective_recompute and self.training:
+            # Selective recompute (Korthikanti et al. 2022): the attention core holds the
+            # O(s^2) activations but is cheap to recompute.
+            ctx = checkpoint(self._core, self.ctx.rng, q, k, v, mask)
+        else:
+            ctx = self._core(q, k, v, mask)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)  # [s, b, h/tp]
+        return self.dense(ctx)

@@ -1,0 +1,39 @@
+"""What every BERT submodule needs to build itself, passed down explicitly."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megabert.config import ModelConfig
+from megabert.model.init import normal_init
+from megabert.model.norm import LayerNorm
+from megabert.tensor_parallel.random import RNGStatesTracker
+
+
+@dataclass
+class BuildContext:
+    config: ModelConfig
+    tp_group: Optional[dist.ProcessGroup]
+    tp_size: int
+    seed: int
+    rng: RNGStatesTracker  # per-TP-rank dropout stream (attention probs, sequence-parallel regions)
+    attention_backend: str  # resolved: torch | sdpa | fused
+    layernorm_backend: str  # resolved: torch | fused
+    params_dtype: torch.dtype = torch.float32
+    device: Optional[torch.device] = None
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.config.sequence_parallel and self.tp_size > 1
+
+    def init(self, name: str):
+        return normal_init(self.seed, name, self.config.init_method_std)
+
+    def layer_norm(self, hidden_size: Optional[int] = None, *, sequence_parallel: Optional[bool] = None) -> LayerNorm:
+        sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        return LayerNorm(hidden_size or self.config.hidden_size, self.config.layernorm_epsilon,
+                         backend=self.layernorm_backend, sequence_parallel=sp, params_dtype=self.params_dtype,
+                         device=self.device)

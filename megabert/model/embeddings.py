@@ -1,0 +1,43 @@
+"""Word + position + token-type embeddings, LayerNorm, dropout -> [s, b, h]."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megabert.model.context import BuildContext
+from megabert.tensor_parallel import VocabParallelEmbedding, scatter_to_sp
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, ctx: BuildContext, padded_vocab_size: int):
+        super().__init__()
+        cfg = ctx.config
+        self.ctx = ctx
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group,
+                                                      init_method=ctx.init("embeddings.word_embeddings.weight"),
+                                                      params_dtype=ctx.params_dtype, device=ctx.device)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                dtype=ctx.params_dtype, device=ctx.device)
+        self.tokentype_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size,
+                                                 dtype=ctx.params_dtype, device=ctx.device)
+        ctx.init("embeddings.position_embeddings.weight")(self.position_embeddings.weight.data)
+        ctx.init("embeddings.tokentype_embeddings.weight")(self.tokentype_embeddings.weight.data)
+        # The embedding LayerNorm runs before the sequence is scattered: full-sequence params.
+        self.layernorm = ctx.layer_norm(sequence_parallel=False)
+        self.dropout_p = cfg.hidden_dropout
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        seq_len = input_ids.size(1)
+        if seq_len > self.position_embeddings.num_embeddings:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
+                             f"{self.position_embeddings.num_embeddings}")
+        positions = torch.arange(seq_len, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) \
+            + self.tokentype_embeddings(token_type_ids)  # [b, s, h]
+        x = self.layernorm(x.transpose(0, 1).contiguous())  # [s, b, h]: Megatron's layout
+        if self.ctx.sequence_parallel:
+            x = scatter_to_sp(x, self.ctx.tp_group)  # [s/tp, b, h]
+            with self.ctx.rng.fork():  # each rank drops in its own slice
+                return F.dropout(x, self.dropout_p, self.training)
+        return F.dropout(x, self.dropout_p, self.training)

@@ -1,0 +1,82 @@
+"""The BERT transformer layer (post-LN as the original, pre-LN as an option) and stack."""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megabert.model.attention import SelfAttention
+from megabert.model.context import BuildContext
+from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> GELU -> h (row-parallel): one all-reduce in total."""
+
+    def __init__(self, ctx: BuildContext, prefix: str):
+        super().__init__()
+        cfg = ctx.config
+        common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel,
+                      params_dtype=ctx.params_dtype, device=ctx.device)
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size,
+                                                  init_method=ctx.init(prefix + "dense_h_to_4h.weight"), **common)
+        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True,
+                                               init_method=ctx.init(prefix + "dense_4h_to_h.weight"), **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Exact (erf) GELU, as BERT and transformers' "gelu".
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, ctx: BuildContext, layer_number: int):
+        super().__init__()
+        prefix = f"encoder.layers.{layer_number}."
+        self.ctx = ctx
+        self.pre_ln = ctx.config.layernorm_position == "pre"
+        self.attention = SelfAttention(ctx, prefix + "attention.")
+        self.attention_layernorm = ctx.layer_norm()
+        self.mlp = MLP(ctx, prefix + "mlp.")
+        self.mlp_layernorm = ctx.layer_norm()
+        self.dropout_p = ctx.config.hidden_dropout
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        # Replicated activations: the default stream, identical on TP ranks. Sequence-
+        # parallel slices: the per-rank stream, so slices get independent masks.
+        fork = self.ctx.rng.fork() if self.ctx.sequence_parallel else contextlib.nullcontext()
+        with fork:
+            return F.dropout(x, self.dropout_p, self.training)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.pre_ln:
+            x = x + self._dropout(self.attention(self.attention_layernorm(x), mask))
+            return x + self._dropout(self.mlp(self.mlp_layernorm(x)))
+        x = self.attention_layernorm(x + self._dropout(self.attention(x, mask)))
+        return self.mlp_layernorm(x + self._dropout(self.mlp(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Layers [first_layer, first_layer + num_layers); numbering is global so that a
+    pipeline stage's layers initialise exactly like the same layers at PP=1."""
+
+    def __init__(self, ctx: BuildContext, first_layer: int = 0, num_layers: Optional[int] = None,
+                 final_layernorm: bool = True):
+        super().__init__()
+        num_layers = ctx.config.num_layers if num_layers is None else num_layers
+        self.ctx = ctx
+        self.layers = nn.ModuleList(TransformerLayer(ctx, first_layer + i) for i in range(num_layers))
+        # Pre-LN stacks end with a LayerNorm (the last layer's output is un-normalised).
+        self.final_layernorm = ctx.layer_norm() if ctx.config.layernorm_position == "pre" and final_layernorm \
+            else None
+        self.full_recompute = ctx.config.recompute_granularity == "full"
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        for layer in self.layers:
+            if self.full_recompute and self.training:
+                x = checkpoint(layer, self.ctx.rng, x, mask)
+            else:
+                x = layer(x, mask)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
