@@ -14,10 +14,11 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, args: tupl
     torch.set_num_threads(1)  # N processes on a 2-core machine: oversubscription only slows them
     os.environ.pop("RANK", None)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    # NOTE: a rank that tears gloo down while its peer is still sending can abort the
+    # peer ("terminate called without an active exception"); leave together.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable, world_size: int, *args) -> None:

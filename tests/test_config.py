@@ -45,3 +45,13 @@ def test_cli_error_is_one_line_without_traceback():
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "--hidden-size 100 is not divisible by --num-attention-heads 3" in r.stderr.strip().splitlines()[-1]
+
+
+def test_world_size_not_divisible_is_one_line_error():
+    # A single process asked for TP=2: the world (1) cannot hold the layout.
+    script = ("import sys, megabert\nfrom megabert.errors import cli_main\n"
+              "sys.exit(cli_main(lambda: megabert.init_parallel(tensor_parallel_size=2))())")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("error: world size 1 is not divisible by --tensor-model-parallel-size 2 x "
+                                "--pipeline-model-parallel-size 1; launch a multiple of 2 processes")
