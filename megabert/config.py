@@ -150,6 +150,8 @@ class OptimConfig:
     lr_decay_style: str = arg("linear", "Decay after warmup.",
                               choices=("constant", "linear", "cosine", "polynomial", "warmup_exp_decay_exp"))
     lr_decay_power: float = arg(0.5, "Power of the polynomial decay (NVIDIA's LAMB recipe uses 0.5).")
+    lr_exp_decay_rate: float = arg(0.99, "warmup_exp_decay_exp: factor applied every --lr-exp-decay-iters.")
+    lr_exp_decay_iters: int = arg(1000, "warmup_exp_decay_exp: iterations per decay factor.")
     weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and LayerNorm).")
     adam_beta1: float = arg(0.9, "First-moment decay.")
     adam_beta2: float = arg(0.999, "Second-moment decay.")
@@ -186,6 +188,8 @@ class TrainConfig:
     save: Optional[str] = arg(None, "Checkpoint directory to save to.")
     load: Optional[str] = arg(None, "Checkpoint (megabert or Hugging Face) to start from.")
     save_interval: Optional[int] = arg(None, "Save every this many iterations.")
+    exit_interval: Optional[int] = arg(None, "Save (with --save) and exit when the iteration is a multiple of this.")
+    finetune: bool = arg(False, "With --load: take the weights only; iteration, optimizer and data start afresh.")
     keep_last_checkpoints: Optional[int] = arg(None, "Keep only the newest N checkpoints.")
     eval_interval: int = arg(1000, "Evaluate on the valid split every this many iterations.")
     eval_iters: int = arg(10, "Batches per evaluation.")

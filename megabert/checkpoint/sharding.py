@@ -68,3 +68,23 @@ def unshard_states(local: list[list[dict]]) -> dict:
             parts = [shard_dict[name] for shard_dict in stage]
             full[name] = unshard(parts, spec[0], spec[1]) if spec else parts[0].clone()
     return full
+
+
+VOCAB_ROWS = (WORD_EMBEDDINGS, "lm_head.bias")
+
+
+def repad_vocab(full: dict, vocab_size: int, padded_vocab_size: int) -> dict:
+    """Tensors padded for one TP size, re-padded for another (padding rows are zeros).
+    `full` maps names to tensors, or to dicts of tensors (optimizer moments)."""
+    def repad(t):
+        if not torch.is_tensor(t) or t.dim() == 0 or t.size(0) == padded_vocab_size:
+            return t
+        t = t[:vocab_size]
+        return torch.cat([t, t.new_zeros((padded_vocab_size - vocab_size,) + tuple(t.shape[1:]))])
+
+    out = dict(full)
+    for name in VOCAB_ROWS:
+        if name in out:
+            out[name] = {k: repad(v) for k, v in out[name].items()} if isinstance(out[name], dict) \
+                else repad(out[name])
+    return out

@@ -14,8 +14,17 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         cfg = ctx.config
         self.ctx = ctx
+        init_rows = ctx.init("embeddings.word_embeddings.weight")
+
+        def init_word_embeddings(full: torch.Tensor) -> None:
+            # Padding rows (past the real vocab) start at zero and stay there: no id looks
+            # them up and their logits are masked. Random rows would make the matrix norm,
+            # and with it LAMB's trust ratio, depend on how much padding the TP size adds.
+            init_rows(full)
+            full[cfg.vocab_size:] = 0.0
+
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group,
-                                                      init_method=ctx.init("embeddings.word_embeddings.weight"),
+                                                      init_method=init_word_embeddings,
                                                       params_dtype=ctx.params_dtype, device=ctx.device)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                 dtype=ctx.params_dtype, device=ctx.device)

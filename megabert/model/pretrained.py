@@ -9,24 +9,13 @@ import torch.distributed as dist
 
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint.layout import load_file, load_full_model, rank_files, resolve_checkpoint_dir
-from megabert.checkpoint.sharding import WORD_EMBEDDINGS, partition_spec, shard_state
+from megabert.checkpoint.sharding import partition_spec, repad_vocab, shard_state
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState, get_parallel_state
 from megabert.tensor_parallel.layers import unshard
 
 logger = logging.getLogger(__name__)
-_VOCAB_ROWS = (WORD_EMBEDDINGS, "lm_head.bias")
-
-
-def repad_vocab(full: dict, vocab_size: int, padded_vocab_size: int) -> dict:
-    """A checkpoint padded for one TP size, re-padded for another (padding rows are zeros)."""
-    out = dict(full)
-    for name in _VOCAB_ROWS:
-        if name in out and out[name].size(0) != padded_vocab_size:
-            t = out[name][:vocab_size]
-            out[name] = torch.cat([t, t.new_zeros((padded_vocab_size - vocab_size,) + tuple(t.shape[1:]))])
-    return out
 
 
 class PretrainedMixin:

@@ -1,0 +1,67 @@
+"""Optimizer state keyed by parameter name instead of position.
+
+torch's optimizer.state_dict() numbers parameters by their order in the param groups;
+names survive a change of layout, so resharding can split and merge the moments
+(exp_avg, exp_avg_sq have the parameter's shape and follow its sharding rule).
+"""
+from __future__ import annotations
+
+import torch
+
+from megabert.checkpoint.sharding import partition_spec
+from megabert.tensor_parallel.layers import shard, unshard
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    sd = optimizer.state_dict()
+    ordered = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {ordered[i]: s for i, s in sd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [ordered[i] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict) -> None:
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    index = {n: i for i, n in enumerate(ordered)}
+    state = {index[n]: s for n, s in saved["state"].items() if n in index}
+    groups = []
+    for live, g in zip(optimizer.param_groups, saved["param_groups"]):
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": [index[names[id(p)]] for p in live["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def shard_optimizer_state(full: dict, local_params: set, tp_rank: int, tp_size: int) -> dict:
+    """Full (unsharded) by-name optimizer state -> one rank's, keeping only its params."""
+    state = {}
+    for name, s in full["state"].items():
+        if name not in local_params:
+            continue
+        spec = partition_spec(name)
+        state[name] = {k: (shard(v, spec[0], tp_rank, tp_size, spec[1]) if spec and torch.is_tensor(v) and v.dim()
+                           else v) for k, v in s.items()}
+    groups = [{**g, "params": [n for n in g["params"] if n in local_params]} for g in full["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def unshard_optimizer_states(local: list[list[dict]]) -> dict:
+    """local[pp][tp] by-name states -> one full by-name state (param groups merged)."""
+    state: dict = {}
+    groups: list[dict] = []
+    for stage in local:
+        for name in stage[0]["state"]:
+            if name in state:
+                continue
+            spec = partition_spec(name)
+            per_rank = [r["state"][name] for r in stage]
+            state[name] = {k: (unshard([r[k] for r in per_rank], spec[0], spec[1])
+                               if spec and torch.is_tensor(v) and v.dim() else v)
+                           for k, v in per_rank[0].items()}
+        for i, g in enumerate(stage[0]["param_groups"]):
+            if i == len(groups):
+                groups.append({**g, "params": []})
+            groups[i]["params"] += [n for n in g["params"] if n not in groups[i]["params"]]
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,51 @@
+"""Learning-rate schedules: warmup, then constant / linear / cosine / polynomial decay to
+min_lr (Megatron's OptimizerParamScheduler), or DeepSpeedExamples' BERT schedule
+warmup_exp_decay_exp. The schedule is a pure function of the iteration, so a resumed
+run needs only the iteration to continue exactly."""
+from __future__ import annotations
+
+import math
+
+from megabert.config import OptimConfig
+
+
+class LRSchedule:
+    def __init__(self, cfg: OptimConfig, train_iters: int):
+        self.cfg = cfg
+        self.decay_iters = cfg.lr_decay_iters or max(train_iters, 1)
+        if cfg.lr_warmup_fraction is not None:
+            self.warmup_iters = int(cfg.lr_warmup_fraction * self.decay_iters)
+        else:
+            self.warmup_iters = cfg.lr_warmup_iters
+
+    def __call__(self, iteration: int) -> float:
+        """LR for the optimizer step that completes `iteration` (1-based)."""
+        c, it = self.cfg, iteration
+        if c.lr_decay_style == "warmup_exp_decay_exp":
+            # DeepSpeedExamples (bing_bert): polynomial warmup of degree 2, then
+            # exponential decay by lr_exp_decay_rate every lr_exp_decay_iters.
+            if it < self.warmup_iters:
+                return c.lr * (it / self.warmup_iters) ** 2
+            return max(c.min_lr, c.lr * c.lr_exp_decay_rate ** ((it - self.warmup_iters) / c.lr_exp_decay_iters))
+        if self.warmup_iters > 0 and it <= self.warmup_iters:
+            return c.lr * it / self.warmup_iters
+        if c.lr_decay_style == "constant":
+            return c.lr
+        if it > self.decay_iters:
+            return c.min_lr
+        ratio = (it - self.warmup_iters) / max(self.decay_iters - self.warmup_iters, 1)
+        if c.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif c.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        elif c.lr_decay_style == "polynomial":
+            coeff = (1.0 - ratio) ** c.lr_decay_power
+        else:
+            raise ValueError(f"unknown --lr-decay-style {c.lr_decay_style}")
+        return c.min_lr + (c.lr - c.min_lr) * coeff
+
+    def apply(self, optimizer, iteration: int) -> float:
+        lr = self(iteration)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        return lr

@@ -1,0 +1,134 @@
+"""Saving and resuming a training run exactly.
+
+A checkpoint holds, per (tp, pp) rank: the model shard, the optimizer state by
+parameter name, the loss scaler, every RNG stream, the iteration and the consumed
+samples. Only DP rank 0 of each model-parallel rank writes (DP replicas are identical,
+including their RNG states, since dropout is seeded per TP/PP rank, not per DP rank).
+With DeepSpeed, the engine's own checkpoint (ZeRO-partitioned optimizer) goes to
+SAVE/deepspeed/ and the model shards are also written in our layout, so export,
+resharding and fine-tuning read every run the same way.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megabert.checkpoint import hf as hf_io
+from megabert.checkpoint.layout import (commit, load_file, model_payload, rank_files, read_tracker,
+                                        resolve_checkpoint_dir, staging_dir, write_rank_file)
+from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
+from megabert.checkpoint.reshard import reshard_payloads
+from megabert.errors import CheckpointError
+from megabert.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+DEEPSPEED_SUBDIR = "deepspeed"
+
+
+@dataclass
+class TrainingState:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def _rng_state(model) -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": model.bert.rng.get_states(), "python": random.getstate()}
+
+
+def _set_rng_state(model, rng: dict) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    model.bert.rng.set_states(rng["tracker"])
+    random.setstate(rng["python"])
+
+
+def _prune(root: str, keep_last: int) -> None:
+    iters = sorted(int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"iter_(\d{7})", n)))
+    for it in iters[:-keep_last]:
+        shutil.rmtree(os.path.join(root, f"iter_{it:07d}"), ignore_errors=True)
+
+
+def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: ParallelState, *, scaler=None,
+                    extra: Optional[dict] = None, keep_last: Optional[int] = None, engine=None) -> None:
+    """Collective: every rank calls it. Atomic: see megabert.checkpoint.layout."""
+    if ps.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(staging_dir(root, state.iteration), ignore_errors=True)  # a save killed earlier
+    dist.barrier()
+    if ps.dp_rank == 0:
+        payload = model_payload(
+            {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config, tp_size=ps.tp_size,
+            pp_size=ps.pp_size, model_class=type(model).__name__, iteration=state.iteration,
+            consumed_samples=state.consumed_samples, rng=_rng_state(model),
+            optimizer=optimizer_state_by_name(optimizer, model) if optimizer is not None and engine is None
+            else None,
+            loss_scaler=scaler.state_dict() if scaler is not None else None, args=extra or {})
+        write_rank_file(staging_dir(root, state.iteration), ps.tp_rank, ps.pp_rank, ps.pp_size, payload)
+    dist.barrier()
+    if engine is not None:  # ZeRO-partitioned optimizer state: DeepSpeed's own files
+        engine.save_checkpoint(os.path.join(root, DEEPSPEED_SUBDIR), tag=f"iter_{state.iteration:07d}",
+                               client_state={"iteration": state.iteration,
+                                             "consumed_samples": state.consumed_samples})
+    if ps.rank == 0:
+        commit(root, state.iteration)
+        if keep_last:
+            _prune(root, keep_last)
+    dist.barrier()
+
+
+def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=None, engine=None,
+                    load_optimizer: bool = True) -> TrainingState:
+    """Restores what `save_checkpoint` wrote, at the same or another TP/PP layout. A
+    Hugging Face directory or a converted ('release') checkpoint gives weights only and
+    starts at iteration 0."""
+    if hf_io.is_hf_dir(path):
+        full = hf_io.hf_to_megabert(hf_io.read_hf_state(path), model.config, model.bert.padded_vocab_size)
+        model.load_full_state_dict(full, source=path)
+        return TrainingState()
+    ckpt_dir = resolve_checkpoint_dir(path)
+    files = rank_files(ckpt_dir)
+    saved_tp = max(t for t, _ in files) + 1
+    saved_pp = max(p for _, p in files) + 1
+    same_layout = (saved_tp, saved_pp) == (ps.tp_size, ps.pp_size)
+    if same_layout:
+        payload = load_file(files[(ps.tp_rank, ps.pp_rank)])
+    else:
+        payload = reshard_payloads(ckpt_dir, ps.tp_size, ps.pp_size)[(ps.tp_rank, ps.pp_rank)]
+        if ps.rank == 0:
+            logger.warning("%s was saved at tp=%d pp=%d; resharded in memory to tp=%d pp=%d "
+                           "(RNG streams restart from the seed)", path, saved_tp, saved_pp, ps.tp_size, ps.pp_size)
+    model.load_local_state_dict(payload["model"], source=path)
+    state = TrainingState(int(payload.get("iteration", 0)), int(payload.get("consumed_samples", 0)))
+    release = read_tracker(path) == "release" or state.iteration == 0
+    if release:
+        return TrainingState()
+    if engine is not None:
+        ds_dir = os.path.join(path, DEEPSPEED_SUBDIR)
+        if not os.path.isdir(ds_dir):
+            raise CheckpointError(f"{path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
+                                  f"drop --deepspeed or load the weights only with --finetune")
+        _, client = engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}",
+                                           load_optimizer_states=load_optimizer, load_lr_scheduler_states=False)
+        if client is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint for iteration {state.iteration} in {ds_dir}")
+    elif load_optimizer and optimizer is not None:
+        if payload.get("optimizer") is None:
+            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
+                                  f"or start the optimizer fresh with --finetune")
+        load_optimizer_state_by_name(optimizer, model, payload["optimizer"])
+    if scaler is not None and payload.get("loss_scaler") is not None:
+        scaler.load_state_dict(payload["loss_scaler"])
+    if same_layout and payload.get("rng") is not None:
+        _set_rng_state(model, payload["rng"])
+    return state

@@ -1,0 +1,112 @@
+"""DeepSpeed: the config built from our flags (or checked against them), and the engine.
+
+ZeRO partitions optimizer state (1), gradients (2) and parameters (3) over the
+data-parallel group; our ParallelState is handed over as DeepSpeed's `mpu`, so the
+partitioning uses our DP group and gradient norms our model-parallel group.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+
+from megabert.config import OptimConfig, TrainConfig
+from megabert.errors import ConfigError
+from megabert.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState) -> dict:
+    """DeepSpeed's JSON from our flags: batch sizes, precision, ZeRO stage, clipping.
+    The optimizer stays ours (a client optimizer: AdamW or TP-aware LAMB), and so does the
+    LR schedule, so DeepSpeed and plain runs follow the same curve."""
+    global_batch = train.global_batch_size or train.micro_batch_size * ps.dp_size
+    cfg: dict = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": global_batch // (train.micro_batch_size * ps.dp_size),
+        "gradient_clipping": optim.clip_grad,
+        "zero_optimization": {"stage": train.zero_stage},
+        "steps_per_print": 10 ** 9,  # our logger reports; DeepSpeed's own lines would duplicate it
+        "wall_clock_breakdown": False,
+    }
+    if train.bf16:
+        cfg["bf16"] = {"enabled": True}
+    if train.fp16:
+        fp16 = {"enabled": True, "loss_scale_window": optim.loss_scale_window, "hysteresis": optim.hysteresis,
+                "min_loss_scale": optim.min_loss_scale}
+        if optim.loss_scale is not None:
+            fp16["loss_scale"] = optim.loss_scale
+        else:
+            fp16["loss_scale"] = 0  # dynamic
+            fp16["initial_scale_power"] = int(math.log2(optim.initial_loss_scale))
+        cfg["fp16"] = fp16
+    return cfg
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def merge_user_config(path: str, built: dict, train: TrainConfig) -> dict:
+    """The user's JSON, checked against the flags: a value both set differently is an error."""
+    try:
+        with open(path) as f:
+            user = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--deepspeed_config {path}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path} is not valid JSON: {e}")
+    checks = [("train_batch_size", "--global-batch-size"), ("train_micro_batch_size_per_gpu", "--micro-batch-size"),
+              ("gradient_accumulation_steps", "--global-batch-size / (--micro-batch-size x DP)"),
+              ("gradient_clipping", "--clip-grad")]
+    for key, flag in checks:
+        if key in user and user[key] != built[key]:
+            raise ConfigError(f"--deepspeed_config {path} sets {key}={user[key]} but the flags give {built[key]} "
+                              f"({flag}); make them agree or drop the key from the JSON")
+    for prec, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
+        user_on = bool(_get(user, f"{prec}.enabled"))
+        if prec in user and user_on != getattr(train, prec):
+            raise ConfigError(f"--deepspeed_config {path} has {prec}.enabled={user_on} but {flag} is "
+                              f"{'set' if getattr(train, prec) else 'not set'}; make them agree")
+    user_stage = _get(user, "zero_optimization.stage")
+    if train.zero_stage and user_stage is not None and user_stage != train.zero_stage:
+        raise ConfigError(f"--deepspeed_config {path} has zero_optimization.stage={user_stage} but --zero-stage "
+                          f"is {train.zero_stage}; make them agree")
+    merged = {**built, **user}
+    merged["zero_optimization"] = {**built["zero_optimization"], **user.get("zero_optimization", {})}
+    return merged
+
+
+def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: dict,
+               ps: ParallelState):
+    """Returns the DeepSpeed engine wrapping `model`."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ConfigError(f"--deepspeed needs the deepspeed package ({e}); `pip install deepspeed` "
+                          f"or `make install` (it is in the deepspeed extra)")
+    if ps.pp_size > 1 and _get(config, "zero_optimization.stage") not in (None, 0, 1):
+        raise ConfigError(f"ZeRO stage {_get(config, 'zero_optimization.stage')} cannot combine with "
+                          f"--pipeline-model-parallel-size {ps.pp_size} > 1; use --zero-stage 1")
+    if getattr(model.config, "sequence_parallel", False) and ps.tp_size > 1:
+        raise ConfigError("--sequence-parallel with --deepspeed is not supported: DeepSpeed reduces gradients "
+                          "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
+    # DeepSpeed reads the launch from torchrun's variables; under mpirun, srun or a single
+    # process they are missing, so export what init_parallel discovered.
+    os.environ.setdefault("LOCAL_RANK", str(ps.local_rank))
+    os.environ.setdefault("RANK", str(ps.rank))
+    os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
+    client_optimizer = None if "optimizer" in config else optimizer
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer, config=config, mpu=ps,
+                                           dist_init_required=False)
+    return engine

@@ -1,0 +1,80 @@
+"""Gradient reductions between backward and the optimizer step.
+
+Order matters: sequence-parallel LayerNorm grads are summed over TP first (each rank
+saw only its slice of the sequence), then all grads are averaged over DP, then the
+global norm is taken over the model-parallel group for clipping.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megabert.parallel import ParallelState
+
+BUCKET_ELEMENTS = 32 * 1024 * 1024  # fewer, larger all-reduces; bounded extra memory
+
+
+def _buckets(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    bucket, size = [], 0
+    for t in tensors:
+        if bucket and (size + t.numel() > BUCKET_ELEMENTS or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
+    for bucket in _buckets(tensors):
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(reduced)
+
+
+def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
+    if ps.tp_size == 1:
+        return
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if grads:
+        _all_reduce_coalesced(grads, ps.tp_group)
+
+
+def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
+    """Mean over DP replicas: each replica's loss is a mean over its own samples."""
+    if ps.dp_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    _all_reduce_coalesced(grads, ps.dp_group, scale=1.0 / ps.dp_size)
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> float:
+    """Global L2 norm of the model's gradients. A replicated parameter is counted once
+    (on TP rank 0) and split ones on every rank, so the sum over the model-parallel
+    group is the norm of the full model's gradient."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        if getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0:
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    if ps.tp_size * ps.pp_size > 1:
+        total = total.to(ps.device)
+        dist.all_reduce(total, group=ps.mp_group)
+    return math.sqrt(total.item())
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        coeff = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coeff)

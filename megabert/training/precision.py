@@ -1,0 +1,70 @@
+"""Mixed precision: autocast contexts and fp16 dynamic loss scaling.
+
+Parameters and optimizer state stay fp32 (the master copy); matmuls run in bf16 or
+fp16 under autocast. bf16 has fp32's range and needs no scaling. fp16 multiplies the
+loss by a scale so small gradients survive, and a step whose gradients overflowed is
+skipped and the scale lowered (Micikevicius et al., 2018; Megatron's DynamicGradScaler
+with hysteresis).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megabert.config import OptimConfig
+
+
+def autocast(device: torch.device, bf16: bool, fp16: bool):
+    if not (bf16 or fp16):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if bf16 else torch.float16)
+
+
+class DynamicLossScaler:
+    def __init__(self, cfg: OptimConfig):
+        self.static = cfg.loss_scale is not None
+        self.scale = float(cfg.loss_scale if self.static else cfg.initial_loss_scale)
+        self.min_scale, self.window, self.hysteresis = cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis
+        self._good_steps = 0
+        self._hysteresis_left = self.hysteresis
+
+    def found_overflow(self, params, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+        """Any inf/NaN in any rank's gradients (all ranks must agree to skip together)."""
+        flag = torch.zeros(1, device=device)
+        for p in params:
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                flag.fill_(1.0)
+                break
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def unscale_(self, params) -> None:
+        inv = 1.0 / self.scale
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(inv)
+
+    def update(self, overflow: bool) -> None:
+        if self.static:
+            return
+        if overflow:
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+        else:
+            self._good_steps += 1
+            if self._good_steps % self.window == 0:
+                self.scale *= 2.0
+                self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])

@@ -1,0 +1,105 @@
+"""BERT pre-training pieces handed to the generic Trainer: the loss function, batch
+checks and the model/optimizer/engine/checkpoint assembly shared by entry scripts."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from megabert.arguments import Configs
+from megabert.config import validate_layout
+from megabert.errors import ConfigError, DataError
+from megabert.model import BertForPreTraining
+from megabert.optim import build_optimizer
+from megabert.parallel import ParallelState
+from megabert.training import deepspeed_engine
+from megabert.training.checkpointing import TrainingState, load_checkpoint
+from megabert.training.metrics import bert_flops_per_sample
+from megabert.training.precision import DynamicLossScaler
+from megabert.training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+def make_loss_fn(binary_head_task: Optional[str]):
+    """(model, batch) -> (loss, {"lm_loss", "sop_loss"|"nsp_loss"})."""
+
+    def loss_fn(model, batch: dict):
+        out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                    attention_mask=batch["attention_mask"], labels=batch["labels"],
+                    next_sentence_label=batch.get("next_sentence_label") if binary_head_task else None)
+        metrics = {"lm_loss": out.mlm_loss}
+        if binary_head_task and out.nsp_loss is not None:
+            metrics[f"{binary_head_task}_loss"] = out.nsp_loss
+        return out.loss, metrics
+
+    return loss_fn
+
+
+def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:
+    """Stops with a clear error when the data holds token ids the vocab does not have
+    (a dataset preprocessed with another vocab), instead of an index error deep in the
+    embedding. Checked on the CPU batch, so it costs no device sync."""
+    for batch in batches:
+        top = int(batch["input_ids"].max())
+        if top >= vocab_size:
+            raise DataError(f"{source} holds token id {top} but the vocab has {vocab_size} entries: the data was "
+                            f"preprocessed with another vocab; pass that --vocab-file or preprocess again")
+        yield batch
+
+
+def validate_run(cfg: Configs, world_size: int) -> int:
+    """Cross-config checks that need the world size; returns the DP size."""
+    dp = validate_layout(cfg.model, cfg.parallel, world_size, cfg.train)
+    if cfg.train.deepspeed and cfg.parallel.pipeline_model_parallel_size > 1 and cfg.train.zero_stage > 1:
+        raise ConfigError(f"--zero-stage {cfg.train.zero_stage} cannot combine with --pipeline-model-parallel-size "
+                          f"{cfg.parallel.pipeline_model_parallel_size} > 1; use --zero-stage 1")
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError("--pipeline-model-parallel-size > 1: pipeline schedules are not in this release; "
+                          "use tensor and data parallelism (--tensor-model-parallel-size, more processes)")
+    if cfg.train.load is None and cfg.train.finetune:
+        raise ConfigError("--finetune needs --load")
+    return dp
+
+
+def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
+                      train_batches: Callable[[int], Iterator[dict]],
+                      valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
+    """Model, optimizer, DeepSpeed engine and checkpoint state -> a ready Trainer.
+    `train_batches(consumed_samples)` gives the training batches from that point on, so a
+    resumed run sees exactly the samples the interrupted one would have."""
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
+    torch.manual_seed(cfg.train.seed + 100 * ps.pp_rank)  # default stream: same on TP ranks (see random.py)
+    model = BertForPreTraining(model_cfg, ps, seed=cfg.train.seed)
+    optimizer = build_optimizer(model, cfg.optim, ps.tp_group)
+    engine = None
+    if cfg.train.deepspeed:
+        ds_cfg = deepspeed_engine.build_config(cfg.train, cfg.optim, ps)
+        if cfg.train.deepspeed_config:
+            ds_cfg = deepspeed_engine.merge_user_config(cfg.train.deepspeed_config, ds_cfg, cfg.train)
+        engine = deepspeed_engine.initialize(model, optimizer, ds_cfg, ps)
+    state = TrainingState()
+    scaler = DynamicLossScaler(cfg.optim) if cfg.train.fp16 and engine is None else None
+    if cfg.train.load:
+        state = load_checkpoint(cfg.train.load, model, optimizer, ps, scaler=scaler, engine=engine,
+                                load_optimizer=not cfg.train.finetune)
+        if cfg.train.finetune:
+            state = TrainingState()
+        if ps.is_logging_rank:
+            logger.info("loaded %s: iteration %d, %d samples consumed", cfg.train.load, state.iteration,
+                        state.consumed_samples)
+    masked = int(round(cfg.data.mask_prob * cfg.data.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
+    return Trainer(model=model, optimizer=optimizer, ps=ps, train=cfg.train, optim=cfg.optim,
+                   loss_fn=make_loss_fn(cfg.data.binary_head_task if model_cfg.bert_binary_head else None),
+                   train_batches=train_batches(state.consumed_samples), valid_batches=valid_batches, engine=engine,
+                   state=state, scaler=scaler, flops_per_sample=bert_flops_per_sample(model_cfg, cfg.data.seq_length, masked),
+                   checkpoint_extra={"train": dataclasses.asdict(cfg.train), "optim": dataclasses.asdict(cfg.optim),
+                                     "data": dataclasses.asdict(cfg.data)})
+
+
+def infinite(loader_factory) -> Iterator[dict]:
+    """Chains epochs of a loader factory (a fresh iterator each pass)."""
+    return itertools.chain.from_iterable(loader_factory() for _ in itertools.count())

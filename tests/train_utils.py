@@ -1,0 +1,58 @@
+"""A tiny deterministic masked-LM dataset and a worker that trains on it, so the trainer
+can be compared across parallel layouts without the data pipeline."""
+import json
+
+import torch
+
+import megabert
+from megabert.arguments import parse_args
+from megabert.training.pretraining import build_pretraining, validate_run
+
+VOCAB = 99
+SEQ = 16
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+        "--max-position-embeddings", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--log-interval", "1",
+        "--attention-backend", "torch", "--eval-interval", "0"]
+
+
+def sample(index: int, seed: int = 7) -> dict:
+    """Sample `index`: the same whoever asks for it (like the real dataset)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + index)
+    ids = torch.randint(5, VOCAB, (SEQ,), generator=g)
+    length = int(torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g))
+    am = (torch.arange(SEQ) < length).long()
+    labels = torch.full((SEQ,), -100)
+    pos = torch.randperm(length, generator=g)[:3]
+    labels[pos] = ids[pos]
+    ids = ids.clone()
+    ids[pos] = 4  # [MASK]
+    ids[am == 0] = 0
+    tt = (torch.arange(SEQ) >= length // 2).long() * am
+    return {"input_ids": ids, "token_type_ids": tt, "attention_mask": am, "labels": labels,
+            "next_sentence_label": torch.tensor(index % 2)}
+
+
+def batches(consumed: int, micro: int, dp_rank: int, dp_size: int):
+    """Megatron's sampler order: each global chunk of micro x dp samples, this rank's slice."""
+    start = consumed
+    while True:
+        chunk = range(start + dp_rank * micro, start + (dp_rank + 1) * micro)
+        items = [sample(i) for i in chunk]
+        yield {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        start += micro * dp_size
+
+
+def train_worker(rank, world, argv, tp=1):
+    cfg = parse_args(TINY + ["--tensor-model-parallel-size", str(tp)] + argv)
+    ps = megabert.init_parallel(tensor_parallel_size=tp)
+    validate_run(cfg, ps.world_size)
+    trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, cfg.train.micro_batch_size,
+                                                                          ps.dp_rank, ps.dp_size))
+    trainer.train()
+
+
+def read_metrics(path, key="lm_loss"):
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return [r[key] for r in rows if key in r]

@@ -1,0 +1,42 @@
+"""Change a megabert checkpoint's layout (model weights and optimizer state):
+
+    reshard.py --load ckpt_tp2/ --save ckpt_tp4/ --tensor-model-parallel-size 4
+
+`pretrain_bert.py --load ckpt_tp4/` then continues the run at the new layout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from megabert.checkpoint.layout import commit, read_tracker, resolve_checkpoint_dir, staging_dir, write_rank_file
+from megabert.checkpoint.reshard import reshard_payloads
+from megabert.errors import ConfigError, cli_main
+
+
+@cli_main
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint to read (root or iteration directory)")
+    p.add_argument("--save", required=True, help="where to write the resharded checkpoint")
+    p.add_argument("--tensor-model-parallel-size", type=int, required=True)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    args = p.parse_args(argv)
+    if os.path.abspath(args.load) == os.path.abspath(args.save):
+        raise ConfigError("--save must differ from --load: resharding writes a new checkpoint")
+    src = resolve_checkpoint_dir(args.load)
+    payloads = reshard_payloads(src, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    tag = read_tracker(args.load) or "release"
+    tag = tag if tag == "release" else int(tag)
+    os.makedirs(args.save, exist_ok=True)
+    shutil.rmtree(staging_dir(args.save, tag), ignore_errors=True)
+    for (t, pp), payload in payloads.items():
+        write_rank_file(staging_dir(args.save, tag), t, pp, args.pipeline_model_parallel_size, payload)
+    print(f"wrote {commit(args.save, tag)} (tp={args.tensor_model_parallel_size}, "
+          f"pp={args.pipeline_model_parallel_size})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
