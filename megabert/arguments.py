@@ -89,6 +89,9 @@ def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = tup
 def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> Configs:
     parser = argparse.ArgumentParser(description=description)
     add_config_arguments(parser)
+    # The deepspeed launcher appends --local_rank=N; the local rank is read from the
+    # environment (LOCAL_RANK), so the flag is accepted and ignored.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     try:
         cfg = Configs(**configs_from_namespace(ns))
