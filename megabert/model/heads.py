@@ -46,9 +46,15 @@ class MLMHead(nn.Module):
         self.bias.tensor_model_parallel, self.bias.partition_dim, self.bias.partition_stride = True, 0, 1
         first_pad = cfg.vocab_size - tp_rank * per_rank  # local index of the first padding column
         self.local_pad_start = first_pad if first_pad < per_rank else None
+        self.tp_size = ctx.tp_size
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         x = self.layernorm(F.gelu(self.dense(hidden)))
+        if self.tp_size == 1 and self.local_pad_start is not None:
+            # One rank holds the whole vocab: leave the padding rows out of the GEMM
+            # instead of computing and then masking their logits.
+            end = self.local_pad_start
+            return F.linear(x, word_embeddings[:end], self.bias[:end])
         logits = F.linear(copy_to_tp(x, self.tp_group), word_embeddings, self.bias)
         if self.local_pad_start is not None:
             pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)

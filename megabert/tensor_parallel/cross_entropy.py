@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megabert.tensor_parallel.mappings import Group, group_rank, group_size
 
@@ -63,4 +64,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group,
                                  ignore_index: int = -100) -> torch.Tensor:
     """Per-token loss [...] from vocab-parallel logits [..., V/tp] and full-vocab targets [...]."""
+    if group_size(group) == 1:  # the whole vocab is here: PyTorch's fused kernel is faster
+        flat = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1),
+                               ignore_index=ignore_index, reduction="none")
+        return flat.view_as(target)
     return VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)

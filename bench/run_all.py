@@ -1,0 +1,14 @@
+"""`make bench`: every benchmark in bench/, one after another, figures to stdout."""
+import os
+import subprocess
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+failed = []
+for name in sorted(os.listdir(here)):
+    if name.endswith(".py") and name != "run_all.py" and not name.startswith("_"):
+        print(f"\n=== bench/{name}", flush=True)
+        if subprocess.call([sys.executable, os.path.join(here, name)]) != 0:
+            failed.append(name)
+if failed:
+    sys.exit(f"benchmarks that did not run to the end: {', '.join(failed)}")
