@@ -53,7 +53,7 @@ def main(argv=None) -> None:
                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     logging.basicConfig(level=logging.INFO if ps.is_logging_rank else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s")
-    validate_run(cfg, ps.world_size)
+    validate_run(cfg, ps)
     from megabert.data import build_tokenizer
 
     if not cfg.data.data_path:

@@ -86,6 +86,26 @@ def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = tup
     return out
 
 
+def check_combinations(cfg: Configs) -> None:
+    """Checks across config sections that need no process group (raises ConfigError)."""
+    if cfg.data.seq_length > cfg.model.max_position_embeddings:
+        raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds --max-position-embeddings "
+                          f"{cfg.model.max_position_embeddings}")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if cfg.train.deepspeed and pp > 1 and cfg.train.zero_stage > 1:
+        raise ConfigError(f"--zero-stage {cfg.train.zero_stage} cannot combine with --pipeline-model-parallel-size "
+                          f"{pp} > 1 (ZeRO-2/3 partition gradients that pipeline stages accumulate); "
+                          f"use --zero-stage 1")
+    if pp > 1:
+        raise ConfigError("--pipeline-model-parallel-size > 1: pipeline schedules are not in this release; "
+                          "use tensor and data parallelism (--tensor-model-parallel-size, more processes)")
+    if cfg.train.finetune and not cfg.train.load:
+        raise ConfigError("--finetune needs --load")
+    if cfg.model.sequence_parallel and cfg.train.deepspeed:
+        raise ConfigError("--sequence-parallel with --deepspeed is not supported: DeepSpeed reduces gradients "
+                          "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> Configs:
     parser = argparse.ArgumentParser(description=description)
     add_config_arguments(parser)
@@ -95,9 +115,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     ns = parser.parse_args(argv)
     try:
         cfg = Configs(**configs_from_namespace(ns))
-        if cfg.data.seq_length > cfg.model.max_position_embeddings:
-            raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds --max-position-embeddings "
-                              f"{cfg.model.max_position_embeddings}")
+        check_combinations(cfg)
     except ConfigError as e:
         parser.error(str(e))  # one line + usage, exit code 2
     return cfg

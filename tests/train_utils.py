@@ -46,7 +46,7 @@ def batches(consumed: int, micro: int, dp_rank: int, dp_size: int):
 def train_worker(rank, world, argv, tp=1):
     cfg = parse_args(TINY + ["--tensor-model-parallel-size", str(tp)] + argv)
     ps = megabert.init_parallel(tensor_parallel_size=tp)
-    validate_run(cfg, ps.world_size)
+    validate_run(cfg, ps)
     trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, cfg.train.micro_batch_size,
                                                                           ps.dp_rank, ps.dp_size))
     trainer.train()

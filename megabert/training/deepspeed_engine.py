@@ -95,12 +95,6 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     except ImportError as e:
         raise ConfigError(f"--deepspeed needs the deepspeed package ({e}); `pip install deepspeed` "
                           f"or `make install` (it is in the deepspeed extra)")
-    if ps.pp_size > 1 and _get(config, "zero_optimization.stage") not in (None, 0, 1):
-        raise ConfigError(f"ZeRO stage {_get(config, 'zero_optimization.stage')} cannot combine with "
-                          f"--pipeline-model-parallel-size {ps.pp_size} > 1; use --zero-stage 1")
-    if getattr(model.config, "sequence_parallel", False) and ps.tp_size > 1:
-        raise ConfigError("--sequence-parallel with --deepspeed is not supported: DeepSpeed reduces gradients "
-                          "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
     # DeepSpeed reads the launch from torchrun's variables; under mpirun, srun or a single
     # process they are missing, so export what init_parallel discovered.
     os.environ.setdefault("LOCAL_RANK", str(ps.local_rank))

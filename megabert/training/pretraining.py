@@ -11,7 +11,7 @@ import torch
 
 from megabert.arguments import Configs
 from megabert.config import validate_layout
-from megabert.errors import ConfigError, DataError
+from megabert.errors import DataError
 from megabert.model import BertForPreTraining
 from megabert.optim import build_optimizer
 from megabert.parallel import ParallelState
@@ -51,18 +51,20 @@ def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> It
         yield batch
 
 
-def validate_run(cfg: Configs, world_size: int) -> int:
-    """Cross-config checks that need the world size; returns the DP size."""
-    dp = validate_layout(cfg.model, cfg.parallel, world_size, cfg.train)
-    if cfg.train.deepspeed and cfg.parallel.pipeline_model_parallel_size > 1 and cfg.train.zero_stage > 1:
-        raise ConfigError(f"--zero-stage {cfg.train.zero_stage} cannot combine with --pipeline-model-parallel-size "
-                          f"{cfg.parallel.pipeline_model_parallel_size} > 1; use --zero-stage 1")
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError("--pipeline-model-parallel-size > 1: pipeline schedules are not in this release; "
-                          "use tensor and data parallelism (--tensor-model-parallel-size, more processes)")
-    if cfg.train.load is None and cfg.train.finetune:
-        raise ConfigError("--finetune needs --load")
+def validate_run(cfg: Configs, ps: ParallelState) -> int:
+    """Checks that need the world size (the rest ran in parse_args); returns the DP size."""
+    dp = validate_layout(cfg.model, cfg.parallel, ps.world_size, cfg.train)
+    if cfg.train.deepspeed:
+        deepspeed_config(cfg, ps)  # a JSON that contradicts the flags stops the run before any data work
     return dp
+
+
+def deepspeed_config(cfg: Configs, ps: ParallelState) -> dict:
+    """DeepSpeed's config from the flags, merged with --deepspeed_config (conflicts raise)."""
+    ds_cfg = deepspeed_engine.build_config(cfg.train, cfg.optim, ps)
+    if cfg.train.deepspeed_config:
+        ds_cfg = deepspeed_engine.merge_user_config(cfg.train.deepspeed_config, ds_cfg, cfg.train)
+    return ds_cfg
 
 
 def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
@@ -77,10 +79,7 @@ def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
     optimizer = build_optimizer(model, cfg.optim, ps.tp_group)
     engine = None
     if cfg.train.deepspeed:
-        ds_cfg = deepspeed_engine.build_config(cfg.train, cfg.optim, ps)
-        if cfg.train.deepspeed_config:
-            ds_cfg = deepspeed_engine.merge_user_config(cfg.train.deepspeed_config, ds_cfg, cfg.train)
-        engine = deepspeed_engine.initialize(model, optimizer, ds_cfg, ps)
+        engine = deepspeed_engine.initialize(model, optimizer, deepspeed_config(cfg, ps), ps)
     state = TrainingState()
     scaler = DynamicLossScaler(cfg.optim) if cfg.train.fp16 and engine is None else None
     if cfg.train.load:

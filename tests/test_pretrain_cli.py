@@ -1,0 +1,43 @@
+"""pretrain_bert.py: bad flags and files are one-line errors, never tracebacks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_bert.py"), *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def last_line(r):
+    return r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--deepspeed", "--zero-stage", "2", "--pipeline-model-parallel-size", "2"],
+     "--zero-stage 2 cannot combine with --pipeline-model-parallel-size 2 > 1"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
+    (["--zero-stage", "1"], "--zero-stage 1 needs --deepspeed"),
+    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
+    (["--num-attention-heads", "3", "--hidden-size", "96", "--tensor-model-parallel-size", "1",
+      "--ffn-hidden-size", "100", "--global-batch-size", "3"], "--global-batch-size 3 is not divisible by"),
+])
+def test_flag_errors(args, message):
+    r = run("--data-path", "nowhere", *args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert message in last_line(r)
+
+
+def test_deepspeed_config_conflict(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 64}))
+    r = run("--data-path", "nowhere", "--deepspeed", "--deepspeed_config", str(cfg), "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--vocab-file", "missing.txt")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "sets train_batch_size=64 but the flags give 8 (--global-batch-size)" in last_line(r)
