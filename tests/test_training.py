@@ -1,5 +1,6 @@
 """Training gives the same losses whatever the layout (fp32, dropout 0), resumes exactly,
 and survives an fp16 overflow."""
+import json
 import os
 
 import pytest
@@ -12,9 +13,17 @@ ITERS = ["--train-iters", "6"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ref") / "m.jsonl")
-    run_distributed(train_worker, 1, ITERS + ["--metrics-file", path])
+    out = tmp_path_factory.mktemp("ref")
+    path = str(out / "m.jsonl")
+    run_distributed(train_worker, 1, ITERS + ["--metrics-file", path, "--tensorboard-dir", str(out / "tb")])
     losses = read_metrics(path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    assert len(events.Scalars("train/lm_loss")) == 6
+    row = [json.loads(line) for line in open(path)][0]
+    assert {"iteration", "lm_loss", "sop_loss", "lr", "grad_norm", "samples_per_sec", "tflops"} <= set(row)
     assert len(losses) == 6 and all(l == l for l in losses)  # six finite points
     return losses
 
