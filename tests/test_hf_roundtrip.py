@@ -72,3 +72,20 @@ def test_bad_layout_is_one_line_error(tmp_path):
     assert r.stderr.strip() == "error: --num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"
     r = convert("import", "--hf-dir", str(tmp_path / "nothing"), "--output", str(tmp_path / "c"))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--hf-dir" in r.stderr
+
+
+def test_pytorch_model_bin_with_legacy_names(tmp_path):
+    """Old hub checkpoints: pytorch_model.bin (read with weights_only) and LayerNorm gamma/beta."""
+    hf_dir = make_hf_dir(tmp_path / "hf")
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in state.items()}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    torch.save(legacy, bin_dir / "pytorch_model.bin")
+    (bin_dir / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    ps = megabert.init_parallel()
+    a = megabert.BertForPreTraining.from_pretrained(str(bin_dir), ps)
+    b = megabert.BertForPreTraining.from_pretrained(hf_dir, ps)
+    for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), n
