@@ -144,12 +144,13 @@ def _encode_in_worker(item: tuple[str, int, bytes]) -> EncodedBlock:
     return _worker_encoder.encode_block(item)
 
 
-def _ordered_pool_map(pool, fn, items, in_flight: int):
-    """Like pool.imap but with at most `in_flight` blocks queued: imap reads its input as fast as it
-    can, which would load a whole corpus into memory when tokenization is the slower side."""
+def ordered_pool_map(pool, fn, items, in_flight: int, star: bool = False):
+    """Like pool.imap (star: pool.starmap's argument tuples) but with at most `in_flight` tasks queued:
+    imap reads its input as fast as it can, which would load a whole corpus into memory when the
+    workers are the slower side."""
     pending = collections.deque()
     for item in items:
-        pending.append(pool.apply_async(fn, (item,)))
+        pending.append(pool.apply_async(fn, item if star else (item,)))
         if len(pending) >= in_flight:
             yield pending.popleft().get()
     while pending:
@@ -189,7 +190,7 @@ def preprocess(input_pattern: str, output_prefix: str, opts: EncodeOptions, work
                 print(f"Opening {path} ({fmt})", file=log, flush=True)
                 items = ((fmt, first, block) for first, block in read_blocks(path, fmt, block_bytes))
                 results = (map(encoder.encode_block, items) if pool is None
-                           else _ordered_pool_map(pool, _encode_in_worker, items, 2 * workers))
+                           else ordered_pool_map(pool, _encode_in_worker, items, 2 * workers))
                 bad, bad_count, records = [], 0, 0
                 for res in results:
                     if res.bad_count and strict:

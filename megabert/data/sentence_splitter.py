@@ -17,10 +17,11 @@ import regex
 ABBREVIATIONS = frozenset("""
 mr mrs ms dr prof sr jr st mt ft rev gen col lt sgt capt cmdr adm gov pres sen rep hon messrs mme mlle
 e.g i.e etc vs viz cf al approx ca c esp incl dept univ assn bros inc ltd co corp plc llc
-jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun
-no nos vol vols fig figs pp p ch sec ed eds op art arts
+jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun ed eds
 u.s u.k u.n a.m p.m b.c a.d ph.d b.a m.a b.sc m.sc d.c
 """.split())
+# Abbreviations only before a number ("No. 5", "Fig. 2"): "No. See ..." is a sentence that ends.
+NUMBER_ABBREVIATIONS = frozenset("no nos vol vols fig figs pp p ch sec op art arts".split())
 
 _BOUNDARY = regex.compile(
     r"""(?:[.!?]+|\u2026)["'\u201d\u2019)\]]*(?=\s+["'\u201c\u2018(\[]*[\p{Lu}\p{N}])"""  # Latin-style end
@@ -35,6 +36,8 @@ def _is_abbreviation(text: str, end: int) -> bool:
     if m is None:
         return False
     word = m.group(1).lstrip("\"'(\u201c\u2018[").lower()
+    if word in NUMBER_ABBREVIATIONS and text[end + 1:].lstrip()[:1].isdigit():
+        return True
     return (len(word) == 1 and word.isalpha()) or word in ABBREVIATIONS
 
 
