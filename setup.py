@@ -43,8 +43,17 @@ def kernel_extensions():
 
 
 def data_extensions():
-    """The sample-mapping helper for BERT datasets (megabert/data/helpers.cpp)."""
-    return []
+    """The sample-mapping helper for BERT datasets (megabert/data/helpers.cpp).
+
+    A plain pybind11 module: it needs neither libtorch nor OpenMP, so it builds on any
+    machine with a C++17 compiler. It is required: megabert.data fails to import without it.
+    """
+    import pybind11
+    from setuptools import Extension
+
+    return [Extension("megabert.data._helpers", sources=[_src("megabert", "data", "helpers.cpp")],
+                      include_dirs=[pybind11.get_include()], language="c++",
+                      extra_compile_args=CXX_FLAGS + ["-fvisibility=hidden"])]
 
 
 setup(

@@ -117,6 +117,8 @@ class DataConfig:
     mask_prob: float = arg(0.15, "Fraction of tokens chosen for masked-LM prediction.")
     short_seq_prob: float = arg(0.1, "Probability of a sample shorter than --seq-length.")
     whole_word_masking: bool = arg(False, "Mask all WordPieces of a word together.")
+    max_predictions_per_seq: Optional[int] = arg(None, "Cap on masked positions per sample; default "
+                                                 "round(--mask-prob x --seq-length).")
     binary_head_task: str = arg("sop", "Sentence-pair objective of the binary head.", choices=("sop", "nsp"))
     num_workers: int = arg(2, "DataLoader worker processes.")
     data_cache_path: Optional[str] = arg(None, "Where sample-mapping caches go (default: next to the data).")
@@ -126,6 +128,8 @@ class DataConfig:
             raise ConfigError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise ConfigError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
+        if self.max_predictions_per_seq is not None and self.max_predictions_per_seq < 1:
+            raise ConfigError(f"--max-predictions-per-seq must be >= 1, got {self.max_predictions_per_seq}")
         if self.seq_length < 8:
             raise ConfigError(f"--seq-length must be at least 8, got {self.seq_length}")
         try:

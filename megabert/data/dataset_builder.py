@@ -1,0 +1,131 @@
+"""--data-path and --split -> train/valid/test BERT datasets, weighted blends included."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from megabert.config import DataConfig
+from megabert.data.bert_dataset import BertDataset, SampleSpec
+from megabert.data.indexed_dataset import IndexedDataset
+from megabert.data.sample_mapping import DataWarning, _helpers
+from megabert.errors import ConfigError, DataError
+
+SPLITS = ("train", "valid", "test")
+
+
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
+    """`P` -> ([P], [1.0]); `0.3 A 0.7 B` -> ([A, B], [0.3, 0.7]) (weights normalised)."""
+    items = list(data_path)
+    if not items:
+        raise ConfigError("--data-path is required: the prefix P of P.bin/P.idx from tools/preprocess_data.py")
+    strip = lambda p: p[:-4] if p.endswith((".bin", ".idx")) else p  # noqa: E731 - a user may name a file
+    if len(items) == 1:
+        return [strip(items[0])], [1.0]
+    try:
+        if len(items) % 2:
+            raise ValueError
+        weights = [float(w) for w in items[0::2]]
+    except ValueError:
+        raise ConfigError(f"--data-path takes one prefix or weight/prefix pairs such as 0.3 A 0.7 B, "
+                          f"got {' '.join(items)}") from None
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    return [strip(p) for p in items[1::2]], [w / sum(weights) for w in weights]
+
+
+def split_fractions(split: str) -> list[float]:
+    parts = [float(x) for x in split.replace("/", ",").split(",")]
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def split_ranges(split: str, num_docs: int) -> list[tuple[int, int]]:
+    """Document ranges of train, valid and test: consecutive, rounded, covering every document."""
+    bounds = [0]
+    for fraction in np.cumsum(split_fractions(split))[:-1]:
+        bounds.append(min(int(round(fraction * num_docs)), num_docs))
+    bounds.append(num_docs)
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """Interleaves datasets by weight; sample i comes from dataset_index[i], its sample_index[i]."""
+
+    def __init__(self, datasets: list, weights: list[float], size: int):
+        self.datasets, self.weights = datasets, weights
+        self.dataset_index, self.sample_index = _helpers.build_blending_indices(np.asarray(weights, np.float64), size)
+        for k, ds in enumerate(datasets):
+            taken = self.sample_index[self.dataset_index == k]
+            if len(taken) and taken.max() >= len(ds):
+                raise DataError(f"blend component {k} has {len(ds)} samples but the blend needs {taken.max() + 1}")
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, idx: int) -> dict:
+        return self.datasets[int(self.dataset_index[idx])][int(self.sample_index[idx])]
+
+
+def _no_sample_error(prefix: str, split: str, doc_range, num_docs: int, config_split: str, stats: dict,
+                     binary_head: bool) -> DataError:
+    where = (f"the {split} split of {prefix} (documents {doc_range[0]}..{doc_range[1]} of {num_docs}, "
+             f"--split {config_split})")
+    if doc_range[1] <= doc_range[0]:
+        return DataError(f"{where} holds no document: use a larger corpus or give {split} a larger share of --split")
+    if binary_head and stats.get("short_docs"):
+        return DataError(f"{where} yields no sample: none of its documents has two sentences, which the "
+                         f"sentence-pair head needs; preprocess with --split-sentences or train with "
+                         f"--bert-no-binary-head")
+    return DataError(f"{where} yields no sample: all its documents are empty")
+
+
+def _build_one(indexed: IndexedDataset, prefix: str, split_id: int, num_samples: int, data: DataConfig,
+               spec: SampleSpec, tokenizer) -> BertDataset:
+    split = SPLITS[split_id]
+    doc_range = split_ranges(data.split, indexed.num_documents)[split_id]
+    stats = {}
+    if doc_range[1] > doc_range[0]:
+        ds = BertDataset(indexed, doc_range, split, num_samples, spec, tokenizer, data.data_cache_path)
+        stats = ds.stats
+        if spec.binary_head and stats["short_docs"]:
+            warnings.warn(f"{stats['short_docs']} of {doc_range[1] - doc_range[0]} documents in the {split} split "
+                          f"of {prefix} have a single sentence and cannot form a sentence pair: skipped "
+                          f"(if most documents do, preprocess with --split-sentences or train with "
+                          f"--bert-no-binary-head)",
+                          DataWarning, stacklevel=3)
+        if len(ds):
+            return ds
+    raise _no_sample_error(prefix, split, doc_range, indexed.num_documents, data.split, stats, spec.binary_head)
+
+
+def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int,
+                                    binary_head: bool) -> tuple[Optional[torch.utils.data.Dataset], ...]:
+    """The train, valid and test datasets of --data-path, each with at least num_samples[i] samples.
+
+    A split gets None when it is asked for no sample or --split gives it no share; a split
+    that should have samples but yields none is a DataError that says why.
+    """
+    prefixes, weights = parse_data_path(data.data_path)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    spec = SampleSpec(seq_length=data.seq_length, binary_head=binary_head, task=data.binary_head_task,
+                      mask_prob=data.mask_prob, short_seq_prob=data.short_seq_prob,
+                      whole_word_masking=data.whole_word_masking, max_predictions=data.max_predictions_per_seq,
+                      seed=seed)
+    fractions = split_fractions(data.split)
+    out = []
+    for split_id, n in enumerate(num_samples):
+        if not n or fractions[split_id] == 0:
+            out.append(None)
+            continue
+        if len(prefixes) == 1:
+            out.append(_build_one(indexed[0], prefixes[0], split_id, n, data, spec, tokenizer))
+            continue
+        # Each component gets its share plus one: the greedy blend never runs further ahead than that.
+        parts = [_build_one(ds, p, split_id, int(math.ceil(w * n)) + 1, data, spec, tokenizer)
+                 for ds, p, w in zip(indexed, prefixes, weights)]
+        out.append(BlendedDataset(parts, weights, n))
+    return tuple(out)

@@ -1,0 +1,62 @@
+"""BERT's masked-LM corruption (Devlin et al. 2018, section 3.1 and appendix A.1).
+
+Of the maskable tokens, `mask_prob` (15%) are chosen, at most `max_predictions` per
+sequence; a chosen token becomes [MASK] 80% of the time, a random token 10% and stays
+itself 10%, and the model must predict the original at every chosen position. With
+whole-word masking the choice is made per word (a word-start WordPiece with the "##"
+pieces after it), so a word is either masked whole or not at all.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+IGNORE_INDEX = -100  # transformers' and torch's cross-entropy ignore index
+
+
+def _words(positions: np.ndarray, tokens: np.ndarray, word_start: Optional[np.ndarray]) -> list[np.ndarray]:
+    """Groups maskable positions into units: single tokens, or whole words."""
+    if word_start is None:
+        return [positions[i:i + 1] for i in range(len(positions))]
+    # A new word starts at a word-start piece, or where the maskable run is broken by [SEP].
+    starts = word_start[tokens[positions]]
+    starts[1:] |= np.diff(positions) != 1
+    starts[0] = True
+    return np.split(positions, np.flatnonzero(starts)[1:])
+
+
+def mask_tokens(tokens: np.ndarray, maskable: np.ndarray, rng: np.random.Generator, *, mask_prob: float,
+                max_predictions: int, mask_id: int, random_ids: np.ndarray,
+                word_start: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (corrupted tokens, labels); labels hold the original id at chosen positions and
+    IGNORE_INDEX elsewhere. `maskable` is False at [CLS], [SEP] and padding."""
+    positions = np.flatnonzero(maskable)
+    labels = np.full(len(tokens), IGNORE_INDEX, dtype=np.int64)
+    out = tokens.copy()
+    if len(positions) == 0:
+        return out, labels
+    budget = min(max_predictions, max(1, int(round(len(positions) * mask_prob))))
+    if word_start is None:
+        chosen = np.sort(rng.permutation(positions)[:budget])
+    else:
+        units = _words(positions, tokens, word_start)
+        picked, count = [], 0
+        # Visit words in random order; a word that would overshoot the budget is passed over so
+        # a shorter one later can still fill it (as Google's create_pretraining_data.py does).
+        order = rng.permutation(len(units))
+        for u in order:
+            if count + len(units[u]) <= budget:
+                picked.append(units[u])
+                count += len(units[u])
+                if count == budget:
+                    break
+        if not picked:  # every word is longer than a short sample's budget: still predict something
+            picked = [units[order[0]][:budget]]
+        chosen = np.sort(np.concatenate(picked))
+    labels[chosen] = tokens[chosen]
+    draw = rng.random(len(chosen))
+    out[chosen[draw < 0.8]] = mask_id
+    randomized = chosen[(draw >= 0.8) & (draw < 0.9)]
+    out[randomized] = random_ids[rng.integers(0, len(random_ids), len(randomized))]
+    return out, labels

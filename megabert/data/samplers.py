@@ -1,0 +1,59 @@
+"""The pre-training data loader: Megatron's MegatronPretrainingSampler, resumable by consumed samples.
+
+The dataset is read in one global order. Each step takes the next micro_batch x dp_size
+indices and data-parallel rank r takes its slice [r * micro_batch, (r + 1) * micro_batch),
+so a resumed run (consumed_samples from the checkpoint) continues exactly where it
+stopped, and every sample is seen by exactly one rank.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from megabert.errors import ConfigError, DataError
+
+
+class PretrainingSampler(torch.utils.data.Sampler):
+    """Yields this rank's micro-batches of indices from `consumed_samples` on (a batch sampler)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, drop_last: bool = True):
+        if micro_batch_size < 1:
+            raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"data-parallel rank {dp_rank} is outside data-parallel size {dp_size}")
+        if total_samples <= 0:
+            raise DataError("the dataset has no sample")
+        if consumed_samples >= total_samples:
+            raise DataError(f"consumed samples {consumed_samples} >= dataset size {total_samples}: the dataset was "
+                            f"built for fewer samples than the run has already used; build it for "
+                            f"--train-iters x --global-batch-size samples")
+        self.total, self.consumed = total_samples, consumed_samples
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        global_batch = self.micro_batch_size * self.dp_size
+        remaining = self.total - self.consumed
+        return remaining // global_batch if self.drop_last else -(-remaining // global_batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.dp_size
+        lo = self.dp_rank * self.micro_batch_size
+        for start in range(self.consumed, self.total, step):
+            batch = list(range(start, min(start + step, self.total)))
+            if len(batch) < step and self.drop_last:
+                return
+            mine = batch[lo:lo + self.micro_batch_size]
+            if mine:
+                yield mine
+
+
+def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                                  num_workers: int) -> torch.utils.data.DataLoader:
+    """A DataLoader of dicts of int64 tensors [micro_batch, ...] for this data-parallel rank."""
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=num_workers > 0)
