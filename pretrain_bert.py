@@ -9,12 +9,12 @@ mpirun and srun, or as one process.
 """
 from __future__ import annotations
 
-import logging
 import sys
 
 import megabert
 from megabert.arguments import parse_args
 from megabert.errors import cli_main
+from megabert.training.metrics import configure_process_logging
 from megabert.training.pretraining import build_pretraining, checked_batches, infinite, validate_run
 
 
@@ -51,8 +51,7 @@ def main(argv=None) -> None:
                                 cfg.parallel.pipeline_model_parallel_size,
                                 backend=cfg.parallel.distributed_backend,
                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    logging.basicConfig(level=logging.INFO if ps.is_logging_rank else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    configure_process_logging(ps.is_logging_rank)
     validate_run(cfg, ps)
     from megabert.data import build_tokenizer
 

@@ -43,6 +43,19 @@ def bert_flops_per_sample(cfg: ModelConfig, seq_len: int, masked_tokens: Optiona
     return 3.0 * forward
 
 
+def configure_process_logging(is_logging_rank: bool) -> None:
+    """Rank 0 logs at INFO and shows warnings as plain `warning: ...` lines; other ranks
+    stay quiet (N copies of every line help nobody) but still print errors."""
+    import warnings
+
+    logging.basicConfig(level=logging.INFO if is_logging_rank else logging.ERROR,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    if is_logging_rank:
+        warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
+    else:
+        warnings.simplefilter("ignore")
+
+
 class MetricsLogger:
     """Only rank 0 writes. `log()` takes plain floats."""
 
