@@ -262,3 +262,31 @@ def test_truncate_pair_matches_megatron_loop(la, lb, budget):
             rb -= 1
     assert (len(ta), len(tb)) == (ra, rb)
     assert (np.diff(ta) == 1).all() and (np.diff(tb) == 1).all()
+
+
+def _dp_worker(rank, world_size, prefix, vocab, cache, out_dir):
+    """Each data-parallel rank builds the datasets (racing on one cache dir) and reads its slices."""
+    import torch.distributed as dist
+
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab)
+    cfg = DataConfig(data_path=[prefix], seq_length=64, split="90,8,2", data_cache_path=cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DataWarning)
+        train, _, _ = build_train_valid_test_datasets(cfg, tok, (64, 0, 0), 7, True)
+    loader = iter(build_pretraining_data_loader(train, 8, 2, rank, world_size, 1))
+    mine = torch.stack([next(loader)["input_ids"] for _ in range(3)])  # [steps, micro_batch, seq]
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    if rank == 0:
+        torch.save(torch.cat(gathered, dim=1), os.path.join(out_dir, "global.pt"))  # [steps, global, seq]
+
+
+def test_real_data_parallel_ranks_see_the_single_process_order(corpus, vocab, tok, tmp_path):
+    from dist_utils import run_distributed
+
+    run_distributed(_dp_worker, 2, corpus, vocab, str(tmp_path / "cache"), str(tmp_path))
+    got = torch.load(tmp_path / "global.pt", weights_only=True)
+    train, _, _ = build(corpus, tmp_path, tok, n=(64, 0, 0))
+    expected = torch.stack([torch.from_numpy(np.stack([train[8 + 4 * s + i]["input_ids"] for i in range(4)]))
+                            for s in range(3)])
+    assert torch.equal(got, expected)

@@ -115,7 +115,6 @@ def read_wordpiece_vocab(path: str) -> dict[str, int]:
     return vocab
 
 
-# ASCII control characters that BERT's normaliser deletes (\t \n \r it turns into spaces instead).
 # Characters the fast path cannot take: all but printable ASCII and the whitespace \t \n \r that
 # BERT's normaliser turns into spaces (it deletes the other control characters).
 _UNSAFE_CHARS = r"[^\x09\x0a\x0d\x20-\x7e]"
@@ -184,7 +183,7 @@ class BertWordPieceTokenizer(_RustTokenizer):
         return out
 
     def tokenize(self, text: str) -> list[int]:
-        if text.isascii() and self._unsafe.search(text) is None:
+        if self._fast_ok(text):
             return self._fast(text)
         # Nothing in BERT's normaliser, pre-tokenizer or special-token matching crosses ASCII
         # whitespace, so each whitespace-delimited chunk holding something the fast path cannot
@@ -203,6 +202,8 @@ class BertWordPieceTokenizer(_RustTokenizer):
         return out
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One text at a time: the fast path beats the Rust batch call, which stays single-threaded
+        # inside preprocessing workers anyway.
         return [self.tokenize(t) for t in texts]
 
 
@@ -299,7 +300,8 @@ class HuggingFaceTokenizer(_RustTokenizer):
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str]) -> Tokenizer:
     """The tokenizer named by --tokenizer-type, loaded from --vocab-file."""
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported; "
+                          f"choose one of {', '.join(TOKENIZER_TYPES)}")
     if not vocab_file:
         raise ConfigError(f"--tokenizer-type {tokenizer_type} needs --vocab-file "
                           f"(tools/train_tokenizer.py makes one from your corpus)")
