@@ -125,7 +125,8 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
             out.append(_build_one(indexed[0], prefixes[0], split_id, n, data, spec, tokenizer))
             continue
         # Each component gets its share plus one: the greedy blend never runs further ahead than that.
-        parts = [_build_one(ds, p, split_id, int(math.ceil(w * n)) + 1, data, spec, tokenizer)
-                 for ds, p, w in zip(indexed, prefixes, weights)]
+        parts = []
+        for ds, prefix, weight in zip(indexed, prefixes, weights):
+            parts.append(_build_one(ds, prefix, split_id, int(math.ceil(weight * n)) + 1, data, spec, tokenizer))
         out.append(BlendedDataset(parts, weights, n))
     return tuple(out)
