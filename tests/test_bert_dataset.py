@@ -290,3 +290,14 @@ def test_real_data_parallel_ranks_see_the_single_process_order(corpus, vocab, to
     expected = torch.stack([torch.from_numpy(np.stack([train[8 + 4 * s + i]["input_ids"] for i in range(4)]))
                             for s in range(3)])
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("data_path,words", [([], "required"), (["0.3", "A", "B"], "weight/prefix pairs"),
+                                             (["A", "B"], "weight/prefix pairs"), (["0", "A", "0", "B"], "positive")])
+def test_data_path_errors(data_path, words):
+    from megabert.data.dataset_builder import parse_data_path
+    from megabert.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        parse_data_path(data_path)
+    assert parse_data_path(["1", "A.bin", "3", "B"]) == (["A", "B"], [0.25, 0.75])
