@@ -33,7 +33,7 @@ def tok(vocab):
     return build_tokenizer("BertWordPieceLowerCase", vocab)
 
 
-def write_corpus(prefix, n_docs, rng, first_id=5, sentences=(1, 8), single_every=0):
+def write_corpus(prefix, n_docs, rng, first_id=5, sentences=(2, 8), single_every=0):
     """Documents of random sentences whose token ids count up from first_id."""
     next_id = first_id
     with IndexedDatasetWriter(prefix, np.uint16) as w:
@@ -210,7 +210,7 @@ def test_blend_follows_weights(tmp_path, tok):
 
 
 def test_one_sentence_documents_warned_and_skipped(tmp_path, tok):
-    prefix = write_corpus(str(tmp_path / "s"), 100, np.random.default_rng(4), sentences=(2, 8), single_every=4)
+    prefix = write_corpus(str(tmp_path / "s"), 100, np.random.default_rng(4), single_every=4)
     with pytest.warns(DataWarning, match="23 of 90 documents in the train split .* single sentence"):
         train, _, _ = build(prefix, tmp_path, tok, n=(200, 0, 0))
     assert len(train) >= 200
@@ -228,7 +228,7 @@ def test_no_pair_anywhere_is_an_error_not_a_hang(tmp_path, tok):
 
 
 def test_split_without_documents_is_an_error(corpus, tmp_path, tok):
-    with pytest.raises(DataError, match="valid split .* \(documents 300..300 of 300.*holds no document.*--split"):
+    with pytest.raises(DataError, match=r"valid split .* \(documents 300..300 of 300.*holds no document.*--split"):
         build(corpus, tmp_path, tok, split="99.9,0.09,0.01", n=(10, 10, 10))
     assert build(corpus, tmp_path, tok, split="100,0,0", n=(10, 10, 10))[1:] == (None, None)
 
@@ -262,3 +262,42 @@ def test_truncate_pair_matches_megatron_loop(la, lb, budget):
             rb -= 1
     assert (len(ta), len(tb)) == (ra, rb)
     assert (np.diff(ta) == 1).all() and (np.diff(tb) == 1).all()
+
+
+def _dp_worker(rank, world_size, prefix, vocab, cache, out_dir):
+    """Each data-parallel rank builds the datasets (racing on one cache dir) and reads its slices."""
+    import torch.distributed as dist
+
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab)
+    cfg = DataConfig(data_path=[prefix], seq_length=64, split="90,8,2", data_cache_path=cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DataWarning)
+        train, _, _ = build_train_valid_test_datasets(cfg, tok, (64, 0, 0), 7, True)
+    loader = iter(build_pretraining_data_loader(train, 8, 2, rank, world_size, 1))
+    mine = torch.stack([next(loader)["input_ids"] for _ in range(3)])  # [steps, micro_batch, seq]
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    if rank == 0:
+        torch.save(torch.cat(gathered, dim=1), os.path.join(out_dir, "global.pt"))  # [steps, global, seq]
+
+
+def test_real_data_parallel_ranks_see_the_single_process_order(corpus, vocab, tok, tmp_path):
+    from dist_utils import run_distributed
+
+    run_distributed(_dp_worker, 2, corpus, vocab, str(tmp_path / "cache"), str(tmp_path))
+    got = torch.load(tmp_path / "global.pt", weights_only=True)
+    train, _, _ = build(corpus, tmp_path, tok, n=(64, 0, 0))
+    expected = torch.stack([torch.from_numpy(np.stack([train[8 + 4 * s + i]["input_ids"] for i in range(4)]))
+                            for s in range(3)])
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("data_path,words", [([], "required"), (["0.3", "A", "B"], "weight/prefix pairs"),
+                                             (["A", "B"], "weight/prefix pairs"), (["0", "A", "0", "B"], "positive")])
+def test_data_path_errors(data_path, words):
+    from megabert.data.dataset_builder import parse_data_path
+    from megabert.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        parse_data_path(data_path)
+    assert parse_data_path(["1", "A.bin", "3", "B"]) == (["A", "B"], [0.25, 0.75])

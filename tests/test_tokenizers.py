@@ -57,6 +57,24 @@ def test_wordpiece_matches_transformers(vocab_file, lower, reference):
     assert ours.tokenize_batch(HARD_TEXT) == [ours.tokenize(t) for t in HARD_TEXT]
 
 
+@pytest.mark.parametrize("lower", [True, False])
+def test_ascii_fast_path_matches_rust_pipeline_on_fuzzed_text(vocab_file, lower):
+    """The cached ASCII fast path must agree with the full normaliser + pre-tokenizer + WordPiece."""
+    rng = np.random.default_rng(0)
+    pieces = (list("abcXYZ019") + ["quick", "Brown", "JUMPS", "lazy", "dozen", "fox", "ing", "the"] +
+              list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~") + [" ", "  ", "\t", "\n", "\r\n", "\x0b", "\x0c", "\x1c"] +
+              ["\x00", "\x07", "\x7f", "[MASK]", "[CLS]", "[mask]", "[SEP", "x" * 120] +
+              ["é", "東", "😀", "\u200b", "\xa0", "\u3000", "e\u0301", "Σ", "ΟΔΥΣΣΕΥΣ", "Straße", "İ"])
+    texts = ["".join(rng.choice(pieces, size=int(rng.integers(0, 40)))) for _ in range(3000)]
+    ours = build_tokenizer("BertWordPieceLowerCase" if lower else "BertWordPieceCase", vocab_file)
+    rust = ours._backend
+    assert 300 < sum(map(ours._fast_ok, texts)) < 2700  # the fast, mixed and Rust paths are all exercised
+    assert ours.tokenize_batch(texts) == [rust.encode(t, add_special_tokens=False).ids for t in texts]
+    ref = transformers.BertTokenizer(vocab_file, do_lower_case=lower)
+    assert [ours.tokenize(t) for t in texts[:300]] == [ref(t, add_special_tokens=False)["input_ids"]
+                                                        for t in texts[:300]]
+
+
 def test_wordpiece_interface(vocab_file):
     tok = build_tokenizer("BertWordPieceLowerCase", vocab_file)
     assert (tok.pad, tok.unk, tok.cls, tok.sep, tok.mask) == (0, 1, 2, 3, 4)

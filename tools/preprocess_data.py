@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenize a corpus into Megatron's .bin/.idx (Megatron-LM's tools/preprocess_data.py flags).
+r"""Tokenize a corpus into Megatron's .bin/.idx (Megatron-LM's tools/preprocess_data.py flags).
 
     python tools/preprocess_data.py --input corpus.jsonl.zst --output-prefix data/my-bert \
         --vocab-file vocab.txt --tokenizer-type BertWordPieceLowerCase --split-sentences --workers 8
@@ -38,7 +38,7 @@ def get_args(argv=None):
     g.add_argument("--output-prefix", required=True, help="Output path without the _{key}_{level}.bin suffix.")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="Worker processes that tokenize.")
-    g.add_argument("--log-interval", type=int, default=10000, help="Documents between progress lines.")
+    g.add_argument("--log-interval", type=int, default=1000, help="Documents between progress lines.")
     args = p.parse_args(argv)
     if args.workers < 1:
         raise ConfigError("--workers must be >= 1")

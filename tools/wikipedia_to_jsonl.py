@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Stream a Wikipedia XML dump (.xml or .xml.bz2) into jsonl with the wiki markup stripped.
+r"""Stream a Wikipedia XML dump (.xml or .xml.bz2) into jsonl with the wiki markup stripped.
 
     python tools/wikipedia_to_jsonl.py --input enwiki-latest-pages-articles.xml.bz2 \
         --output wiki.jsonl --workers 8

@@ -21,6 +21,7 @@ import torch
 from megabert.data.indexed_dataset import IndexedDataset
 from megabert.data.masking import mask_tokens
 from megabert.data.sample_mapping import get_mapping
+from megabert.errors import ConfigError
 
 SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}
 
@@ -84,7 +85,7 @@ class BertDataset(torch.utils.data.Dataset):
                  spec: SampleSpec, tokenizer, cache_dir: Optional[str] = None):
         self.indexed, self.doc_range, self.split, self.spec = indexed, doc_range, split, spec
         if spec.task not in ("sop", "nsp"):
-            raise ValueError(f"task must be sop or nsp, got {spec.task!r}")
+            raise ConfigError(f"--binary-head-task must be sop or nsp, got {spec.task!r}")
         self.tokens = _TokenTable(tokenizer, spec.whole_word_masking)
         self.max_predictions = spec.max_predictions or max(1, int(round(spec.mask_prob * spec.seq_length)))
         self.mapping, self.stats = get_mapping(

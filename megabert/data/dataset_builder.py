@@ -22,9 +22,8 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
     items = list(data_path)
     if not items:
         raise ConfigError("--data-path is required: the prefix P of P.bin/P.idx from tools/preprocess_data.py")
-    strip = lambda p: p[:-4] if p.endswith((".bin", ".idx")) else p  # noqa: E731 - a user may name a file
     if len(items) == 1:
-        return [strip(items[0])], [1.0]
+        return [_prefix(items[0])], [1.0]
     try:
         if len(items) % 2:
             raise ValueError
@@ -34,7 +33,12 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
                           f"got {' '.join(items)}") from None
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
-    return [strip(p) for p in items[1::2]], [w / sum(weights) for w in weights]
+    return [_prefix(p) for p in items[1::2]], [w / sum(weights) for w in weights]
+
+
+def _prefix(path: str) -> str:
+    """A user may name P.bin or P.idx where the prefix P is meant."""
+    return path[:-4] if path.endswith((".bin", ".idx")) else path
 
 
 def split_fractions(split: str) -> list[float]:
@@ -125,7 +129,8 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
             out.append(_build_one(indexed[0], prefixes[0], split_id, n, data, spec, tokenizer))
             continue
         # Each component gets its share plus one: the greedy blend never runs further ahead than that.
-        parts = [_build_one(ds, p, split_id, int(math.ceil(w * n)) + 1, data, spec, tokenizer)
-                 for ds, p, w in zip(indexed, prefixes, weights)]
+        parts = []
+        for ds, prefix, weight in zip(indexed, prefixes, weights):
+            parts.append(_build_one(ds, prefix, split_id, int(math.ceil(weight * n)) + 1, data, spec, tokenizer))
         out.append(BlendedDataset(parts, weights, n))
     return tuple(out)

@@ -2,9 +2,10 @@
 
 Why it is fast: the main process only reads blocks of raw bytes and writes finished
 bytes. Each worker decodes a block of a few hundred documents, splits sentences,
-tokenizes all of them in one `encode_batch_fast` call (Rust, no offsets) and returns
-the block already packed as the output dtype plus its length arrays, so no Python
-int per token crosses a process boundary or reaches the writer.
+tokenizes them in one `tokenize_batch` call (for BERT's WordPiece, the cached ASCII
+fast path of tokenizers.py) and returns the block already packed as the output dtype
+plus its length arrays, so no Python int per token crosses a process boundary or
+reaches the writer.
 
 What it writes is what Megatron's tools/preprocess_data.py writes for the same ids:
 sentences that tokenize to nothing are dropped, a document left with none is kept

@@ -10,7 +10,7 @@ break always ends one.
 """
 from __future__ import annotations
 
-import regex
+import re
 
 # Lower-cased, without the final period. Titles, Latin, months, units and corporate suffixes:
 # the abbreviations that most often stand before a capitalised word in encyclopedic text.
@@ -23,20 +23,23 @@ u.s u.k u.n a.m p.m b.c a.d ph.d b.a m.a b.sc m.sc d.c
 # Abbreviations only before a number ("No. 5", "Fig. 2"): "No. See ..." is a sentence that ends.
 NUMBER_ABBREVIATIONS = frozenset("no nos vol vols fig figs pp p ch sec op art arts".split())
 
-_BOUNDARY = regex.compile(
-    r"""(?:[.!?]+|\u2026)["'\u201d\u2019)\]]*(?=\s+["'\u201c\u2018(\[]*[\p{Lu}\p{N}])"""  # Latin-style end
-    r"""|[\u3002\uff01\uff1f]+["'\u201d\u2019\u300d\u300f)\]]*""",  # CJK 。！？ need no space
+# A candidate end: . ! ? or an ellipsis with any closing quotes/brackets, before whitespace and the next
+# sentence's first character (group 1, checked in Python: str.isupper/isdigit know every script);
+# or CJK 。！？, which need no space after them.
+_BOUNDARY = re.compile(
+    r"""(?:[.!?]+|\u2026)["'\u201d\u2019)\]]*(?=\s+["'\u201c\u2018(\[]*(\S))"""
+    r"""|[\u3002\uff01\uff1f]+["'\u201d\u2019\u300d\u300f)\]]*""",
 )
-_WORD_BEFORE = regex.compile(r"(\S+)$")
+_WORD_BEFORE = re.compile(r"(\S+)$")
 
 
-def _is_abbreviation(text: str, end: int) -> bool:
+def _is_abbreviation(text: str, end: int, following: str) -> bool:
     """Whether the period at text[end] closes an abbreviation or an initial."""
-    m = _WORD_BEFORE.search(text, 0, end)
+    m = _WORD_BEFORE.search(text, max(0, end - 24), end)  # no abbreviation is longer
     if m is None:
         return False
     word = m.group(1).lstrip("\"'(\u201c\u2018[").lower()
-    if word in NUMBER_ABBREVIATIONS and text[end + 1:].lstrip()[:1].isdigit():
+    if word in NUMBER_ABBREVIATIONS and following.isdigit():
         return True
     return (len(word) == 1 and word.isalpha()) or word in ABBREVIATIONS
 
@@ -47,8 +50,13 @@ def split_sentences(text: str) -> list[str]:
     for line in text.splitlines():
         start = 0
         for m in _BOUNDARY.finditer(line):
-            if m.group(0)[0] == "." and len(m.group(0).rstrip("\"'\u201d\u2019)]")) == 1 \
-                    and _is_abbreviation(line, m.start()):
+            following = m.group(1)
+            if following is None:  # a CJK full stop
+                pass
+            elif not (following.isupper() or following.isdigit()):
+                continue
+            elif m.group(0)[0] == "." and len(m.group(0).rstrip("\"'\u201d\u2019)]")) == 1 \
+                    and _is_abbreviation(line, m.start(), following):
                 continue
             sentence = line[start:m.end()].strip()
             if sentence:
