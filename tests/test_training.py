@@ -119,3 +119,23 @@ def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     assert scales[:3] == [1024.0, 1024.0, 1024.0] and scales[3] == 512.0
     assert skipped == [1]
     assert all(x == x for x in read_metrics(path))
+
+
+def test_reshard_tp2_checkpoint_and_continue_at_tp1(tmp_path, reference):
+    """Train at TP=2, stop at 3, reshard (weights and Adam moments) to TP=1, continue:
+    the curve is the single-process curve. Also prunes to the newest checkpoint."""
+    import subprocess
+    import sys
+
+    ckpt, ckpt1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    part = str(tmp_path / "m.jsonl")
+    run_distributed(train_worker, 2, ITERS + ["--exit-interval", "3", "--save", ckpt, "--save-interval", "1",
+                                              "--keep-last-checkpoints", "1", "--metrics-file", part], 2)
+    assert sorted(d for d in os.listdir(ckpt) if d.startswith("iter_")) == ["iter_0000003"]
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "checkpoint",
+                        "reshard.py")
+    r = subprocess.run([sys.executable, tool, "--load", ckpt, "--save", ckpt1, "--tensor-model-parallel-size", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    run_distributed(train_worker, 1, ITERS + ["--load", ckpt1, "--metrics-file", part])
+    assert read_metrics(part) == pytest.approx(reference, abs=1e-4)
