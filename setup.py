@@ -12,7 +12,9 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-std=c++17"]
+# No -std: torch's BuildExtension adds the standard its headers need (C++20 for torch
+# 2.13, whose headers warn under C++17).
+CXX_FLAGS = ["-O3"]
 
 
 def _openmp_flags():
@@ -37,9 +39,24 @@ def _src(*parts):
     return os.path.relpath(os.path.join(ROOT, *parts), ROOT)
 
 
+KERNELS = ("megabert", "fused_kernels", "csrc")
+
+
 def kernel_extensions():
     """Fused softmax / LayerNorm kernels (megabert/fused_kernels/csrc)."""
-    return []
+    omp_compile, omp_link = _openmp_flags()
+    # No -march: the wheel may run on another CPU. The row kernels are compiled once per
+    # instruction set (isa_*.cpp, with `#pragma GCC target`) and picked at run time.
+    # -ffp-contract=fast lets those files fuse multiply-adds, which an ISO -std=c++NN
+    # (as torch passes) turns off.
+    cpu = cpp_extension.CppExtension(
+        "megabert.fused_kernels._cpu",
+        sources=[_src(*KERNELS, "cpu", f) for f in
+                 ("bindings.cpp", "ops.cpp", "isa_default.cpp", "isa_avx2.cpp", "isa_avx512.cpp")],
+        extra_compile_args={"cxx": CXX_FLAGS + omp_compile + ["-ffp-contract=fast"]},
+        extra_link_args=omp_link,
+    )
+    return [cpu]
 
 
 def data_extensions():

@@ -15,11 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from megabert.errors import ConfigError
+from megabert.ops.dispatch import say_once
 from megabert.ops.reference import scaled_masked_softmax_reference
 from megabert.ops.softmax import scaled_masked_softmax
-
-logger = logging.getLogger(__name__)
-_logged: set[str] = set()
 
 
 def resolve_attention_backend(backend: str) -> str:
@@ -31,9 +29,7 @@ def resolve_attention_backend(backend: str) -> str:
     elif backend == "fused" and not fused_kernels.is_available():
         raise ConfigError(f"--attention-backend fused: the fused kernels are not built "
                           f"({fused_kernels.load_error()}); run `make install` or use --attention-backend sdpa")
-    if backend not in _logged:
-        _logged.add(backend)
-        logger.info("attention backend: %s", backend)
+    say_once(("attention backend", backend), logging.INFO, "attention backend: %s", backend)
     return backend
 
 
