@@ -43,7 +43,8 @@ KERNELS = ("megabert", "fused_kernels", "csrc")
 
 
 def kernel_extensions():
-    """Fused softmax / LayerNorm kernels (megabert/fused_kernels/csrc)."""
+    """Fused softmax / LayerNorm kernels (megabert/fused_kernels/csrc): the CPU module
+    always, the CUDA module when torch has CUDA and nvcc is found."""
     omp_compile, omp_link = _openmp_flags()
     # No -march: the wheel may run on another CPU. The row kernels are compiled once per
     # instruction set (isa_*.cpp, with `#pragma GCC target`) and picked at run time.
@@ -56,7 +57,17 @@ def kernel_extensions():
         extra_compile_args={"cxx": CXX_FLAGS + omp_compile + ["-ffp-contract=fast"]},
         extra_link_args=omp_link,
     )
-    return [cpu]
+    if not _cuda_buildable():
+        print("megabert: building the CPU kernels only (torch has no CUDA or nvcc was not found)")
+        return [cpu]
+    cuda = cpp_extension.CUDAExtension(
+        "megabert.fused_kernels._cuda",
+        sources=[_src(*KERNELS, "cuda", f) for f in ("bindings.cpp", "softmax.cu", "layer_norm.cu")],
+        # --use_fast_math: __expf in the softmax (as Megatron's kernels); the LayerNorm
+        # uses rsqrtf either way. Architectures come from TORCH_CUDA_ARCH_LIST or the GPU.
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+    )
+    return [cpu, cuda]
 
 
 def data_extensions():

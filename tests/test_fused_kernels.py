@@ -1,7 +1,8 @@
 """The fused kernels against the PyTorch reference computed in float64.
 
 Every test goes through the `megabert.ops` front ends (autograd Functions) and checks
-that the kernel, not the fallback, ran: `grad_fn` names the fused Function.
+that the kernel, not the fallback, ran: `grad_fn` names the fused Function. The CUDA
+cases run where a GPU and the CUDA extension are there, and are skipped elsewhere.
 """
 import math
 
@@ -17,14 +18,23 @@ pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not buil
 # fp32 kernels against the fp64 oracle: a few ulp of fp32 (the polynomial exp is ~2 ulp).
 # bf16: the output is rounded to 8 bits of mantissa.
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-       torch.float64: dict(rtol=1e-10, atol=1e-12)}
+       torch.float16: dict(rtol=4e-3, atol=4e-3), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+
+_needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fk.is_available("cuda")),
+                                 reason=f"no GPU or no CUDA kernels: {fk.load_error('cuda')}")
+DEVICES = ["cpu", pytest.param("cuda", marks=_needs_cuda)]
+# Each device with the dtypes its kernel takes (fp64 on the CPU only: it serves gradcheck).
+DEVICE_DTYPES = [pytest.param(device, dtype, id=f"{device}-{str(dtype)[6:]}", marks=marks)
+                 for device, marks in (("cpu", ()), ("cuda", _needs_cuda))
+                 for dtype in ((torch.float32, torch.bfloat16, torch.float64) if device == "cpu"
+                               else (torch.float32, torch.bfloat16, torch.float16))]
 
 
 def _fused(t: torch.Tensor, name: str) -> bool:
     return type(t.grad_fn).__name__.startswith(name)
 
 
-def _softmax_case(shape, mask_shape, dtype, scale=0.37, fully_masked_rows=True, seed=0):
+def _softmax_case(shape, mask_shape, dtype, device="cpu", scale=0.37, fully_masked_rows=True, seed=0):
     gen = torch.Generator().manual_seed(seed)
     scores = (torch.randn(shape, generator=gen) * 4).to(dtype)
     mask = None
@@ -33,7 +43,7 @@ def _softmax_case(shape, mask_shape, dtype, scale=0.37, fully_masked_rows=True, 
         if fully_masked_rows and len(mask_shape) > 1 and mask_shape[-2] > 1:
             mask[..., 0, :] = True  # every query 0 sees no key
     grad = torch.randn(shape, generator=gen).to(dtype)
-    return scores, mask, scale, grad
+    return scores.to(device), None if mask is None else mask.to(device), scale, grad.to(device)
 
 
 def _check_softmax(scores, mask, scale, grad):
@@ -51,27 +61,35 @@ def _check_softmax(scores, mask, scale, grad):
     torch.testing.assert_close(x.grad.double(), x64.grad, **TOL[scores.dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sk", [1, 2, 7, 32, 33, 127, 128, 257, 512, 1000, 2048, 4095, 4096])
-def test_softmax_key_lengths(sk):
-    _check_softmax(*_softmax_case((2, 2, 3, sk), (2, 1, 3, sk), torch.float32))
+def test_softmax_key_lengths(sk, device):
+    _check_softmax(*_softmax_case((2, 2, 3, sk), (2, 1, 3, sk), torch.float32, device))
 
 
 @pytest.mark.parametrize("mask_shape", [None, (3, 1, 5, 67), (1, 1, 5, 67), (3, 1, 1, 67), (3, 4, 5, 67),
                                         (5, 67), (67,)], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_softmax_broadcast_masks_and_dtypes(mask_shape, dtype):
-    _check_softmax(*_softmax_case((3, 4, 5, 67), mask_shape, dtype))
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_softmax_broadcast_masks_and_dtypes(mask_shape, device, dtype):
+    _check_softmax(*_softmax_case((3, 4, 5, 67), mask_shape, dtype, device))
 
 
-def test_softmax_fully_masked_rows_are_zero_with_zero_grad():
-    scores, _, scale, grad = _softmax_case((2, 3, 4, 9), None, torch.float32)
-    mask = torch.zeros(2, 1, 4, 9, dtype=torch.bool)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_softmax_packed_rows(device, dtype):
+    # Key counts that are multiples of 8 take the vector-load path on CUDA.
+    _check_softmax(*_softmax_case((2, 3, 16, 512), (2, 1, 1, 512), dtype, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_fully_masked_rows_are_zero_with_zero_grad(device):
+    scores, _, scale, grad = _softmax_case((2, 3, 4, 9), None, torch.float32, device)
+    mask = torch.zeros(2, 1, 4, 9, dtype=torch.bool, device=device)
     mask[1, 0, 2] = True  # batch 1, query 2: every key masked, in every head
     x = scores.clone().requires_grad_()
     probs = scaled_masked_softmax(x, mask, scale)
     probs.backward(grad)
     assert torch.all(probs[1, :, 2] == 0) and torch.all(x.grad[1, :, 2] == 0)
-    torch.testing.assert_close(probs.sum(-1)[0], torch.ones(3, 4))
+    torch.testing.assert_close(probs.sum(-1)[0], torch.ones(3, 4, device=device))
 
 
 def test_softmax_large_and_non_contiguous_input():
@@ -95,14 +113,14 @@ def test_softmax_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda s: scaled_masked_softmax(s, mask, scale), (x,))
 
 
-def _ln_case(shape, dtype, seed=0, offset=0.0):
+def _ln_case(shape, dtype, device="cpu", seed=0, offset=0.0):
     gen = torch.Generator().manual_seed(seed)
     h = shape[-1]
     x = (torch.randn(shape, generator=gen) * 2 + offset).to(dtype)
     weight = (1 + 0.5 * torch.randn(h, generator=gen)).to(dtype)
     bias = (0.1 * torch.randn(h, generator=gen)).to(dtype)
     grad = torch.randn(shape, generator=gen).to(dtype)
-    return x, weight, bias, grad
+    return tuple(t.to(device) for t in (x, weight, bias, grad))
 
 
 def _check_layer_norm(x, weight, bias, grad, eps=1e-5):
@@ -124,21 +142,23 @@ def _check_layer_norm(x, weight, bias, grad, eps=1e-5):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, **tol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(5, 3, 768), (7, 1024), (2, 1, 1), (3, 7), (4, 2, 1023), (3, 4097), (1, 8192),
                                    (64, 2, 130)], ids=str)
-def test_layer_norm_shapes(shape):
-    _check_layer_norm(*_ln_case(shape, torch.float32))
+def test_layer_norm_shapes(shape, device):
+    _check_layer_norm(*_ln_case(shape, torch.float32, device))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
-def test_layer_norm_dtypes(dtype):
-    _check_layer_norm(*_ln_case((6, 5, 320), dtype))
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_layer_norm_dtypes(device, dtype):
+    _check_layer_norm(*_ln_case((6, 5, 320), dtype, device))
 
 
-def test_layer_norm_large_mean_and_non_contiguous_input():
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_large_mean_and_non_contiguous_input(device):
     # A mean of 1000 with unit spread: E[x^2] - E[x]^2 would cancel in fp32; the kernel
     # centres first. The input is a [b, s, h] -> [s, b, h] transposed view.
-    x, weight, bias, grad = _ln_case((3, 9, 256), torch.float32, offset=1000.0)
+    x, weight, bias, grad = _ln_case((3, 9, 256), torch.float32, device, offset=1000.0)
     _check_layer_norm(x.transpose(0, 1), weight, bias, grad.transpose(0, 1), eps=1e-12)
 
 
