@@ -49,12 +49,15 @@ def kernel_extensions():
     # No -march: the wheel may run on another CPU. The row kernels are compiled once per
     # instruction set (isa_*.cpp, with `#pragma GCC target`) and picked at run time.
     # -ffp-contract=fast lets those files fuse multiply-adds, which an ISO -std=c++NN
-    # (as torch passes) turns off.
+    # (as torch passes) turns off. -fno-trapping-math / -fno-math-errno (as torch's own
+    # build): without them GCC will not if-convert the selects in the exp polynomial or
+    # vectorise sqrt below AVX-512, and the softmax row loop stays scalar on AVX2 CPUs.
     cpu = cpp_extension.CppExtension(
         "megabert.fused_kernels._cpu",
         sources=[_src(*KERNELS, "cpu", f) for f in
                  ("bindings.cpp", "ops.cpp", "isa_default.cpp", "isa_avx2.cpp", "isa_avx512.cpp")],
-        extra_compile_args={"cxx": CXX_FLAGS + omp_compile + ["-ffp-contract=fast"]},
+        extra_compile_args={"cxx": CXX_FLAGS + omp_compile + ["-ffp-contract=fast", "-fno-trapping-math",
+                                                              "-fno-math-errno"]},
         extra_link_args=omp_link,
     )
     if not _cuda_buildable():
