@@ -1,7 +1,5 @@
 // Torch-facing CPU ops: argument checks, the choice of instruction set (once per
 // process), and OpenMP across rows. The arithmetic lives in row_kernels.h.
-#include "ops.h"
-
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -12,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "../kernel_ops.h"
 #include "kernel_table.h"
 
 namespace megabert {
@@ -113,10 +112,6 @@ void parallel_rows(int64_t rows, int64_t row_len, const F& fn) {
   run_chunks(rows, num_chunks(rows, row_grain(row_len)), fn);
 }
 
-}  // namespace
-
-std::string isa() { return table().isa; }
-
 at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale) {
   const Dtype dt = kernel_dtype(x, "scaled_masked_softmax");
   check_input(x, "scores", x.scalar_type());
@@ -209,6 +204,16 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::
   t.layer_norm_bwd_reduce[dt](partial_w, parts, h, grad_w.data_ptr());
   t.layer_norm_bwd_reduce[dt](partial_b, parts, h, grad_b.data_ptr());
   return {grad_x, grad_w, grad_b};
+}
+
+}  // namespace
+
+std::string isa() { return table().isa; }
+
+const KernelOps& kernel_ops() {
+  static const KernelOps ops{&scaled_masked_softmax_forward, &scaled_masked_softmax_backward, &layer_norm_forward,
+                             &layer_norm_backward};
+  return ops;
 }
 
 }  // namespace cpu

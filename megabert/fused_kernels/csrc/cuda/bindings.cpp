@@ -1,9 +1,21 @@
 // pybind11 module megabert.fused_kernels._cuda, built by setup.py only where torch has
 // CUDA and nvcc is found.
 #include <cuda_runtime_api.h>
-#include <torch/python.h>
 
+#include "../bind_kernel_ops.h"
 #include "ops.h"
+
+namespace megabert {
+namespace cuda {
+
+const KernelOps& kernel_ops() {
+  static const KernelOps ops{&scaled_masked_softmax_forward, &scaled_masked_softmax_backward, &layer_norm_forward,
+                             &layer_norm_backward};
+  return ops;
+}
+
+}  // namespace cuda
+}  // namespace megabert
 
 namespace {
 
@@ -20,16 +32,8 @@ double memory_bandwidth_gbs(int device) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace cuda = megabert::cuda;
   m.doc() = "megabert fused softmax (warp per row) and LayerNorm (block per row) kernels for CUDA";
-  m.def("scaled_masked_softmax_forward", &cuda::scaled_masked_softmax_forward, "softmax(scale * scores), masked",
-        py::arg("scores"), py::arg("mask"), py::arg("scale"));
-  m.def("scaled_masked_softmax_backward", &cuda::scaled_masked_softmax_backward, "grad of the scores",
-        py::arg("grad_probs"), py::arg("probs"), py::arg("scale"));
-  m.def("layer_norm_forward", &cuda::layer_norm_forward, "LayerNorm over the last dim -> (y, mean, rstd)",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
-  m.def("layer_norm_backward", &cuda::layer_norm_backward, "-> (grad_x, grad_weight, grad_bias)", py::arg("grad_y"),
-        py::arg("x"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+  megabert::def_kernel_ops(m, megabert::cuda::kernel_ops());
   m.def("memory_bandwidth_gbs", &memory_bandwidth_gbs, "Peak DRAM bandwidth of a CUDA device in GB/s",
-        py::arg("device"));
+        pybind11::arg("device"));
 }
