@@ -11,7 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "common.cuh"
+#include "common.h"
 #include "ops.h"
 
 namespace megabert {

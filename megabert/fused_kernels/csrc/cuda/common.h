@@ -1,5 +1,7 @@
 // Shared pieces of the CUDA kernels: element packs for vector loads, warp and block
 // reductions, and the dtype switch (fp32, fp16, bf16; the math is always fp32).
+// Device code, included by the .cu files only; named .h (not .cuh) because the
+// Makefile rebuilds on changes to *.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
