@@ -5,6 +5,10 @@ The extensions are built ahead of time by setup.py; nothing is compiled on first
 where torch has CUDA and nvcc was found at install time. Use them through
 `megabert.ops`, which checks each call against the kernels' limits and falls back
 to PyTorch, saying so once.
+
+The CPU module runs its row kernels with the widest instruction set the CPU has
+(avx512, avx2 or the compiler's baseline); MEGABERT_CPU_ISA, or torch's own
+ATEN_CPU_CAPABILITY, caps it (default | avx2 | avx512).
 """
 from __future__ import annotations
 

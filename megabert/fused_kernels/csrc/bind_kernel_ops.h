@@ -1,7 +1,7 @@
 // Puts a backend's KernelOps on its pybind11 module, under the names megabert.ops calls.
 #pragma once
 
-#include <torch/python.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with the at::Tensor casters (lighter than torch/python.h)
 
 #include "kernel_ops.h"
 

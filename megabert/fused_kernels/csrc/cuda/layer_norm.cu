@@ -306,8 +306,7 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::
         <<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(parts)), dim3(kWarpSize, kParamTileRows),
            0, stream>>>(static_cast<const T*>(grad_y.data_ptr()), static_cast<const T*>(x.data_ptr()),
                         mean.data_ptr<float>(), rstd.data_ptr<float>(), shift.data_ptr<float>(), partial_w,
-                        partial_b, rows, h,
-                        rows_per_part);
+                        partial_b, rows, h, rows_per_part);
     layer_norm_bwd_params_final_kernel<T><<<static_cast<unsigned>((h + 255) / 256), 256, 0, stream>>>(
         partial_w, partial_b, parts, h, static_cast<T*>(grad_w.data_ptr()), static_cast<T*>(grad_b.data_ptr()));
   });

@@ -174,7 +174,11 @@ void check_scores(const at::Tensor& t, const char* what) {
               " keys, got ", t.size(-1));
 }
 
-dim3 grid_for(int64_t rows) { return dim3(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock)); }
+dim3 grid_for(int64_t rows) {
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  TORCH_CHECK(blocks <= INT32_MAX, "scaled_masked_softmax: ", rows, " rows is more than one launch takes");
+  return dim3(static_cast<unsigned>(blocks));
+}
 
 }  // namespace
 
