@@ -20,15 +20,17 @@ from megabert.ops.reference import scaled_masked_softmax_reference
 from megabert.ops.softmax import scaled_masked_softmax
 
 
-def resolve_attention_backend(backend: str) -> str:
-    """'auto' -> 'fused' when the kernels are built, else 'sdpa'. Logged once per choice."""
+def resolve_attention_backend(backend: str, device_type: str = "cpu") -> str:
+    """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
+    model runs) are built, else 'sdpa'. Logged once per choice."""
     from megabert import fused_kernels
 
     if backend == "auto":
-        backend = "fused" if fused_kernels.is_available() else "sdpa"
-    elif backend == "fused" and not fused_kernels.is_available():
-        raise ConfigError(f"--attention-backend fused: the fused kernels are not built "
-                          f"({fused_kernels.load_error()}); run `make install` or use --attention-backend sdpa")
+        backend = "fused" if fused_kernels.is_available(device_type) else "sdpa"
+    elif backend == "fused" and not fused_kernels.is_available(device_type):
+        raise ConfigError(f"--attention-backend fused: the fused {device_type} kernels are not built "
+                          f"({fused_kernels.load_error(device_type)}); run `make install` or use "
+                          f"--attention-backend sdpa")
     say_once(("attention backend", backend), logging.INFO, "attention backend: %s", backend)
     return backend
 

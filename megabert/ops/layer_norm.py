@@ -12,17 +12,19 @@ from megabert.ops.dispatch import dtype_outside, fused_kernels_for, say_once
 from megabert.ops.reference import layer_norm_reference
 
 
-def resolve_layernorm_backend(backend: str) -> str:
-    """'auto' -> 'fused' when the kernels are built, else 'torch'. Logged once per choice."""
+def resolve_layernorm_backend(backend: str, device_type: str = "cpu") -> str:
+    """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
+    model runs) are built, else 'torch'. Logged once per choice."""
     from megabert import fused_kernels
 
     if backend == "auto":
-        backend = "fused" if fused_kernels.is_available() else "torch"
-    elif backend == "fused" and not fused_kernels.is_available():
+        backend = "fused" if fused_kernels.is_available(device_type) else "torch"
+    elif backend == "fused" and not fused_kernels.is_available(device_type):
         from megabert.errors import ConfigError
 
-        raise ConfigError(f"--layernorm-backend fused: the fused kernels are not built "
-                          f"({fused_kernels.load_error()}); run `make install` or use --layernorm-backend torch")
+        raise ConfigError(f"--layernorm-backend fused: the fused {device_type} kernels are not built "
+                          f"({fused_kernels.load_error(device_type)}); run `make install` or use "
+                          f"--layernorm-backend torch")
     say_once(("layernorm backend", backend), logging.INFO, "layernorm backend: %s", backend)
     return backend
 
