@@ -19,7 +19,6 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 import megabert.fused_kernels as fk
 from megabert import ops

@@ -7,15 +7,13 @@ fused: explicit scores through megabert's fused softmax kernel.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megabert.errors import ConfigError
-from megabert.ops.dispatch import say_once
+from megabert.ops.dispatch import resolve_backend
 from megabert.ops.reference import scaled_masked_softmax_reference
 from megabert.ops.softmax import scaled_masked_softmax
 
@@ -23,16 +21,7 @@ from megabert.ops.softmax import scaled_masked_softmax
 def resolve_attention_backend(backend: str, device_type: str = "cpu") -> str:
     """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
     model runs) are built, else 'sdpa'. Logged once per choice."""
-    from megabert import fused_kernels
-
-    if backend == "auto":
-        backend = "fused" if fused_kernels.is_available(device_type) else "sdpa"
-    elif backend == "fused" and not fused_kernels.is_available(device_type):
-        raise ConfigError(f"--attention-backend fused: the fused {device_type} kernels are not built "
-                          f"({fused_kernels.load_error(device_type)}); run `make install` or use "
-                          f"--attention-backend sdpa")
-    say_once(("attention backend", backend), logging.INFO, "attention backend: %s", backend)
-    return backend
+    return resolve_backend("attention", "--attention-backend", backend, "sdpa", device_type)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *,

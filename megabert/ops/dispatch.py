@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from megabert import fused_kernels
+from megabert.errors import ConfigError
 
 logger = logging.getLogger("megabert.ops")
 _said: set[tuple] = set()
@@ -54,3 +55,16 @@ def dtype_outside(x: torch.Tensor, supported: dict[str, tuple[torch.dtype, ...]]
         return None
     names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
     return f"{str(x.dtype).removeprefix('torch.')} on {x.device.type} (the kernel takes {names})"
+
+
+def resolve_backend(what: str, flag: str, backend: str, unfused: str, device_type: str) -> str:
+    """The backend a model on `device_type` uses for `what`: 'auto' is 'fused' when the
+    kernels for that device are built, else `unfused`; 'fused' without them is an error
+    naming `flag`. Logged once per choice."""
+    if backend == "auto":
+        backend = "fused" if fused_kernels.is_available(device_type) else unfused
+    elif backend == "fused" and not fused_kernels.is_available(device_type):
+        raise ConfigError(f"{flag} fused: the fused {device_type} kernels are not built "
+                          f"({fused_kernels.load_error(device_type)}); run `make install` or use {flag} {unfused}")
+    say_once((what, backend), logging.INFO, "%s backend: %s", what, backend)
+    return backend

@@ -1,32 +1,20 @@
 """layer_norm front end (the fused kernel when it applies, else PyTorch) and backend resolution."""
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from megabert.ops.dispatch import dtype_outside, fused_kernels_for, say_once
+from megabert.ops.dispatch import dtype_outside, fused_kernels_for, resolve_backend
 from megabert.ops.reference import layer_norm_reference
 
 
 def resolve_layernorm_backend(backend: str, device_type: str = "cpu") -> str:
     """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
     model runs) are built, else 'torch'. Logged once per choice."""
-    from megabert import fused_kernels
-
-    if backend == "auto":
-        backend = "fused" if fused_kernels.is_available(device_type) else "torch"
-    elif backend == "fused" and not fused_kernels.is_available(device_type):
-        from megabert.errors import ConfigError
-
-        raise ConfigError(f"--layernorm-backend fused: the fused {device_type} kernels are not built "
-                          f"({fused_kernels.load_error(device_type)}); run `make install` or use "
-                          f"--layernorm-backend torch")
-    say_once(("layernorm backend", backend), logging.INFO, "layernorm backend: %s", backend)
-    return backend
+    return resolve_backend("layernorm", "--layernorm-backend", backend, "torch", device_type)
 
 
 # What the kernels take. CPU: fp32 and bf16 with fp32 math, fp64 with fp64 math (for
