@@ -7,34 +7,21 @@ fused: explicit scores through megabert's fused softmax kernel.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megabert.errors import ConfigError
+from megabert.ops.dispatch import resolve_backend
 from megabert.ops.reference import scaled_masked_softmax_reference
 from megabert.ops.softmax import scaled_masked_softmax
 
-logger = logging.getLogger(__name__)
-_logged: set[str] = set()
 
-
-def resolve_attention_backend(backend: str) -> str:
-    """'auto' -> 'fused' when the kernels are built, else 'sdpa'. Logged once per choice."""
-    from megabert import fused_kernels
-
-    if backend == "auto":
-        backend = "fused" if fused_kernels.is_available() else "sdpa"
-    elif backend == "fused" and not fused_kernels.is_available():
-        raise ConfigError(f"--attention-backend fused: the fused kernels are not built "
-                          f"({fused_kernels.load_error()}); run `make install` or use --attention-backend sdpa")
-    if backend not in _logged:
-        _logged.add(backend)
-        logger.info("attention backend: %s", backend)
-    return backend
+def resolve_attention_backend(backend: str, device_type: str = "cpu") -> str:
+    """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
+    model runs) are built, else 'sdpa'. Logged once per choice."""
+    return resolve_backend("attention", "--attention-backend", backend, "sdpa", device_type)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *,

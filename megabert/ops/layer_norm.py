@@ -1,29 +1,72 @@
-"""layer_norm front end and backend resolution."""
+"""layer_norm front end (the fused kernel when it applies, else PyTorch) and backend resolution."""
 from __future__ import annotations
 
-import logging
+from types import ModuleType
+from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from megabert.ops.dispatch import dtype_outside, fused_kernels_for, resolve_backend
 from megabert.ops.reference import layer_norm_reference
 
-logger = logging.getLogger(__name__)
+
+def resolve_layernorm_backend(backend: str, device_type: str = "cpu") -> str:
+    """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
+    model runs) are built, else 'torch'. Logged once per choice."""
+    return resolve_backend("layernorm", "--layernorm-backend", backend, "torch", device_type)
 
 
-def resolve_layernorm_backend(backend: str) -> str:
-    """'auto' -> 'fused' when the kernels are built, else 'torch'."""
-    from megabert import fused_kernels
-
-    if backend == "auto":
-        return "fused" if fused_kernels.is_available() else "torch"
-    if backend == "fused" and not fused_kernels.is_available():
-        from megabert.errors import ConfigError
-
-        raise ConfigError(f"--layernorm-backend fused: the fused kernels are not built "
-                          f"({fused_kernels.load_error()}); run `make install` or use --layernorm-backend torch")
-    return backend
+# What the kernels take. CPU: fp32 and bf16 with fp32 math, fp64 with fp64 math (for
+# gradcheck). CUDA: one block per row holds the row in registers, hence the width limit.
+_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64),
+           "cuda": (torch.float16, torch.bfloat16, torch.float32)}
+_MAX_HIDDEN = {"cuda": 8192}
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm over the last dim. Autograd-capable."""
-    return layer_norm_reference(x, weight, bias, eps)
+class FusedLayerNorm(torch.autograd.Function):
+    """LayerNorm over the last dim with weight and bias.
+
+    Forward saves the input, the weight and the per-row mean and 1/std (fp32 for 16-bit
+    inputs), so the backward needs no second reduction over the input for them.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                kernels: ModuleType) -> torch.Tensor:
+        x = x.contiguous()
+        weight = weight.contiguous()
+        y, mean, rstd = kernels.layer_norm_forward(x, weight, bias.contiguous(), eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.kernels = kernels
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: torch.Tensor):
+        x, weight, mean, rstd = ctx.saved_tensors
+        grad_x, grad_weight, grad_bias = ctx.kernels.layer_norm_backward(grad_y.contiguous(), x, weight, mean, rstd)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def _outside_limits(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> Optional[str]:
+    if weight is None or bias is None:
+        return "LayerNorm without weight or bias"
+    if x.dim() == 0 or weight.shape != (x.size(-1),) or bias.shape != (x.size(-1),):
+        return f"input {tuple(x.shape)} with weight {tuple(weight.shape)}, bias {tuple(bias.shape)}"
+    if weight.dtype != x.dtype or bias.dtype != x.dtype:
+        return f"{weight.dtype} weight / {bias.dtype} bias with a {x.dtype} input (the kernel takes one dtype)"
+    max_hidden = _MAX_HIDDEN.get(x.device.type)
+    if max_hidden is not None and x.size(-1) > max_hidden:
+        return f"hidden size {x.size(-1)} on {x.device.type} (the kernel takes up to {max_hidden})"
+    return dtype_outside(x, _DTYPES)
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim of x ([s, b, h] or any leading dims). Autograd-capable
+    (grads for x, weight and bias); fp32 math for 16-bit inputs, output in x's dtype."""
+    kernels = fused_kernels_for("layer_norm", x, _outside_limits(x, weight, bias))
+    if kernels is None:
+        return layer_norm_reference(x, weight, bias, eps)
+    return FusedLayerNorm.apply(x, weight, bias, float(eps), kernels)

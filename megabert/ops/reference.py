@@ -11,14 +11,15 @@ def scaled_masked_softmax_reference(scores: torch.Tensor, mask: Optional[torch.T
     """softmax(scale * scores) over the last dim with `mask` (bool, True = masked out,
     broadcastable to scores) excluded. A fully masked row gives zeros, as Megatron's kernel.
 
-    Math in fp32 whatever the input dtype; the result has the input's dtype.
+    Math in fp32 for 16-bit inputs (fp64 stays fp64, so this is also the float64
+    oracle the kernels are tested against); the result has the input's dtype.
     """
-    x = scores.float() * scale
+    x = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
     if mask is None:
         return torch.softmax(x, dim=-1).to(scores.dtype)
     # A finite fill keeps fully masked rows NaN-free (uniform), then they are zeroed,
     # which also zeroes their gradient.
-    x = x.masked_fill(mask, torch.finfo(torch.float32).min)
+    x = x.masked_fill(mask, torch.finfo(x.dtype).min)
     probs = torch.softmax(x, dim=-1)
     all_masked = mask.all(dim=-1, keepdim=True)
     if all_masked.any():

@@ -1,16 +1,69 @@
-"""scaled_masked_softmax front end."""
+"""scaled_masked_softmax front end: the fused kernel when it applies, else PyTorch."""
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from megabert.ops.dispatch import dtype_outside, fused_kernels_for
 from megabert.ops.reference import scaled_masked_softmax_reference
+
+# What the kernels take. CPU: fp32 and bf16 with fp32 math, fp64 with fp64 math (for
+# gradcheck). CUDA: one warp per row holds the row in registers, hence the key limit.
+_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64),
+           "cuda": (torch.float16, torch.bfloat16, torch.float32)}
+_MAX_KEYS = {"cuda": 4096}
+
+
+class FusedScaledMaskedSoftmax(torch.autograd.Function):
+    """probs = softmax(scale * scores) with masked keys excluded (a fully masked row is 0).
+
+    Forward saves only the probabilities (in the input dtype, as Megatron's kernel):
+    grad_scores = scale * probs * (grad_probs - sum(grad_probs * probs)).
+    """
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                kernels: ModuleType) -> torch.Tensor:
+        probs = kernels.scaled_masked_softmax_forward(scores, mask, scale)
+        ctx.save_for_backward(probs)
+        ctx.scale, ctx.kernels = scale, kernels
+        return probs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_probs: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        grad_scores = ctx.kernels.scaled_masked_softmax_backward(grad_probs.contiguous(), probs, ctx.scale)
+        return grad_scores, None, None, None
+
+
+def _outside_limits(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> Optional[str]:
+    if scores.dim() != 4:
+        return f"scores of {scores.dim()} dims (the kernel takes [b, heads, sq, sk])"
+    if mask is not None and mask.dtype != torch.bool:
+        return f"a {mask.dtype} mask (the kernel takes bool, True = masked out)"
+    max_keys = _MAX_KEYS.get(scores.device.type)
+    if max_keys is not None and scores.size(-1) > max_keys:
+        return f"{scores.size(-1)} keys on {scores.device.type} (the kernel takes up to {max_keys})"
+    return dtype_outside(scores, _DTYPES)
 
 
 def scaled_masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """softmax(scale * scores) over the last dim, masked positions (True) excluded.
 
-    scores: [b, heads, sq, sk]; mask: bool, broadcastable to scores. Autograd-capable.
+    scores: [b, heads, sq, sk]; mask: bool, broadcastable to scores ([b|1, 1, sq|1, sk]
+    typically), or None. A fully masked row gives zeros. Autograd-capable; fp32 math
+    for 16-bit inputs, output in the input dtype.
     """
-    return scaled_masked_softmax_reference(scores, mask, scale)
+    kernels = fused_kernels_for("scaled_masked_softmax", scores, _outside_limits(scores, mask))
+    if kernels is None:
+        return scaled_masked_softmax_reference(scores, mask, scale)
+    if mask is not None:
+        # A broadcast view, not a copy: the kernels read the mask through its strides.
+        mask = mask.expand(scores.shape)
+        if mask.size(-1) > 1 and mask.stride(-1) != 1:  # broadcast along keys: rare, materialise
+            mask = mask.contiguous()
+    return FusedScaledMaskedSoftmax.apply(scores.contiguous(), mask, float(scale), kernels)

@@ -1,0 +1,176 @@
+"""Forward + backward time of megabert's fused softmax and LayerNorm against PyTorch.
+
+Prints figures and never asserts on them. For each BERT-like shape: our kernel through
+`megabert.ops` (autograd included), the unfused reference (`megabert.ops.reference`,
+what `--attention-backend torch` / `--layernorm-backend torch` run) and, for the
+softmax, plain `torch.softmax` on `masked_fill`. "x" is their time over ours: above 1,
+the fused kernel is faster. On a GPU it also prints the achieved bandwidth of our
+forward and backward kernels against the device's peak DRAM bandwidth.
+
+    python bench/kernels.py                      # CPU, all threads torch uses
+    python bench/kernels.py --device cuda --dtype bfloat16 float16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+import megabert.fused_kernels as fk
+from megabert import ops
+from megabert.ops.reference import layer_norm_reference, scaled_masked_softmax_reference
+
+# [b, heads, sq, sk]: BERT-base at seq 128 and BERT-large at seq 512, micro-batch 8.
+SOFTMAX_SHAPES = [(8, 12, 128, 128), (8, 16, 512, 512)]
+# [s * b, h]: the same two models' LayerNorm inputs.
+LAYER_NORM_SHAPES = [(128 * 8, 768), (512 * 8, 1024)]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Seconds one call of fn takes (CUDA: between events on the current stream)."""
+    if device.type == "cuda":
+        def cuda_time(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return cuda_time
+
+    def cpu_time(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    return cpu_time
+
+
+def median_times(fns: dict[str, Callable[[], object]], device: torch.device, reps: int,
+                 min_seconds: float = 1.0) -> dict[str, float]:
+    """Median seconds per call of each fn over at least `reps` calls and `min_seconds`.
+    The calls interleave so that a machine whose load changes during the run (a shared
+    CI box) weighs on every fn alike."""
+    timer = _timer(device)
+    for fn in fns.values():  # warm-up: allocator, thread pool, lazy CUDA init
+        fn(), fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    while len(samples[next(iter(fns))]) < reps or (time.perf_counter() - start < min_seconds
+                                                   and len(samples[next(iter(fns))]) < 100 * reps):
+        for name, fn in fns.items():
+            samples[name].append(timer(fn))
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, *args):
+    """A closure that runs fn forward and backward to every input (no .grad accumulation)."""
+    def run():
+        out = fn(*inputs, *args)
+        return torch.autograd.grad(out, inputs, grad)
+    return run
+
+
+def softmax_case(shape, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    b, _, _, sk = shape
+    scores = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+    lengths = torch.randint(sk // 2, sk + 1, (b,), generator=gen)
+    mask = (torch.arange(sk)[None, :] >= lengths[:, None])[:, None, None, :].to(device)  # [b, 1, 1, sk] padding
+    grad = torch.randn(shape, generator=gen).to(device, dtype)
+    scale = shape[-1] ** -0.5
+
+    def masked_fill_softmax(x, m, s):
+        return torch.softmax((x * s).masked_fill(m, float("-inf")), dim=-1)
+
+    fns = {"ours": fwd_bwd(ops.scaled_masked_softmax, (scores,), grad, mask, scale),
+           "reference": fwd_bwd(scaled_masked_softmax_reference, (scores,), grad, mask, scale),
+           "softmax(masked_fill)": fwd_bwd(masked_fill_softmax, (scores,), grad, mask, scale)}
+    return fns, (scores, mask, scale, grad)
+
+
+def layer_norm_case(shape, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    h = shape[-1]
+    x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(device, dtype).requires_grad_()
+    bias = (0.1 * torch.randn(h, generator=gen)).to(device, dtype).requires_grad_()
+    grad = torch.randn(shape, generator=gen).to(device, dtype)
+    fns = {"ours": fwd_bwd(ops.layer_norm, (x, weight, bias), grad, 1e-12),
+           "reference": fwd_bwd(layer_norm_reference, (x, weight, bias), grad, 1e-12)}
+    return fns, (x, weight, bias, grad)
+
+
+def kernel_bandwidth(op: str, tensors, device: torch.device, reps: int) -> str:
+    """Achieved GB/s of our forward and backward kernels alone (the bytes each must move
+    at the least) and their share of the device's peak DRAM bandwidth."""
+    kernels = fk.kernels_for(device.type)
+    if op == "softmax":
+        scores, mask, scale, grad = (t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
+        mask = mask.expand(scores.shape)
+        probs = kernels.scaled_masked_softmax_forward(scores, mask, scale)
+        nbytes = scores.numel() * scores.element_size()
+        fns = {"fwd": lambda: kernels.scaled_masked_softmax_forward(scores, mask, scale),
+               "bwd": lambda: kernels.scaled_masked_softmax_backward(grad, probs, scale)}
+        moved = {"fwd": 2 * nbytes, "bwd": 3 * nbytes}  # x -> y; grad_y, y -> grad_x (the mask is tiny)
+    else:
+        x, weight, bias, grad = (t.detach() for t in tensors)
+        _, mean, rstd = kernels.layer_norm_forward(x, weight, bias, 1e-12)
+        nbytes = x.numel() * x.element_size()
+        stats = 2 * mean.numel() * mean.element_size()
+        fns = {"fwd": lambda: kernels.layer_norm_forward(x, weight, bias, 1e-12),
+               "bwd": lambda: kernels.layer_norm_backward(grad, x, weight, mean, rstd)}
+        moved = {"fwd": 2 * nbytes + stats, "bwd": 3 * nbytes + stats}  # x -> y; grad_y, x -> grad_x
+    times = median_times(fns, device, reps)
+    peak = kernels.memory_bandwidth_gbs(device.index or 0)
+    parts = []
+    for name, seconds in times.items():
+        gbs = moved[name] / seconds / 1e9
+        parts.append(f"{name} {gbs:7.0f} GB/s ({100 * gbs / peak:3.0f}%)")
+    return "  ".join(parts) + f"  of {peak:.0f} GB/s peak"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: 15 CPU, 100 GPU)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    reps = args.reps or (100 if device.type == "cuda" else 15)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not fk.is_available(device.type):
+        print(f"no megabert kernels for {device.type}: {fk.load_error(device.type)}; nothing to compare")
+        return
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:  # other processes on the cores make threads wait at every barrier: say how busy the box is
+        where = (f"{torch.get_num_threads()} threads of {os.cpu_count()} cores, "
+                 f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{fk.describe(device.type)} on {where}; median of >= {reps} forward+backward runs; "
+          f"x = their time / ours (> 1: ours faster)")
+    header = f"{'op':<10}{'shape':<20}{'dtype':<10}{'ours ms':>9}{'reference ms':>20}{'softmax(masked_fill) ms':>28}"
+    print(header)
+    for op, shapes, build in (("softmax", SOFTMAX_SHAPES, softmax_case),
+                              ("layernorm", LAYER_NORM_SHAPES, layer_norm_case)):
+        for shape in shapes:
+            for dtype_name in args.dtype:
+                fns, tensors = build(shape, getattr(torch, dtype_name), device)
+                times = median_times(fns, device, reps)
+                ours = times.pop("ours")
+                cells = [f"{t * 1e3:9.2f} ({t / ours:5.2f}x)" for t in times.values()]
+                line = f"{op:<10}{str(list(shape)).replace(' ', ''):<20}{dtype_name:<10}{ours * 1e3:9.2f}"
+                line += "".join(f"{c:>20}" if i == 0 else f"{c:>28}" for i, c in enumerate(cells))
+                print(line, flush=True)
+                if device.type == "cuda":
+                    print(f"{'':<40}{kernel_bandwidth(op, tensors, device, reps)}", flush=True)
+                del fns, tensors
+
+
+if __name__ == "__main__":
+    main()

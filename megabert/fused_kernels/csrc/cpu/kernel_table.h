@@ -1,0 +1,93 @@
+// The interface between the torch-facing CPU ops (ops.cpp) and the row kernels
+// (row_kernels.h), which are compiled once per instruction set (isa_*.cpp).
+//
+// NOTE: nothing here includes a torch header. The row kernels are compiled under
+// `#pragma GCC target("avx512f,...")`; had they included torch's inline functions,
+// the linker could keep an AVX-512 copy of one of those for the whole library and
+// the extension would crash on a CPU without AVX-512. Raw pointers and plain
+// structs keep the instruction-set-specific code sealed off.
+#pragma once
+
+#include <cstdint>
+
+namespace megabert {
+namespace cpu {
+
+// bfloat16 as stored: the upper 16 bits of an IEEE float.
+struct bf16_t {
+  uint16_t bits;
+};
+
+// Element types the CPU kernels take; the math is fp32 for fp32/bf16 and fp64 for fp64.
+enum Dtype : int { kFloat = 0, kBFloat16 = 1, kDouble = 2, kNumDtypes = 3 };
+
+// softmax(scale * x) over the last dim of x [b, heads, sq, sk] (contiguous), with
+// positions where mask != 0 excluded. The mask is read through strides so that any
+// broadcast ([b|1, 1|heads, sq|1, sk]) costs no copy; its last dim is contiguous.
+struct SoftmaxFwdArgs {
+  const void* x;
+  void* y;
+  const uint8_t* mask;  // nullptr: nothing masked
+  int64_t heads, sq, sk;
+  int64_t mask_stride_b, mask_stride_h, mask_stride_q;
+  double scale;
+};
+
+// grad_x = scale * y * (grad_y - sum(grad_y * y)), rows of length sk.
+struct SoftmaxBwdArgs {
+  const void* grad_y;
+  const void* y;
+  void* grad_x;
+  int64_t sk;
+  double scale;
+};
+
+// y = (x - mean) * rstd * w + b over rows of length h; mean and rstd ([rows], the
+// math type) are saved for the backward.
+struct LayerNormFwdArgs {
+  const void* x;
+  const void* w;
+  const void* b;
+  void* y;
+  void* mean;
+  void* rstd;
+  int64_t h;
+  double eps;
+};
+
+// grad_x for rows [begin, end) and this chunk's partial sums of grad_w and grad_b
+// (length h each, the math type), reduced over chunks by layer_norm_bwd_reduce.
+struct LayerNormBwdArgs {
+  const void* grad_y;
+  const void* x;
+  const void* w;
+  const void* mean;
+  const void* rstd;
+  void* grad_x;
+  int64_t h;
+};
+
+using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
+using SoftmaxBwdFn = void (*)(const SoftmaxBwdArgs&, int64_t row_begin, int64_t row_end);
+using LayerNormFwdFn = void (*)(const LayerNormFwdArgs&, int64_t row_begin, int64_t row_end);
+using LayerNormBwdFn = void (*)(const LayerNormBwdArgs&, int64_t row_begin, int64_t row_end,
+                                void* partial_grad_w, void* partial_grad_b);
+// out[j] = sum over parts of partial[part * h + j], cast to the element type.
+using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_t h, void* out);
+
+struct KernelTable {
+  const char* isa;
+  SoftmaxFwdFn softmax_fwd[kNumDtypes];
+  SoftmaxBwdFn softmax_bwd[kNumDtypes];
+  LayerNormFwdFn layer_norm_fwd[kNumDtypes];
+  LayerNormBwdFn layer_norm_bwd[kNumDtypes];
+  LayerNormBwdReduceFn layer_norm_bwd_reduce[kNumDtypes];
+};
+
+// One table per instruction set; nullptr where this compiler or architecture did not build it.
+const KernelTable* default_table();
+const KernelTable* avx2_table();
+const KernelTable* avx512_table();
+
+}  // namespace cpu
+}  // namespace megabert

@@ -1,0 +1,220 @@
+// Torch-facing CPU ops: argument checks, the choice of instruction set (once per
+// process), and OpenMP across rows. The arithmetic lives in row_kernels.h.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <omp.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "../kernel_ops.h"
+#include "kernel_table.h"
+
+namespace megabert {
+namespace cpu {
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("bmi2");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  // libgcc also checks (XGETBV) that the OS saves the AVX-512 registers.
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+// The widest table this CPU runs, capped by MEGABERT_CPU_ISA or, like torch's own
+// kernels, ATEN_CPU_CAPABILITY (default | avx2 | avx512): a way to compare paths
+// or to sidestep a suspect one without rebuilding.
+const KernelTable& select_table() {
+  const char* cap = std::getenv("MEGABERT_CPU_ISA");
+  if (cap == nullptr || *cap == '\0') cap = std::getenv("ATEN_CPU_CAPABILITY");
+  const std::string limit = cap == nullptr ? "" : cap;
+  TORCH_CHECK(limit.empty() || limit == "default" || limit == "avx2" || limit == "avx512",
+              "MEGABERT_CPU_ISA / ATEN_CPU_CAPABILITY: expected default, avx2 or avx512, got '", limit, "'");
+  const bool allow_avx2 = limit != "default";
+  const bool allow_avx512 = limit.empty() || limit == "avx512";
+  if (allow_avx512 && cpu_has_avx512() && avx512_table() != nullptr) return *avx512_table();
+  if (allow_avx2 && cpu_has_avx2() && avx2_table() != nullptr) return *avx2_table();
+  return *default_table();
+}
+
+const KernelTable& table() {
+  static const KernelTable& chosen = select_table();
+  return chosen;
+}
+
+Dtype kernel_dtype(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return kFloat;
+    case at::kBFloat16:
+      return kBFloat16;
+    case at::kDouble:
+      return kDouble;
+    default:
+      TORCH_CHECK(false, what, ": the CPU kernel takes float32, bfloat16 or float64, got ", t.scalar_type());
+  }
+}
+
+void check_input(const at::Tensor& t, const char* what, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, what, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+// Runs fn(chunk, begin, end) over at most at::get_num_threads() contiguous chunks of
+// [0, n), each at least `grain` long: one fork per op, and one scratch buffer per
+// thread rather than per row. Returns the number of chunks.
+int64_t num_chunks(int64_t n, int64_t grain) {
+  if (n <= 0) return 0;
+  if (at::in_parallel_region()) return 1;
+  const int64_t by_size = (n + grain - 1) / grain;
+  const int64_t threads = at::get_num_threads();
+  return by_size < threads ? by_size : threads;
+}
+
+template <typename F>
+void run_chunks(int64_t n, int64_t chunks, const F& fn) {
+  if (chunks <= 1) {
+    if (n > 0) fn(0, 0, n);
+    return;
+  }
+  const int64_t per_chunk = (n + chunks - 1) / chunks;
+#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * per_chunk, end = begin + per_chunk < n ? begin + per_chunk : n;
+    if (begin < end) fn(c, begin, end);
+  }
+}
+
+// ~16K elements per chunk: below that the fork costs more than the work.
+int64_t row_grain(int64_t row_len) {
+  constexpr int64_t kElementsPerChunk = 1 << 14;
+  return row_len >= kElementsPerChunk ? 1 : kElementsPerChunk / (row_len > 0 ? row_len : 1);
+}
+
+template <typename F>
+void parallel_rows(int64_t rows, int64_t row_len, const F& fn) {
+  run_chunks(rows, num_chunks(rows, row_grain(row_len)), fn);
+}
+
+at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale) {
+  const Dtype dt = kernel_dtype(x, "scaled_masked_softmax");
+  check_input(x, "scores", x.scalar_type());
+  TORCH_CHECK(x.dim() == 4, "scores must be [b, heads, sq, sk], got ", x.sizes());
+  at::Tensor y = at::empty_like(x);
+  SoftmaxFwdArgs args{x.data_ptr(), y.data_ptr(), nullptr, x.size(1), x.size(2), x.size(3), 0, 0, 0, scale};
+  if (mask.has_value() && mask->defined()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool, "mask must be bool (True = masked out), got ", m.scalar_type());
+    TORCH_CHECK(m.device().is_cpu(), "mask must be a CPU tensor");
+    TORCH_CHECK(m.sizes() == x.sizes(), "mask must be expanded to the scores' shape ", x.sizes(), ", got ",
+                m.sizes());
+    TORCH_CHECK(m.size(3) <= 1 || m.stride(3) == 1, "mask's last dim must be contiguous");
+    args.mask = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+    args.mask_stride_b = m.stride(0);
+    args.mask_stride_h = m.stride(1);
+    args.mask_stride_q = m.stride(2);
+  }
+  const int64_t sk = x.size(3), rows = sk == 0 ? 0 : x.numel() / sk;
+  const SoftmaxFwdFn fn = table().softmax_fwd[dt];
+  parallel_rows(rows, sk, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return y;
+}
+
+at::Tensor scaled_masked_softmax_backward(const at::Tensor& grad_y, const at::Tensor& y, double scale) {
+  const Dtype dt = kernel_dtype(y, "scaled_masked_softmax backward");
+  check_input(y, "softmax output", y.scalar_type());
+  check_input(grad_y, "softmax output grad", y.scalar_type());
+  TORCH_CHECK(grad_y.sizes() == y.sizes(), "grad shape ", grad_y.sizes(), " != output shape ", y.sizes());
+  TORCH_CHECK(y.dim() >= 1, "softmax output must have a last dim");
+  at::Tensor grad_x = at::empty_like(y);
+  const int64_t sk = y.size(-1), rows = sk == 0 ? 0 : y.numel() / sk;
+  const SoftmaxBwdArgs args{grad_y.data_ptr(), y.data_ptr(), grad_x.data_ptr(), sk, scale};
+  const SoftmaxBwdFn fn = table().softmax_bwd[dt];
+  parallel_rows(rows, sk, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return grad_x;
+}
+
+std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                           double eps) {
+  const Dtype dt = kernel_dtype(x, "layer_norm");
+  check_input(x, "input", x.scalar_type());
+  check_input(weight, "weight", x.scalar_type());
+  check_input(bias, "bias", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "layer_norm input must have a last dim");
+  const int64_t h = x.size(-1), rows = h == 0 ? 0 : x.numel() / h;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && bias.dim() == 1 && bias.size(0) == h,
+              "weight and bias must be [", h, "], got ", weight.sizes(), " and ", bias.sizes());
+  // Statistics in the math type: fp32 for fp32/bf16 input, fp64 for fp64.
+  const auto stat_type = dt == kDouble ? at::kDouble : at::kFloat;
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({rows}, x.options().dtype(stat_type));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(stat_type));
+  const LayerNormFwdArgs args{x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(),
+                              mean.data_ptr(), rstd.data_ptr(), h, eps};
+  const LayerNormFwdFn fn = table().layer_norm_fwd[dt];
+  parallel_rows(rows, h, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return {y, mean, rstd};
+}
+
+std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
+                                            const at::Tensor& mean, const at::Tensor& rstd) {
+  const Dtype dt = kernel_dtype(x, "layer_norm backward");
+  const auto stat_type = dt == kDouble ? at::kDouble : at::kFloat;
+  check_input(x, "input", x.scalar_type());
+  check_input(grad_y, "output grad", x.scalar_type());
+  check_input(weight, "weight", x.scalar_type());
+  check_input(mean, "mean", stat_type);
+  check_input(rstd, "rstd", stat_type);
+  TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad shape ", grad_y.sizes(), " != input shape ", x.sizes());
+  const int64_t h = x.size(-1), rows = h == 0 ? 0 : x.numel() / h;
+  TORCH_CHECK(weight.numel() == h && mean.numel() == rows && rstd.numel() == rows,
+              "layer_norm backward: weight, mean or rstd do not match the input ", x.sizes());
+  at::Tensor grad_x = at::empty_like(x);
+  // One row of partial grad_w / grad_b sums per chunk, summed after: no atomics, and
+  // the result does not depend on thread timing (the chunking depends only on the
+  // shape and the thread count).
+  const int64_t chunks = num_chunks(rows, row_grain(h)), parts = chunks > 0 ? chunks : 1;
+  at::Tensor partial = at::zeros({2, parts, h}, x.options().dtype(stat_type));  // [grad_w | grad_b, chunk, h]
+  char* partial_w = static_cast<char*>(partial.data_ptr());
+  const int64_t part_bytes = h * partial.element_size();
+  char* partial_b = partial_w + parts * part_bytes;
+  const LayerNormBwdArgs args{grad_y.data_ptr(), x.data_ptr(),    weight.data_ptr(), mean.data_ptr(),
+                              rstd.data_ptr(),   grad_x.data_ptr(), h};
+  const KernelTable& t = table();
+  run_chunks(rows, chunks, [&](int64_t c, int64_t begin, int64_t end) {
+    t.layer_norm_bwd[dt](args, begin, end, partial_w + c * part_bytes, partial_b + c * part_bytes);
+  });
+  at::Tensor grad_w = at::empty_like(weight), grad_b = at::empty_like(weight);
+  t.layer_norm_bwd_reduce[dt](partial_w, parts, h, grad_w.data_ptr());
+  t.layer_norm_bwd_reduce[dt](partial_b, parts, h, grad_b.data_ptr());
+  return {grad_x, grad_w, grad_b};
+}
+
+}  // namespace
+
+std::string isa() { return table().isa; }
+
+const KernelOps& kernel_ops() {
+  static const KernelOps ops{&scaled_masked_softmax_forward, &scaled_masked_softmax_backward, &layer_norm_forward,
+                             &layer_norm_backward};
+  return ops;
+}
+
+}  // namespace cpu
+}  // namespace megabert

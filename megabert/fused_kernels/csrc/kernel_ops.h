@@ -1,0 +1,42 @@
+// The ops both extension modules export (megabert.fused_kernels._cpu and _cuda), with
+// the same names and signatures so that megabert.ops drives either alike: each backend
+// fills one KernelOps, and def_kernel_ops (bind_kernel_ops.h) puts it on its module.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace megabert {
+
+struct KernelOps {
+  // softmax(scale * scores) over the last dim with masked keys excluded; a fully masked
+  // row gives zeros. scores: [b, heads, sq, sk] contiguous; mask: bool, expanded (a view
+  // is enough) to the scores' shape with its last dim contiguous, True = masked out.
+  at::Tensor (*scaled_masked_softmax_forward)(const at::Tensor& scores, const std::optional<at::Tensor>& mask,
+                                              double scale);
+  // grad of the scores from the grad of the probabilities and the probabilities.
+  at::Tensor (*scaled_masked_softmax_backward)(const at::Tensor& grad_probs, const at::Tensor& probs, double scale);
+  // LayerNorm over the last dim of x [..., h] (contiguous) -> {y, mean, rstd}; mean and
+  // rstd are [rows] in the math type (fp32, or fp64 for fp64 input).
+  std::vector<at::Tensor> (*layer_norm_forward)(const at::Tensor& x, const at::Tensor& weight,
+                                                const at::Tensor& bias, double eps);
+  // -> {grad_x, grad_weight, grad_bias}
+  std::vector<at::Tensor> (*layer_norm_backward)(const at::Tensor& grad_y, const at::Tensor& x,
+                                                 const at::Tensor& weight, const at::Tensor& mean,
+                                                 const at::Tensor& rstd);
+};
+
+namespace cpu {
+const KernelOps& kernel_ops();
+// The instruction set the row kernels run with: "avx512", "avx2" or "default".
+std::string isa();
+}  // namespace cpu
+
+namespace cuda {
+const KernelOps& kernel_ops();
+}  // namespace cuda
+
+}  // namespace megabert

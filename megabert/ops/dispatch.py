@@ -1,0 +1,70 @@
+"""Per call: the fused kernel or the PyTorch reference, and a log line the first time.
+
+The kernels cover the shapes and dtypes BERT trains with; anything else (float16 on
+CPU, keys longer than a CUDA kernel handles, a CUDA torch built without the CUDA
+extension) runs the unfused PyTorch reference. That is correct but slower, so the
+first call of each kind says so (WARNING: visible without any logging set-up), and
+the first fused call says which kernels run (INFO). Nothing falls back silently.
+"""
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from megabert import fused_kernels
+from megabert.errors import ConfigError
+
+logger = logging.getLogger("megabert.ops")
+_said: set[tuple] = set()
+
+
+def say_once(key: tuple, level: int, msg: str, *args) -> None:
+    """Log `msg` the first time `key` is seen in this process."""
+    if key not in _said:
+        _said.add(key)
+        logger.log(level, msg, *args)
+
+
+def fused_kernels_for(op: str, x: torch.Tensor, outside_limits: Optional[str]) -> Optional[ModuleType]:
+    """The compiled module that runs `op` on `x`, or None for the PyTorch reference.
+
+    `outside_limits` is the caller's reason why this call is beyond the kernel (None
+    when it is within); each distinct reason is logged once.
+    """
+    device = x.device.type
+    kernels = fused_kernels.kernels_for(device)
+    if kernels is None:
+        say_once((op, device, "unbuilt"), logging.WARNING, "%s: no fused kernel for %s tensors (%s); using PyTorch",
+                  op, device, fused_kernels.load_error(device))
+        return None
+    if outside_limits is not None:
+        say_once((op, device, outside_limits), logging.WARNING,
+                  "%s: %s is outside the fused kernel's limits; using PyTorch for such calls", op, outside_limits)
+        return None
+    say_once((op, device, "fused"), logging.INFO, "%s: %s", op, fused_kernels.describe(device))
+    return kernels
+
+
+def dtype_outside(x: torch.Tensor, supported: dict[str, tuple[torch.dtype, ...]]) -> Optional[str]:
+    """A reason string when x's dtype is not among those the kernel for its device takes."""
+    allowed = supported.get(x.device.type, ())
+    if x.dtype in allowed:
+        return None
+    names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+    return f"{str(x.dtype).removeprefix('torch.')} on {x.device.type} (the kernel takes {names})"
+
+
+def resolve_backend(what: str, flag: str, backend: str, unfused: str, device_type: str) -> str:
+    """The backend a model on `device_type` uses for `what`: 'auto' is 'fused' when the
+    kernels for that device are built, else `unfused`; 'fused' without them is an error
+    naming `flag`. Logged once per choice."""
+    if backend == "auto":
+        backend = "fused" if fused_kernels.is_available(device_type) else unfused
+    elif backend == "fused" and not fused_kernels.is_available(device_type):
+        raise ConfigError(f"{flag} fused: the fused {device_type} kernels are not built "
+                          f"({fused_kernels.load_error(device_type)}); run `make install` or use {flag} {unfused}")
+    say_once((what, backend), logging.INFO, "%s backend: %s", what, backend)
+    return backend
