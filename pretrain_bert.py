@@ -60,7 +60,10 @@ def main(argv=None) -> None:
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
     train_batches, valid_batches = build_data(cfg, ps, tokenizer)
     trainer = build_pretraining(cfg, ps, tokenizer.vocab_size, train_batches, valid_batches)
-    state = trainer.train()
+    try:
+        state = trainer.train()
+    finally:
+        trainer.close()
     if ps.is_logging_rank:
         print(f"done: iteration {state.iteration}, {state.consumed_samples} samples", flush=True)
     megabert.destroy_parallel()

@@ -139,3 +139,15 @@ def test_reshard_tp2_checkpoint_and_continue_at_tp1(tmp_path, reference):
     assert r.returncode == 0, r.stderr
     run_distributed(train_worker, 1, ITERS + ["--load", ckpt1, "--metrics-file", part])
     assert read_metrics(part) == pytest.approx(reference, abs=1e-4)
+
+
+def test_fused_kernels_train_to_the_same_losses(tmp_path, reference):
+    """The reference run uses --attention-backend torch and PyTorch LayerNorm; the fused
+    softmax and LayerNorm kernels must follow the same curve (fp32, dropout 0)."""
+    from megabert import fused_kernels
+
+    assert fused_kernels.is_available(), fused_kernels.load_error()
+    path = str(tmp_path / "m.jsonl")
+    run_distributed(train_worker, 1, ITERS + ["--metrics-file", path, "--attention-backend", "fused",
+                                              "--layernorm-backend", "fused"])
+    assert read_metrics(path) == pytest.approx(reference, abs=1e-4)

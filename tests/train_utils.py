@@ -13,7 +13,7 @@ SEQ = 16
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
         "--max-position-embeddings", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--log-interval", "1",
-        "--attention-backend", "torch", "--eval-interval", "0"]
+        "--attention-backend", "torch", "--layernorm-backend", "torch", "--eval-interval", "0"]
 
 
 def sample(index: int, seed: int = 7) -> dict:
@@ -49,7 +49,10 @@ def train_worker(rank, world, argv, tp=1):
     validate_run(cfg, ps)
     trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, cfg.train.micro_batch_size,
                                                                           ps.dp_rank, ps.dp_size))
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
 
 
 def read_metrics(path, key="lm_loss"):

@@ -59,8 +59,8 @@ class BertModel(nn.Module):
         self.config, self.parallel_state = config, ps
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.ctx = BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, seed=seed, rng=rng,
-                                attention_backend=resolve_attention_backend(config.attention_backend),
-                                layernorm_backend=resolve_layernorm_backend(config.layernorm_backend),
+                                attention_backend=resolve_attention_backend(config.attention_backend, device.type),
+                                layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),
                                 params_dtype=params_dtype, device=device)
         self.embeddings = BertEmbeddings(self.ctx, self.padded_vocab_size)
         self.encoder = TransformerBlock(self.ctx)

@@ -180,6 +180,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
 
+    def close(self) -> None:
+        """Releases the DeepSpeed engine (its hooks, ZeRO-3 partition state and comm
+        buffers) before the process groups go away, so the process exits cleanly."""
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+
     def save(self) -> None:
         if not self.cfg.save:
             return
