@@ -1,8 +1,11 @@
-"""Model outputs. User-visible MLM logits are gathered over TP ranks on first access
-only: training reads the loss and never pays for a [tokens, vocab] all-gather."""
+"""Model outputs: dicts with attribute access, as transformers' ModelOutput, so tools that
+walk a module's outputs for tensors (DeepSpeed ZeRO-3's backward hooks, for one) find them.
+
+User-visible MLM logits are gathered over TP ranks on first access only: training reads
+the loss and never pays for a [tokens, vocab] all-gather.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -10,21 +13,28 @@ import torch
 from megabert.tensor_parallel import gather_from_tp
 
 
-class BertPreTrainingOutput:
+class ModelOutput(dict):
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}") from None
+
+
+class BertPreTrainingOutput(ModelOutput):
+    """loss, mlm_loss, nsp_loss; nsp_logits [b, 2]; mlm_logits_parallel [..., padded V / tp];
+    mlm_logits [b, s, vocab] (or [n_masked, vocab]): full vocab, padding columns removed."""
+
     def __init__(self, *, loss, mlm_loss, nsp_loss, mlm_logits_parallel, nsp_logits, tp_group, vocab_size):
-        self.loss: Optional[torch.Tensor] = loss
-        self.mlm_loss: Optional[torch.Tensor] = mlm_loss
-        self.nsp_loss: Optional[torch.Tensor] = nsp_loss
-        self.nsp_logits: Optional[torch.Tensor] = nsp_logits  # [b, 2]
-        self.mlm_logits_parallel: torch.Tensor = mlm_logits_parallel  # [..., padded V / tp]
+        super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits,
+                         mlm_logits_parallel=mlm_logits_parallel)
         self._tp_group, self._vocab_size = tp_group, vocab_size
         self._mlm_logits: Optional[torch.Tensor] = None
 
     @property
     def mlm_logits(self) -> torch.Tensor:
-        """[b, s, vocab] (or [n_masked, vocab]): full vocab, padding columns removed."""
         if self._mlm_logits is None:
-            full = gather_from_tp(self.mlm_logits_parallel, self._tp_group)
+            full = gather_from_tp(self["mlm_logits_parallel"], self._tp_group)
             self._mlm_logits = full[..., : self._vocab_size]
         return self._mlm_logits
 
@@ -32,11 +42,11 @@ class BertPreTrainingOutput:
     # for NSP or SOP: both are a 2-way classification of the [CLS] representation.
     @property
     def sop_logits(self) -> Optional[torch.Tensor]:
-        return self.nsp_logits
+        return self["nsp_logits"]
 
 
-@dataclass
-class QuestionAnsweringOutput:
-    loss: Optional[torch.Tensor]
-    start_logits: torch.Tensor  # [b, s]
-    end_logits: torch.Tensor  # [b, s]
+class QuestionAnsweringOutput(ModelOutput):
+    """loss; start_logits and end_logits [b, s]."""
+
+    def __init__(self, *, loss, start_logits, end_logits):
+        super().__init__(loss=loss, start_logits=start_logits, end_logits=end_logits)
