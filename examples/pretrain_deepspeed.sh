@@ -6,9 +6,15 @@
 # precision and the ZeRO stage it repeats must agree with them, or the run stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# ZeRO partitions flattened optimizer state, which LAMB's per-tensor trust ratio cannot
+# use: with DeepSpeed the recipe trains AdamW (BERT's original optimizer) at a smaller LR.
+OPTIMIZER=adam
+LR=${LR:-$([ "${PHASE:-1}" = 1 ] && echo 4e-4 || echo 2.8e-4)}
 source examples/recipes.sh
 DS_CONFIG=${DS_CONFIG:-examples/ds_config_zero1.json}
-HOSTFILE_ARGS=""
-[ -n "${HOSTFILE:-}" ] && HOSTFILE_ARGS="--hostfile ${HOSTFILE}"
-exec deepspeed ${HOSTFILE_ARGS} pretrain_bert.py ${ARGS} --deepspeed --deepspeed_config "${DS_CONFIG}" \
+LAUNCH_ARGS="--master_port ${MASTER_PORT:-29500}"
+[ -n "${HOSTFILE:-}" ] && LAUNCH_ARGS="${LAUNCH_ARGS} --hostfile ${HOSTFILE}"
+# Without a hostfile the launcher counts local GPUs; GPUS_PER_NODE overrides (CPU: processes).
+[ -n "${GPUS_PER_NODE:-}" ] && LAUNCH_ARGS="${LAUNCH_ARGS} --num_gpus ${GPUS_PER_NODE}"
+exec deepspeed ${LAUNCH_ARGS} pretrain_bert.py ${ARGS} --deepspeed --deepspeed_config "${DS_CONFIG}" \
   --zero-stage "${ZERO_STAGE:-1}" "$@"

@@ -18,13 +18,13 @@ else
   # Phase 2 starts from phase 1's weights with a fresh optimizer and schedule.
   LOAD_ARGS="--load ${PHASE1_CHECKPOINT:-${SAVE}-phase1} --finetune"
 fi
-PRECISION=${PRECISION:---bf16}
+PRECISION=${PRECISION---bf16}  # PRECISION= (empty) for fp32, e.g. on CPU
 ARGS="--preset bert-${SIZE} --seq-length ${SEQ} --max-position-embeddings 512 \
   --micro-batch-size ${MICRO_BATCH} --global-batch-size ${GLOBAL_BATCH} --train-iters ${TRAIN_ITERS} \
-  --optimizer lamb --lr ${LR} --min-lr 0 --lr-warmup-fraction ${WARMUP} --lr-decay-style polynomial \
+  --optimizer ${OPTIMIZER:-lamb} --lr ${LR} --min-lr 0 --lr-warmup-fraction ${WARMUP} --lr-decay-style polynomial \
   --lr-decay-power 0.5 --weight-decay 0.01 --clip-grad 1.0 \
-  --data-path ${DATA_PATH} --vocab-file ${VOCAB_FILE} --split 949,50,1 \
+  --data-path ${DATA_PATH} --vocab-file ${VOCAB_FILE} --split ${SPLIT:-949,50,1} \
   --tensor-model-parallel-size ${TP} ${PRECISION} --mlm-logits-at-masked-only \
   --save ${SAVE}-phase${PHASE} --save-interval ${SAVE_INTERVAL:-500} --keep-last-checkpoints 3 \
-  --eval-interval ${EVAL_INTERVAL:-1000} --eval-iters 10 --log-interval 10 \
+  --eval-interval ${EVAL_INTERVAL:-1000} --eval-iters 10 --log-interval ${LOG_INTERVAL:-10} \
   --metrics-file ${SAVE}-phase${PHASE}/metrics.jsonl --tensorboard-dir ${SAVE}-phase${PHASE}/tensorboard ${LOAD_ARGS}"

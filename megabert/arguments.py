@@ -99,6 +99,10 @@ def check_combinations(cfg: Configs) -> None:
     if pp > 1:
         raise ConfigError("--pipeline-model-parallel-size > 1: pipeline schedules are not in this release; "
                           "use tensor and data parallelism (--tensor-model-parallel-size, more processes)")
+    if cfg.optim.optimizer == "lamb" and cfg.train.deepspeed:
+        raise ConfigError("--optimizer lamb with --deepspeed is not supported: ZeRO and DeepSpeed's precision "
+                          "wrappers hand the optimizer flattened buffers, so LAMB's per-tensor trust ratio would "
+                          "be wrong; train LAMB without --deepspeed, or use --optimizer adam with ZeRO")
     if cfg.train.finetune and not cfg.train.load:
         raise ConfigError("--finetune needs --load")
     if cfg.model.sequence_parallel and cfg.train.deepspeed:

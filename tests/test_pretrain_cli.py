@@ -23,6 +23,7 @@ def last_line(r):
      "--zero-stage 2 cannot combine with --pipeline-model-parallel-size 2 > 1"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
     (["--zero-stage", "1"], "--zero-stage 1 needs --deepspeed"),
+    (["--deepspeed", "--optimizer", "lamb"], "--optimizer lamb with --deepspeed is not supported"),
     (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
     (["--num-attention-heads", "3", "--hidden-size", "96", "--tensor-model-parallel-size", "1",
       "--ffn-hidden-size", "100", "--global-batch-size", "3"], "--global-batch-size 3 is not divisible by"),

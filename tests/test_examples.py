@@ -1,0 +1,37 @@
+"""The launch scripts in examples/ run as written (tiny overrides from the environment),
+under torchrun, the deepspeed launcher and mpirun, and `make demo`'s script runs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_pretrain_e2e import dataset  # noqa: F401  (fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.mark.parametrize("script", ["pretrain_torchrun.sh", "pretrain_deepspeed.sh", "pretrain_mpirun.sh"])
+def test_example_scripts(dataset, tmp_path, script):  # noqa: F811
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
+           "DATA_PATH": str(dataset / "c_text_sentence"), "VOCAB_FILE": str(dataset / "vocab.txt"),
+           "SIZE": "tiny", "PHASE": "1", "GLOBAL_BATCH": "4", "MICRO_BATCH": "2", "TRAIN_ITERS": "2",
+           "SAVE": str(tmp_path / "bert"), "SAVE_INTERVAL": "1", "EVAL_INTERVAL": "1", "PRECISION": "",
+           "TP": "2", "SPLIT": "90,10,0", "LOG_INTERVAL": "1", "GPUS_PER_NODE": "2", "NP": "2", "MASTER_PORT": "29631"}
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", script)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "bert-phase1" / "metrics.jsonl")]
+    assert [x["iteration"] for x in rows if "lm_loss" in x] == [1, 2]
+    assert open(tmp_path / "bert-phase1" / "latest_checkpointed_iteration.txt").read() == "2"
+
+
+def test_demo_script_runs_small(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--workdir", str(tmp_path),
+                        "--train-iters", "20", "--max-documents", "300"], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "masked-LM loss" in r.stdout
+    assert os.path.getsize(tmp_path / "loss_curve.png") > 10_000
+    assert os.path.isfile(tmp_path / "hf_export" / "model.safetensors")
