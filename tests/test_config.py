@@ -55,3 +55,21 @@ def test_world_size_not_divisible_is_one_line_error():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ("error: world size 1 is not divisible by --tensor-model-parallel-size 2 x "
                                 "--pipeline-model-parallel-size 1; launch a multiple of 2 processes")
+
+
+def test_every_design_flag_parses():
+    """The CLI contract in DESIGN.md: Megatron-LM flag names."""
+    argv = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --seq-length 64 "
+            "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "
+            "--min-lr 1e-5 --lr-warmup-iters 2 --lr-decay-style cosine --weight-decay 0.01 --clip-grad 1.0 "
+            "--optimizer adam --data-path 0.3 A 0.7 B --split 949,50,1 --vocab-file v.txt "
+            "--tokenizer-type BertWordPieceCase --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 "
+            "--num-layers-per-virtual-pipeline-stage 1 --bf16 --recompute-granularity selective "
+            "--hidden-dropout 0.0 --attention-dropout 0.0 --seed 7 --save s --load s --save-interval 5 "
+            "--eval-interval 5 --eval-iters 2 --log-interval 1 --bert-no-binary-head --mask-prob 0.2 "
+            "--short-seq-prob 0.05 --metrics-file m.jsonl --deepspeed --deepspeed_config ds.json --zero-stage 2")
+    cfg = parse_args(argv.split())
+    assert cfg.model.ffn_hidden_size == 256 and cfg.parallel.num_layers_per_virtual_pipeline_stage == 1
+    assert cfg.train.zero_stage == 2 and cfg.train.deepspeed_config == "ds.json" and cfg.data.mask_prob == 0.2
+    assert not cfg.model.bert_binary_head and cfg.model.recompute_granularity == "selective"
+    assert parse_args(["--fp16"]).train.fp16
