@@ -151,3 +151,27 @@ def test_fused_kernels_train_to_the_same_losses(tmp_path, reference):
     run_distributed(train_worker, 1, ITERS + ["--metrics-file", path, "--attention-backend", "fused",
                                               "--layernorm-backend", "fused"])
     assert read_metrics(path) == pytest.approx(reference, abs=1e-4)
+
+
+def _sigterm_at_iteration_2(rank, world, ckpt, metrics):
+    """A real SIGTERM (what SLURM sends before preemption) arrives during iteration 3."""
+    import signal
+
+    import megabert.training.trainer as trainer_mod
+
+    real_step = trainer_mod.Trainer.train_step
+
+    def step(self):
+        if self.state.iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self)
+
+    trainer_mod.Trainer.train_step = step
+    train_worker(rank, world, ITERS + ["--save", ckpt, "--metrics-file", metrics])
+
+
+def test_sigterm_saves_and_exits(tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    run_distributed(_sigterm_at_iteration_2, 1, ckpt, metrics)
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert len(read_metrics(metrics)) == 3

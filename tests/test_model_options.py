@@ -1,0 +1,60 @@
+"""Model options: pre-LN is layout-independent; masked-only MLM logits give the same loss
+and the same logits at the masked positions as computing all of them."""
+import torch
+from dist_utils import run_distributed
+from train_utils import batches
+
+import megabert
+from megabert.config import ModelConfig
+from megabert.model.pretrained import gather_full
+
+
+def _cfg(**kw):
+    return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=99, max_position_embeddings=32,
+                       hidden_dropout=0, attention_dropout=0, attention_backend="torch", layernorm_backend="torch",
+                       **kw)
+
+
+def _pre_ln(rank, world, out):
+    ps = megabert.init_parallel(tensor_parallel_size=world)
+    model = megabert.BertForPreTraining(_cfg(layernorm_position="pre"), ps)
+    assert model.bert.encoder.final_layernorm is not None
+    b = next(batches(0, 4, 0, 1))
+    o = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
+    o.loss.backward()
+    grads = gather_full({n: p.grad for n, p in model.named_parameters()}, ps)
+    logits = o.mlm_logits.detach()  # gathered over TP: every rank takes part
+    if rank == 0:
+        torch.save({"loss": o.loss.detach(), "logits": logits,
+                    "grads": {k: v[:99] if "word" in k or k == "lm_head.bias" else v for k, v in grads.items()}}, out)
+
+
+def test_pre_layernorm_tp2_equals_tp1(tmp_path):
+    run_distributed(_pre_ln, 1, str(tmp_path / "a"))
+    run_distributed(_pre_ln, 2, str(tmp_path / "b"))
+    a, b = torch.load(tmp_path / "a"), torch.load(tmp_path / "b")
+    assert torch.allclose(a["loss"], b["loss"], atol=1e-6)
+    assert torch.allclose(a["logits"], b["logits"], atol=1e-5)
+    for k in a["grads"]:
+        assert torch.allclose(a["grads"][k], b["grads"][k], atol=1e-5), k
+
+
+def _masked_only(rank, world):
+    ps = megabert.init_parallel(tensor_parallel_size=world)
+    full = megabert.BertForPreTraining(_cfg(), ps)
+    sparse = megabert.BertForPreTraining(_cfg(mlm_logits_at_masked_only=True), ps)
+    b = next(batches(0, 4, 0, 1))
+    args = (b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
+    o_full, o_sparse = full(*args), sparse(*args)
+    selected = b["labels"] != -100
+    assert o_sparse.mlm_logits.shape == (int(selected.sum()), 99)
+    assert torch.allclose(o_sparse.mlm_logits, o_full.mlm_logits[selected], atol=1e-5)
+    assert torch.allclose(o_sparse.loss, o_full.loss, atol=1e-6)
+    o_full.loss.backward()
+    o_sparse.loss.backward()
+    for (n, p), (_, q) in zip(full.named_parameters(), sparse.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), n
+
+
+def test_masked_only_logits_match_full():
+    run_distributed(_masked_only, 2)
