@@ -41,6 +41,49 @@ def attention_mask_to_bool(attention_mask: Optional[torch.Tensor]) -> Optional[t
     raise ValueError(f"attention_mask must be [b, s], [b, sq, sk] or [b, 1, sq, sk], got {tuple(attention_mask.shape)}")
 
 
+def build_context(config: ModelConfig, ps: ParallelState, seed: int, params_dtype: torch.dtype,
+                  device: Optional[torch.device | str]) -> BuildContext:
+    """The shared build context of one rank's model (or pipeline stage)."""
+    device = torch.device(device) if device is not None else ps.device
+    rng = RNGStatesTracker(device)
+    # Per TP rank (independent dropout in split regions) and per pipeline stage (stages
+    # hold different layers, which should not share dropout masks).
+    rng.add(TP_STREAM, seed + TP_SEED_OFFSET + ps.tp_rank + 100 * ps.pp_rank)
+    return BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, seed=seed, rng=rng,
+                        attention_backend=resolve_attention_backend(config.attention_backend, device.type),
+                        layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),
+                        params_dtype=params_dtype, device=device)
+
+
+def pretraining_heads(config: ModelConfig, ps: ParallelState, sequence: torch.Tensor, pooled: Optional[torch.Tensor],
+                      lm_head: MLMHead, word_embeddings: torch.Tensor, binary_head: Optional[nn.Linear],
+                      labels: Optional[torch.Tensor], next_sentence_label: Optional[torch.Tensor]
+                      ) -> BertPreTrainingOutput:
+    """MLM logits (tied to the word embeddings) and the sentence-pair head, with losses.
+    `sequence` is the encoder output [s, b, h] gathered over sequence-parallel ranks."""
+    hidden = sequence.transpose(0, 1)  # [b, s, h]
+    target = labels
+    if config.mlm_logits_at_masked_only:
+        if labels is None:
+            raise ValueError("mlm_logits_at_masked_only needs labels to know the masked positions")
+        selected = labels != -100
+        hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
+    logits = lm_head(hidden, word_embeddings)  # [..., V/tp]
+
+    mlm_loss = None
+    if target is not None:
+        per_token = vocab_parallel_cross_entropy(logits, target, ps.tp_group)
+        mlm_loss = per_token.sum() / (target != -100).sum().clamp(min=1)
+    nsp_logits = binary_head(pooled) if binary_head is not None else None
+    nsp_loss = None
+    if nsp_logits is not None and next_sentence_label is not None:
+        nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
+    parts = [x for x in (mlm_loss, nsp_loss) if x is not None]
+    return BertPreTrainingOutput(loss=sum(parts) if parts else None, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
+                                 mlm_logits_parallel=logits, nsp_logits=nsp_logits, tp_group=ps.tp_group,
+                                 vocab_size=config.vocab_size)
+
+
 class BertModel(nn.Module):
     """Embeddings + transformer encoder (+ pooler). Returns [s, b, h] and the pooled [b, h]."""
 
@@ -53,15 +96,9 @@ class BertModel(nn.Module):
             raise ConfigError("BertModel builds a whole model; with --pipeline-model-parallel-size > 1 the "
                               "trainer builds per-stage models")
         validate_layout(config, ParallelConfig(tensor_model_parallel_size=ps.tp_size), ps.tp_size * ps.dp_size)
-        device = torch.device(device) if device is not None else ps.device
-        rng = RNGStatesTracker(device)
-        rng.add(TP_STREAM, seed + TP_SEED_OFFSET + ps.tp_rank)
         self.config, self.parallel_state = config, ps
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
-        self.ctx = BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, seed=seed, rng=rng,
-                                attention_backend=resolve_attention_backend(config.attention_backend, device.type),
-                                layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),
-                                params_dtype=params_dtype, device=device)
+        self.ctx = build_context(config, ps, seed, params_dtype, device)
         self.embeddings = BertEmbeddings(self.ctx, self.padded_vocab_size)
         self.encoder = TransformerBlock(self.ctx)
         self.pooler = Pooler(self.ctx) if add_pooler else None
@@ -105,27 +142,9 @@ class BertForPreTraining(PretrainedMixin, nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 next_sentence_label: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
         sequence, pooled = self.bert(input_ids, token_type_ids, attention_mask)
-        hidden = sequence.transpose(0, 1)  # [b, s, h]
-        target = labels
-        if self.config.mlm_logits_at_masked_only:
-            if labels is None:
-                raise ValueError("mlm_logits_at_masked_only needs labels to know the masked positions")
-            selected = labels != -100
-            hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
-        logits = self.lm_head(hidden, self.bert.embeddings.word_embeddings.weight)  # [..., V/tp]
-
-        mlm_loss = None
-        if target is not None:
-            per_token = vocab_parallel_cross_entropy(logits, target, self.parallel_state.tp_group)
-            mlm_loss = per_token.sum() / (target != -100).sum().clamp(min=1)
-        nsp_logits = self.binary_head(pooled) if self.binary_head is not None else None
-        nsp_loss = None
-        if nsp_logits is not None and next_sentence_label is not None:
-            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
-        parts = [x for x in (mlm_loss, nsp_loss) if x is not None]
-        return BertPreTrainingOutput(loss=sum(parts) if parts else None, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
-                                     mlm_logits_parallel=logits, nsp_logits=nsp_logits,
-                                     tp_group=self.parallel_state.tp_group, vocab_size=self.config.vocab_size)
+        return pretraining_heads(self.config, self.parallel_state, sequence, pooled, self.lm_head,
+                                 self.bert.embeddings.word_embeddings.weight, self.binary_head, labels,
+                                 next_sentence_label)
 
 
 class BertForQuestionAnswering(PretrainedMixin, nn.Module):

@@ -9,23 +9,41 @@ from megabert.model.context import BuildContext
 from megabert.tensor_parallel import VocabParallelEmbedding, scatter_to_sp
 
 
+def word_embeddings(ctx: BuildContext, padded_vocab_size: int) -> VocabParallelEmbedding:
+    """The (vocab-parallel) word embeddings, from the seed by name: every TP size and every
+    pipeline stage that holds a copy starts from the same matrix."""
+    init_rows = ctx.init("embeddings.word_embeddings.weight")
+    vocab_size = ctx.config.vocab_size
+
+    def init_word_embeddings(full: torch.Tensor) -> None:
+        # Padding rows (past the real vocab) start at zero and stay there: no id looks
+        # them up and their logits are masked. Random rows would make the matrix norm,
+        # and with it LAMB's trust ratio, depend on how much padding the TP size adds.
+        init_rows(full)
+        full[vocab_size:] = 0.0
+
+    return VocabParallelEmbedding(padded_vocab_size, ctx.config.hidden_size, tp_group=ctx.tp_group,
+                                  init_method=init_word_embeddings, params_dtype=ctx.params_dtype, device=ctx.device)
+
+
+class TiedWordEmbeddings(nn.Module):
+    """The last pipeline stage's copy of the word embeddings, for the MLM head's output
+    projection. Named like BertEmbeddings' so both copies save under one name; the
+    trainer keeps them equal by summing their gradients over the embedding group."""
+
+    def __init__(self, ctx: BuildContext, padded_vocab_size: int):
+        super().__init__()
+        self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
+        # The first stage's copy is the one counted in the gradient norm.
+        self.word_embeddings.weight.pipeline_duplicate = True
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, ctx: BuildContext, padded_vocab_size: int):
         super().__init__()
         cfg = ctx.config
         self.ctx = ctx
-        init_rows = ctx.init("embeddings.word_embeddings.weight")
-
-        def init_word_embeddings(full: torch.Tensor) -> None:
-            # Padding rows (past the real vocab) start at zero and stay there: no id looks
-            # them up and their logits are masked. Random rows would make the matrix norm,
-            # and with it LAMB's trust ratio, depend on how much padding the TP size adds.
-            init_rows(full)
-            full[cfg.vocab_size:] = 0.0
-
-        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group,
-                                                      init_method=init_word_embeddings,
-                                                      params_dtype=ctx.params_dtype, device=ctx.device)
+        self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                 dtype=ctx.params_dtype, device=ctx.device)
         self.tokentype_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size,

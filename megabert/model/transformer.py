@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -59,24 +59,28 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Layers [first_layer, first_layer + num_layers); numbering is global so that a
-    pipeline stage's layers initialise exactly like the same layers at PP=1."""
+    """A stack of transformer layers keyed by their global number ("layers.5.") so that a
+    pipeline stage's layers initialise, and save, exactly like the same layers at PP=1."""
 
-    def __init__(self, ctx: BuildContext, first_layer: int = 0, num_layers: Optional[int] = None,
-                 final_layernorm: bool = True):
+    def __init__(self, ctx: BuildContext, layer_ids: Optional[Sequence[int]] = None, final_layernorm: bool = True):
         super().__init__()
-        num_layers = ctx.config.num_layers if num_layers is None else num_layers
+        layer_ids = range(ctx.config.num_layers) if layer_ids is None else layer_ids
         self.ctx = ctx
-        self.layers = nn.ModuleList(TransformerLayer(ctx, first_layer + i) for i in range(num_layers))
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx, i) for i in layer_ids})
         # Pre-LN stacks end with a LayerNorm (the last layer's output is un-normalised).
         self.final_layernorm = ctx.layer_norm() if ctx.config.layernorm_position == "pre" and final_layernorm \
             else None
         self.full_recompute = ctx.config.recompute_granularity == "full"
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        for layer in self.layers:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], layer_ids: Optional[Sequence[int]] = None,
+                apply_final_layernorm: bool = True) -> torch.Tensor:
+        """Runs `layer_ids` (default: all held layers, in order), then the final LayerNorm."""
+        layers = self.layers.values() if layer_ids is None else (self.layers[str(i)] for i in layer_ids)
+        for layer in layers:
             if self.full_recompute and self.training:
                 x = checkpoint(layer, self.ctx.rng, x, mask)
             else:
                 x = layer(x, mask)
-        return self.final_layernorm(x) if self.final_layernorm is not None else x
+        if apply_final_layernorm and self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x
