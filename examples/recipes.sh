@@ -9,6 +9,8 @@ DATA_PATH=${DATA_PATH:?set DATA_PATH to a prefix made by tools/preprocess_data.p
 VOCAB_FILE=${VOCAB_FILE:?set VOCAB_FILE to the WordPiece vocab.txt}
 SAVE=${SAVE:-checkpoints/bert-${SIZE}}
 TP=${TP:-1}
+PP=${PP:-1}  # pipeline stages (not with the deepspeed launcher script: ZeRO + PP is refused)
+VPP_ARGS=${VPP:+--num-layers-per-virtual-pipeline-stage ${VPP}}  # VPP=K: interleaved, K layers per chunk
 if [ "$PHASE" = 1 ]; then
   SEQ=128; GLOBAL_BATCH=${GLOBAL_BATCH:-65536}; MICRO_BATCH=${MICRO_BATCH:-64}
   LR=${LR:-6e-3}; WARMUP=${WARMUP:-0.2843}; TRAIN_ITERS=${TRAIN_ITERS:-7038}; LOAD_ARGS=""
@@ -24,7 +26,7 @@ ARGS="--preset bert-${SIZE} --seq-length ${SEQ} --max-position-embeddings 512 \
   --optimizer ${OPTIMIZER:-lamb} --lr ${LR} --min-lr 0 --lr-warmup-fraction ${WARMUP} --lr-decay-style polynomial \
   --lr-decay-power 0.5 --weight-decay 0.01 --clip-grad 1.0 \
   --data-path ${DATA_PATH} --vocab-file ${VOCAB_FILE} --split ${SPLIT:-949,50,1} \
-  --tensor-model-parallel-size ${TP} ${PRECISION} --mlm-logits-at-masked-only \
+  --tensor-model-parallel-size ${TP} --pipeline-model-parallel-size ${PP} ${VPP_ARGS} ${PRECISION} --mlm-logits-at-masked-only \
   --save ${SAVE}-phase${PHASE} --save-interval ${SAVE_INTERVAL:-500} --keep-last-checkpoints 3 \
   --eval-interval ${EVAL_INTERVAL:-1000} --eval-iters 10 --log-interval ${LOG_INTERVAL:-10} \
   --metrics-file ${SAVE}-phase${PHASE}/metrics.jsonl --tensorboard-dir ${SAVE}-phase${PHASE}/tensorboard ${LOAD_ARGS}"

@@ -235,7 +235,9 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
         raise ConfigError(f"--num-layers {model.num_layers} is not divisible by "
                           f"--pipeline-model-parallel-size {pp}")
     vpp = parallel.num_layers_per_virtual_pipeline_stage
-    if vpp is not None and (model.num_layers // pp) % vpp:
+    if vpp is not None and pp == 1:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    if vpp is not None and (vpp < 1 or (model.num_layers // pp) % vpp):
         raise ConfigError(f"layers per pipeline stage ({model.num_layers // pp}) is not divisible by "
                           f"--num-layers-per-virtual-pipeline-stage {vpp}")
     dp = world_size // (tp * pp)

@@ -12,13 +12,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
-@pytest.mark.parametrize("script", ["pretrain_torchrun.sh", "pretrain_deepspeed.sh", "pretrain_mpirun.sh"])
-def test_example_scripts(dataset, tmp_path, script):  # noqa: F811
+@pytest.mark.parametrize("script,layout", [("pretrain_torchrun.sh", {}), ("pretrain_deepspeed.sh", {}),
+                                           ("pretrain_mpirun.sh", {}),
+                                           ("pretrain_torchrun.sh", {"TP": "1", "PP": "2"})])
+def test_example_scripts(dataset, tmp_path, script, layout):  # noqa: F811
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
            "DATA_PATH": str(dataset / "c_text_sentence"), "VOCAB_FILE": str(dataset / "vocab.txt"),
            "SIZE": "tiny", "PHASE": "1", "GLOBAL_BATCH": "4", "MICRO_BATCH": "2", "TRAIN_ITERS": "2",
            "SAVE": str(tmp_path / "bert"), "SAVE_INTERVAL": "1", "EVAL_INTERVAL": "1", "PRECISION": "",
-           "TP": "2", "SPLIT": "90,10,0", "LOG_INTERVAL": "1", "GPUS_PER_NODE": "2", "NP": "2", "MASTER_PORT": "29631"}
+           "TP": "2", "SPLIT": "90,10,0", "LOG_INTERVAL": "1", "GPUS_PER_NODE": "2", "NP": "2", "MASTER_PORT": "29631", **layout}
     r = subprocess.run(["bash", os.path.join(ROOT, "examples", script)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]

@@ -76,6 +76,20 @@ def test_launchers_train(dataset, tmp_path, launcher):
     assert any("valid_lm_loss" in x for x in rows(metrics))
 
 
+def test_pipeline_under_torchrun(dataset, tmp_path):
+    """Interleaved pipeline on real data: two stages with two chunks each, evaluation
+    through the forward-only schedule, losses logged by rank 0 (the first stage)."""
+    metrics = tmp_path / "m.jsonl"
+    r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
+              *pretrain_args(dataset, metrics, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                             "--num-layers-per-virtual-pipeline-stage", "1", "--save", str(tmp_path / "ck"))])
+    assert r.returncode == 0, r.stderr[-4000:]
+    train = [x for x in rows(metrics) if "lm_loss" in x]
+    assert [x["iteration"] for x in train] == [1, 2, 3] and all(x["lm_loss"] > 0 for x in train)
+    assert any(x.get("valid_lm_loss", 0) > 0 for x in rows(metrics))
+    assert sorted(os.listdir(tmp_path / "ck" / "iter_0000003")) == ["mp_rank_00_000", "mp_rank_00_001"]
+
+
 def test_deepspeed_zero2_under_torchrun(dataset, tmp_path):
     metrics = tmp_path / "m.jsonl"
     r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",

@@ -45,7 +45,7 @@ def batches(consumed: int, micro: int, dp_rank: int, dp_size: int):
 
 def train_worker(rank, world, argv, tp=1):
     cfg = parse_args(TINY + ["--tensor-model-parallel-size", str(tp)] + argv)
-    ps = megabert.init_parallel(tensor_parallel_size=tp)
+    ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
     validate_run(cfg, ps)
     trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, cfg.train.micro_batch_size,
                                                                           ps.dp_rank, ps.dp_size))

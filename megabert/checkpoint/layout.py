@@ -140,11 +140,23 @@ def commit(root: str, tag: Union[int, str]) -> str:
     return final
 
 
+def parallel_meta(tp_size: int, pp_size: int, layers_per_virtual_stage: Optional[int] = None) -> dict:
+    meta = {"tensor_model_parallel_size": tp_size, "pipeline_model_parallel_size": pp_size}
+    if layers_per_virtual_stage:
+        meta["num_layers_per_virtual_pipeline_stage"] = layers_per_virtual_stage
+    return meta
+
+
+def saved_virtual_stage_layers(payload: dict) -> Optional[int]:
+    """The interleaved chunk size a rank file was saved with (None: one chunk per stage)."""
+    return (payload.get("parallel") or {}).get("num_layers_per_virtual_pipeline_stage")
+
+
 def model_payload(state: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, model_class: str,
-                  iteration: int = 0, **extra) -> dict:
+                  iteration: int = 0, layers_per_virtual_stage: Optional[int] = None, **extra) -> dict:
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": state,
             "model_config": asdict(cfg), "model_class": model_class,
-            "parallel": {"tensor_model_parallel_size": tp_size, "pipeline_model_parallel_size": pp_size}, **extra}
+            "parallel": parallel_meta(tp_size, pp_size, layers_per_virtual_stage), **extra}
 
 
 def save_full_model(root: str, full: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, model_class: str,

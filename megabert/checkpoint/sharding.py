@@ -33,11 +33,13 @@ def partition_spec(name: str) -> Optional[tuple[int, int]]:
     return None
 
 
-def stage_of(name: str, num_layers: int, pp_size: int) -> list[int]:
-    """The pipeline stages that hold `name` (the tied word embeddings: first and last)."""
+def stage_of(name: str, num_layers: int, pp_size: int, layers_per_virtual_stage: Optional[int] = None) -> list[int]:
+    """The pipeline stages that hold `name` (the tied word embeddings: first and last).
+    Interleaved layouts deal chunks of `layers_per_virtual_stage` layers round-robin."""
     m = _LAYER.search(name)
     if m:
-        return [int(m.group(1)) // (num_layers // pp_size)]
+        per_chunk = layers_per_virtual_stage or num_layers // pp_size
+        return [(int(m.group(1)) // per_chunk) % pp_size]
     if name == WORD_EMBEDDINGS:
         return sorted({0, pp_size - 1})
     if name.startswith("bert.embeddings."):
@@ -46,11 +48,11 @@ def stage_of(name: str, num_layers: int, pp_size: int) -> list[int]:
 
 
 def shard_state(full: dict, *, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1,
-                num_layers: int) -> dict:
+                num_layers: int, layers_per_virtual_stage: Optional[int] = None) -> dict:
     """The local state dict of rank (tp_rank, pp_rank) from a full state dict."""
     out = {}
     for name, t in full.items():
-        if pp_rank not in stage_of(name, num_layers, pp_size):
+        if pp_rank not in stage_of(name, num_layers, pp_size, layers_per_virtual_stage):
             continue
         spec = partition_spec(name)
         out[name] = shard(t, spec[0], tp_rank, tp_size, spec[1]) if spec else t.clone()

@@ -52,7 +52,9 @@ class PretrainedMixin:
     def load_full_state_dict(self, full: dict, source: str = "state dict") -> None:
         ps = self.parallel_state
         full = repad_vocab(full, self.config.vocab_size, self.bert.padded_vocab_size)
-        local = shard_state(full, tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers)
+        local = shard_state(full, tp_rank=ps.tp_rank, tp_size=ps.tp_size, pp_rank=ps.pp_rank, pp_size=ps.pp_size,
+                            num_layers=self.config.num_layers,
+                            layers_per_virtual_stage=getattr(self, "virtual_stage_layers", None))
         self.load_local_state_dict(local, source=source)
 
     def load_local_state_dict(self, local: dict, source: str = "state dict") -> None:

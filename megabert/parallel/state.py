@@ -40,8 +40,11 @@ class ParallelState:
     tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    # Same ranks as pp_group: pipeline backward traffic (gradients) gets its own
+    # communicator, so activations and gradients never queue behind each other.
+    pp_backward_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     mp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # tp x pp: one model replica
-    embedding_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # first + last stage
+    embedding_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # first + last stage (None between)
     local_rank: int = 0
     launcher: str = "single"
 
@@ -58,7 +61,12 @@ class ParallelState:
         return self.rank == 0
 
     def pp_rank_to_global(self, pp_rank: int) -> int:
-        return rank_of(self.tp_rank, self.dp_rank, pp_rank, self.tp_size, self.dp_size)
+        return rank_of(self.tp_rank, self.dp_rank, pp_rank % self.pp_size, self.tp_size, self.dp_size)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline (it holds the loss)."""
+        return self.pp_rank_to_global(self.pp_size - 1)
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int, *, device: torch.device, backend: str,
@@ -86,15 +94,19 @@ class ParallelState:
         r = lambda t, d, p: rank_of(t, d, p, tp_size, dp_size)  # noqa: E731
         make("tp", [[r(t, d, p) for t in range(tp_size)] for p in range(pp_size) for d in range(dp_size)])
         make("dp", [[r(t, d, p) for d in range(dp_size)] for p in range(pp_size) for t in range(tp_size)])
-        make("pp", [[r(t, d, p) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)])
+        pp_ranks = [[r(t, d, p) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)]
+        make("pp", pp_ranks)
+        if pp_size > 1:
+            make("pp_backward", pp_ranks)
         make("mp", [[r(t, d, p) for p in range(pp_size) for t in range(tp_size)] for d in range(dp_size)])
         # Tied word embeddings live on the first and the last stage; their gradients are
         # summed over this group (it is the pp group itself when pp_size <= 2).
         make("emb", [sorted({r(t, d, 0), r(t, d, pp_size - 1)}) for d in range(dp_size) for t in range(tp_size)])
         return cls(rank=rank, world_size=world, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
                    tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
-                   tp_group=groups["tp"], dp_group=groups["dp"], pp_group=groups["pp"], mp_group=groups["mp"],
-                   embedding_group=groups["emb"], local_rank=local_rank, launcher=launcher)
+                   tp_group=groups["tp"], dp_group=groups["dp"], pp_group=groups["pp"],
+                   pp_backward_group=groups.get("pp_backward"), mp_group=groups["mp"],
+                   embedding_group=groups.get("emb"), local_rank=local_rank, launcher=launcher)
 
     # DeepSpeed's `mpu=` protocol, so ZeRO partitions over our data-parallel group and
     # computes gradient norms over our model-parallel group.

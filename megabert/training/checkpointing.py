@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint.layout import (commit, load_file, model_payload, rank_files, read_tracker,
-                                        resolve_checkpoint_dir, staging_dir, write_rank_file)
+                                        resolve_checkpoint_dir, saved_virtual_stage_layers, staging_dir,
+                                        write_rank_file)
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.checkpoint.reshard import reshard_payloads
 from megabert.errors import CheckpointError
@@ -69,7 +70,8 @@ def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: Paral
     if ps.dp_rank == 0:
         payload = model_payload(
             {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config, tp_size=ps.tp_size,
-            pp_size=ps.pp_size, model_class=type(model).__name__, iteration=state.iteration,
+            pp_size=ps.pp_size, model_class=getattr(model, "checkpoint_class_name", type(model).__name__),
+            layers_per_virtual_stage=getattr(model, "virtual_stage_layers", None), iteration=state.iteration,
             consumed_samples=state.consumed_samples, rng=_rng_state(model),
             optimizer=optimizer_state_by_name(optimizer, model) if optimizer is not None and engine is None
             else None,
@@ -100,14 +102,17 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
     files = rank_files(ckpt_dir)
     saved_tp = max(t for t, _ in files) + 1
     saved_pp = max(p for _, p in files) + 1
+    vpp = getattr(model, "virtual_stage_layers", None)
     same_layout = (saved_tp, saved_pp) == (ps.tp_size, ps.pp_size)
     if same_layout:
         payload = load_file(files[(ps.tp_rank, ps.pp_rank)])
-    else:
-        payload = reshard_payloads(ckpt_dir, ps.tp_size, ps.pp_size)[(ps.tp_rank, ps.pp_rank)]
+        same_layout = saved_virtual_stage_layers(payload) == vpp
+    if not same_layout:
+        payload = reshard_payloads(ckpt_dir, ps.tp_size, ps.pp_size, vpp)[(ps.tp_rank, ps.pp_rank)]
         if ps.rank == 0:
-            logger.warning("%s was saved at tp=%d pp=%d; resharded in memory to tp=%d pp=%d "
-                           "(RNG streams restart from the seed)", path, saved_tp, saved_pp, ps.tp_size, ps.pp_size)
+            logger.warning("%s was saved at tp=%d pp=%d; resharded in memory to tp=%d pp=%d%s "
+                           "(RNG streams restart from the seed)", path, saved_tp, saved_pp, ps.tp_size, ps.pp_size,
+                           f" ({vpp} layers per virtual stage)" if vpp else "")
     model.load_local_state_dict(payload["model"], source=path)
     state = TrainingState(int(payload.get("iteration", 0)), int(payload.get("consumed_samples", 0)))
     release = read_tracker(path) == "release" or state.iteration == 0

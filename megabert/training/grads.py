@@ -1,7 +1,8 @@
 """Gradient reductions between backward and the optimizer step.
 
 Order matters: sequence-parallel LayerNorm grads are summed over TP first (each rank
-saw only its slice of the sequence), then all grads are averaged over DP, then the
+saw only its slice of the sequence), the pipeline's two copies of the tied word
+embeddings are summed, then all grads are averaged over DP, then the
 global norm is taken over the model-parallel group for clipping.
 """
 from __future__ import annotations
@@ -48,6 +49,17 @@ def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], ps: Paral
         _all_reduce_coalesced(grads, ps.tp_group)
 
 
+def sync_tied_embedding_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
+    """Pipeline: the first stage's word embeddings and the last stage's copy (the MLM
+    projection) are one parameter. Summing their gradients over the embedding group
+    gives both the full gradient, so identical optimizer steps keep them equal."""
+    if ps.pp_size == 1:
+        return
+    grads = [p.grad for p in params if getattr(p, "pipeline_tied", False) and p.grad is not None]
+    if grads:
+        _all_reduce_coalesced(grads, ps.embedding_group)
+
+
 def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
     """Mean over DP replicas: each replica's loss is a mean over its own samples."""
     if ps.dp_size == 1:
@@ -59,10 +71,11 @@ def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: Parall
 def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> float:
     """Global L2 norm of the model's gradients. A replicated parameter is counted once
     (on TP rank 0) and split ones on every rank, so the sum over the model-parallel
-    group is the norm of the full model's gradient."""
+    group is the norm of the full model's gradient. The last pipeline stage's copy of
+    the tied word embeddings is left out: the first stage counts it."""
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "pipeline_duplicate", False):
             continue
         if getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0:
             total += p.grad.detach().double().pow(2).sum().cpu()

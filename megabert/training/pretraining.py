@@ -13,30 +13,55 @@ from megabert.arguments import Configs
 from megabert.config import validate_layout
 from megabert.errors import DataError
 from megabert.model import BertForPreTraining
+from megabert.model.bert_pipeline import BertForPreTrainingPipelineStage
 from megabert.optim import build_optimizer
 from megabert.parallel import ParallelState
+from megabert.pipeline_parallel import PipeComm, PipelineSchedule
 from megabert.training import deepspeed_engine
 from megabert.training.checkpointing import TrainingState, load_checkpoint
 from megabert.training.metrics import bert_flops_per_sample
-from megabert.training.precision import DynamicLossScaler
+from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-def make_loss_fn(binary_head_task: Optional[str]):
-    """(model, batch) -> (loss, {"lm_loss", "sop_loss"|"nsp_loss"})."""
+def make_output_loss(binary_head_task: Optional[str]):
+    """BertPreTrainingOutput -> (loss, {"lm_loss", "sop_loss"|"nsp_loss"})."""
 
-    def loss_fn(model, batch: dict):
-        out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                    attention_mask=batch["attention_mask"], labels=batch["labels"],
-                    next_sentence_label=batch.get("next_sentence_label") if binary_head_task else None)
+    def output_loss(out):
         metrics = {"lm_loss": out.mlm_loss}
         if binary_head_task and out.nsp_loss is not None:
             metrics[f"{binary_head_task}_loss"] = out.nsp_loss
         return out.loss, metrics
 
+    return output_loss
+
+
+def make_loss_fn(binary_head_task: Optional[str]):
+    """(model, batch) -> (loss, {"lm_loss", "sop_loss"|"nsp_loss"})."""
+    output_loss = make_output_loss(binary_head_task)
+
+    def loss_fn(model, batch: dict):
+        out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                    attention_mask=batch["attention_mask"], labels=batch["labels"],
+                    next_sentence_label=batch.get("next_sentence_label") if binary_head_task else None)
+        return output_loss(out)
+
     return loss_fn
+
+
+def build_pipeline(cfg: Configs, ps: ParallelState, model_cfg, binary_head_task: Optional[str]):
+    """This rank's pipeline stage and the schedule that drives it."""
+    model = BertForPreTrainingPipelineStage(model_cfg, ps, seed=cfg.train.seed,
+                                            num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage)
+    global_batch = cfg.train.global_batch_size or cfg.train.micro_batch_size * ps.dp_size
+    num_micro = global_batch // (cfg.train.micro_batch_size * ps.dp_size)
+    # The residual stream stays fp32 under autocast, so stages exchange fp32.
+    comm = PipeComm(ps, model.activation_shape(cfg.data.seq_length, cfg.train.micro_batch_size), torch.float32)
+    schedule = PipelineSchedule(model, ps, comm, num_micro, make_output_loss(binary_head_task),
+                                autocast=lambda: autocast(ps.device, cfg.train.bf16, cfg.train.fp16))
+    return model, schedule
 
 
 def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:
@@ -75,7 +100,12 @@ def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
     resumed run sees exactly the samples the interrupted one would have."""
     model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
     torch.manual_seed(cfg.train.seed + 100 * ps.pp_rank)  # default stream: same on TP ranks (see random.py)
-    model = BertForPreTraining(model_cfg, ps, seed=cfg.train.seed)
+    binary_head_task = cfg.data.binary_head_task if model_cfg.bert_binary_head else None
+    pipeline = None
+    if ps.pp_size > 1:
+        model, pipeline = build_pipeline(cfg, ps, model_cfg, binary_head_task)
+    else:
+        model = BertForPreTraining(model_cfg, ps, seed=cfg.train.seed)
     optimizer = build_optimizer(model, cfg.optim, ps.tp_group)
     engine = None
     if cfg.train.deepspeed:
@@ -92,7 +122,7 @@ def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
                         state.consumed_samples)
     masked = int(round(cfg.data.mask_prob * cfg.data.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
     return Trainer(model=model, optimizer=optimizer, ps=ps, train=cfg.train, optim=cfg.optim,
-                   loss_fn=make_loss_fn(cfg.data.binary_head_task if model_cfg.bert_binary_head else None),
+                   loss_fn=make_loss_fn(binary_head_task), pipeline=pipeline,
                    train_batches=train_batches(state.consumed_samples), valid_batches=valid_batches, engine=engine,
                    state=state, scaler=scaler, flops_per_sample=bert_flops_per_sample(model_cfg, cfg.data.seq_length, masked),
                    checkpoint_extra={"train": dataclasses.asdict(cfg.train), "optim": dataclasses.asdict(cfg.optim),

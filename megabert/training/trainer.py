@@ -3,7 +3,9 @@
 Task specifics come in as a `loss_fn(model, batch) -> (loss, {name: scalar tensor})`;
 the loop knows nothing of BERT. One optimizer step consumes one global batch:
 `global_batch / (micro_batch x dp)` micro-batches per DP rank, gradients accumulated,
-then reduced and applied once.
+then reduced and applied once. With pipeline parallelism a `PipelineSchedule` runs the
+micro-batches instead (1F1B or interleaved) and the last stage's loss metrics are
+shared with the other stages for logging.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import LRSchedule
 from megabert.parallel import ParallelState
 from megabert.training.checkpointing import TrainingState, save_checkpoint
-from megabert.training.grads import average_data_parallel_grads, clip_grads, grad_norm, sync_sequence_parallel_grads
+from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
+                                     sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from megabert.training.metrics import MetricsLogger, device_peak_tflops
 from megabert.training.precision import DynamicLossScaler, autocast
 
@@ -32,13 +35,18 @@ class Trainer:
                  train: TrainConfig, optim: OptimConfig, loss_fn: LossFn, train_batches: Iterator[dict],
                  valid_batches: Optional[Callable[[], Iterator[dict]]] = None, engine=None,
                  state: Optional[TrainingState] = None, scaler: Optional[DynamicLossScaler] = None,
-                 flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None):
+                 flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None,
+                 pipeline=None):
         self.model, self.optimizer, self.ps, self.engine = model, optimizer, ps, engine
+        self.pipeline = pipeline  # a PipelineSchedule when pp_size > 1
         self.cfg, self.optim_cfg, self.loss_fn = train, optim, loss_fn
         self.train_batches, self.valid_batches = train_batches, valid_batches
         self.state = state or TrainingState()
         self.global_batch = train.global_batch_size or train.micro_batch_size * ps.dp_size
         self.num_micro = self.global_batch // (train.micro_batch_size * ps.dp_size)
+        if ps.pp_size > 1 and (pipeline is None or pipeline.num_micro != self.num_micro):
+            raise ValueError("pipeline parallelism needs a PipelineSchedule built for "
+                             f"{self.num_micro} micro-batches per step")
         self.schedule = LRSchedule(optim, train.train_iters)
         self.scaler = scaler if scaler is not None else (DynamicLossScaler(optim) if train.fp16 and engine is None
                                                           else None)
@@ -96,6 +104,7 @@ class Trainer:
         metrics = self.forward_backward(loss_scale)
         # Gradient sync is explicit: once per global batch, after all micro-batches.
         sync_sequence_parallel_grads(self.params, self.ps)
+        sync_tied_embedding_grads(self.params, self.ps)
         average_data_parallel_grads(self.params, self.ps)
         out = {**metrics, "lr": lr}
         if self.scaler is not None:
@@ -120,6 +129,11 @@ class Trainer:
     def forward_backward(self, loss_scale: float = 1.0) -> dict:
         """All micro-batches of one global batch; returns the DP-averaged loss metrics."""
         sums: dict[str, torch.Tensor] = {}
+        if self.pipeline is not None:
+            batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro)]
+            for metrics in self.pipeline.forward_backward(batches, loss_scale):
+                self._accumulate(sums, metrics)
+            return self._share_from_last_stage(self._reduce_metrics(sums, self.num_micro))
         for _ in range(self.num_micro):
             batch = self._to_device(next(self.train_batches))
             with autocast(self.ps.device, self.cfg.bf16, self.cfg.fp16):
@@ -158,6 +172,8 @@ class Trainer:
         module.eval()
         sums: dict[str, torch.Tensor] = {}
         batches = self.valid_batches()
+        if self.pipeline is not None:
+            return self._evaluate_pipeline(batches)
         n = 0
         try:
             for _ in range(self.cfg.eval_iters * self.num_micro):
@@ -171,6 +187,36 @@ class Trainer:
         finally:
             module.train()
         return self._reduce_metrics(sums, max(n, 1))
+
+    def _evaluate_pipeline(self, batches: Iterator[dict]) -> dict:
+        # Every stage reads the same valid batches, so all stop at the same point.
+        sums: dict[str, torch.Tensor] = {}
+        n = 0
+        self.model.eval()
+        try:
+            for _ in range(self.cfg.eval_iters):
+                group = []
+                for _ in range(self.num_micro):
+                    try:
+                        group.append(self._to_device(next(batches)))
+                    except StopIteration:
+                        break
+                if not group:
+                    break
+                for metrics in self.pipeline.forward_only(group):
+                    self._accumulate(sums, metrics)
+                n += len(group)
+        finally:
+            self.model.train()
+        return self._share_from_last_stage(self._reduce_metrics(sums, max(n, 1)))
+
+    def _share_from_last_stage(self, metrics: dict) -> dict:
+        """Only the last pipeline stage computes losses; logging happens on rank 0."""
+        if self.ps.pp_size == 1:
+            return metrics
+        box = [metrics]
+        dist.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
+        return box[0]
 
     def _report_eval(self, it: int) -> None:
         result = self.evaluate()

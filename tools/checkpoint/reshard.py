@@ -1,6 +1,7 @@
 """Change a megabert checkpoint's layout (model weights and optimizer state):
 
     reshard.py --load ckpt_tp2/ --save ckpt_tp4/ --tensor-model-parallel-size 4
+    reshard.py --load ckpt_tp2/ --save ckpt_pp2/ --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2
 
 `pretrain_bert.py --load ckpt_tp4/` then continues the run at the new layout.
 """
@@ -23,11 +24,14 @@ def main(argv=None) -> None:
     p.add_argument("--save", required=True, help="where to write the resharded checkpoint")
     p.add_argument("--tensor-model-parallel-size", type=int, required=True)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="chunk size of the interleaved schedule the new checkpoint will train with")
     args = p.parse_args(argv)
     if os.path.abspath(args.load) == os.path.abspath(args.save):
         raise ConfigError("--save must differ from --load: resharding writes a new checkpoint")
     src = resolve_checkpoint_dir(args.load)
-    payloads = reshard_payloads(src, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    payloads = reshard_payloads(src, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                args.num_layers_per_virtual_pipeline_stage)
     tag = read_tracker(args.load) or "release"
     tag = tag if tag == "release" else int(tag)
     os.makedirs(args.save, exist_ok=True)

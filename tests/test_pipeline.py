@@ -1,0 +1,81 @@
+"""Pipeline parallelism: 1F1B and interleaved 1F1B give the losses and gradient norms of
+one process (fp32, dropout 0), alone and combined with TP, sequence parallelism and DP;
+a pipelined run resumes bitwise and its checkpoint continues at another layout."""
+import os
+from types import SimpleNamespace
+
+import pytest
+from dist_utils import run_distributed
+from train_utils import read_metrics, train_worker
+
+from megabert.checkpoint.layout import load_file, rank_files, resolve_checkpoint_dir
+from megabert.errors import ConfigError
+from megabert.model.bert_pipeline import chunk_layers
+from megabert.pipeline_parallel import check_interleaving
+
+# Four layers so that two stages can each hold two chunks; micro-batch 1 and global
+# batch 4 give four micro-batches per step: warm-up, steady state and cool-down.
+COMMON = ["--train-iters", "6", "--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "4"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+INTERLEAVED = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ref") / "m.jsonl")
+    run_distributed(train_worker, 1, COMMON + ["--metrics-file", path])
+    return {k: read_metrics(path, k) for k in ("lm_loss", "sop_loss", "grad_norm")}
+
+
+@pytest.mark.parametrize("name,world,tp,extra", [
+    ("pp2-1f1b", 2, 1, PP2),
+    ("pp2-interleaved", 2, 1, INTERLEAVED),
+    ("pp4-1f1b", 4, 1, ["--pipeline-model-parallel-size", "4"]),  # middle stages hold no embeddings
+    ("tp2-pp2-sequence-parallel", 4, 2, PP2 + ["--sequence-parallel"]),
+    ("dp2-pp2-interleaved", 4, 1, INTERLEAVED),  # two micro-batches per DP rank: all forwards first
+])
+def test_pipeline_matches_single_process(tmp_path, reference, name, world, tp, extra):
+    path = str(tmp_path / "m.jsonl")
+    run_distributed(train_worker, world, COMMON + ["--metrics-file", path] + extra, tp)
+    for key, expected in reference.items():
+        assert read_metrics(path, key) == pytest.approx(expected, abs=1e-4), key
+
+
+def test_pipeline_resume_is_bitwise_and_reshards(tmp_path, reference):
+    full, part = str(tmp_path / "full.jsonl"), str(tmp_path / "part.jsonl")
+    ckpt = str(tmp_path / "ckpt")
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    run_distributed(train_worker, 2, COMMON + INTERLEAVED + dropout + ["--metrics-file", full])
+    run_distributed(train_worker, 2, COMMON + INTERLEAVED + dropout + ["--exit-interval", "3", "--save", ckpt,
+                                                                       "--metrics-file", part])
+    run_distributed(train_worker, 2, COMMON + INTERLEAVED + dropout + ["--load", ckpt, "--metrics-file", part])
+    assert read_metrics(part) == read_metrics(full)  # bitwise, RNG streams included
+
+    # The interleaved stage files hold their round-robin layers under global names ...
+    files = rank_files(resolve_checkpoint_dir(ckpt))
+    assert sorted(files) == [(0, 0), (0, 1)]
+    stage0 = load_file(files[(0, 0)])
+    assert stage0["parallel"]["num_layers_per_virtual_pipeline_stage"] == 1
+    layers0 = {k.split(".")[3] for k in stage0["model"] if ".encoder.layers." in k}
+    assert layers0 == {"0", "2"}
+    assert "bert.embeddings.word_embeddings.weight" in load_file(files[(0, 1)])["model"]  # the tied copy
+
+    # ... and a single process continues that run where it stopped (no dropout: compare to
+    # the uninterrupted reference, which had none either).
+    nodrop, again = str(tmp_path / "ckpt-nodrop"), str(tmp_path / "again.jsonl")
+    run_distributed(train_worker, 2, COMMON + INTERLEAVED + ["--exit-interval", "3", "--save", nodrop])
+    run_distributed(train_worker, 1, COMMON + ["--load", nodrop, "--metrics-file", again])
+    assert read_metrics(again) == pytest.approx(reference["lm_loss"][3:], abs=1e-4)
+    assert not os.path.exists(os.path.join(nodrop, "iter_0000006"))  # --load without --save writes nothing
+
+
+def test_chunks_are_dealt_round_robin():
+    assert chunk_layers(8, 2, 0, None) == [[0, 1, 2, 3]]
+    assert chunk_layers(8, 2, 1, 2) == [[2, 3], [6, 7]]
+    assert chunk_layers(8, 4, 3, 1) == [[3], [7]]
+
+
+def test_interleaving_needs_whole_groups_of_micro_batches():
+    with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size 2"):
+        check_interleaving(3, SimpleNamespace(pp_size=2), num_chunks=2)
+    check_interleaving(3, SimpleNamespace(pp_size=2), num_chunks=1)  # plain 1F1B takes any count
