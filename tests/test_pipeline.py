@@ -79,3 +79,34 @@ def test_interleaving_needs_whole_groups_of_micro_batches():
     with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size 2"):
         check_interleaving(3, SimpleNamespace(pp_size=2), num_chunks=2)
     check_interleaving(3, SimpleNamespace(pp_size=2), num_chunks=1)  # plain 1F1B takes any count
+
+
+def _fp16_overflow_on_first_stage(rank, world, metrics):
+    """An inf appears in the first stage's gradients only; every stage must skip the step."""
+    import torch
+
+    import megabert.training.trainer as trainer_mod
+
+    real_step = trainer_mod.Trainer.train_step
+
+    def step(self):
+        if self.state.iteration != 2:
+            return real_step(self)
+        handle = self.params[0].register_hook(lambda g: g * float("inf")) if self.ps.pp_rank == 0 else None
+        before = [p.detach().clone() for p in self.params]
+        out = real_step(self)
+        if handle is not None:
+            handle.remove()
+        assert all(torch.equal(a, p) for a, p in zip(before, self.params)), f"stage {self.ps.pp_rank} stepped"
+        return out
+
+    trainer_mod.Trainer.train_step = step
+    train_worker(rank, world, COMMON + PP2 + ["--fp16", "--metrics-file", metrics, "--hysteresis", "1",
+                                             "--initial-loss-scale", "1024"])
+
+
+def test_fp16_overflow_on_one_stage_skips_on_all(tmp_path):
+    path = str(tmp_path / "m.jsonl")
+    run_distributed(_fp16_overflow_on_first_stage, 2, path)
+    assert read_metrics(path, "loss_scale")[2:4] == [1024.0, 512.0]
+    assert read_metrics(path, "skipped") == [1]
