@@ -9,7 +9,7 @@ DATA_PATH=${DATA_PATH:?set DATA_PATH to a prefix made by tools/preprocess_data.p
 VOCAB_FILE=${VOCAB_FILE:?set VOCAB_FILE to the WordPiece vocab.txt}
 SAVE=${SAVE:-checkpoints/bert-${SIZE}}
 TP=${TP:-1}
-PP=${PP:-1}  # pipeline stages (not with the deepspeed launcher script: ZeRO + PP is refused)
+PP=${PP:-1}  # pipeline stages (with the deepspeed launcher: ZeRO stage 1 only)
 VPP_ARGS=${VPP:+--num-layers-per-virtual-pipeline-stage ${VPP}}  # VPP=K: interleaved, K layers per chunk
 if [ "$PHASE" = 1 ]; then
   SEQ=128; GLOBAL_BATCH=${GLOBAL_BATCH:-65536}; MICRO_BATCH=${MICRO_BATCH:-64}

@@ -96,10 +96,9 @@ def check_combinations(cfg: Configs) -> None:
         raise ConfigError(f"--zero-stage {cfg.train.zero_stage} cannot combine with --pipeline-model-parallel-size "
                           f"{pp} > 1 (ZeRO-2/3 partition gradients that pipeline stages accumulate); "
                           f"use --zero-stage 1")
-    if cfg.train.deepspeed and pp > 1:
-        raise ConfigError(f"--deepspeed with --pipeline-model-parallel-size {pp} is not supported yet: the pipeline "
-                          f"schedule drives backward itself, outside DeepSpeed's engine; train pipelines without "
-                          f"--deepspeed (megabert's optimizer, mixed precision and checkpoints)")
+    if cfg.train.deepspeed and pp > 1 and cfg.train.zero_stage == 0:
+        raise ConfigError(f"--deepspeed with --pipeline-model-parallel-size {pp} needs --zero-stage 1 (without ZeRO, "
+                          f"DeepSpeed's gradient clipping counts pipeline stages wrongly); or drop --deepspeed")
     if cfg.optim.optimizer == "lamb" and cfg.train.deepspeed:
         raise ConfigError("--optimizer lamb with --deepspeed is not supported: ZeRO and DeepSpeed's precision "
                           "wrappers hand the optimizer flattened buffers, so LAMB's per-tensor trust ratio would "

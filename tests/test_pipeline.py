@@ -33,6 +33,7 @@ def reference(tmp_path_factory):
     ("pp4-1f1b", 4, 1, ["--pipeline-model-parallel-size", "4"]),  # middle stages hold no embeddings
     ("tp2-pp2-sequence-parallel", 4, 2, PP2 + ["--sequence-parallel"]),
     ("dp2-pp2-interleaved", 4, 1, INTERLEAVED),  # two micro-batches per DP rank: all forwards first
+    ("dp2-pp2-zero1", 4, 1, PP2 + ["--deepspeed", "--zero-stage", "1"]),
 ])
 def test_pipeline_matches_single_process(tmp_path, reference, name, world, tp, extra):
     path = str(tmp_path / "m.jsonl")
@@ -110,3 +111,16 @@ def test_fp16_overflow_on_one_stage_skips_on_all(tmp_path):
     run_distributed(_fp16_overflow_on_first_stage, 2, path)
     assert read_metrics(path, "loss_scale")[2:4] == [1024.0, 512.0]
     assert read_metrics(path, "skipped") == [1]
+
+
+def test_zero1_pipeline_resumes_bitwise(tmp_path):
+    """DeepSpeed ZeRO-1 over DP=2 with two pipeline stages: DeepSpeed's own checkpoint
+    (one optimizer partition per DP rank and stage) resumes the exact curve."""
+    zero1 = COMMON + PP2 + ["--deepspeed", "--zero-stage", "1"]
+    full, part, ckpt = str(tmp_path / "full.jsonl"), str(tmp_path / "part.jsonl"), str(tmp_path / "ckpt")
+    run_distributed(train_worker, 4, zero1 + ["--metrics-file", full])
+    run_distributed(train_worker, 4, zero1 + ["--metrics-file", part, "--exit-interval", "3", "--save", ckpt])
+    run_distributed(train_worker, 4, zero1 + ["--metrics-file", part, "--load", ckpt])
+    assert read_metrics(part) == read_metrics(full)
+    assert os.path.isfile(os.path.join(ckpt, "deepspeed", "iter_0000003",
+                                       "zero_pp_rank_1_mp_rank_01_optim_states.pt"))

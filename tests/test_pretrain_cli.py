@@ -21,10 +21,10 @@ def last_line(r):
 @pytest.mark.parametrize("args,message", [
     (["--deepspeed", "--zero-stage", "2", "--pipeline-model-parallel-size", "2"],
      "--zero-stage 2 cannot combine with --pipeline-model-parallel-size 2 > 1"),
-    (["--deepspeed", "--pipeline-model-parallel-size", "2"],
-     "--deepspeed with --pipeline-model-parallel-size 2 is not supported yet"),
     (["--num-layers-per-virtual-pipeline-stage", "1"],
      "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+    (["--deepspeed", "--pipeline-model-parallel-size", "2"],
+     "--deepspeed with --pipeline-model-parallel-size 2 needs --zero-stage 1"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
     (["--zero-stage", "1"], "--zero-stage 1 needs --deepspeed"),
     (["--deepspeed", "--optimizer", "lamb"], "--optimizer lamb with --deepspeed is not supported"),

@@ -34,8 +34,10 @@ class TiedWordEmbeddings(nn.Module):
     def __init__(self, ctx: BuildContext, padded_vocab_size: int):
         super().__init__()
         self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
-        # The first stage's copy is the one counted in the gradient norm.
+        # The first stage's copy is the one counted in the gradient norm (ours, and
+        # DeepSpeed's, which reads its own attribute name).
         self.word_embeddings.weight.pipeline_duplicate = True
+        self.word_embeddings.weight.ds_pipe_replicated = True
 
 
 class BertEmbeddings(nn.Module):

@@ -104,3 +104,16 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer, config=config, mpu=ps,
                                            dist_init_required=False)
     return engine
+
+
+def reduce_gradients(engine, zero_stage: int) -> None:
+    """Reduces gradients accumulated outside `engine.backward` (the pipeline schedule's
+    backward) over the data-parallel group, ZeRO-1 into its optimizer-state partitions;
+    `engine.step()` then applies them with DeepSpeed's clipping, loss-scale bookkeeping
+    and global norm. Only ZeRO-1 takes gradients accumulated this way: ZeRO-2/3 reduce
+    inside backward hooks, and DeepSpeed without ZeRO clips with a norm that counts
+    pipeline stages wrongly (both refused at argument parsing)."""
+    if zero_stage != 1:
+        raise ValueError(f"pipeline + DeepSpeed needs ZeRO stage 1, got {zero_stage}")
+    engine.set_gradient_accumulation_boundary(True)
+    engine.optimizer.reduce_gradients(pipeline_parallel=True)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import LRSchedule
 from megabert.parallel import ParallelState
+from megabert.training import deepspeed_engine
 from megabert.training.checkpointing import TrainingState, save_checkpoint
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -147,14 +148,27 @@ class Trainer:
     def _deepspeed_step(self, lr: float) -> dict:
         sums: dict[str, torch.Tensor] = {}
         skipped_before = getattr(self.engine, "skipped_steps", 0)
-        for _ in range(self.num_micro):
-            batch = self._to_device(next(self.train_batches))
-            loss, metrics = self.loss_fn(self.engine, batch)
-            self.engine.backward(loss)  # scaled by 1/gradient_accumulation_steps inside
-            self.engine.step()  # a real step only at the accumulation boundary
-            self._accumulate(sums, metrics)
-        out = {**self._reduce_metrics(sums, self.num_micro), "lr": lr}
+        own_norm = None
+        if self.pipeline is not None:
+            # The schedule runs backward itself; DeepSpeed reduces and steps afterwards.
+            scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0)) if self.cfg.fp16 else 1.0
+            metrics = self.forward_backward(scale)
+            sync_tied_embedding_grads(self.params, self.ps)
+            deepspeed_engine.reduce_gradients(self.engine, self.cfg.zero_stage)
+            self.engine.step()
+            out = {**metrics, "lr": lr}
+        else:
+            for i in range(self.num_micro):
+                batch = self._to_device(next(self.train_batches))
+                loss, metrics = self.loss_fn(self.engine, batch)
+                self.engine.backward(loss)  # scaled by 1/gradient_accumulation_steps inside
+                if i == self.num_micro - 1:
+                    own_norm = self._norm_without_zero()  # reduced by the boundary backward
+                self.engine.step()  # a real step only at the accumulation boundary
+                self._accumulate(sums, metrics)
+            out = {**self._reduce_metrics(sums, self.num_micro), "lr": lr}
         norm = self.engine.get_global_grad_norm()
+        norm = norm if norm is not None else own_norm
         out["grad_norm"] = float(norm) if norm is not None else float("nan")
         if self.cfg.fp16:
             out["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
@@ -217,6 +231,13 @@ class Trainer:
         box = [metrics]
         dist.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
         return box[0]
+
+    def _norm_without_zero(self) -> Optional[float]:
+        # DeepSpeed without ZeRO in fp32 clips but does not report the norm; the reduced
+        # gradients are still in .grad here, so take it ourselves (after unscaling: fp32).
+        if self.cfg.zero_stage == 0 and not (self.cfg.fp16 or self.cfg.bf16):
+            return grad_norm(self.params, self.ps)
+        return None
 
     def _report_eval(self, it: int) -> None:
         result = self.evaluate()
