@@ -1,5 +1,6 @@
 """SQuAD: features (windows, answer tokens, equal to transformers' tokenizer), post-processing,
-the official evaluation on hand-computed cases."""
+the official evaluation on hand-computed cases, and finetune_squad.py end to end under
+torchrun with TP=2 and DP=2, with one-line errors for bad input files."""
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from megabert.data.tokenizer_training import BERT_SPECIALS, train_wordpiece
 from megabert.errors import ConfigError, DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
 DEMO = os.path.join(ROOT, "data", "squad_demo")
 WORDS = [f"w{i}" for i in range(100)]
 
@@ -197,3 +199,120 @@ def test_reader_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match="--version-2-with-negative"):
         read_squad_examples(str(bad), is_training=True)
     assert read_squad_examples(str(bad), is_training=True, version_2_with_negative=True)[0].answer_span is None
+
+
+# ---------------------------------------------------------------- finetune_squad.py
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, demo_vocab):
+    """A tiny random BertForPreTraining from transformers, imported as a megabert checkpoint (TP=1)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    d = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=128)
+    transformers.BertForPreTraining(cfg).save_pretrained(d / "hf")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert_hf.py"), "import",
+                        "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d / "ckpt"
+
+
+def finetune(procs, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "finetune_squad.py")]
+    if procs > 1:
+        cmd = [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(procs), "--master-port", "29657", cmd[1]]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def common(ckpt, vocab, out):
+    return ["--load", ckpt, "--vocab-file", vocab, "--output-dir", out, "--max-seq-length", 64, "--doc-stride", 16,
+            "--max-query-length", 24, "--micro-batch-size", 4, "--seed", 7, "--log-interval", 1]
+
+
+def dev_ids():
+    data = json.load(open(os.path.join(DEMO, "dev.json")))["data"]
+    return {qa["id"] for a in data for p in a["paragraphs"] for qa in p["qas"]}
+
+
+def test_finetune_tp2_end_to_end(tiny_checkpoint, demo_vocab, tmp_path):
+    out = tmp_path / "out"
+    r = finetune(2, *common(tiny_checkpoint, demo_vocab, out), "--tensor-model-parallel-size", 2,
+                 "--train-file", os.path.join(DEMO, "train.json"), "--predict-file", os.path.join(DEMO, "dev.json"),
+                 "--epochs", 1, "--train-iters", 3, "--global-batch-size", 8, "--lr", 1e-3)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert [line.split(" |")[0] for line in r.stdout.splitlines() if line.startswith("iteration ")] == \
+        ["iteration 1", "iteration 2", "iteration 3"]
+    predictions = json.load(open(out / "predictions.json"))
+    assert set(predictions) == dev_ids() and all(isinstance(v, str) for v in predictions.values())
+    results = json.load(open(out / "eval_results.json"))
+    assert set(results) == {"exact_match", "f1"} and 0 <= results["exact_match"] <= results["f1"] <= 100
+    nbest = json.load(open(out / "nbest_predictions.json"))
+    assert set(nbest) == dev_ids() and all(1 <= len(v) <= 20 for v in nbest.values())
+    assert "exact_match" in r.stdout  # rank 0 prints the figures
+
+
+def test_finetune_dp2_train_save_and_predict_equal_tp2(tiny_checkpoint, demo_vocab, tmp_path):
+    """DP=2 trains and saves a QA checkpoint; predicting from it at TP=2 (two processes) and
+    at DP=1 (one process) gives the same answers and scores."""
+    r = finetune(2, *common(tiny_checkpoint, demo_vocab, tmp_path / "unused"), "--train-file",
+                 os.path.join(DEMO, "train.json"), "--train-iters", 2, "--global-batch-size", 8, "--lr", 1e-3,
+                 "--save", tmp_path / "qa")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert not (tmp_path / "unused").exists()  # train only: nothing predicted
+    outs = {}
+    for procs, extra in ((2, ["--tensor-model-parallel-size", 2]), (1, [])):
+        out = tmp_path / f"pred{procs}"
+        r = finetune(procs, *common(tmp_path / "qa", demo_vocab, out), "--predict-file",
+                     os.path.join(DEMO, "dev.json"), *extra)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        assert "initialised from the seed" not in r.stderr  # the QA head came from the checkpoint
+        outs[procs] = (json.load(open(out / "predictions.json")), json.load(open(out / "eval_results.json")))
+    assert outs[2][0] == outs[1][0] and set(outs[1][0]) == dev_ids()
+    assert outs[2][1] == pytest.approx(outs[1][1])
+
+
+@pytest.mark.parametrize("case", ["missing", "malformed"])
+def test_finetune_bad_file_is_one_line_error(tiny_checkpoint, demo_vocab, tmp_path, case):
+    path = tmp_path / "train.json"
+    if case == "malformed":
+        path.write_text('{"version": "1.1", "data": [{"title": "x", ')
+    r = finetune(1, *common(tiny_checkpoint, demo_vocab, tmp_path / "out"), "--train-file", path)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(path) in lines[0], r.stderr
+    assert ("does not exist" if case == "missing" else "is not valid JSON") in lines[0]
+
+
+def test_finetune_flag_errors(tiny_checkpoint, demo_vocab, tmp_path):
+    r = finetune(1, "--load", tiny_checkpoint, "--vocab-file", demo_vocab)
+    assert r.returncode == 2 and "give --train-file, --predict-file or both" in r.stderr
+    r = finetune(1, *common(tiny_checkpoint, demo_vocab, tmp_path), "--predict-file", os.path.join(DEMO, "dev.json"),
+                 "--max-seq-length", 256)
+    assert r.returncode == 2 and "--max-seq-length 256 exceeds the model's 128 position embeddings" in r.stderr
+
+
+def test_finetune_flags_parse_with_bert_recipe_defaults():
+    from megabert.arguments import parse_finetune_args
+    from megabert.config import FinetuneConfig
+
+    argv = ("--train-file t.json --predict-file d.json --vocab-file v.txt --load ckpt --max-seq-length 256 "
+            "--doc-stride 64 --max-query-length 32 --epochs 3 --lr 5e-5 --micro-batch-size 4 "
+            "--global-batch-size 32 --seed 42 --output-dir out --version-2-with-negative "
+            "--null-score-diff-threshold -1.5 --tokenizer-type BertWordPieceCase --tensor-model-parallel-size 2")
+    cfg = parse_finetune_args(argv.split())
+    ft = cfg.finetune
+    assert (ft.max_seq_length, ft.doc_stride, ft.max_query_length, ft.epochs) == (256, 64, 32, 3.0)
+    assert ft.version_2_with_negative and ft.null_score_diff_threshold == -1.5 and cfg.train.seed == 42
+    assert cfg.optim.lr == 5e-5 and cfg.train.global_batch_size == 32 and cfg.parallel.tensor_model_parallel_size == 2
+    recipe = parse_finetune_args(["--train-file", "t.json", "--load", "ckpt"])
+    assert (recipe.optim.lr, recipe.optim.lr_warmup_fraction, recipe.optim.lr_decay_style) == (3e-5, 0.1, "linear")
+    assert recipe.optim.optimizer == "adam" and recipe.optim.weight_decay == 0.01
+    with pytest.raises(ConfigError, match="--doc-stride 317 must be in"):
+        FinetuneConfig(train_file="t.json", doc_stride=317)
+    with pytest.raises(ConfigError, match="--predict-file needs --output-dir"):
+        FinetuneConfig(predict_file="d.json")
