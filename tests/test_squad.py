@@ -276,6 +276,47 @@ def test_finetune_dp2_train_save_and_predict_equal_tp2(tiny_checkpoint, demo_voc
     assert outs[2][1] == pytest.approx(outs[1][1])
 
 
+def test_finetune_squad_v2(tiny_checkpoint, demo_vocab, tmp_path):
+    """SQuAD 2.0: unanswerable questions train on [CLS]; the scores carry HasAns_/NoAns_ fields."""
+    data = json.load(open(os.path.join(DEMO, "dev.json")))
+    data["version"] = "v2.0"
+    for a in data["data"]:
+        for p in a["paragraphs"]:
+            for k, qa in enumerate(p["qas"]):
+                qa["is_impossible"] = k % 2 == 1
+                if qa["is_impossible"]:
+                    qa["answers"] = []
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "out"
+    r = finetune(1, *common(tiny_checkpoint, demo_vocab, out), "--version-2-with-negative", "--train-file", path,
+                 "--predict-file", path, "--train-iters", 2, "--null-score-diff-threshold", 0.5)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    results = json.load(open(out / "eval_results.json"))
+    assert list(results) == ["exact", "f1", "total", "HasAns_exact", "HasAns_f1", "HasAns_total", "NoAns_exact",
+                             "NoAns_f1", "NoAns_total"]
+    assert (results["total"], results["HasAns_total"], results["NoAns_total"]) == (40, 24, 16)
+    predictions, odds = json.load(open(out / "predictions.json")), json.load(open(out / "null_odds.json"))
+    assert set(predictions) == set(odds) == dev_ids()
+    assert all((text == "") == (odds[q] > 0.5) for q, text in predictions.items())
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "squad_evaluate.py"), str(path),
+                        str(out / "predictions.json")], capture_output=True, text=True, check=True)
+    assert json.loads(r.stdout) == pytest.approx(results)
+
+
+def test_predict_only_from_hugging_face_dir_uses_its_vocab(tiny_checkpoint, demo_vocab, tmp_path):
+    import shutil
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_checkpoint.parent / "hf", hf_dir)
+    shutil.copy(demo_vocab, hf_dir / "vocab.txt")
+    args = common(hf_dir, demo_vocab, tmp_path / "out")
+    del args[2:4]  # no --vocab-file: the directory's vocab.txt
+    r = finetune(1, *args, "--predict-file", os.path.join(DEMO, "dev.json"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert set(json.load(open(tmp_path / "out" / "predictions.json"))) == dev_ids()
+
+
 @pytest.mark.parametrize("case", ["missing", "malformed"])
 def test_finetune_bad_file_is_one_line_error(tiny_checkpoint, demo_vocab, tmp_path, case):
     path = tmp_path / "train.json"
