@@ -276,6 +276,30 @@ def test_finetune_dp2_train_save_and_predict_equal_tp2(tiny_checkpoint, demo_voc
     assert outs[2][1] == pytest.approx(outs[1][1])
 
 
+def test_finetune_losses_equal_across_layouts(demo_vocab, tmp_path):
+    """Without dropout, fine-tuning losses at TP=2, at DP=2 and in one process (gradient
+    accumulation over the same global batch) agree: the same features reach the same step."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    transformers.BertForQuestionAnswering(cfg).save_pretrained(tmp_path / "hf")
+    losses = {}
+    for name, procs, extra in (("tp2", 2, ["--tensor-model-parallel-size", 2]), ("dp2", 2, []), ("one", 1, [])):
+        metrics = tmp_path / f"{name}.jsonl"
+        r = finetune(procs, *common(tmp_path / "hf", demo_vocab, tmp_path / name), "--train-file",
+                     os.path.join(DEMO, "train.json"), "--train-iters", 4, "--global-batch-size", 8, "--lr", 1e-3,
+                     "--metrics-file", metrics, *extra)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        losses[name] = [json.loads(line)["qa_loss"] for line in open(metrics)]
+    assert len(losses["one"]) == 4 and losses["one"][-1] < losses["one"][0]
+    assert losses["tp2"] == pytest.approx(losses["one"], rel=1e-4)
+    assert losses["dp2"] == pytest.approx(losses["one"], rel=1e-4)
+
+
 def test_finetune_squad_v2(tiny_checkpoint, demo_vocab, tmp_path):
     """SQuAD 2.0: unanswerable questions train on [CLS]; the scores carry HasAns_/NoAns_ fields."""
     data = json.load(open(os.path.join(DEMO, "dev.json")))
