@@ -64,6 +64,12 @@ def train(cfg, ps, model, tokenizer) -> None:
     trainer.train()
 
 
+def write_json(output_dir: str, files: dict) -> None:
+    for name, value in files.items():
+        with open(os.path.join(output_dir, name), "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=2, ensure_ascii=False)
+
+
 def predict(cfg, ps, model, tokenizer) -> None:
     ft = cfg.finetune
     examples, feats = features(ft.predict_file, tokenizer, ft, is_training=False)
@@ -78,11 +84,9 @@ def predict(cfg, ps, model, tokenizer) -> None:
     outputs = {"predictions.json": predictions, "nbest_predictions.json": nbest}
     if ft.version_2_with_negative:
         outputs["null_odds.json"] = null_odds
-    outputs["eval_results.json"] = results = evaluate(load_squad_json(ft.predict_file), predictions,
-                                                      "2.0" if ft.version_2_with_negative else "1.1")
-    for name, value in outputs.items():
-        with open(os.path.join(ft.output_dir, name), "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=2, ensure_ascii=False)
+    write_json(ft.output_dir, outputs)  # before scoring, which needs gold answers
+    results = evaluate(load_squad_json(ft.predict_file), predictions, "2.0" if ft.version_2_with_negative else "1.1")
+    write_json(ft.output_dir, {"eval_results.json": results})
     figures = " | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in results.items())
     print(f"{ft.predict_file}: {figures} -> {ft.output_dir}", flush=True)
 

@@ -140,7 +140,7 @@ def test_postprocess_picks_gold_span(word_tokenizer):
     preds, nbest, odds = postprocess_predictions([ex], feats, start, end, max_answer_length=10,
                                                  version_2_with_negative=True)
     assert preds == {"q1": "W40 w41, W42"} and odds["q1"] == pytest.approx(-4.0)
-    assert any(c["text"] == "" for c in nbest["q1"])
+    assert [(c["start_logit"], c["end_logit"]) for c in nbest["q1"] if c["text"] == ""] == [(3.0, 3.0)]
     preds, _, _ = postprocess_predictions([ex], feats, start, end, max_answer_length=10,
                                           version_2_with_negative=True, null_score_diff_threshold=-5.0)
     assert preds == {"q1": ""}
@@ -168,6 +168,8 @@ def test_official_evaluation_by_hand(tmp_path):
     result = evaluate(v1, {"a": "Cat.", "b": "red ball game"}, warn=None)
     assert result == pytest.approx({"exact_match": 100 / 3, "f1": 100 * (1 + 2 / 3) / 3})
     assert list(result) == ["exact_match", "f1"]
+    with pytest.raises(DataError, match="question z has no gold answer"):
+        evaluate(_squad([_qa("z")]), {"z": ""}, version="1.1")
     v2 = _squad([_qa("p", "Paris", impossible=False), _qa("n1", impossible=True), _qa("n2", impossible=True),
                  _qa("h", "New York City", "the", impossible=False)], version="v2.0")
     # p exact; n1 "" on no answer = 1; n2 answers an unanswerable = 0; h: "York" P=1 R=1/3 -> F1 0.5

@@ -22,6 +22,8 @@ import sys
 from collections import Counter
 from typing import Iterable, Optional
 
+from megabert.errors import DataError
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = set(string.punctuation)
 
@@ -73,6 +75,9 @@ def evaluate_v1(dataset: list, predictions: dict, warn=sys.stderr) -> dict:
                 print(f"Unanswered question {qa['id']} will receive score 0.", file=warn)
             continue
         golds = [a["text"] for a in qa["answers"]]
+        if not golds:
+            raise DataError(f"question {qa['id']} has no gold answer, which SQuAD v1.1 scoring needs; "
+                            f"for SQuAD 2.0 data use the v2.0 evaluation (--version-2-with-negative)")
         pred = predictions[qa["id"]]
         exact += max(exact_match_score(pred, g) for g in golds)
         # v1.1's F1 of an empty prediction is 0 (its common-token count is 0).

@@ -32,11 +32,14 @@ def _softmax(scores: list[float]) -> list[float]:
 
 def example_candidates(example: SquadExample, features: Sequence[SquadFeature], start_logits: Sequence[np.ndarray],
                        end_logits: Sequence[np.ndarray], *, n_best_size: int, max_answer_length: int
-                       ) -> tuple[list[dict], float]:
-    """Span candidates of one example, best first and unique by text, and the null score."""
-    candidates, null_score = [], math.inf
+                       ) -> tuple[list[dict], dict | None]:
+    """Span candidates of one example, best first and unique by text, and the null answer
+    ([CLS] of the window where it scores lowest, as transformers; None without windows)."""
+    candidates, null = [], None
     for feature, start, end in zip(features, start_logits, end_logits):
-        null_score = min(null_score, float(start[0] + end[0]))
+        if null is None or float(start[0] + end[0]) < null["score"]:
+            null = {"text": "", "start_logit": float(start[0]), "end_logit": float(end[0]),
+                    "score": float(start[0] + end[0])}
         # argsort is ascending: the n_best highest logits, highest first.
         for s in np.argsort(start)[::-1][:n_best_size]:
             for e in np.argsort(end)[::-1][:n_best_size]:
@@ -55,7 +58,7 @@ def example_candidates(example: SquadExample, features: Sequence[SquadFeature], 
             unique.append(c)
         if len(unique) == n_best_size:
             break
-    return unique, null_score
+    return unique, null
 
 
 def postprocess_predictions(examples: Sequence[SquadExample], features: Sequence[SquadFeature],
@@ -71,15 +74,12 @@ def postprocess_predictions(examples: Sequence[SquadExample], features: Sequence
     predictions, nbest_json, null_odds = {}, {}, {}
     for ex_index, example in enumerate(examples):
         idx = by_example.get(ex_index, [])
-        spans, null_score = example_candidates(example, [features[i] for i in idx], [start_logits[i] for i in idx],
-                                               [end_logits[i] for i in idx], n_best_size=n_best_size,
-                                               max_answer_length=max_answer_length)
+        spans, null = example_candidates(example, [features[i] for i in idx], [start_logits[i] for i in idx],
+                                         [end_logits[i] for i in idx], n_best_size=n_best_size,
+                                         max_answer_length=max_answer_length)
         nbest = list(spans)
-        if version_2_with_negative and idx:
-            nbest.append({"text": "", "start_logit": null_score / 2, "end_logit": null_score / 2,
-                          "score": null_score})
-            null = nbest[-1]
-            nbest = sorted(nbest, key=lambda c: c["score"], reverse=True)[:n_best_size]
+        if version_2_with_negative and null is not None:
+            nbest = sorted(nbest + [null], key=lambda c: c["score"], reverse=True)[:n_best_size]
             if null not in nbest:  # as transformers: the null answer stays in the list
                 nbest.append(null)
         if not nbest:  # no window offered a valid span: predict the empty answer
@@ -94,7 +94,7 @@ def postprocess_predictions(examples: Sequence[SquadExample], features: Sequence
         if not spans:
             predictions[example.qas_id] = ""
             continue
-        diff = null_score - spans[0]["score"]
+        diff = null["score"] - spans[0]["score"]
         null_odds[example.qas_id] = diff
         predictions[example.qas_id] = "" if diff > null_score_diff_threshold else spans[0]["text"]
     return predictions, nbest_json, null_odds
