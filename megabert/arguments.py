@@ -11,7 +11,8 @@ import typing
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megabert.config import (PRESETS, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from megabert.config import (PRESETS, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, ParallelConfig,
+                             TrainConfig)
 from megabert.errors import ConfigError
 
 
@@ -24,8 +25,28 @@ class Configs:
     train: TrainConfig
 
 
+@dataclass
+class FinetuneConfigs:
+    """finetune_squad.py's configs: the model comes from --load, so no model or data section."""
+    parallel: ParallelConfig
+    optim: OptimConfig
+    train: TrainConfig
+    finetune: FinetuneConfig
+
+
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
-            "optim": OptimConfig, "train": TrainConfig}
+            "optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig}
+PRETRAIN_SECTIONS = ("model", "parallel", "data", "optim", "train")
+FINETUNE_SECTIONS = ("parallel", "optim", "train", "finetune")
+# Flags of the shared sections that mean nothing for SQuAD fine-tuning (whole-model QA on
+# one pipeline stage, no validation split, steps from --epochs): left out of its CLI.
+FINETUNE_EXCLUDED = {"parallel.pipeline_model_parallel_size", "parallel.num_layers_per_virtual_pipeline_stage",
+                     "train.train_iters", "train.eval_interval", "train.eval_iters", "train.finetune",
+                     "train.exit_interval", "train.deepspeed", "train.deepspeed_config", "train.zero_stage"}
+# BERT's SQuAD recipe (Devlin et al. 2019; Google's run_squad.py): AdamW at 3e-5 with 10%
+# linear warmup, then linear decay to 0, weight decay 0.01.
+FINETUNE_DEFAULTS = {"optim.lr": 3e-5, "optim.lr_warmup_fraction": 0.1, "optim.lr_decay_style": "linear",
+                     "optim.weight_decay": 0.01}
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -40,12 +61,14 @@ def _base_type(tp) -> type:
     return args[0] if args else tp
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(SECTIONS)) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] = PRETRAIN_SECTIONS,
+                         exclude: frozenset | set = frozenset()) -> None:
+    """One flag per field of each section (`exclude`: "section.field" names to leave out)."""
     for section in sections:
         cls = SECTIONS[section]
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
-            if not f.metadata.get("cli", True):
+            if not f.metadata.get("cli", True) or f"{section}.{f.name}" in exclude:
                 continue
             kind = _base_type(f.type)
             help_ = f.metadata.get("help", "")
@@ -69,7 +92,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str
                             default=argparse.SUPPRESS, help="Train masked LM only, without the SOP/NSP head.")
 
 
-def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = tuple(SECTIONS)) -> dict:
+def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRETRAIN_SECTIONS) -> dict:
     """Builds each section's dataclass from the parsed flags (raises ConfigError)."""
     values: dict[str, dict] = {s: {} for s in sections}
     for key, value in vars(ns).items():
@@ -122,4 +145,21 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
         check_combinations(cfg)
     except ConfigError as e:
         parser.error(str(e))  # one line + usage, exit code 2
+    return cfg
+
+
+def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str = "") -> FinetuneConfigs:
+    """finetune_squad.py's CLI: the parallel, optimizer and training flags shared with
+    pre-training (BERT's fine-tuning defaults for the optimizer) plus FinetuneConfig's."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser, FINETUNE_SECTIONS, exclude=FINETUNE_EXCLUDED)
+    parser.set_defaults(**FINETUNE_DEFAULTS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    try:
+        cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS))
+        if not cfg.train.load:
+            raise ConfigError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
+    except ConfigError as e:
+        parser.error(str(e))
     return cfg

@@ -31,9 +31,13 @@ def test_example_scripts(dataset, tmp_path, script, layout):  # noqa: F811
 
 def test_demo_script_runs_small(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--workdir", str(tmp_path),
-                        "--train-iters", "20", "--max-documents", "300"], capture_output=True, text=True,
+                        "--train-iters", "20", "--max-documents", "300",
+                        "--squad-epochs", "1"], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "masked-LM loss" in r.stdout
     assert os.path.getsize(tmp_path / "loss_curve.png") > 10_000
     assert os.path.isfile(tmp_path / "hf_export" / "model.safetensors")
+    results = json.load(open(tmp_path / "squad" / "eval_results.json"))
+    assert set(results) == {"exact_match", "f1"} and 0 <= results["exact_match"] <= results["f1"] <= 100
+    assert "exact match" in r.stdout and "not in this demo yet" not in r.stdout

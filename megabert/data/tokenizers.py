@@ -99,6 +99,13 @@ class _RustTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._backend.decode(list(map(int, ids)), skip_special_tokens=False)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each token's (start, end) character span in `text` (the Rust
+        pipeline's offsets, as transformers' return_offsets_mapping): SQuAD maps
+        answer characters to tokens and predicted tokens back to text with them."""
+        enc = self._backend.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
 
 def read_wordpiece_vocab(path: str) -> dict[str, int]:
     """vocab.txt -> {token: line number}, read exactly as transformers' load_vocab does

@@ -1,0 +1,115 @@
+"""Fine-tune BERT on SQuAD v1.1 / v2.0, predict and score, with tensor and data parallelism.
+
+    torchrun --nproc-per-node 2 finetune_squad.py --tensor-model-parallel-size 2 \\
+        --load bert-base-uncased/ --vocab-file bert-base-uncased/vocab.txt \\
+        --train-file train-v1.1.json --predict-file dev-v1.1.json --output-dir squad_out \\
+        --max-seq-length 384 --doc-stride 128 --max-query-length 64 --epochs 2 --lr 3e-5 \\
+        --micro-batch-size 12 --global-batch-size 24 --seed 42
+
+--load takes a megabert checkpoint (pretrain_bert.py --save, any TP layout) or a Hugging
+Face BERT directory. Writes predictions.json (id -> text), nbest_predictions.json,
+null_odds.json (v2.0) and eval_results.json (the official evaluation's figures) to
+--output-dir; --save also keeps the fine-tuned checkpoint. Omit --train-file to predict
+only, --predict-file to train only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import megabert
+from megabert.arguments import parse_finetune_args
+from megabert.config import validate_layout
+from megabert.data import build_tokenizer
+from megabert.data.squad import load_squad_json, read_squad_examples
+from megabert.data.squad_eval import evaluate
+from megabert.data.squad_features import convert_examples_to_features, features_to_tensors
+from megabert.data.squad_postprocess import postprocess_predictions
+from megabert.errors import cli_main
+from megabert.optim import build_optimizer
+from megabert.training.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits,
+                                          qa_loss_fn, resolve_vocab_file)
+from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
+from megabert.training.trainer import Trainer
+
+logger = logging.getLogger("megabert")
+
+
+def features(path, tokenizer, ft, is_training):
+    examples = read_squad_examples(path, is_training=is_training, version_2_with_negative=ft.version_2_with_negative)
+    feats = convert_examples_to_features(examples, tokenizer, max_seq_length=ft.max_seq_length,
+                                         doc_stride=ft.doc_stride, max_query_length=ft.max_query_length,
+                                         is_training=is_training)
+    logger.info("%s: %d questions -> %d features", path, len(examples), len(feats))
+    return examples, feats
+
+
+def train(cfg, ps, model, tokenizer) -> None:
+    ft, t = cfg.finetune, cfg.train
+    _, feats = features(ft.train_file, tokenizer, ft, is_training=True)
+    global_batch = t.global_batch_size or t.micro_batch_size * ps.dp_size
+    train_cfg = dataclasses.replace(t, train_iters=num_train_steps(len(feats), cfg, global_batch))
+    logger.info("fine-tuning for %d steps of %d features (%.2f epochs)", train_cfg.train_iters, global_batch,
+                train_cfg.train_iters * global_batch / len(feats))
+    batches = feature_batches(features_to_tensors(feats), global_batch=global_batch, micro_batch=t.micro_batch_size,
+                              dp_rank=ps.dp_rank, dp_size=ps.dp_size, seed=t.seed)
+    trainer = Trainer(model=model, optimizer=build_optimizer(model, cfg.optim, ps.tp_group), ps=ps, train=train_cfg,
+                      optim=cfg.optim, loss_fn=qa_loss_fn, train_batches=batches,
+                      flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
+                      checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(cfg.optim),
+                                        "finetune": dataclasses.asdict(ft)})
+    trainer.train()
+
+
+def write_json(output_dir: str, files: dict) -> None:
+    for name, value in files.items():
+        with open(os.path.join(output_dir, name), "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=2, ensure_ascii=False)
+
+
+def predict(cfg, ps, model, tokenizer) -> None:
+    ft = cfg.finetune
+    examples, feats = features(ft.predict_file, tokenizer, ft, is_training=False)
+    start, end = predict_logits(model, features_to_tensors(feats), ps, ft.predict_batch_size or
+                                cfg.train.micro_batch_size, cfg.train.bf16, cfg.train.fp16)
+    if ps.rank != 0:
+        return
+    predictions, nbest, null_odds = postprocess_predictions(
+        examples, feats, start, end, n_best_size=ft.n_best_size, max_answer_length=ft.max_answer_length,
+        version_2_with_negative=ft.version_2_with_negative, null_score_diff_threshold=ft.null_score_diff_threshold)
+    os.makedirs(ft.output_dir, exist_ok=True)
+    outputs = {"predictions.json": predictions, "nbest_predictions.json": nbest}
+    if ft.version_2_with_negative:
+        outputs["null_odds.json"] = null_odds
+    write_json(ft.output_dir, outputs)  # before scoring, which needs gold answers
+    results = evaluate(load_squad_json(ft.predict_file), predictions, "2.0" if ft.version_2_with_negative else "1.1")
+    write_json(ft.output_dir, {"eval_results.json": results})
+    figures = " | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in results.items())
+    print(f"{ft.predict_file}: {figures} -> {ft.output_dir}", flush=True)
+
+
+@cli_main
+def main(argv=None) -> None:
+    cfg = parse_finetune_args(argv, description=__doc__)
+    ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size, 1,
+                                backend=cfg.parallel.distributed_backend,
+                                timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+    configure_process_logging(ps.is_logging_rank)
+    tokenizer = build_tokenizer(cfg.finetune.tokenizer_type, resolve_vocab_file(cfg))
+    for path in (cfg.finetune.train_file, cfg.finetune.predict_file):
+        if path:
+            load_squad_json(path)  # a missing or malformed file stops the run before the model loads
+    model = load_qa_model(cfg, ps, tokenizer.vocab_size)
+    validate_layout(model.config, cfg.parallel, ps.world_size, cfg.train)
+    if cfg.finetune.train_file:
+        train(cfg, ps, model, tokenizer)
+    if cfg.finetune.predict_file:
+        predict(cfg, ps, model, tokenizer)
+    megabert.destroy_parallel()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
