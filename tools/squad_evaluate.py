@@ -10,22 +10,15 @@ writes it. The version is read from DATA.json (its "version", or is_impossible f
 """
 import argparse
 import json
-import os
 import sys
 
-from megabert.data.squad import load_squad_json
+from megabert.data.squad import load_squad_json, read_json
 from megabert.data.squad_eval import evaluate
 from megabert.errors import DataError, cli_main
 
 
 def load_predictions(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise DataError(f"predictions file {path} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            predictions = json.load(f)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    predictions = read_json(path, "predictions file")
     if not isinstance(predictions, dict) or not all(isinstance(v, str) for v in predictions.values()):
         raise DataError(f"{path} must map each question id to its answer text: {{\"id\": \"text\", ...}}")
     return predictions

@@ -38,18 +38,23 @@ class SquadExample:
         return start, start + len(text)
 
 
-def load_squad_json(path: str) -> dict:
-    """The parsed file, with errors that name it (missing, not JSON, not SQuAD-shaped)."""
+def read_json(path: str, what: str):
+    """A JSON file, with errors that name it and say what it should have been."""
     if not os.path.isfile(path):
-        raise DataError(f"SQuAD file {path} does not exist")
+        raise DataError(f"{what} {path} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-                        f"expected a SQuAD v1.1/v2.0 file") from None
+                        f"expected a {what}") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); expected a SQuAD json") from None
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); expected a {what}") from None
+
+
+def load_squad_json(path: str) -> dict:
+    """The parsed file, with errors that name it (missing, not JSON, not SQuAD-shaped)."""
+    data = read_json(path, "SQuAD v1.1/v2.0 file")
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise DataError(f"{path} is not a SQuAD file: expected an object with a \"data\" list of articles")
     return data

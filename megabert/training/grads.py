@@ -41,23 +41,23 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0
             t.copy_(reduced)
 
 
-def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
-    if ps.tp_size == 1:
-        return
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+def _sum_flagged_grads(params: Iterable[torch.nn.Parameter], flag: str, group) -> None:
+    grads = [p.grad for p in params if getattr(p, flag, False) and p.grad is not None]
     if grads:
-        _all_reduce_coalesced(grads, ps.tp_group)
+        _all_reduce_coalesced(grads, group)
+
+
+def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
+    if ps.tp_size > 1:
+        _sum_flagged_grads(params, "sequence_parallel", ps.tp_group)
 
 
 def sync_tied_embedding_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
     """Pipeline: the first stage's word embeddings and the last stage's copy (the MLM
     projection) are one parameter. Summing their gradients over the embedding group
     gives both the full gradient, so identical optimizer steps keep them equal."""
-    if ps.pp_size == 1:
-        return
-    grads = [p.grad for p in params if getattr(p, "pipeline_tied", False) and p.grad is not None]
-    if grads:
-        _all_reduce_coalesced(grads, ps.embedding_group)
+    if ps.pp_size > 1:
+        _sum_flagged_grads(params, "pipeline_tied", ps.embedding_group)
 
 
 def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
