@@ -8,30 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megabert.config import (PRESETS, DataConfig, FinetuneConfig, ModelConfig, OptimConfig, ParallelConfig,
-                             TrainConfig)
+from megabert.config import (PRESETS, Configs, DataConfig, FinetuneConfig, FinetuneConfigs, ModelConfig,
+                             OptimConfig, ParallelConfig, TrainConfig)
 from megabert.errors import ConfigError
-
-
-@dataclass
-class Configs:
-    model: ModelConfig
-    parallel: ParallelConfig
-    data: DataConfig
-    optim: OptimConfig
-    train: TrainConfig
-
-
-@dataclass
-class FinetuneConfigs:
-    """finetune_squad.py's configs: the model comes from --load, so no model or data section."""
-    parallel: ParallelConfig
-    optim: OptimConfig
-    train: TrainConfig
-    finetune: FinetuneConfig
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
@@ -109,6 +90,12 @@ def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRE
     return out
 
 
+def explicit_flags(ns: argparse.Namespace) -> frozenset:
+    """The "section.field" names given on the command line (defaults are SUPPRESSed, so
+    only flags the user typed reach the namespace)."""
+    return frozenset(k for k in vars(ns) if "." in k)
+
+
 def check_combinations(cfg: Configs) -> None:
     """Checks across config sections that need no process group (raises ConfigError)."""
     if cfg.data.seq_length > cfg.model.max_position_embeddings:
@@ -141,7 +128,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     try:
-        cfg = Configs(**configs_from_namespace(ns))
+        cfg = Configs(**configs_from_namespace(ns), explicit=explicit_flags(ns))
         check_combinations(cfg)
     except ConfigError as e:
         parser.error(str(e))  # one line + usage, exit code 2
@@ -153,11 +140,12 @@ def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str =
     pre-training (BERT's fine-tuning defaults for the optimizer) plus FinetuneConfig's."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser, FINETUNE_SECTIONS, exclude=FINETUNE_EXCLUDED)
-    parser.set_defaults(**FINETUNE_DEFAULTS)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    typed = explicit_flags(parser.parse_known_args(argv)[0])  # before the fine-tuning defaults fill in
+    parser.set_defaults(**FINETUNE_DEFAULTS)
     ns = parser.parse_args(argv)
     try:
-        cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS))
+        cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS), explicit=typed)
         if not cfg.train.load:
             raise ConfigError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
     except ConfigError as e:

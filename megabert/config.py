@@ -266,6 +266,29 @@ class FinetuneConfig:
             raise ConfigError(f"--predict-batch-size must be >= 1, got {self.predict_batch_size}")
 
 
+@dataclass
+class Configs:
+    """pretrain_bert.py's configs. `explicit` holds the "section.field" names the user set on
+    the command line, so a merge with another source (a DeepSpeed JSON) can tell a flag
+    that was given from one left at its default."""
+    model: ModelConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    optim: OptimConfig
+    train: TrainConfig
+    explicit: frozenset = frozenset()
+
+
+@dataclass
+class FinetuneConfigs:
+    """finetune_squad.py's configs: the model comes from --load, so no model or data section."""
+    parallel: ParallelConfig
+    optim: OptimConfig
+    train: TrainConfig
+    finetune: FinetuneConfig
+    explicit: frozenset = frozenset()
+
+
 def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int,
                     train: TrainConfig | None = None) -> int:
     """Checks the model against the rank grid; returns the data-parallel size."""

@@ -21,6 +21,28 @@ from megabert.parallel import ParallelState
 logger = logging.getLogger(__name__)
 
 
+def zero_sizing(hidden_size: int) -> dict:
+    """ZeRO buffer sizes scaled to the model, as transformers' DeepSpeed integration fills
+    its "auto" values; DeepSpeed's own defaults (5e8-element buckets, 1e9 live
+    parameters) would let ZeRO-3 gather all of BERT-large at once and save nothing.
+
+    One transformer layer holds 12 h^2 weights (QKV 3h^2, output h^2, MLP 8h^2); ZeRO-3
+    keeps at most two layers' worth gathered, parameters smaller than 10 h stay
+    unpartitioned (LayerNorms, biases: gathering them costs more than it saves). The
+    layout planner (megabert.planning) reads these same numbers."""
+    h2 = hidden_size * hidden_size
+    return {
+        "reduce_bucket_size": h2,
+        "allgather_bucket_size": h2,
+        "stage3_prefetch_bucket_size": int(0.9 * h2),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "stage3_max_live_parameters": 2 * 12 * h2,
+        "stage3_max_reuse_distance": 2 * 12 * h2,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+    }
+
+
 def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState) -> dict:
     """DeepSpeed's JSON from our flags: batch sizes, precision, ZeRO stage, clipping.
     The optimizer stays ours (a client optimizer: AdamW or TP-aware LAMB), and so does the

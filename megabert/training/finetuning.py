@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megabert.arguments import FinetuneConfigs
+from megabert.config import FinetuneConfigs
 from megabert.checkpoint import hf as hf_io
 from megabert.errors import ConfigError, DataError
 from megabert.model import BertForQuestionAnswering

@@ -9,8 +9,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from megabert.arguments import Configs
-from megabert.config import validate_layout
+from megabert.config import Configs, validate_layout
 from megabert.errors import DataError
 from megabert.model import BertForPreTraining
 from megabert.model.bert_pipeline import BertForPreTrainingPipelineStage
