@@ -1,4 +1,5 @@
-"""Fine-tune BERT on SQuAD v1.1 / v2.0, predict and score, with tensor and data parallelism.
+"""Fine-tune BERT on SQuAD v1.1 / v2.0, predict and score, with tensor, pipeline and data
+parallelism and ZeRO (--deepspeed --zero-stage N).
 
     torchrun --nproc-per-node 2 finetune_squad.py --tensor-model-parallel-size 2 \\
         --load bert-base-uncased/ --vocab-file bert-base-uncased/vocab.txt \\
@@ -29,11 +30,11 @@ from megabert.data.squad_eval import evaluate
 from megabert.data.squad_features import convert_examples_to_features, features_to_tensors
 from megabert.data.squad_postprocess import postprocess_predictions
 from megabert.errors import cli_main
-from megabert.optim import build_optimizer
-from megabert.training.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits,
-                                          qa_loss_fn, resolve_vocab_file)
+from megabert.parallel.layout import BatchLayout
+from megabert.training.build import RunSpec, build_trainer, deepspeed_config
+from megabert.training.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits, qa_task,
+                                          resolve_vocab_file)
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
-from megabert.training.trainer import Trainer
 
 logger = logging.getLogger("megabert")
 
@@ -47,21 +48,29 @@ def features(path, tokenizer, ft, is_training):
     return examples, feats
 
 
-def train(cfg, ps, model, tokenizer) -> None:
+def train(cfg, ps, model, tokenizer):
+    """Fine-tunes `model` in place; returns the Trainer (close it after predicting: a
+    ZeRO-3 engine holds the partitioned weights until then)."""
     ft, t = cfg.finetune, cfg.train
     _, feats = features(ft.train_file, tokenizer, ft, is_training=True)
-    global_batch = t.global_batch_size or t.micro_batch_size * ps.dp_size
-    train_cfg = dataclasses.replace(t, train_iters=num_train_steps(len(feats), cfg, global_batch))
-    logger.info("fine-tuning for %d steps of %d features (%.2f epochs)", train_cfg.train_iters, global_batch,
-                train_cfg.train_iters * global_batch / len(feats))
-    batches = feature_batches(features_to_tensors(feats), global_batch=global_batch, micro_batch=t.micro_batch_size,
-                              dp_rank=ps.dp_rank, dp_size=ps.dp_size, seed=t.seed)
-    trainer = Trainer(model=model, optimizer=build_optimizer(model, cfg.optim, ps.tp_group), ps=ps, train=train_cfg,
-                      optim=cfg.optim, loss_fn=qa_loss_fn, train_batches=batches,
-                      flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
-                      checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(cfg.optim),
-                                        "finetune": dataclasses.asdict(ft)})
+    batch = BatchLayout.of(t.micro_batch_size, t.global_batch_size, ps.dp_size)
+    # --load named the pre-trained model (already loaded); --save keeps the fine-tuned one.
+    train_cfg = dataclasses.replace(t, load=None, train_iters=num_train_steps(len(feats), cfg, batch.global_batch_size))
+    logger.info("fine-tuning for %d steps of %d features (%.2f epochs)", train_cfg.train_iters,
+                batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / len(feats))
+    tensors = features_to_tensors(feats)
+    run = RunSpec(optim=cfg.optim, train=train_cfg, batch=batch, task=qa_task(), seq_length=ft.max_seq_length,
+                  deepspeed_config=deepspeed_config(cfg, ps) if t.deepspeed else None)
+    trainer = build_trainer(
+        model, ps, run,
+        lambda consumed: feature_batches(tensors, global_batch=batch.global_batch_size,
+                                         micro_batch=t.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
+                                         seed=t.seed),
+        flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
+        checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(cfg.optim),
+                          "finetune": dataclasses.asdict(ft)})
     trainer.train()
+    return trainer
 
 
 def write_json(output_dir: str, files: dict) -> None:
@@ -94,7 +103,7 @@ def predict(cfg, ps, model, tokenizer) -> None:
 @cli_main
 def main(argv=None) -> None:
     cfg = parse_finetune_args(argv, description=__doc__)
-    ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size, 1,
+    ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                                 backend=cfg.parallel.distributed_backend,
                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     configure_process_logging(ps.is_logging_rank)
@@ -104,10 +113,13 @@ def main(argv=None) -> None:
             load_squad_json(path)  # a missing or malformed file stops the run before the model loads
     model = load_qa_model(cfg, ps, tokenizer.vocab_size)
     validate_layout(model.config, cfg.parallel, ps.world_size, cfg.train)
-    if cfg.finetune.train_file:
-        train(cfg, ps, model, tokenizer)
-    if cfg.finetune.predict_file:
-        predict(cfg, ps, model, tokenizer)
+    trainer = train(cfg, ps, model, tokenizer) if cfg.finetune.train_file else None
+    try:
+        if cfg.finetune.predict_file:
+            predict(cfg, ps, model, tokenizer)
+    finally:
+        if trainer is not None:
+            trainer.close()
     megabert.destroy_parallel()
 
 

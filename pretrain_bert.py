@@ -14,6 +14,7 @@ import sys
 import megabert
 from megabert.arguments import parse_args
 from megabert.errors import cli_main
+from megabert.parallel.layout import BatchLayout
 from megabert.training.metrics import configure_process_logging
 from megabert.training.pretraining import build_pretraining, checked_batches, infinite, validate_run
 
@@ -23,7 +24,7 @@ def build_data(cfg, ps, tokenizer):
     from megabert.data import build_pretraining_data_loader, build_train_valid_test_datasets
 
     t = cfg.train
-    global_batch = t.global_batch_size or t.micro_batch_size * ps.dp_size
+    global_batch = BatchLayout.of(t.micro_batch_size, t.global_batch_size, ps.dp_size).global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     num_samples = (t.train_iters * global_batch, evals * t.eval_iters * global_batch, t.eval_iters * global_batch)
     train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, t.seed,

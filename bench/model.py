@@ -76,7 +76,7 @@ def main() -> None:
                 model(ids, attention_mask=am, labels=labels, next_sentence_label=nsl).loss.backward()
 
             t = timed(our_step, args.repeats)
-            resolved = model.bert.ctx.attention_backend + "/" + model.bert.ctx.layernorm_backend
+            resolved = model.ctx.attention_backend + "/" + model.ctx.layernorm_backend
             print(f"{size:6} {backend + ' (' + resolved + ')':18} {t * 1e3:12.1f} {t_hf * 1e3:16.1f} "
                   f"{t_hf / t:8.2f}x")
 

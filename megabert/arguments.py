@@ -19,11 +19,10 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig
             "optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig}
 PRETRAIN_SECTIONS = ("model", "parallel", "data", "optim", "train")
 FINETUNE_SECTIONS = ("parallel", "optim", "train", "finetune")
-# Flags of the shared sections that mean nothing for SQuAD fine-tuning (whole-model QA on
-# one pipeline stage, no validation split, steps from --epochs): left out of its CLI.
-FINETUNE_EXCLUDED = {"parallel.pipeline_model_parallel_size", "parallel.num_layers_per_virtual_pipeline_stage",
-                     "train.train_iters", "train.eval_interval", "train.eval_iters", "train.finetune",
-                     "train.exit_interval", "train.deepspeed", "train.deepspeed_config", "train.zero_stage"}
+# Flags of the shared sections that mean nothing for SQuAD fine-tuning (no validation
+# split, steps from --epochs, --load is the pre-trained model): left out of its CLI.
+FINETUNE_EXCLUDED = {"train.train_iters", "train.eval_interval", "train.eval_iters", "train.finetune",
+                     "train.exit_interval"}
 # BERT's SQuAD recipe (Devlin et al. 2019; Google's run_squad.py): AdamW at 3e-5 with 10%
 # linear warmup, then linear decay to 0, weight decay 0.01.
 FINETUNE_DEFAULTS = {"optim.lr": 3e-5, "optim.lr_warmup_fraction": 0.1, "optim.lr_decay_style": "linear",
@@ -96,11 +95,12 @@ def explicit_flags(ns: argparse.Namespace) -> frozenset:
     return frozenset(k for k in vars(ns) if "." in k)
 
 
-def check_combinations(cfg: Configs) -> None:
+def check_combinations(cfg: Configs | FinetuneConfigs) -> None:
     """Checks across config sections that need no process group (raises ConfigError)."""
-    if cfg.data.seq_length > cfg.model.max_position_embeddings:
+    model = getattr(cfg, "model", None)
+    if model is not None and cfg.data.seq_length > model.max_position_embeddings:
         raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds --max-position-embeddings "
-                          f"{cfg.model.max_position_embeddings}")
+                          f"{model.max_position_embeddings}")
     pp = cfg.parallel.pipeline_model_parallel_size
     if cfg.train.deepspeed and pp > 1 and cfg.train.zero_stage > 1:
         raise ConfigError(f"--zero-stage {cfg.train.zero_stage} cannot combine with --pipeline-model-parallel-size "
@@ -115,7 +115,7 @@ def check_combinations(cfg: Configs) -> None:
                           "be wrong; train LAMB without --deepspeed, or use --optimizer adam with ZeRO")
     if cfg.train.finetune and not cfg.train.load:
         raise ConfigError("--finetune needs --load")
-    if cfg.model.sequence_parallel and cfg.train.deepspeed:
+    if model is not None and model.sequence_parallel and cfg.train.deepspeed:
         raise ConfigError("--sequence-parallel with --deepspeed is not supported: DeepSpeed reduces gradients "
                           "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
 
@@ -148,6 +148,7 @@ def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str =
         cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS), explicit=typed)
         if not cfg.train.load:
             raise ConfigError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
+        check_combinations(cfg)
     except ConfigError as e:
         parser.error(str(e))
     return cfg

@@ -7,6 +7,7 @@ from train_utils import batches
 import megabert
 from megabert.config import ModelConfig
 from megabert.model.pretrained import gather_full
+from megabert.parallel.param_spec import spec_table
 
 
 def _cfg(**kw):
@@ -22,7 +23,7 @@ def _pre_ln(rank, world, out):
     b = next(batches(0, 4, 0, 1))
     o = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
     o.loss.backward()
-    grads = gather_full({n: p.grad for n, p in model.named_parameters()}, ps)
+    grads = gather_full({n: p.grad for n, p in model.named_parameters()}, ps, spec_table(model))
     logits = o.mlm_logits.detach()  # gathered over TP: every rank takes part
     if rank == 0:
         torch.save({"loss": o.loss.detach(), "logits": logits,

@@ -7,6 +7,8 @@ from dist_utils import run_distributed
 import megabert
 from megabert.checkpoint.hf import megabert_to_hf
 from megabert.model.pretrained import gather_full
+from megabert.parallel.param_spec import spec_table
+from megabert.training.grads import sync_sequence_parallel_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,12 +65,10 @@ def _check_pretraining(rank, world, hf_dir, backend, sequence_parallel):
     _close(out.nsp_logits, ref.seq_relationship_logits, "nsp logits")
     _close(out.loss, ref.loss, "loss")
 
+    # LayerNorm grads are partial per sequence slice: the trainer's reduction sums them.
+    sync_sequence_parallel_grads(list(model.parameters()), ps)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    if sequence_parallel:  # LayerNorm grads are partial per sequence slice: sum them
-        for n, p in model.named_parameters():
-            if getattr(p, "sequence_parallel", False):
-                torch.distributed.all_reduce(grads[n], group=ps.tp_group)
-    hf_grads = megabert_to_hf(gather_full(grads, ps), model.config)
+    hf_grads = megabert_to_hf(gather_full(grads, ps, spec_table(model)), spec_table(model))
     ref_grads = {n: p.grad for n, p in hf.named_parameters()}
     assert set(hf_grads) == set(ref_grads) - {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
     for name, g in hf_grads.items():
@@ -88,7 +88,8 @@ def _check_qa(rank, world, hf_dir):
     _close(out.start_logits, ref.start_logits, "start logits")
     _close(out.end_logits, ref.end_logits, "end logits")
     _close(out.loss, ref.loss, "loss")
-    hf_grads = megabert_to_hf(gather_full({n: p.grad for n, p in model.named_parameters()}, ps), model.config)
+    hf_grads = megabert_to_hf(gather_full({n: p.grad for n, p in model.named_parameters()}, ps, spec_table(model)),
+                              spec_table(model))
     ref_grads = {n: p.grad for n, p in hf.named_parameters()}
     for name, g in hf_grads.items():
         _close(g, ref_grads[name], f"grad {name}")

@@ -9,6 +9,7 @@ from train_utils import batches
 import megabert
 from megabert.config import ModelConfig, OptimConfig
 from megabert.model.pretrained import gather_full
+from megabert.parallel.param_spec import spec_table
 from megabert.optim import LRSchedule, build_optimizer, param_groups
 
 
@@ -23,7 +24,7 @@ def _lamb_step(rank, world, out):
         opt.zero_grad()
         model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"]).loss.backward()
         opt.step()
-    full = gather_full(dict(model.named_parameters()), ps)
+    full = gather_full(dict(model.named_parameters()), ps, spec_table(model))
     if rank == 0:
         torch.save({k: v[:99] if v.size(0) >= 99 and "word" in k or k == "lm_head.bias" else v for k, v in full.items()}, out)
 
@@ -39,10 +40,19 @@ def test_lamb_tp2_equals_tp1_parameterwise(tmp_path):
 
 
 def test_no_weight_decay_on_bias_and_layernorm():
-    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(4, 4), "layernorm": torch.nn.LayerNorm(4)})
+    ps = megabert.init_parallel()
+    model = megabert.BertForPreTraining(megabert.bert_tiny(vocab_size=100), ps)
     decay, no_decay = param_groups(model, 0.01)
-    assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
-    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in no_decay["params"]) == sorted(
+        n for n, p in model.named_parameters() if p.dim() == 1)  # every bias and LayerNorm parameter
+    assert all(p.dim() == 2 for p in decay["params"]) and no_decay["weight_decay"] == 0.0
+
+
+def test_a_parameter_without_a_spec_is_named():
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(4, 4)})
+    with pytest.raises(megabert.ConfigError, match="dense.weight has no ParamSpec"):
+        param_groups(model, 0.01)
 
 
 @pytest.mark.parametrize("style", ["linear", "cosine", "polynomial", "constant"])

@@ -8,9 +8,9 @@ import pytest
 from dist_utils import run_distributed
 from train_utils import read_metrics, train_worker
 
-from megabert.checkpoint.layout import load_file, rank_files, resolve_checkpoint_dir
+from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
 from megabert.errors import ConfigError
-from megabert.model.bert_pipeline import chunk_layers
+from megabert.parallel.layout import StageLayout
 from megabert.pipeline_parallel import check_interleaving
 
 # Four layers so that two stages can each hold two chunks; micro-batch 1 and global
@@ -53,7 +53,7 @@ def test_pipeline_resume_is_bitwise_and_reshards(tmp_path, reference):
     assert read_metrics(part) == read_metrics(full)  # bitwise, RNG streams included
 
     # The interleaved stage files hold their round-robin layers under global names ...
-    files = rank_files(resolve_checkpoint_dir(ckpt))
+    files = saved_layout(resolve_checkpoint_dir(ckpt)).files
     assert sorted(files) == [(0, 0), (0, 1)]
     stage0 = load_file(files[(0, 0)])
     assert stage0["parallel"]["num_layers_per_virtual_pipeline_stage"] == 1
@@ -68,6 +68,11 @@ def test_pipeline_resume_is_bitwise_and_reshards(tmp_path, reference):
     run_distributed(train_worker, 1, COMMON + ["--load", nodrop, "--metrics-file", again])
     assert read_metrics(again) == pytest.approx(reference["lm_loss"][3:], abs=1e-4)
     assert not os.path.exists(os.path.join(nodrop, "iter_0000006"))  # --load without --save writes nothing
+
+
+def chunk_layers(num_layers, pp_size, pp_rank, per_chunk):
+    stage = StageLayout(num_layers, pp_size, pp_rank, per_chunk)
+    return [stage.chunk_layers(v) for v in range(stage.num_chunks)]
 
 
 def test_chunks_are_dealt_round_robin():
@@ -93,12 +98,12 @@ def _fp16_overflow_on_first_stage(rank, world, metrics):
     def step(self):
         if self.state.iteration != 2:
             return real_step(self)
-        handle = self.params[0].register_hook(lambda g: g * float("inf")) if self.ps.pp_rank == 0 else None
-        before = [p.detach().clone() for p in self.params]
+        handle = self.strategy.params[0].register_hook(lambda g: g * float("inf")) if self.ps.pp_rank == 0 else None
+        before = [p.detach().clone() for p in self.strategy.params]
         out = real_step(self)
         if handle is not None:
             handle.remove()
-        assert all(torch.equal(a, p) for a, p in zip(before, self.params)), f"stage {self.ps.pp_rank} stepped"
+        assert all(torch.equal(a, p) for a, p in zip(before, self.strategy.params)), f"stage {self.ps.pp_rank} stepped"
         return out
 
     trainer_mod.Trainer.train_step = step

@@ -278,28 +278,56 @@ def test_finetune_dp2_train_save_and_predict_equal_tp2(tiny_checkpoint, demo_voc
     assert outs[2][1] == pytest.approx(outs[1][1])
 
 
-def test_finetune_losses_equal_across_layouts(demo_vocab, tmp_path):
-    """Without dropout, fine-tuning losses at TP=2, at DP=2 and in one process (gradient
-    accumulation over the same global batch) agree: the same features reach the same step."""
+@pytest.fixture(scope="module")
+def no_dropout_qa(tmp_path_factory):
+    """A tiny random BertForQuestionAnswering from transformers without dropout, so
+    layouts can be compared step by step."""
     transformers = pytest.importorskip("transformers")
     import torch
 
+    d = tmp_path_factory.mktemp("qa")
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0)
-    transformers.BertForQuestionAnswering(cfg).save_pretrained(tmp_path / "hf")
-    losses = {}
-    for name, procs, extra in (("tp2", 2, ["--tensor-model-parallel-size", 2]), ("dp2", 2, []), ("one", 1, [])):
-        metrics = tmp_path / f"{name}.jsonl"
-        r = finetune(procs, *common(tmp_path / "hf", demo_vocab, tmp_path / name), "--train-file",
-                     os.path.join(DEMO, "train.json"), "--train-iters", 4, "--global-batch-size", 8, "--lr", 1e-3,
-                     "--metrics-file", metrics, *extra)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-        losses[name] = [json.loads(line)["qa_loss"] for line in open(metrics)]
-    assert len(losses["one"]) == 4 and losses["one"][-1] < losses["one"][0]
-    assert losses["tp2"] == pytest.approx(losses["one"], rel=1e-4)
-    assert losses["dp2"] == pytest.approx(losses["one"], rel=1e-4)
+    transformers.BertForQuestionAnswering(cfg).save_pretrained(d / "hf")
+    return d / "hf"
+
+
+def finetune_losses(tmp_path, hf_dir, vocab, name, procs, *extra, predict=False):
+    metrics = tmp_path / f"{name}.jsonl"
+    more = ["--predict-file", os.path.join(DEMO, "dev.json")] if predict else []
+    r = finetune(procs, *common(hf_dir, vocab, tmp_path / name), "--train-file", os.path.join(DEMO, "train.json"),
+                 "--train-iters", 6, "--global-batch-size", 8, "--lr", 1e-3, "--metrics-file", metrics, *more, *extra)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return [json.loads(line)["qa_loss"] for line in open(metrics)]
+
+
+def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, tmp_path):
+    """Without dropout, fine-tuning losses over 6 steps at TP=2, DP=2, PP=2 and TP=2 x PP=2
+    equal one process (gradient accumulation over the same global batch): the same
+    features reach the same step, through the same model definition at every layout.
+    Predictions through pipeline stages equal one process's."""
+    one = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, "one", 1, predict=True)
+    assert len(one) == 6 and one[-1] < one[0]
+    layouts = {"tp2": (2, ["--tensor-model-parallel-size", 2]), "dp2": (2, []),
+               "pp2": (2, ["--pipeline-model-parallel-size", 2]),
+               "tp2pp2": (4, ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2])}
+    for name, (procs, extra) in layouts.items():
+        losses = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, name, procs, *extra, predict=name == "pp2")
+        assert losses == pytest.approx(one, abs=1e-4), name
+    assert json.load(open(tmp_path / "pp2" / "predictions.json")) == json.load(open(tmp_path / "one" / "predictions.json"))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab, tmp_path, stage):
+    """BingBertSquad's workflow: SQuAD under DeepSpeed ZeRO at DP=2 follows plain DP=2."""
+    pytest.importorskip("deepspeed")
+    plain = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, "plain", 2)
+    zero = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, f"zero{stage}", 2, "--deepspeed", "--zero-stage", stage,
+                           predict=True)
+    assert zero == pytest.approx(plain, abs=1e-4)
+    assert set(json.load(open(tmp_path / f"zero{stage}" / "predictions.json"))) == dev_ids()
 
 
 def test_finetune_squad_v2(tiny_checkpoint, demo_vocab, tmp_path):

@@ -99,11 +99,11 @@ def _fp16_overflow(rank, world, metrics):
 
     def step_with_overflow(self):
         if self.state.iteration == 2:
-            p = self.params[0]
+            p = self.strategy.params[0]
             handle = p.register_hook(lambda g: g * float("inf"))
             out = real_step(self)
             handle.remove()
-            assert all(torch.isfinite(q).all() for q in self.params), "NaN/inf reached the weights"
+            assert all(torch.isfinite(q).all() for q in self.strategy.params), "NaN/inf reached the weights"
             return out
         return real_step(self)
 

@@ -1,48 +1,21 @@
 """Hugging Face BERT <-> megabert: configs and full (unsharded) state dicts.
 
-Only names and the QKV fusion differ; the numbers are copied as they are. The vocab is
-padded on import (zero rows, never reached by a user-visible logit) and cut on export.
+Only names and the QKV fusion differ; the numbers are copied as they are. Which of our
+parameters is which HF tensor is part of each parameter's ParamSpec (`hf_names`), set by
+the module that owns it. The vocab is padded on load (zero rows, never reached by a
+user-visible logit) and cut on export.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Optional
 
 import torch
 
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
-
-_LAYER_MAP = {  # HF suffix after bert.encoder.layer.{i}. -> ours after bert.encoder.layers.{i}.
-    "attention.output.dense": "attention.dense",
-    "attention.output.LayerNorm": "attention_layernorm",
-    "intermediate.dense": "mlp.dense_h_to_4h",
-    "output.dense": "mlp.dense_4h_to_h",
-    "output.LayerNorm": "mlp_layernorm",
-}
-_FIXED_MAP = {
-    "bert.embeddings.word_embeddings.weight": "bert.embeddings.word_embeddings.weight",
-    "bert.embeddings.position_embeddings.weight": "bert.embeddings.position_embeddings.weight",
-    "bert.embeddings.token_type_embeddings.weight": "bert.embeddings.tokentype_embeddings.weight",
-    "bert.embeddings.LayerNorm.weight": "bert.embeddings.layernorm.weight",
-    "bert.embeddings.LayerNorm.bias": "bert.embeddings.layernorm.bias",
-    "bert.pooler.dense.weight": "bert.pooler.dense.weight",
-    "bert.pooler.dense.bias": "bert.pooler.dense.bias",
-    "cls.predictions.transform.dense.weight": "lm_head.dense.weight",
-    "cls.predictions.transform.dense.bias": "lm_head.dense.bias",
-    "cls.predictions.transform.LayerNorm.weight": "lm_head.layernorm.weight",
-    "cls.predictions.transform.LayerNorm.bias": "lm_head.layernorm.bias",
-    "cls.predictions.bias": "lm_head.bias",
-    "cls.seq_relationship.weight": "binary_head.weight",
-    "cls.seq_relationship.bias": "binary_head.bias",
-    "qa_outputs.weight": "qa_outputs.weight",
-    "qa_outputs.bias": "qa_outputs.bias",
-}
-_FIXED_INV = {v: k for k, v in _FIXED_MAP.items()}
-_VOCAB_PADDED = ("bert.embeddings.word_embeddings.weight", "lm_head.bias")
-
+from megabert.parallel.param_spec import ParamSpec
 
 # ---------------------------------------------------------------- configs
 
@@ -91,63 +64,41 @@ def _normalise_hf_keys(state: dict) -> dict:
         if k.startswith(("embeddings.", "encoder.", "pooler.")):  # a bare BertModel
             k = "bert." + k
         out[k] = v
+    # Older exports keep the MLM output bias only under the decoder's name.
+    if "cls.predictions.bias" not in out and "cls.predictions.decoder.bias" in out:
+        out["cls.predictions.bias"] = out["cls.predictions.decoder.bias"]
     return out
 
 
-def hf_to_megabert(hf_state: dict, cfg: ModelConfig, padded_vocab_size: int) -> dict:
-    """Full HF state dict -> full megabert state dict (names of BertForPreTraining /
-    BertForQuestionAnswering). Keys megabert has no use for (e.g. position_ids) are dropped."""
+def hf_to_megabert(hf_state: dict, table: dict[str, ParamSpec]) -> dict:
+    """Full HF state dict -> full megabert state dict, for the parameters of `table` (a
+    model's spec table) whose Hugging Face names are all present; the rest is left out
+    for the loader to report. Vocab rows are as HF has them (unpadded): loading pads."""
     hf_state = _normalise_hf_keys(hf_state)
     out: dict[str, torch.Tensor] = {}
-    layer_re = re.compile(r"bert\.encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
-    for k, v in hf_state.items():
-        if k in _FIXED_MAP:
-            out[_FIXED_MAP[k]] = v
+    for name, spec in table.items():
+        parts = [hf_state.get(n) for n in spec.hf_names]
+        if not parts or any(p is None for p in parts):
             continue
-        m = layer_re.match(k)
-        if m and m.group(2) in _LAYER_MAP:
-            out[f"bert.encoder.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.{m.group(3)}"] = v
-    for i in range(cfg.num_layers):
-        for kind in ("weight", "bias"):
-            parts = [hf_state.get(f"bert.encoder.layer.{i}.attention.self.{p}.{kind}") for p in ("query", "key", "value")]
-            if any(p is None for p in parts):
-                raise CheckpointError(f"Hugging Face checkpoint lacks layer {i}'s attention.self query/key/value "
-                                      f"{kind}; is it a BERT checkpoint with {cfg.num_layers} layers?")
-            out[f"bert.encoder.layers.{i}.attention.qkv.{kind}"] = torch.cat(parts, dim=0)
-    if "lm_head.bias" not in out and "cls.predictions.decoder.bias" in hf_state:
-        out["lm_head.bias"] = hf_state["cls.predictions.decoder.bias"]
-    for name in _VOCAB_PADDED:
-        if name in out:
-            t = out[name]
-            pad = padded_vocab_size - t.size(0)
-            if pad < 0:
-                raise CheckpointError(f"{name} has {t.size(0)} rows, more than the padded vocab {padded_vocab_size}")
-            out[name] = torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], dim=0) if pad else t
+        out[name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        if spec.valid_rows is not None and out[name].size(0) != spec.valid_rows:
+            raise CheckpointError(f"{spec.hf_names[0]} has {out[name].size(0)} rows but config.json's vocab_size is "
+                                  f"{spec.valid_rows}; the checkpoint and its config disagree")
     return out
 
 
-def megabert_to_hf(state: dict, cfg: ModelConfig) -> dict:
-    """Full megabert state dict -> HF names, QKV split, vocab padding removed."""
+def megabert_to_hf(state: dict, table: dict[str, ParamSpec]) -> dict:
+    """Full megabert state dict -> HF names: fused tensors split, vocab padding removed."""
     out: dict[str, torch.Tensor] = {}
-    layer_re = re.compile(r"bert\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-    inv_layer = {v: k for k, v in _LAYER_MAP.items()}
-    for k, v in state.items():
-        if k in _VOCAB_PADDED:
-            v = v[: cfg.vocab_size]
-        if k in _FIXED_INV:
-            out[_FIXED_INV[k]] = v
-            continue
-        m = layer_re.match(k)
-        if not m:
-            raise CheckpointError(f"no Hugging Face name for megabert parameter {k!r}")
-        i, name, kind = m.groups()
-        if name == "attention.qkv":
-            for p, t in zip(("query", "key", "value"), v.chunk(3, dim=0)):
-                out[f"bert.encoder.layer.{i}.attention.self.{p}.{kind}"] = t
-        elif name in inv_layer:
-            out[f"bert.encoder.layer.{i}.{inv_layer[name]}.{kind}"] = v
-        else:
-            raise CheckpointError(f"no Hugging Face name for megabert parameter {k!r}")
+    for name, v in state.items():
+        spec = table.get(name)
+        if spec is None or not spec.hf_names:
+            raise CheckpointError(f"no Hugging Face name for megabert parameter {name!r}: transformers' BERT has no "
+                                  f"such tensor (a pre-LN model cannot be exported)")
+        if spec.valid_rows is not None:
+            v = v[: spec.valid_rows]
+        for hf_name, part in zip(spec.hf_names, v.chunk(len(spec.hf_names), dim=0)):
+            out[hf_name] = part
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
 import torch
@@ -71,8 +71,24 @@ def resolve_checkpoint_dir(path: str) -> str:
                           f"directories) nor a Hugging Face BERT directory (config.json + weights)")
 
 
-def rank_files(ckpt_dir: str) -> dict[tuple[int, int], str]:
-    """{(tp_rank, pp_rank): file} of an iteration directory, checked to be a full grid."""
+@dataclass(frozen=True)
+class SavedLayout:
+    """The TP x PP grid of a checkpoint directory, read once from its rank directories:
+    {(tp_rank, pp_rank): file}, checked to be a full grid."""
+
+    files: dict
+    tp_size: int
+    pp_size: int
+
+    def load_all(self) -> dict[tuple[int, int], dict]:
+        return {k: load_file(f) for k, f in self.files.items()}
+
+    def grid(self, payloads: dict) -> list[list[dict]]:
+        """payloads by (tp, pp) -> [pp][tp]."""
+        return [[payloads[(t, p)] for t in range(self.tp_size)] for p in range(self.pp_size)]
+
+
+def saved_layout(ckpt_dir: str) -> SavedLayout:
     found = {}
     for name in os.listdir(ckpt_dir):
         m = _RANK_DIR.match(name)
@@ -87,7 +103,7 @@ def rank_files(ckpt_dir: str) -> dict[tuple[int, int], str]:
     pp = max(p for _, p in found) + 1
     if len(found) != tp * pp:
         raise CheckpointError(f"{ckpt_dir} holds {len(found)} rank directories, expected tp {tp} x pp {pp}")
-    return found
+    return SavedLayout(found, tp, pp)
 
 
 def load_file(path: str) -> dict:
@@ -153,38 +169,45 @@ def saved_virtual_stage_layers(payload: dict) -> Optional[int]:
 
 
 def model_payload(state: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, model_class: str,
-                  iteration: int = 0, layers_per_virtual_stage: Optional[int] = None, **extra) -> dict:
+                  param_specs: dict, iteration: int = 0, layers_per_virtual_stage: Optional[int] = None,
+                  **extra) -> dict:
+    """One rank file's content. `param_specs`: {name: ParamSpec.to_dict()} of this rank's
+    tensors, so offline tools shard and merge from the model's own descriptions."""
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": state,
-            "model_config": asdict(cfg), "model_class": model_class,
+            "model_config": asdict(cfg), "model_class": model_class, "param_specs": param_specs,
             "parallel": parallel_meta(tp_size, pp_size, layers_per_virtual_stage), **extra}
 
 
-def save_full_model(root: str, full: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, model_class: str,
-                    tag: Union[int, str] = "release") -> str:
+def save_full_model(root: str, full: dict, cfg: ModelConfig, table: dict, *, tp_size: int, pp_size: int,
+                    model_class: str, tag: Union[int, str] = "release") -> str:
     """Writes every rank's shard of a full state dict from one process (conversion, resharding)."""
-    from megabert.checkpoint.sharding import shard_state
+    from megabert.checkpoint.sharding import repad_vocab, shard_state
+    from megabert.parallel.layout import StageLayout
+    from megabert.parallel.param_spec import table_to_dict
 
     os.makedirs(root, exist_ok=True)
     stage = staging_dir(root, tag)
     shutil.rmtree(stage, ignore_errors=True)
+    full = repad_vocab(full, table, cfg.padded_vocab_size(tp_size))
     for pp in range(pp_size):
         for tp in range(tp_size):
-            local = shard_state(full, tp_rank=tp, tp_size=tp_size, pp_rank=pp, pp_size=pp_size,
-                                num_layers=cfg.num_layers)
+            local = shard_state(full, table, tp_rank=tp, tp_size=tp_size,
+                                stage=StageLayout(cfg.num_layers, pp_size, pp))
+            specs = table_to_dict({k: table[k] for k in local})
             write_rank_file(stage, tp, pp, pp_size, model_payload(local, cfg, tp_size=tp_size, pp_size=pp_size,
-                                                                  model_class=model_class,
+                                                                  model_class=model_class, param_specs=specs,
                                                                   iteration=0 if tag == "release" else int(tag)))
     return commit(root, tag)
 
 
-def load_full_model(path: str) -> tuple[dict, dict]:
-    """(full state dict, metadata of rank 0's file) from any TP x PP layout."""
-    from megabert.checkpoint.sharding import unshard_states
+def load_full_model(path: str) -> tuple[dict, dict, dict]:
+    """(full state dict, metadata of rank 0's file, spec table) from any TP x PP layout."""
+    from megabert.checkpoint.sharding import checkpoint_table, unshard_states
 
-    files = rank_files(resolve_checkpoint_dir(path))
-    tp = max(t for t, _ in files) + 1
-    pp = max(p for _, p in files) + 1
-    payloads = {k: load_file(f) for k, f in files.items()}
-    full = unshard_states([[payloads[(t, p)]["model"] for t in range(tp)] for p in range(pp)])
-    meta = {k: v for k, v in payloads[(0, 0)].items() if k != "model"}
-    return full, meta
+    layout = saved_layout(resolve_checkpoint_dir(path))
+    payloads = layout.load_all()
+    first = payloads[(0, 0)]
+    table = checkpoint_table(list(payloads.values()), ModelConfig(**first["model_config"]))
+    full = unshard_states([[r["model"] for r in row] for row in layout.grid(payloads)], table)
+    meta = {k: v for k, v in first.items() if k != "model"}
+    return full, meta, table

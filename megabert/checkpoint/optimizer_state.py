@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megabert.checkpoint.sharding import partition_spec
+from megabert.parallel.param_spec import ParamSpec
 from megabert.tensor_parallel.layers import shard, unshard
 
 
@@ -34,20 +34,26 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def shard_optimizer_state(full: dict, local_params: set, tp_rank: int, tp_size: int) -> dict:
+def _split(spec: ParamSpec, v) -> bool:
+    """Moments have their parameter's shape and sharding; step counters are scalars."""
+    return spec.is_tensor_parallel and torch.is_tensor(v) and v.dim() > 0
+
+
+def shard_optimizer_state(full: dict, table: dict[str, ParamSpec], local_params: set, tp_rank: int,
+                          tp_size: int) -> dict:
     """Full (unsharded) by-name optimizer state -> one rank's, keeping only its params."""
     state = {}
     for name, s in full["state"].items():
         if name not in local_params:
             continue
-        spec = partition_spec(name)
-        state[name] = {k: (shard(v, spec[0], tp_rank, tp_size, spec[1]) if spec and torch.is_tensor(v) and v.dim()
-                           else v) for k, v in s.items()}
+        spec = table[name]
+        state[name] = {k: shard(v, spec.partition_dim, tp_rank, tp_size, spec.partition_stride)
+                       if _split(spec, v) else v for k, v in s.items()}
     groups = [{**g, "params": [n for n in g["params"] if n in local_params]} for g in full["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 
-def unshard_optimizer_states(local: list[list[dict]]) -> dict:
+def unshard_optimizer_states(local: list[list[dict]], table: dict[str, ParamSpec]) -> dict:
     """local[pp][tp] by-name states -> one full by-name state (param groups merged)."""
     state: dict = {}
     groups: list[dict] = []
@@ -55,11 +61,10 @@ def unshard_optimizer_states(local: list[list[dict]]) -> dict:
         for name in stage[0]["state"]:
             if name in state:
                 continue
-            spec = partition_spec(name)
+            spec = table[name]
             per_rank = [r["state"][name] for r in stage]
-            state[name] = {k: (unshard([r[k] for r in per_rank], spec[0], spec[1])
-                               if spec and torch.is_tensor(v) and v.dim() else v)
-                           for k, v in per_rank[0].items()}
+            state[name] = {k: unshard([r[k] for r in per_rank], spec.partition_dim, spec.partition_stride)
+                           if _split(spec, v) else v for k, v in per_rank[0].items()}
         for i, g in enumerate(stage[0]["param_groups"]):
             if i == len(groups):
                 groups.append({**g, "params": []})

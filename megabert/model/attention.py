@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from megabert import ops
 from megabert.model.context import BuildContext
+from megabert.parallel.param_spec import set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 
 
@@ -16,18 +17,19 @@ class SelfAttention(nn.Module):
     stride 3 each rank holds [Q_r; K_r; V_r], i.e. whole heads. The output projection
     is row-parallel, so the only communication is its all-reduce (or reduce-scatter)."""
 
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, hf_prefix: str):
+        """`hf_prefix`: this layer's Hugging Face names start with it ("bert.encoder.layer.3.attention.")."""
         super().__init__()
         cfg = ctx.config
         self.ctx = ctx
         self.heads_per_rank = cfg.num_attention_heads // ctx.tp_size
         self.head_dim = cfg.head_dim
-        common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel,
-                      params_dtype=ctx.params_dtype, device=ctx.device)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3,
-                                        init_method=ctx.init(prefix + "qkv.weight"), **common)
-        self.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, input_is_parallel=True,
-                                       init_method=ctx.init(prefix + "dense.weight"), **common)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3, **ctx.tp_kwargs())
+        self.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, input_is_parallel=True, **ctx.tp_kwargs())
+        # transformers keeps Q, K and V as three matrices; ours is their concatenation.
+        set_hf_names(self, {f"qkv.{k}": [f"{hf_prefix}self.{m}.{k}" for m in ("query", "key", "value")]
+                            for k in ("weight", "bias")})
+        set_hf_names(self, {f"dense.{k}": f"{hf_prefix}output.dense.{k}" for k in ("weight", "bias")})
         self.selective_recompute = cfg.recompute_granularity == "selective"
 
     def _core(self, q, k, v, mask):

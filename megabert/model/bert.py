@@ -1,9 +1,16 @@
-"""BERT, BERT for pre-training (MLM + NSP/SOP) and BERT for question answering.
+"""BERT: the backbone, and the task models built on it (BertModel, BertForPreTraining,
+BertForQuestionAnswering).
 
-Reads like single-device BERT: the parallel layers are drop-in building blocks and
-the process groups come from the ParallelState handed to the constructor. Activations
-are [s, b, h] inside the encoder (Megatron's layout, so sequence parallelism splits
-dim 0); inputs and outputs are batch-first as in transformers.
+One definition serves every layout. Given the parallel state, a model builds only the
+layers of its pipeline rank (the first stage: embeddings; the last: final LayerNorm,
+pooler and heads; layers keyed by their global number; interleaved chunks), so a
+pipeline stage is the same class as the whole model. The pipeline schedule drives it
+through `forward_chunk`; at PP=1 `forward` is the one chunk.
+
+Reads like single-device BERT: the parallel layers are drop-in building blocks and the
+process groups come from the ParallelState handed to the constructor. Activations are
+[s, b, h] inside the encoder (Megatron's layout, so sequence parallelism splits dim 0);
+inputs and outputs are batch-first as in transformers.
 """
 from __future__ import annotations
 
@@ -11,20 +18,21 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megabert.config import ModelConfig, ParallelConfig, validate_layout
 from megabert.errors import ConfigError
 from megabert.model.context import BuildContext
-from megabert.model.embeddings import BertEmbeddings
-from megabert.model.heads import MLMHead, Pooler, _linear
-from megabert.model.outputs import BertPreTrainingOutput, QuestionAnsweringOutput
+from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings
+from megabert.model.heads import Pooler
+from megabert.model.init import initialize_parameters
 from megabert.model.pretrained import PretrainedMixin
 from megabert.model.transformer import TransformerBlock
 from megabert.ops import resolve_attention_backend, resolve_layernorm_backend
 from megabert.parallel import ParallelState, get_parallel_state
-from megabert.tensor_parallel import gather_from_sp_to_replicated, vocab_parallel_cross_entropy
-from megabert.tensor_parallel.random import TP_SEED_OFFSET, TP_STREAM, RNGStatesTracker
+from megabert.parallel.layout import StageLayout
+from megabert.parallel.param_spec import spec_table
+from megabert.tensor_parallel import gather_from_sp_to_replicated
+from megabert.tensor_parallel.random import TP_STREAM, RNGStatesTracker, tp_stream_seed
 
 
 def attention_mask_to_bool(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -43,133 +51,161 @@ def attention_mask_to_bool(attention_mask: Optional[torch.Tensor]) -> Optional[t
 
 def build_context(config: ModelConfig, ps: ParallelState, seed: int, params_dtype: torch.dtype,
                   device: Optional[torch.device | str]) -> BuildContext:
-    """The shared build context of one rank's model (or pipeline stage)."""
     device = torch.device(device) if device is not None else ps.device
     rng = RNGStatesTracker(device)
-    # Per TP rank (independent dropout in split regions) and per pipeline stage (stages
-    # hold different layers, which should not share dropout masks).
-    rng.add(TP_STREAM, seed + TP_SEED_OFFSET + ps.tp_rank + 100 * ps.pp_rank)
-    return BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, seed=seed, rng=rng,
+    rng.add(TP_STREAM, tp_stream_seed(seed, ps.tp_rank, ps.pp_rank))
+    return BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, rng=rng,
                         attention_backend=resolve_attention_backend(config.attention_backend, device.type),
                         layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),
                         params_dtype=params_dtype, device=device)
 
 
-def pretraining_heads(config: ModelConfig, ps: ParallelState, sequence: torch.Tensor, pooled: Optional[torch.Tensor],
-                      lm_head: MLMHead, word_embeddings: torch.Tensor, binary_head: Optional[nn.Linear],
-                      labels: Optional[torch.Tensor], next_sentence_label: Optional[torch.Tensor]
-                      ) -> BertPreTrainingOutput:
-    """MLM logits (tied to the word embeddings) and the sentence-pair head, with losses.
-    `sequence` is the encoder output [s, b, h] gathered over sequence-parallel ranks."""
-    hidden = sequence.transpose(0, 1)  # [b, s, h]
-    target = labels
-    if config.mlm_logits_at_masked_only:
-        if labels is None:
-            raise ValueError("mlm_logits_at_masked_only needs labels to know the masked positions")
-        selected = labels != -100
-        hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
-    logits = lm_head(hidden, word_embeddings)  # [..., V/tp]
+class BertBackbone(nn.Module):
+    """Embeddings -> transformer layers -> (pooler): the part of BERT this rank holds.
+    `output_embeddings`: the last stage also needs the word embeddings (the MLM head's
+    tied projection), as a copy when it is not also the first stage."""
 
-    mlm_loss = None
-    if target is not None:
-        per_token = vocab_parallel_cross_entropy(logits, target, ps.tp_group)
-        mlm_loss = per_token.sum() / (target != -100).sum().clamp(min=1)
-    nsp_logits = binary_head(pooled) if binary_head is not None else None
-    nsp_loss = None
-    if nsp_logits is not None and next_sentence_label is not None:
-        nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
-    parts = [x for x in (mlm_loss, nsp_loss) if x is not None]
-    return BertPreTrainingOutput(loss=sum(parts) if parts else None, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
-                                 mlm_logits_parallel=logits, nsp_logits=nsp_logits, tp_group=ps.tp_group,
-                                 vocab_size=config.vocab_size)
+    def __init__(self, ctx: BuildContext, stage: StageLayout, padded_vocab_size: int, *, add_pooler: bool,
+                 output_embeddings: bool):
+        super().__init__()
+        self.ctx, self.stage = ctx, stage
+        if stage.is_first_stage:
+            self.embeddings = BertEmbeddings(ctx, padded_vocab_size)
+        elif stage.is_last_stage and output_embeddings:
+            self.embeddings = TiedWordEmbeddings(ctx, padded_vocab_size)
+        else:
+            self.embeddings = None
+        self.encoder = TransformerBlock(ctx, stage.layer_ids, final_layernorm=stage.is_last_stage)
+        self.pooler = Pooler(ctx) if add_pooler and stage.is_last_stage else None
+
+    def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
+                      token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor]):
+        """Chunk v of this rank: [s, b, h] -> [s, b, h]. Global chunk 0 starts from the
+        embeddings of `input_ids`; the model's last chunk returns (sequence [s, b, h]
+        gathered over sequence-parallel ranks, pooled [b, h] or None)."""
+        if self.stage.is_first_chunk(v):
+            tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            hidden = self.embeddings(input_ids, tt)
+        last = self.stage.is_last_chunk(v)
+        x = self.encoder(hidden, attention_mask_to_bool(attention_mask), self.stage.chunk_layers(v),
+                         apply_final_layernorm=last)
+        if not last:
+            return x
+        if self.ctx.sequence_parallel:
+            x = gather_from_sp_to_replicated(x, self.ctx.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        return x, self.pooler(x) if self.pooler is not None else None
+
+    @property
+    def word_embeddings(self) -> torch.Tensor:
+        return self.embeddings.word_embeddings.weight
 
 
-class BertModel(nn.Module):
-    """Embeddings + transformer encoder (+ pooler). Returns [s, b, h] and the pooled [b, h]."""
+class _InitAfterConstruction(type):
+    """Runs `_finish_construction()` once the most-derived `__init__` has returned, so
+    parameters are checked and initialised under their final names: a subclass that
+    renames or adds modules in its own `__init__` is seen as it really is."""
+
+    def __call__(cls, *args, **kwargs):
+        model = super().__call__(*args, **kwargs)
+        model._finish_construction()
+        return model
+
+
+class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstruction):
+    """This rank's slice of a BERT task model and the interface the pipeline schedule
+    drives (`num_chunks`, `is_first_chunk`, `is_last_chunk`, `forward_chunk`). Subclasses
+    add their heads and `head(sequence, pooled, batch)`."""
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
-                 add_pooler: bool = True, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device | str] = None):
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 num_layers_per_virtual_stage: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
         super().__init__()
         ps = parallel_state or get_parallel_state()
-        if ps.pp_size > 1:
-            raise ConfigError("BertModel builds a whole model; with --pipeline-model-parallel-size > 1 the "
-                              "trainer builds per-stage models")
-        validate_layout(config, ParallelConfig(tensor_model_parallel_size=ps.tp_size), ps.tp_size * ps.dp_size)
-        self.config, self.parallel_state = config, ps
+        validate_layout(config, ParallelConfig(tensor_model_parallel_size=ps.tp_size,
+                                               pipeline_model_parallel_size=ps.pp_size,
+                                               num_layers_per_virtual_pipeline_stage=num_layers_per_virtual_stage),
+                        ps.world_size)
+        self.config, self.parallel_state, self.seed = config, ps, seed
+        self.stage = StageLayout(config.num_layers, ps.pp_size, ps.pp_rank, num_layers_per_virtual_stage)
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.ctx = build_context(config, ps, seed, params_dtype, device)
-        self.embeddings = BertEmbeddings(self.ctx, self.padded_vocab_size)
-        self.encoder = TransformerBlock(self.ctx)
-        self.pooler = Pooler(self.ctx) if add_pooler else None
+        self.bert = BertBackbone(self.ctx, self.stage, self.padded_vocab_size, add_pooler=add_pooler,
+                                 output_embeddings=output_embeddings)
+
+    def _finish_construction(self) -> None:
+        table = spec_table(self)  # a parameter without a ParamSpec stops here, by name
+        misplaced = [name for name, spec in table.items() if not self.stage.holds(spec)]
+        if misplaced:
+            raise ConfigError(f"{type(self).__name__} built {misplaced[0]} on pipeline stage {self.stage.pp_rank}, "
+                              f"but its ParamSpec places it elsewhere ({table[misplaced[0]].placement}); build it "
+                              f"only where its spec says, or fix the spec")
+        ps = self.parallel_state
+        initialize_parameters(self, self.seed, self.config.init_method_std, ps.tp_rank, ps.tp_size)
+        if ps.pp_size > 1 and not self.stage.is_first_stage:
+            for name, p in self.named_parameters():
+                # The last stage's copy of the tied word embeddings: DeepSpeed leaves
+                # parameters so marked out of its gradient norm (the first stage counts them).
+                p.ds_pipe_replicated = table[name].placement == "tied"
+
+    # ------------------------------------------------------------ pipeline interface
 
     @property
     def rng(self) -> RNGStatesTracker:
         return self.ctx.rng
 
+    @property
+    def num_chunks(self) -> int:
+        return self.stage.num_chunks
+
+    @property
+    def virtual_stage_layers(self) -> Optional[int]:
+        return self.stage.virtual_stage_layers
+
+    def is_first_chunk(self, v: int) -> bool:
+        return self.stage.is_first_chunk(v)
+
+    def is_last_chunk(self, v: int) -> bool:
+        return self.stage.is_last_chunk(v)
+
+    def activation_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
+        """What travels between stages: [s (/tp with sequence parallelism), b, h]."""
+        s = seq_length // self.parallel_state.tp_size if self.ctx.sequence_parallel else seq_length
+        return s, micro_batch_size, self.config.hidden_size
+
+    def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], batch: dict):
+        """Chunk v on one micro-batch: hidden [s, b, h] (None for global chunk 0) -> [s, b, h],
+        or the task's output from the model's last chunk."""
+        out = self.bert.forward_chunk(v, hidden, batch.get("input_ids"), batch.get("token_type_ids"),
+                                      batch.get("attention_mask"))
+        if not self.stage.is_last_chunk(v):
+            return out
+        sequence, pooled = out
+        return self.head(sequence, pooled, batch)
+
+    def head(self, sequence: torch.Tensor, pooled: Optional[torch.Tensor], batch: dict):
+        raise NotImplementedError
+
+    def _whole_model_forward(self, batch: dict):
+        if self.parallel_state.pp_size > 1:
+            raise RuntimeError("with --pipeline-model-parallel-size > 1 this rank holds one pipeline stage: run it "
+                               "through megabert.pipeline_parallel.PipelineSchedule (the Trainer does)")
+        return self.forward_chunk(0, None, batch)
+
+
+class BertModel(BertPreTrainedModel):
+    """The encoder alone: forward -> (sequence [s, b, h], pooled [b, h] or None)."""
+
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *, add_pooler: bool = True,
+                 **kwargs):
+        super().__init__(config, parallel_state, add_pooler=add_pooler, output_embeddings=False, **kwargs)
+
+    def head(self, sequence, pooled, batch):
+        return sequence, pooled
+
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = self.embeddings(input_ids, token_type_ids)
-        x = self.encoder(x, attention_mask_to_bool(attention_mask))
-        if self.ctx.sequence_parallel:
-            x = gather_from_sp_to_replicated(x, self.ctx.tp_group)  # [s/tp, b, h] -> [s, b, h]
-        pooled = self.pooler(x) if self.pooler is not None else None
-        return x, pooled
+        return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
+                                              attention_mask=attention_mask))
 
 
-class BertForPreTraining(PretrainedMixin, nn.Module):
-    """Masked LM + the sentence-pair head (NSP or SOP), as transformers' BertForPreTraining.
-
-    forward(input_ids, token_type_ids, attention_mask, labels, next_sentence_label):
-    labels are token ids at masked positions and -100 elsewhere. With
-    `mlm_logits_at_masked_only`, logits are computed only where labels != -100 and
-    `mlm_logits` is [n_masked, vocab].
-    """
-
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
-                 params_dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        self.bert = BertModel(config, parallel_state, seed=seed, add_pooler=config.bert_binary_head,
-                              params_dtype=params_dtype, device=device)
-        self.config, self.parallel_state = config, self.bert.parallel_state
-        self.lm_head = MLMHead(self.bert.ctx, self.bert.padded_vocab_size, self.parallel_state.tp_rank)
-        self.binary_head = _linear(self.bert.ctx, "binary_head", config.hidden_size, 2) \
-            if config.bert_binary_head else None
-
-    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                next_sentence_label: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
-        sequence, pooled = self.bert(input_ids, token_type_ids, attention_mask)
-        return pretraining_heads(self.config, self.parallel_state, sequence, pooled, self.lm_head,
-                                 self.bert.embeddings.word_embeddings.weight, self.binary_head, labels,
-                                 next_sentence_label)
-
-
-class BertForQuestionAnswering(PretrainedMixin, nn.Module):
-    """Span extraction (SQuAD): start/end logits per token, as transformers'."""
-
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
-                 params_dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        self.bert = BertModel(config, parallel_state, seed=seed, add_pooler=False, params_dtype=params_dtype,
-                              device=device)
-        self.config, self.parallel_state = config, self.bert.parallel_state
-        self.qa_outputs = _linear(self.bert.ctx, "qa_outputs", config.hidden_size, 2)
-
-    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, start_positions: Optional[torch.Tensor] = None,
-                end_positions: Optional[torch.Tensor] = None) -> QuestionAnsweringOutput:
-        sequence, _ = self.bert(input_ids, token_type_ids, attention_mask)
-        logits = self.qa_outputs(sequence.transpose(0, 1))  # [b, s, 2]
-        start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            # As transformers: positions outside the sequence are ignored, not errors.
-            ignored = start_logits.size(1)
-            start = start_positions.view(-1).clamp(0, ignored)
-            end = end_positions.view(-1).clamp(0, ignored)
-            loss = (F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
-                    + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)) / 2
-        return QuestionAnsweringOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+# The task models live in their own files and are re-exported by megabert.model.

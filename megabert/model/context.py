@@ -6,10 +6,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from megabert.config import ModelConfig
-from megabert.model.init import normal_init
 from megabert.model.norm import LayerNorm
+from megabert.parallel.param_spec import describe
 from megabert.tensor_parallel.random import RNGStatesTracker
 
 
@@ -18,7 +19,6 @@ class BuildContext:
     config: ModelConfig
     tp_group: Optional[dist.ProcessGroup]
     tp_size: int
-    seed: int
     rng: RNGStatesTracker  # per-TP-rank dropout stream (attention probs, sequence-parallel regions)
     attention_backend: str  # resolved: torch | sdpa | fused
     layernorm_backend: str  # resolved: torch | fused
@@ -29,11 +29,21 @@ class BuildContext:
     def sequence_parallel(self) -> bool:
         return self.config.sequence_parallel and self.tp_size > 1
 
-    def init(self, name: str):
-        return normal_init(self.seed, name, self.config.init_method_std)
+    def tp_kwargs(self) -> dict:
+        """Keyword arguments of the column/row-parallel layers. init_method=None: the model
+        initialises every parameter by name once it is fully built (megabert.model.init)."""
+        return dict(tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, init_method=None,
+                    params_dtype=self.params_dtype, device=self.device)
 
     def layer_norm(self, hidden_size: Optional[int] = None, *, sequence_parallel: Optional[bool] = None) -> LayerNorm:
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         return LayerNorm(hidden_size or self.config.hidden_size, self.config.layernorm_epsilon,
                          backend=self.layernorm_backend, sequence_parallel=sp, params_dtype=self.params_dtype,
                          device=self.device)
+
+    def linear(self, in_features: int, out_features: int) -> nn.Linear:
+        """A replicated nn.Linear (pooler, small heads): normal weight, zero bias."""
+        lin = nn.Linear(in_features, out_features, dtype=self.params_dtype, device=self.device)
+        describe(lin.weight)
+        describe(lin.bias, init="zeros", weight_decay=False)
+        return lin

@@ -6,38 +6,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
+from megabert.parallel.param_spec import describe, set_hf_names
 from megabert.tensor_parallel import VocabParallelEmbedding, scatter_to_sp
+
+WORD_EMBEDDINGS_HF = "bert.embeddings.word_embeddings.weight"
 
 
 def word_embeddings(ctx: BuildContext, padded_vocab_size: int) -> VocabParallelEmbedding:
-    """The (vocab-parallel) word embeddings, from the seed by name: every TP size and every
-    pipeline stage that holds a copy starts from the same matrix."""
-    init_rows = ctx.init("embeddings.word_embeddings.weight")
-    vocab_size = ctx.config.vocab_size
-
-    def init_word_embeddings(full: torch.Tensor) -> None:
-        # Padding rows (past the real vocab) start at zero and stay there: no id looks
-        # them up and their logits are masked. Random rows would make the matrix norm,
-        # and with it LAMB's trust ratio, depend on how much padding the TP size adds.
-        init_rows(full)
-        full[vocab_size:] = 0.0
-
-    return VocabParallelEmbedding(padded_vocab_size, ctx.config.hidden_size, tp_group=ctx.tp_group,
-                                  init_method=init_word_embeddings, params_dtype=ctx.params_dtype, device=ctx.device)
+    """The (vocab-parallel) word embeddings; rows past the real vocab are padding."""
+    emb = VocabParallelEmbedding(padded_vocab_size, ctx.config.hidden_size, tp_group=ctx.tp_group, init_method=None,
+                                 params_dtype=ctx.params_dtype, device=ctx.device)
+    describe(emb.weight, valid_rows=ctx.config.vocab_size, placement="first", hf_names=(WORD_EMBEDDINGS_HF,))
+    return emb
 
 
 class TiedWordEmbeddings(nn.Module):
     """The last pipeline stage's copy of the word embeddings, for the MLM head's output
-    projection. Named like BertEmbeddings' so both copies save under one name; the
-    trainer keeps them equal by summing their gradients over the embedding group."""
+    projection. Named like BertEmbeddings' so both copies save under one name (and so
+    initialise identically); the trainer keeps them equal by summing their gradients over
+    the embedding group, and only the first stage's copy counts in the gradient norm."""
 
     def __init__(self, ctx: BuildContext, padded_vocab_size: int):
         super().__init__()
         self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
-        # The first stage's copy is the one counted in the gradient norm (ours, and
-        # DeepSpeed's, which reads its own attribute name).
-        self.word_embeddings.weight.pipeline_duplicate = True
-        self.word_embeddings.weight.ds_pipe_replicated = True
 
 
 class BertEmbeddings(nn.Module):
@@ -50,10 +41,16 @@ class BertEmbeddings(nn.Module):
                                                 dtype=ctx.params_dtype, device=ctx.device)
         self.tokentype_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size,
                                                  dtype=ctx.params_dtype, device=ctx.device)
-        ctx.init("embeddings.position_embeddings.weight")(self.position_embeddings.weight.data)
-        ctx.init("embeddings.tokentype_embeddings.weight")(self.tokentype_embeddings.weight.data)
+        describe(self.position_embeddings.weight, placement="first")
+        describe(self.tokentype_embeddings.weight, placement="first")
         # The embedding LayerNorm runs before the sequence is scattered: full-sequence params.
         self.layernorm = ctx.layer_norm(sequence_parallel=False)
+        for p in self.layernorm.parameters():
+            describe(p, placement="first")
+        set_hf_names(self, {"position_embeddings.weight": "bert.embeddings.position_embeddings.weight",
+                            "tokentype_embeddings.weight": "bert.embeddings.token_type_embeddings.weight",
+                            "layernorm.weight": "bert.embeddings.LayerNorm.weight",
+                            "layernorm.bias": "bert.embeddings.LayerNorm.bias"})
         self.dropout_p = cfg.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:

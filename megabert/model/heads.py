@@ -1,4 +1,5 @@
-"""Task heads: masked LM (tied to the word embeddings), sentence pair (NSP/SOP), QA."""
+"""Task heads: masked LM (tied to the word embeddings), sentence pair (NSP/SOP), QA, and
+the pooler. All live on the last pipeline stage."""
 from __future__ import annotations
 
 import torch
@@ -6,13 +7,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
-from megabert.model.init import init_linear_
+from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.tensor_parallel import copy_to_tp
 
 
-def _linear(ctx: BuildContext, name: str, in_features: int, out_features: int) -> nn.Linear:
-    lin = nn.Linear(in_features, out_features, dtype=ctx.params_dtype, device=ctx.device)
-    init_linear_(lin, ctx.seed, name + ".weight", ctx.config.init_method_std)
+def head_linear(ctx: BuildContext, out_features: int, hf_prefix: str) -> nn.Linear:
+    """A replicated hidden -> out_features linear on the last stage."""
+    lin = ctx.linear(ctx.config.hidden_size, out_features)
+    describe_module(lin, placement="last")
+    set_hf_names(lin, {"weight": hf_prefix + "weight", "bias": hf_prefix + "bias"})
     return lin
 
 
@@ -21,7 +24,7 @@ class Pooler(nn.Module):
 
     def __init__(self, ctx: BuildContext):
         super().__init__()
-        self.dense = _linear(ctx, "pooler.dense", ctx.config.hidden_size, ctx.config.hidden_size)
+        self.dense = head_linear(ctx, ctx.config.hidden_size, "bert.pooler.dense.")
 
     def forward(self, sequence: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [b, h]
         return torch.tanh(self.dense(sequence[0]))
@@ -39,11 +42,15 @@ class MLMHead(nn.Module):
         super().__init__()
         cfg = ctx.config
         self.tp_group = ctx.tp_group
-        self.dense = _linear(ctx, "lm_head.dense", cfg.hidden_size, cfg.hidden_size)
+        self.dense = head_linear(ctx, cfg.hidden_size, "cls.predictions.transform.dense.")
         self.layernorm = ctx.layer_norm(sequence_parallel=False)
         per_rank = padded_vocab_size // ctx.tp_size
-        self.bias = nn.Parameter(torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device))
-        self.bias.tensor_model_parallel, self.bias.partition_dim, self.bias.partition_stride = True, 0, 1
+        self.bias = describe(nn.Parameter(torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device)),
+                             partition_dim=0, init="zeros", weight_decay=False, valid_rows=cfg.vocab_size)
+        set_hf_names(self, {"layernorm.weight": "cls.predictions.transform.LayerNorm.weight",
+                            "layernorm.bias": "cls.predictions.transform.LayerNorm.bias",
+                            "bias": "cls.predictions.bias"})
+        describe_module(self, placement="last")
         first_pad = cfg.vocab_size - tp_rank * per_rank  # local index of the first padding column
         self.local_pad_start = first_pad if first_pad < per_rank else None
         self.tp_size = ctx.tp_size

@@ -5,21 +5,23 @@ import torch
 import torch.nn as nn
 
 from megabert import ops
+from megabert.parallel.param_spec import describe
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last dim. `sequence_parallel` marks the parameters whose
-    gradients are partial (each TP rank normalises its own slice of the sequence) and
-    must be summed over the TP group before the optimizer step."""
+    """LayerNorm over the last dim. With `sequence_parallel` each TP rank normalises its
+    own slice of the sequence, so the parameters' gradients are partial and are summed
+    over the TP group before the optimizer step (their spec says so)."""
 
     def __init__(self, hidden_size: int, eps: float, *, backend: str = "torch", sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.eps, self.backend = eps, backend
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device))
-        self.weight.sequence_parallel = sequence_parallel
-        self.bias.sequence_parallel = sequence_parallel
+        common = dict(weight_decay=False, sequence_parallel=sequence_parallel)
+        self.weight = describe(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)),
+                               init="ones", **common)
+        self.bias = describe(nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device)),
+                             init="zeros", **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "fused":

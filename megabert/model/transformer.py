@@ -10,21 +10,22 @@ import torch.nn.functional as F
 
 from megabert.model.attention import SelfAttention
 from megabert.model.context import BuildContext
+from megabert.parallel.param_spec import describe_module, set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 
 
 class MLP(nn.Module):
     """h -> ffn (column-parallel) -> GELU -> h (row-parallel): one all-reduce in total."""
 
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, hf_prefix: str):
+        """`hf_prefix`: this layer's Hugging Face names start with it ("bert.encoder.layer.3.")."""
         super().__init__()
         cfg = ctx.config
-        common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel,
-                      params_dtype=ctx.params_dtype, device=ctx.device)
-        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size,
-                                                  init_method=ctx.init(prefix + "dense_h_to_4h.weight"), **common)
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, **ctx.tp_kwargs())
         self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True,
-                                               init_method=ctx.init(prefix + "dense_4h_to_h.weight"), **common)
+                                               **ctx.tp_kwargs())
+        set_hf_names(self, {f"dense_h_to_4h.{k}": f"{hf_prefix}intermediate.dense.{k}" for k in ("weight", "bias")})
+        set_hf_names(self, {f"dense_4h_to_h.{k}": f"{hf_prefix}output.dense.{k}" for k in ("weight", "bias")})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Exact (erf) GELU, as BERT and transformers' "gelu".
@@ -34,14 +35,18 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     def __init__(self, ctx: BuildContext, layer_number: int):
         super().__init__()
-        prefix = f"encoder.layers.{layer_number}."
+        hf = f"bert.encoder.layer.{layer_number}."
         self.ctx = ctx
         self.pre_ln = ctx.config.layernorm_position == "pre"
-        self.attention = SelfAttention(ctx, prefix + "attention.")
+        self.attention = SelfAttention(ctx, hf + "attention.")
         self.attention_layernorm = ctx.layer_norm()
-        self.mlp = MLP(ctx, prefix + "mlp.")
+        self.mlp = MLP(ctx, hf)
         self.mlp_layernorm = ctx.layer_norm()
         self.dropout_p = ctx.config.hidden_dropout
+        # transformers names the LayerNorms by what follows them, post-LN's order.
+        set_hf_names(self, {f"attention_layernorm.{k}": f"{hf}attention.output.LayerNorm.{k}" for k in ("weight", "bias")})
+        set_hf_names(self, {f"mlp_layernorm.{k}": f"{hf}output.LayerNorm.{k}" for k in ("weight", "bias")})
+        describe_module(self, placement="layer", layer=layer_number)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         # Replicated activations: the default stream, identical on TP ranks. Sequence-
@@ -70,6 +75,8 @@ class TransformerBlock(nn.Module):
         # Pre-LN stacks end with a LayerNorm (the last layer's output is un-normalised).
         self.final_layernorm = ctx.layer_norm() if ctx.config.layernorm_position == "pre" and final_layernorm \
             else None
+        if self.final_layernorm is not None:
+            describe_module(self.final_layernorm, placement="last")
         self.full_recompute = ctx.config.recompute_granularity == "full"
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], layer_ids: Optional[Sequence[int]] = None,

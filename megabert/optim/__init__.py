@@ -9,17 +9,19 @@ import torch.distributed as dist
 from megabert.config import OptimConfig
 from megabert.optim.lamb import Lamb
 from megabert.optim.schedules import LRSchedule
+from megabert.parallel.param_spec import spec_of
 
 __all__ = ["Lamb", "LRSchedule", "param_groups", "build_optimizer"]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """BERT's rule: no weight decay on biases and LayerNorm parameters."""
+    """BERT's rule, as each parameter's spec states it: no weight decay on biases and
+    LayerNorm parameters."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if name.endswith(".bias") or "layernorm" in name or p.dim() == 1 else decay).append(p)
+        (decay if spec_of(p, name).weight_decay else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -69,6 +69,13 @@ class ParallelState:
         return self.pp_rank_to_global(self.pp_size - 1)
 
     @classmethod
+    def offline(cls, pp_size: int = 1, pp_rank: int = 0) -> "ParallelState":
+        """A one-rank view without process groups, for describing a layout: shape-only
+        (meta) models that export spec tables. Collectives are not available."""
+        return cls(rank=0, world_size=pp_size, tp_size=1, pp_size=pp_size, dp_size=1, tp_rank=0, pp_rank=pp_rank,
+                   dp_rank=0, device=torch.device("meta"), backend="none")
+
+    @classmethod
     def build(cls, tp_size: int, pp_size: int, *, device: torch.device, backend: str,
               local_rank: int = 0, launcher: str = "single") -> "ParallelState":
         """Creates every group. Collective: all ranks must call it with the same sizes."""

@@ -51,13 +51,12 @@ def check_interleaving(num_micro: int, ps: ParallelState, num_chunks: int) -> No
 class PipelineSchedule:
     """Runs one global batch through this rank's stage(s). Collective over the pipeline."""
 
-    def __init__(self, model, ps: ParallelState, comm: PipeComm, num_micro: int,
-                 output_loss: Callable[[object], tuple[torch.Tensor, dict]],
+    def __init__(self, model, ps: ParallelState, comm: PipeComm, num_micro: int, task,
                  autocast: Callable[[], AbstractContextManager] = nullcontext):
-        """`output_loss(last chunk's output) -> (loss, {name: scalar})`, as the trainer's loss_fn."""
+        """`task.output_loss(last chunk's output) -> (loss, {name: scalar})` (a training.strategy.Task)."""
         check_interleaving(num_micro, ps, model.num_chunks)
         self.model, self.ps, self.comm, self.num_micro = model, ps, comm, num_micro
-        self.output_loss, self.autocast = output_loss, autocast
+        self.task, self.autocast = task, autocast
         self.V, self.P, self.rank = model.num_chunks, ps.pp_size, ps.pp_rank
 
     # ---------------------------------------------------------------- bookkeeping
@@ -79,13 +78,17 @@ class PipelineSchedule:
 
     # ---------------------------------------------------------------- one step of work
 
-    def _forward(self, v: int, micro: int, batches: list[dict], metrics: list[dict], scale: float) -> _Step:
+    def _forward(self, v: int, micro: int, batches: list[dict], metrics: list[dict], scale: float,
+                 output_fn: Optional[Callable] = None) -> _Step:
         g = self._global_chunk(v)
         x = None if self.model.is_first_chunk(v) else self.comm.recv_forward(self._tag(g, micro))
         with self.autocast():
             out = self.model.forward_chunk(v, x, batches[micro])
         if self.model.is_last_chunk(v):
-            loss, m = self.output_loss(out)
+            if output_fn is not None:  # forward only: whatever the caller wants of the output
+                metrics.append(output_fn(out))
+                return _Step(x, out)
+            loss, m = self.task.output_loss(out)
             metrics.append({k: t.detach() for k, t in m.items()})
             return _Step(x, loss * scale)
         self.comm.send_forward(out, self._tag(g + 1, micro))
@@ -142,11 +145,12 @@ class PipelineSchedule:
         return metrics
 
     @torch.no_grad()
-    def forward_only(self, batches: list[dict]) -> list[dict]:
-        """Evaluation: every micro-batch through every chunk, no backward."""
-        metrics: list[dict] = []
+    def forward_only(self, batches: list[dict], output_fn: Callable) -> list:
+        """Evaluation and prediction: every micro-batch through every chunk, no backward;
+        the last stage returns `output_fn(output)` per micro-batch (other stages: [])."""
+        metrics: list = []
         for m in range(len(batches)):
             for v in range(self.V):
-                self._forward(v, m, batches, metrics, 1.0)
+                self._forward(v, m, batches, metrics, 1.0, output_fn)
         self.comm.wait_sends()
         return metrics

@@ -4,11 +4,11 @@ from megabert.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
                                              shard, unshard)
 from megabert.tensor_parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_sp_to_replicated, gather_from_tp, reduce_from_tp,
                                                reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp)
-from megabert.tensor_parallel.random import RNGStatesTracker, checkpoint, seed_everything
+from megabert.tensor_parallel.random import RNGStatesTracker, checkpoint, seed_default_stream
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "shard", "unshard",
     "vocab_parallel_cross_entropy", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
     "scatter_to_sp", "gather_from_sp", "gather_from_sp_to_replicated", "reduce_scatter_to_sp", "RNGStatesTracker", "checkpoint",
-    "seed_everything",
+    "seed_default_stream",
 ]

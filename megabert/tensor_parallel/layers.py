@@ -2,9 +2,10 @@
 
 Weights are created as the full matrix by `init_method` and then sliced, so a model
 built at TP=1, 2 or 4 from one seed holds the same numbers, only distributed
-differently. Every sharded parameter is tagged with `tensor_model_parallel`,
-`partition_dim` and `partition_stride`, which checkpoint conversion and resharding
-use to put the full matrix back together.
+differently. `init_method=None` defers that to the owning model, which initialises
+every parameter from its real name once construction is complete (megabert.model.init).
+Every parameter carries a ParamSpec (partition dim and stride, weight decay, ...) that
+checkpoint sharding, resharding and the optimizer read.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megabert.parallel.param_spec import describe
 from megabert.tensor_parallel.mappings import (Group, copy_to_tp, gather_from_sp, gather_from_tp, group_rank,
                                                group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp)
 
@@ -45,18 +47,22 @@ def unshard(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tenso
     return torch.cat([torch.cat([pr[s] for pr in per_rank], dim=dim) for s in range(stride)], dim=dim)
 
 
-def _tag(param: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
-    param.partition_stride = stride
-    return param
+def _sharded_param(full_shape, dim, stride, init_method: Optional[InitMethod], group, dtype, device) -> nn.Parameter:
+    if init_method is None:  # deferred: the model initialises it by name after construction
+        local_shape = list(full_shape)
+        local_shape[dim] //= group_size(group)
+        local = torch.empty(local_shape, dtype=dtype, device=device)
+    else:
+        full = torch.empty(full_shape, dtype=torch.float32)
+        init_method(full)
+        local = shard(full, dim, group_rank(group), group_size(group), stride).to(device=device, dtype=dtype)
+    return describe(nn.Parameter(local), partition_dim=dim, partition_stride=stride)
 
 
-def _sharded_param(full_shape, dim, stride, init_method, group, dtype, device) -> nn.Parameter:
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_method(full)
-    local = shard(full, dim, group_rank(group), group_size(group), stride)
-    return _tag(nn.Parameter(local.to(device=device, dtype=dtype)), dim, stride)
+def _bias(size: int, dtype, device, **spec) -> nn.Parameter:
+    # Biases start at zero (BERT) and take no weight decay.
+    return describe(nn.Parameter(torch.zeros(size, dtype=dtype, device=device)), init="zeros",
+                    weight_decay=False, **spec)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -68,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
-                 gather_output: bool = False, init_method: InitMethod = default_init, stride: int = 1,
+                 gather_output: bool = False, init_method: Optional[InitMethod] = default_init, stride: int = 1,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None):
         super().__init__()
@@ -80,9 +86,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _sharded_param((out_features, in_features), 0, stride, init_method, tp_group,
                                      params_dtype, device)
         if bias:
-            # Biases start at zero (BERT); they are sharded like the output columns.
-            self.bias = _tag(nn.Parameter(torch.zeros(out_features // tp, dtype=params_dtype, device=device)),
-                             0, stride)
+            # Sharded like the output columns.
+            self.bias = _bias(out_features // tp, params_dtype, device, partition_dim=0, partition_stride=stride)
         else:
             self.register_parameter("bias", None)
 
@@ -104,7 +109,7 @@ class RowParallelLinear(nn.Module):
     sequence parallelism). The bias is replicated and added once, after the sum."""
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
-                 input_is_parallel: bool = True, init_method: InitMethod = default_init,
+                 input_is_parallel: bool = True, init_method: Optional[InitMethod] = default_init,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None):
         super().__init__()
@@ -117,10 +122,9 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
         self.weight = _sharded_param((out_features, in_features), 1, 1, init_method, tp_group, params_dtype, device)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
             # With sequence parallelism each rank sees only its slice of the sequence, so
             # this bias's gradient is partial and must be summed over the TP group.
-            self.bias.sequence_parallel = sequence_parallel
+            self.bias = _bias(out_features, params_dtype, device, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -143,7 +147,7 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group,
-                 init_method: InitMethod = default_init, params_dtype: torch.dtype = torch.float32,
+                 init_method: Optional[InitMethod] = default_init, params_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None):
         super().__init__()
         tp, rank = group_size(tp_group), group_rank(tp_group)

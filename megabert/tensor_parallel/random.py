@@ -68,17 +68,24 @@ class RNGStatesTracker:
         self.states = {k: v.clone() for k, v in states.items()}
 
 
-def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device | str = "cpu") -> RNGStatesTracker:
-    """Seeds the default stream (same on TP ranks, distinct per pipeline stage) and returns
-    a tracker with the per-TP-rank stream, as Megatron's model_parallel_cuda_manual_seed."""
-    device = torch.device(device)
-    default_seed = seed + 100 * pp_rank
-    torch.manual_seed(default_seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(default_seed)
-    tracker = RNGStatesTracker(device)
-    tracker.add(TP_STREAM, default_seed + TP_SEED_OFFSET + tp_rank)
-    return tracker
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The default stream's seed: the same on every TP rank (replicated dropout must agree)
+    and distinct per pipeline stage (stages hold different layers, which should not share
+    dropout masks)."""
+    return seed + 100 * pp_rank
+
+
+def tp_stream_seed(seed: int, tp_rank: int, pp_rank: int) -> int:
+    """The per-TP-rank stream's seed (Megatron's model_parallel_cuda_manual_seed)."""
+    return stage_seed(seed, pp_rank) + TP_SEED_OFFSET + tp_rank
+
+
+def seed_default_stream(seed: int, pp_rank: int, device: torch.device | str = "cpu") -> None:
+    """Seeds the default CPU (and CUDA) generator of this rank; the model's tracker holds
+    the per-TP-rank stream."""
+    torch.manual_seed(stage_seed(seed, pp_rank))
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed(stage_seed(seed, pp_rank))
 
 
 def checkpoint(fn: Callable, tracker: Optional[RNGStatesTracker], *args):

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 
 from megabert.checkpoint import hf as hf_io
-from megabert.checkpoint.layout import (commit, load_file, model_payload, rank_files, read_tracker,
-                                        resolve_checkpoint_dir, saved_virtual_stage_layers, staging_dir,
-                                        write_rank_file)
+from megabert.checkpoint.layout import (commit, load_file, model_payload, read_tracker, resolve_checkpoint_dir,
+                                        saved_layout, saved_virtual_stage_layers, staging_dir, write_rank_file)
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.checkpoint.reshard import reshard_payloads
+from megabert.checkpoint.sources import read_foreign_dir
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
+from megabert.parallel.param_spec import spec_table, table_to_dict
 
 logger = logging.getLogger(__name__)
 DEEPSPEED_SUBDIR = "deepspeed"
@@ -38,19 +39,20 @@ DEEPSPEED_SUBDIR = "deepspeed"
 class TrainingState:
     iteration: int = 0
     consumed_samples: int = 0
+    skipped_iterations: int = 0  # fp16 overflow skips: they do not advance the LR schedule
 
 
 def _rng_state(model) -> dict:
     return {"cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": model.bert.rng.get_states(), "python": random.getstate()}
+            "tracker": model.rng.get_states(), "python": random.getstate()}
 
 
 def _set_rng_state(model, rng: dict) -> None:
     torch.set_rng_state(rng["cpu"])
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    model.bert.rng.set_states(rng["tracker"])
+    model.rng.set_states(rng["tracker"])
     random.setstate(rng["python"])
 
 
@@ -70,9 +72,10 @@ def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: Paral
     if ps.dp_rank == 0:
         payload = model_payload(
             {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config, tp_size=ps.tp_size,
-            pp_size=ps.pp_size, model_class=getattr(model, "checkpoint_class_name", type(model).__name__),
-            layers_per_virtual_stage=getattr(model, "virtual_stage_layers", None), iteration=state.iteration,
-            consumed_samples=state.consumed_samples, rng=_rng_state(model),
+            pp_size=ps.pp_size, model_class=type(model).__name__, param_specs=table_to_dict(spec_table(model)),
+            layers_per_virtual_stage=model.virtual_stage_layers, iteration=state.iteration,
+            consumed_samples=state.consumed_samples, skipped_iterations=state.skipped_iterations,
+            rng=_rng_state(model),
             optimizer=optimizer_state_by_name(optimizer, model) if optimizer is not None and engine is None
             else None,
             loss_scaler=scaler.state_dict() if scaler is not None else None, args=extra or {})
@@ -94,27 +97,26 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
     """Restores what `save_checkpoint` wrote, at the same or another TP/PP layout. A
     Hugging Face directory or a converted ('release') checkpoint gives weights only and
     starts at iteration 0."""
-    if hf_io.is_hf_dir(path):
-        full = hf_io.hf_to_megabert(hf_io.read_hf_state(path), model.config, model.bert.padded_vocab_size)
-        model.load_full_state_dict(full, source=path)
+    foreign = read_foreign_dir(path)
+    if foreign is not None:  # a Hugging Face (or TF) directory: weights only
+        model.load_full_state_dict(hf_io.hf_to_megabert(foreign[1], spec_table(model)), source=path)
         return TrainingState()
     ckpt_dir = resolve_checkpoint_dir(path)
-    files = rank_files(ckpt_dir)
-    saved_tp = max(t for t, _ in files) + 1
-    saved_pp = max(p for _, p in files) + 1
-    vpp = getattr(model, "virtual_stage_layers", None)
-    same_layout = (saved_tp, saved_pp) == (ps.tp_size, ps.pp_size)
+    layout = saved_layout(ckpt_dir)
+    vpp = model.virtual_stage_layers
+    same_layout = (layout.tp_size, layout.pp_size) == (ps.tp_size, ps.pp_size)
     if same_layout:
-        payload = load_file(files[(ps.tp_rank, ps.pp_rank)])
+        payload = load_file(layout.files[(ps.tp_rank, ps.pp_rank)])
         same_layout = saved_virtual_stage_layers(payload) == vpp
     if not same_layout:
         payload = reshard_payloads(ckpt_dir, ps.tp_size, ps.pp_size, vpp)[(ps.tp_rank, ps.pp_rank)]
         if ps.rank == 0:
             logger.warning("%s was saved at tp=%d pp=%d; resharded in memory to tp=%d pp=%d%s "
-                           "(RNG streams restart from the seed)", path, saved_tp, saved_pp, ps.tp_size, ps.pp_size,
-                           f" ({vpp} layers per virtual stage)" if vpp else "")
+                           "(RNG streams restart from the seed)", path, layout.tp_size, layout.pp_size, ps.tp_size,
+                           ps.pp_size, f" ({vpp} layers per virtual stage)" if vpp else "")
     model.load_local_state_dict(payload["model"], source=path)
-    state = TrainingState(int(payload.get("iteration", 0)), int(payload.get("consumed_samples", 0)))
+    state = TrainingState(int(payload.get("iteration", 0)), int(payload.get("consumed_samples", 0)),
+                          int(payload.get("skipped_iterations", 0)))
     release = read_tracker(path) == "release" or state.iteration == 0
     if release:
         return TrainingState()

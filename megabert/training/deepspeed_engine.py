@@ -17,6 +17,7 @@ import torch
 from megabert.config import OptimConfig, TrainConfig
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
+from megabert.parallel.layout import BatchLayout
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,11 @@ def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState) -> d
     """DeepSpeed's JSON from our flags: batch sizes, precision, ZeRO stage, clipping.
     The optimizer stays ours (a client optimizer: AdamW or TP-aware LAMB), and so does the
     LR schedule, so DeepSpeed and plain runs follow the same curve."""
-    global_batch = train.global_batch_size or train.micro_batch_size * ps.dp_size
+    batch = BatchLayout.of(train.micro_batch_size, train.global_batch_size, ps.dp_size)
     cfg: dict = {
-        "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": global_batch // (train.micro_batch_size * ps.dp_size),
+        "train_batch_size": batch.global_batch_size,
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.num_micro_batches,
         "gradient_clipping": optim.clip_grad,
         "zero_optimization": {"stage": train.zero_stage},
         "steps_per_print": 10 ** 9,  # our logger reports; DeepSpeed's own lines would duplicate it

@@ -1,6 +1,6 @@
-"""SQuAD fine-tuning pieces handed to the generic Trainer: the QA loss, feature batches
+"""SQuAD fine-tuning pieces handed to the generic Trainer: the QA task, feature batches
 sharded over data-parallel ranks, the model from --load, and prediction (logits of
-every feature, gathered over data-parallel ranks)."""
+every feature, through pipeline stages and gathered over data-parallel ranks)."""
 from __future__ import annotations
 
 import logging
@@ -17,16 +17,18 @@ from megabert.checkpoint import hf as hf_io
 from megabert.errors import ConfigError, DataError
 from megabert.model import BertForQuestionAnswering
 from megabert.parallel import ParallelState
+from megabert.pipeline_parallel import PipeComm, PipelineSchedule
+from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.precision import autocast
+from megabert.training.strategy import Task
 
 logger = logging.getLogger(__name__)
 
 
-def qa_loss_fn(model, batch: dict):
-    """(model, batch) -> (mean of the start and end cross entropies, {"qa_loss"})."""
-    out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"], attention_mask=batch["attention_mask"],
-                start_positions=batch["start_positions"], end_positions=batch["end_positions"])
-    return out.loss, {"qa_loss": out.loss}
+def qa_task() -> Task:
+    """QuestionAnsweringOutput -> (mean of the start and end cross entropies, {"qa_loss"})."""
+    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions"),
+                output_loss=lambda out: (out.loss, {"qa_loss": out.loss}))
 
 
 def resolve_vocab_file(cfg: FinetuneConfigs) -> str:
@@ -42,8 +44,10 @@ def resolve_vocab_file(cfg: FinetuneConfigs) -> str:
 def load_qa_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> BertForQuestionAnswering:
     """BertForQuestionAnswering from --load (megabert checkpoint of any TP layout, or a
     Hugging Face directory); the QA head is new unless the checkpoint already has one."""
-    torch.manual_seed(cfg.train.seed)
-    model = BertForQuestionAnswering.from_pretrained(cfg.train.load, ps, seed=cfg.train.seed)
+    seed_default_stream(cfg.train.seed, ps.pp_rank, ps.device)
+    model = BertForQuestionAnswering.from_pretrained(
+        cfg.train.load, ps, seed=cfg.train.seed,
+        num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage)
     if cfg.finetune.max_seq_length > model.config.max_position_embeddings:
         raise ConfigError(f"--max-seq-length {cfg.finetune.max_seq_length} exceeds the model's "
                           f"{model.config.max_position_embeddings} position embeddings ({cfg.train.load})")
@@ -82,27 +86,58 @@ def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micr
                 yield {key: t[index] for key, t in tensors.items()}
 
 
+def _pipeline_forward(model, ps: ParallelState, batch_size: int, seq_length: int, amp):
+    """PP > 1: features through the stages with the forward-only schedule; the last stage
+    holds the logits and sends them to the other stages of its pipeline."""
+    comm = PipeComm(ps, model.activation_shape(seq_length, batch_size), torch.float32)
+    # Forward-only needs no steady state: any micro-batch count that passes the
+    # interleaving check will do; tags stay unique within one call.
+    schedule = PipelineSchedule(model, ps, comm, ps.pp_size, qa_task(), autocast=amp)
+
+    def logits(out):
+        return out.start_logits.float().cpu(), out.end_logits.float().cpu()
+
+    def forward(batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for k in range(0, len(batches), ps.pp_size):
+            out += schedule.forward_only(batches[k:k + ps.pp_size], logits)
+        box = [out]
+        dist.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
+        return box[0]
+
+    return forward
+
+
 @torch.no_grad()
 def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps: ParallelState, batch_size: int,
                    bf16: bool = False, fp16: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Start and end logits [n_features, max_seq_length] of every feature, on every rank.
-    DP rank r takes the r-th contiguous shard (all TP ranks of a DP rank run the same
-    batches together); the shards are gathered over the data-parallel group."""
+    DP rank r takes the r-th contiguous shard (all TP ranks and pipeline stages of a DP rank
+    run the same batches together); the shards are gathered over the data-parallel group.
+    Batches are padded to `batch_size` (stages exchange fixed shapes) and trimmed after."""
     model.eval()
-    n = len(tensors["input_ids"])
+    n, seq = tensors["input_ids"].shape
     shard = np.array_split(np.arange(n), ps.dp_size)[ps.dp_rank]
-    starts, ends = [], []
+    amp = lambda: autocast(ps.device, bf16, fp16)  # noqa: E731
+    batches, sizes = [], []
     for k in range(0, len(shard), batch_size):
         index = torch.as_tensor(shard[k:k + batch_size])
-        batch = {key: tensors[key][index].to(ps.device) for key in ("input_ids", "token_type_ids", "attention_mask")}
-        with autocast(ps.device, bf16, fp16):
-            out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                        attention_mask=batch["attention_mask"])
-        starts.append(out.start_logits.float().cpu().numpy())
-        ends.append(out.end_logits.float().cpu().numpy())
-    seq = tensors["input_ids"].shape[1]
-    start = np.concatenate(starts) if starts else np.zeros((0, seq), np.float32)
-    end = np.concatenate(ends) if ends else np.zeros((0, seq), np.float32)
+        sizes.append(len(index))
+        index = torch.cat([index, index[:1].repeat(batch_size - len(index))]) if ps.pp_size > 1 else index
+        batches.append({key: tensors[key][index].to(ps.device)
+                        for key in ("input_ids", "token_type_ids", "attention_mask")})
+    if ps.pp_size > 1:
+        outputs = _pipeline_forward(model, ps, batch_size, seq, amp)(batches)
+    else:
+        outputs = []
+        for batch in batches:
+            with amp():
+                out = model(**batch)
+            outputs.append((out.start_logits.float().cpu(), out.end_logits.float().cpu()))
+    start = np.concatenate([o[0][:m].numpy() for o, m in zip(outputs, sizes)]) if outputs \
+        else np.zeros((0, seq), np.float32)
+    end = np.concatenate([o[1][:m].numpy() for o, m in zip(outputs, sizes)]) if outputs \
+        else np.zeros((0, seq), np.float32)
     if ps.dp_size > 1:
         gathered: list[Optional[tuple]] = [None] * ps.dp_size
         dist.all_gather_object(gathered, (start, end), group=ps.dp_group)

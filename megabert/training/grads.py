@@ -2,19 +2,21 @@
 
 Order matters: sequence-parallel LayerNorm grads are summed over TP first (each rank
 saw only its slice of the sequence), the pipeline's two copies of the tied word
-embeddings are summed, then all grads are averaged over DP, then the
-global norm is taken over the model-parallel group for clipping.
+embeddings are summed, then all grads are averaged over DP, then the global norm is
+taken over the model-parallel group for clipping. Which parameter needs what is read
+from its ParamSpec. The norm and the clipping stay on the device (foreach kernels): no
+host synchronisation per parameter.
 """
 from __future__ import annotations
 
-import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megabert.parallel import ParallelState
+from megabert.parallel.param_spec import ParamSpec, spec_of
 
 BUCKET_ELEMENTS = 32 * 1024 * 1024  # fewer, larger all-reduces; bounded extra memory
 
@@ -41,15 +43,15 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0
             t.copy_(reduced)
 
 
-def _sum_flagged_grads(params: Iterable[torch.nn.Parameter], flag: str, group) -> None:
-    grads = [p.grad for p in params if getattr(p, flag, False) and p.grad is not None]
+def _sum_grads(params: Iterable[torch.nn.Parameter], wanted: Callable[[ParamSpec], bool], group) -> None:
+    grads = [p.grad for p in params if p.grad is not None and wanted(spec_of(p))]
     if grads:
         _all_reduce_coalesced(grads, group)
 
 
 def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
     if ps.tp_size > 1:
-        _sum_flagged_grads(params, "sequence_parallel", ps.tp_group)
+        _sum_grads(params, lambda s: s.sequence_parallel, ps.tp_group)
 
 
 def sync_tied_embedding_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
@@ -57,7 +59,7 @@ def sync_tied_embedding_grads(params: Iterable[torch.nn.Parameter], ps: Parallel
     projection) are one parameter. Summing their gradients over the embedding group
     gives both the full gradient, so identical optimizer steps keep them equal."""
     if ps.pp_size > 1:
-        _sum_flagged_grads(params, "pipeline_tied", ps.embedding_group)
+        _sum_grads(params, lambda s: s.placement == "tied", ps.embedding_group)
 
 
 def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
@@ -68,26 +70,34 @@ def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: Parall
     _all_reduce_coalesced(grads, ps.dp_group, scale=1.0 / ps.dp_size)
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> float:
-    """Global L2 norm of the model's gradients. A replicated parameter is counted once
-    (on TP rank 0) and split ones on every rank, so the sum over the model-parallel
-    group is the norm of the full model's gradient. The last pipeline stage's copy of
-    the tied word embeddings is left out: the first stage counts it."""
-    total = torch.zeros((), dtype=torch.float64)
+def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> torch.Tensor:
+    """Global L2 norm of the model's gradients, a float64 scalar on the device (read it
+    with one .item(), or not at all). A replicated parameter is counted once (on TP rank
+    0) and split ones on every rank, so the sum over the model-parallel group is the norm
+    of the full model's gradient. The last pipeline stage's copy of the tied word
+    embeddings is left out: the first stage counts it."""
+    grads = []
     for p in params:
-        if p.grad is None or getattr(p, "pipeline_duplicate", False):
+        if p.grad is None:
             continue
-        if getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0:
-            total += p.grad.detach().double().pow(2).sum().cpu()
+        spec = spec_of(p)
+        if spec.placement == "tied" and ps.pp_size > 1 and not ps.is_first_stage:
+            continue
+        if spec.is_tensor_parallel or ps.tp_rank == 0:
+            grads.append(p.grad.detach())
+    total = torch.zeros((), dtype=torch.float64, device=ps.device)
+    if grads:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        total = torch.stack(norms).double().pow(2).sum()
     if ps.tp_size * ps.pp_size > 1:
-        total = total.to(ps.device)
         dist.all_reduce(total, group=ps.mp_group)
-    return math.sqrt(total.item())
+    return total.sqrt()
 
 
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        coeff = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coeff)
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scales gradients so their global norm is at most `max_norm` (no host sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm <= 0 or not grads:
+        return
+    coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+    torch._foreach_mul_(grads, coeff)

@@ -33,20 +33,19 @@ class DynamicLossScaler:
 
     def found_overflow(self, params, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
         """Any inf/NaN in any rank's gradients (all ranks must agree to skip together)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        # One device-side reduction and one host read, whatever the number of parameters.
         flag = torch.zeros(1, device=device)
-        for p in params:
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                flag.fill_(1.0)
-                break
+        if grads:
+            flag = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float().reshape(1)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
     def unscale_(self, params) -> None:
-        inv = 1.0 / self.scale
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(inv)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
 
     def update(self, overflow: bool) -> None:
         if self.static:

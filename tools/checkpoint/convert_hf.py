@@ -3,8 +3,9 @@
     convert_hf.py import --hf-dir bert-base-uncased/ --output ckpt/ --tensor-model-parallel-size 2
     convert_hf.py export --load ckpt/ --hf-dir exported/
 
-Runs in one process without a process group: shards are cut by name (sharding rules),
-not by building the model on every rank.
+Runs in one process without a process group: shards are cut as the parameters' specs
+say (a shape-only model of the class gives the table), not by building the model on
+every rank.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint.layout import load_full_model, save_full_model
+from megabert.checkpoint.sharding import reference_table
 from megabert.config import ModelConfig, ParallelConfig, validate_layout
 from megabert.errors import CheckpointError, cli_main
 
@@ -30,8 +32,9 @@ def import_hf(hf_dir: str, output: str, tp: int, pp: int) -> str:
     has_binary_head = any(k.startswith("cls.seq_relationship") for k in hf_state)
     cfg = hf_io.model_config_from_hf(hf_config, bert_binary_head=has_binary_head)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
-    full = hf_io.hf_to_megabert(hf_state, cfg, cfg.padded_vocab_size(tp))
-    path = save_full_model(output, full, cfg, tp_size=tp, pp_size=pp, model_class=model_class)
+    table = reference_table(cfg, model_class)
+    full = hf_io.hf_to_megabert(hf_state, table)
+    path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)
     vocab = os.path.join(hf_dir, "vocab.txt")
     if os.path.isfile(vocab):
         shutil.copyfile(vocab, os.path.join(output, "vocab.txt"))
@@ -39,13 +42,13 @@ def import_hf(hf_dir: str, output: str, tp: int, pp: int) -> str:
 
 
 def export_hf(load: str, hf_dir: str) -> None:
-    full, meta = load_full_model(load)
+    full, meta, table = load_full_model(load)
     cfg = ModelConfig(**meta["model_config"])
     arch = meta.get("model_class", "BertForPreTraining")
     if arch == "BertForPreTraining" and not cfg.bert_binary_head:
         arch = "BertForMaskedLM"
     vocab = os.path.join(load, "vocab.txt")
-    hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, cfg), hf_io.hf_config_from_model(cfg, arch),
+    hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch),
                        vocab if os.path.isfile(vocab) else None)
 
 

@@ -1,0 +1,106 @@
+"""The arithmetic of a run's layout, computed once and passed on: how a global batch
+splits into micro-batches over data-parallel ranks, and which layers (and interleaved
+chunks) each pipeline rank holds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megabert.errors import ConfigError
+from megabert.parallel.param_spec import ParamSpec
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One optimizer step consumes `global_batch_size` samples: each of `dp_size` replicas
+    runs `num_micro_batches` micro-batches of `micro_batch_size` and accumulates."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    dp_size: int
+
+    def __post_init__(self):
+        if self.micro_batch_size < 1 or self.dp_size < 1:
+            raise ConfigError("--micro-batch-size and the data-parallel size must be >= 1")
+        if self.global_batch_size % (self.micro_batch_size * self.dp_size):
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} is not divisible by "
+                              f"--micro-batch-size {self.micro_batch_size} x data-parallel size {self.dp_size}")
+
+    @classmethod
+    def of(cls, micro_batch_size: int, global_batch_size: Optional[int], dp_size: int) -> "BatchLayout":
+        """--global-batch-size defaults to one micro-batch per replica (no accumulation)."""
+        return cls(micro_batch_size, global_batch_size or micro_batch_size * dp_size, dp_size)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Layers of one pipeline rank. The layers are cut into pp_size x V chunks of
+    `layers_per_chunk`; rank r holds global chunks r, r + pp, r + 2 pp, ... (V = 1 unless
+    the schedule is interleaved). Global chunk 0 starts with the embeddings; the last ends
+    with the final LayerNorm, the pooler and the heads."""
+
+    num_layers: int
+    pp_size: int = 1
+    pp_rank: int = 0
+    layers_per_chunk: Optional[int] = None
+
+    def __post_init__(self):
+        per_chunk = self.layers_per_chunk or self.num_layers // self.pp_size
+        if self.num_layers % self.pp_size or (self.num_layers // self.pp_size) % per_chunk:
+            raise ConfigError(f"--num-layers {self.num_layers} does not split into --pipeline-model-parallel-size "
+                              f"{self.pp_size} stages of chunks of {per_chunk} layers")
+        object.__setattr__(self, "layers_per_chunk", per_chunk)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.num_layers // (self.pp_size * self.layers_per_chunk)
+
+    @property
+    def virtual_stage_layers(self) -> Optional[int]:
+        """The interleaved chunk size, or None for the plain one-chunk-per-rank layout."""
+        return self.layers_per_chunk if self.num_chunks > 1 else None
+
+    def global_chunk(self, v: int) -> int:
+        return v * self.pp_size + self.pp_rank
+
+    def chunk_layers(self, v: int) -> list[int]:
+        g = self.global_chunk(v)
+        return list(range(g * self.layers_per_chunk, (g + 1) * self.layers_per_chunk))
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [i for v in range(self.num_chunks) for i in self.chunk_layers(v)]
+
+    def is_first_chunk(self, v: int) -> bool:
+        return self.global_chunk(v) == 0
+
+    def is_last_chunk(self, v: int) -> bool:
+        return self.global_chunk(v) == self.num_chunks * self.pp_size - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_of_layer(self, layer: int) -> int:
+        return (layer // self.layers_per_chunk) % self.pp_size
+
+    def holds(self, spec: ParamSpec) -> bool:
+        """Whether this rank holds the parameter `spec` describes."""
+        if spec.placement == "layer":
+            return self.stage_of_layer(spec.layer) == self.pp_rank
+        if spec.placement == "first":
+            return self.is_first_stage
+        if spec.placement == "last":
+            return self.is_last_stage
+        return self.is_first_stage or self.is_last_stage  # tied word embeddings
+
+    def for_rank(self, pp_rank: int) -> "StageLayout":
+        return StageLayout(self.num_layers, self.pp_size, pp_rank, self.layers_per_chunk)

@@ -1,0 +1,85 @@
+"""Model + configs -> a ready Trainer: optimizer, micro-batch runner (sequential or
+pipeline schedule), update strategy (ours or DeepSpeed's engine), checkpoint state and
+data position. Shared by pre-training and fine-tuning."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from megabert.config import OptimConfig, TrainConfig
+from megabert.optim import LRSchedule, build_optimizer
+from megabert.parallel import ParallelState
+from megabert.parallel.layout import BatchLayout
+from megabert.pipeline_parallel import PipeComm, PipelineSchedule
+from megabert.training import deepspeed_engine
+from megabert.training.checkpointing import TrainingState
+from megabert.training.precision import DynamicLossScaler, autocast
+from megabert.training.strategy import DeepSpeedStrategy, LocalStrategy, SequentialRunner, Strategy, Task
+from megabert.training.trainer import Batches, Trainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSpec:
+    """What a run needs besides the model: its configs, layout and task."""
+
+    optim: OptimConfig
+    train: TrainConfig
+    batch: BatchLayout
+    task: Task
+    seq_length: int
+    deepspeed_config: Optional[dict] = None  # the final DeepSpeed JSON with --deepspeed
+
+
+def deepspeed_config(cfg, ps: ParallelState) -> dict:
+    """DeepSpeed's config from the flags (cfg: Configs or FinetuneConfigs), merged with
+    --deepspeed_config (conflicts raise)."""
+    ds_cfg = deepspeed_engine.build_config(cfg.train, cfg.optim, ps)
+    if cfg.train.deepspeed_config:
+        ds_cfg = deepspeed_engine.merge_user_config(cfg.train.deepspeed_config, ds_cfg, cfg.train)
+    return ds_cfg
+
+
+def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> Strategy:
+    t = run.train
+    optimizer = build_optimizer(model, run.optim, ps.tp_group)
+    amp = lambda: autocast(ps.device, t.bf16, t.fp16)  # noqa: E731
+    runner = None
+    if ps.pp_size > 1:
+        # The residual stream stays fp32 under autocast, so stages exchange fp32.
+        comm = PipeComm(ps, model.activation_shape(run.seq_length, t.micro_batch_size), torch.float32)
+        runner = PipelineSchedule(model, ps, comm, run.batch.num_micro_batches, run.task, autocast=amp)
+    if t.deepspeed:
+        engine = deepspeed_engine.initialize(model, optimizer, run.deepspeed_config, ps)
+        runner = runner or SequentialRunner(engine, run.task, amp)
+        return DeepSpeedStrategy(engine, ps, runner, zero_stage=t.zero_stage, fp16=t.fp16, bf16=t.bf16)
+    runner = runner or SequentialRunner(model, run.task, amp)
+    scaler = DynamicLossScaler(run.optim) if t.fp16 else None
+    return LocalStrategy(model, optimizer, ps, runner, scaler=scaler, clip_grad=run.optim.clip_grad)
+
+
+def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
+                  train_batches: Callable[[int], Iterator[dict]],
+                  valid_batches: Optional[Callable[[], Iterator[dict]]] = None, *,
+                  flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None) -> Trainer:
+    """`train_batches(consumed_samples)` gives the training batches from that point on, so a
+    resumed run sees exactly the samples the interrupted one would have."""
+    strategy = build_strategy(model, ps, run)
+    state = TrainingState()
+    if run.train.load:
+        state = strategy.load(run.train.load, load_optimizer=not run.train.finetune)
+        if ps.is_logging_rank:
+            logger.info("loaded %s: iteration %d, %d samples consumed", run.train.load, state.iteration,
+                        state.consumed_samples)
+        if run.train.finetune:
+            if ps.is_logging_rank and state.iteration:
+                logger.info("--finetune: weights of iteration %d kept; iteration, optimizer and data position "
+                            "reset to 0", state.iteration)
+            state = TrainingState()
+    return Trainer(strategy, Batches(train_batches(state.consumed_samples), valid_batches), run.train, run.batch,
+                   LRSchedule(run.optim, run.train.train_iters), state=state, flops_per_sample=flops_per_sample,
+                   checkpoint_extra=checkpoint_extra)
