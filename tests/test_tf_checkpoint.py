@@ -127,7 +127,8 @@ def test_truncated_or_missing_data_is_a_clear_error(tmp_path):
 def test_unsupported_dtype_and_missing_config_are_clear_errors(tmp_path):
     entry = tf_bundle.BundleEntry(name="vocab_table", dtype=7, shape=(3,), shard_id=0, offset=0, size=9,
                                   sliced=False)
-    with pytest.raises(CheckpointError, match=r"ckpt\.index: vocab_table has dtype string, which megabert does not read"):
+    with pytest.raises(CheckpointError, match=r"ckpt\.index: vocab_table has dtype string, which megabert "
+                                              r"does not read"):
         tf_bundle.read_tensors(str(tmp_path / "ckpt"), 1, [entry])
     d = copy_fixture(tmp_path)
     (d / "bert_config.json").unlink()
@@ -189,3 +190,44 @@ def test_pretraining_logits_equal_hf_twin(world):
 def test_squad_logits_equal_transformers_at_tp2():
     pytest.importorskip("transformers")
     run_distributed(_check_squad_logits, 2)
+
+
+# ---------------------------------------------------------------- convert_hf.py import --tf-checkpoint
+
+def convert(*args):
+    return subprocess.run([sys.executable, CONVERT, *map(str, args)], capture_output=True, text=True)
+
+
+def test_convert_tf_checkpoint_at_tp2_then_export_gives_the_twin(tmp_path):
+    r = convert("import", "--tf-checkpoint", PRETRAINING, "--output", tmp_path / "ckpt",
+                "--tensor-model-parallel-size", 2)
+    assert r.returncode == 0, r.stderr
+    assert os.path.isfile(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
+    assert (tmp_path / "ckpt" / "vocab.txt").read_text() == open(os.path.join(PRETRAINING, "vocab.txt")).read()
+    full, meta = load_full_model(str(tmp_path / "ckpt"))
+    assert meta["model_class"] == "BertForPreTraining" and meta["parallel"]["tensor_model_parallel_size"] == 2
+    r = convert("export", "--load", tmp_path / "ckpt", "--hf-dir", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    exported, expected = load_file(str(tmp_path / "out" / "model.safetensors")), twin(PRETRAINING)
+    assert set(exported) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(exported[name], t), name
+
+
+def test_convert_tf_squad_checkpoint_prefix(tmp_path):
+    r = convert("import", "--tf-checkpoint", os.path.join(SQUAD, "model.ckpt-2"), "--output", tmp_path / "ckpt",
+                "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2)
+    assert r.returncode == 0, r.stderr
+    full, meta = load_full_model(str(tmp_path / "ckpt"))
+    assert meta["model_class"] == "BertForQuestionAnswering"
+    assert torch.equal(full["qa_outputs.weight"], twin(SQUAD)["qa_outputs.weight"])
+    assert (tmp_path / "ckpt" / "vocab.txt").is_file()
+
+
+def test_convert_source_flags_are_exclusive_and_checked(tmp_path):
+    r = convert("import", "--tf-checkpoint", PRETRAINING, "--hf-dir", PRETRAINING, "--output", tmp_path / "c")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+    r = convert("import", "--tf-checkpoint", tmp_path, "--output", tmp_path / "c")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"error: --tf-checkpoint {tmp_path} is not a Google BERT directory " \
+                               f"(bert_config.json + bert_model.ckpt.index/.data-*) or checkpoint prefix"
