@@ -231,3 +231,17 @@ def test_convert_source_flags_are_exclusive_and_checked(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"error: --tf-checkpoint {tmp_path} is not a Google BERT directory " \
                                f"(bert_config.json + bert_model.ckpt.index/.data-*) or checkpoint prefix"
+
+
+def test_external_reads_hf_and_tf_dirs_alike(tmp_path):
+    from megabert.checkpoint import external
+
+    for path in (PRETRAINING, os.path.join(PRETRAINING, "bert_model.ckpt"), os.path.join(PRETRAINING, "hf")):
+        assert external.is_external(path), path
+        config, state = external.read_external(path)
+        assert config["hidden_size"] == 32
+        assert torch.equal(state["cls.predictions.bias"], twin(PRETRAINING)["cls.predictions.bias"])
+    assert external.external_vocab_file(PRETRAINING) == os.path.join(PRETRAINING, "vocab.txt")
+    assert external.external_vocab_file(os.path.join(SQUAD, "model.ckpt-2")) == os.path.join(SQUAD, "vocab.txt")
+    assert external.external_vocab_file(os.path.join(PRETRAINING, "hf")) is None  # the twin ships none
+    assert not external.is_external(str(tmp_path))
