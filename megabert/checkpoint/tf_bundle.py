@@ -213,8 +213,6 @@ def read_index(path: str) -> tuple[int, dict[str, BundleEntry]]:
                 else:
                     name = key.decode("utf-8")
                     entries[name] = _parse_entry(name, value)
-    except CheckpointError:
-        raise
     except (IndexError, ValueError, struct.error, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}); copy the checkpoint again") from e
     if big_endian:
