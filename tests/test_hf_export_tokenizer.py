@@ -118,3 +118,14 @@ def test_vocab_larger_than_the_model_is_a_clear_error(tmp_path):
     big.write_text(open(VOCAB).read() + "\n".join(f"extra{i}" for i in range(20)) + "\n")
     r = convert("export", "--load", ckpt, "--hf-dir", tmp_path / "out", "--vocab-file", big)
     assert r.returncode == 2 and "has 106 tokens but the model has 86 word embeddings" in r.stderr
+
+
+def test_save_hf_writes_the_tokenizer_too(tmp_path):
+    import megabert
+
+    model = megabert.BertForPreTraining.from_pretrained(os.path.join(FIXTURE, "hf"), megabert.init_parallel())
+    model.save_hf(str(tmp_path / "out"), VOCAB)
+    for name in ("model.safetensors", "config.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        assert os.stat(tmp_path / "out" / name).st_mode & 0o777 == 0o644, name
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert tok.tokenize("The CAT sat") == ["the", "cat", "sat"] and tok.model_max_length == 64
