@@ -245,3 +245,18 @@ def test_external_reads_hf_and_tf_dirs_alike(tmp_path):
     assert external.external_vocab_file(os.path.join(SQUAD, "model.ckpt-2")) == os.path.join(SQUAD, "vocab.txt")
     assert external.external_vocab_file(os.path.join(PRETRAINING, "hf")) is None  # the twin ships none
     assert not external.is_external(str(tmp_path))
+
+
+def test_state_file_with_the_training_machines_path(tmp_path):
+    """run_squad.py on a TPU records gs://... (or /home/...) paths in `checkpoint`; a copied
+    directory is still found by base name."""
+    d = tmp_path / "squad_out"
+    shutil.copytree(SQUAD, d, ignore=shutil.ignore_patterns("hf"))
+    (d / "checkpoint").write_text('model_checkpoint_path: "gs://bucket/squad_out/model.ckpt-2"\n')
+    assert tf_io.is_tf_dir(str(d))
+    assert torch.equal(tf_io.read_tf_as_hf(str(d))[1]["qa_outputs.bias"], twin(SQUAD)["qa_outputs.bias"])
+    shutil.copy(d / "model.ckpt-2.index", d / "model.ckpt-1.index")
+    (d / "checkpoint").unlink()
+    with pytest.raises(CheckpointError, match=r"holds several TensorFlow checkpoints \(model.ckpt-1, model.ckpt-2\) "
+                                              r"and no 'checkpoint' file naming the latest; pass the prefix"):
+        tf_io.read_tf_as_hf(str(d))

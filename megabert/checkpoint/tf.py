@@ -59,8 +59,11 @@ def _prefix_and_dir(path: str) -> tuple[Optional[str], str]:
         with open(state) as f:
             m = re.search(r'^model_checkpoint_path:\s*"(.*)"', f.read(), re.M)
         if m:
-            prefix = m.group(1) if os.path.isabs(m.group(1)) else os.path.join(path, m.group(1))
-            return prefix, path
+            # Saver may record an absolute path of the machine (or bucket) that trained it; a
+            # copied directory still holds the files under the same base name.
+            for prefix in (os.path.join(path, m.group(1)), os.path.join(path, os.path.basename(m.group(1)))):
+                if os.path.isfile(prefix + ".index"):
+                    return prefix, path
     default = os.path.join(path, _DEFAULT_PREFIX)
     if os.path.isfile(default + ".index"):
         return default, path
