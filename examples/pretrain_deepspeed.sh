@@ -10,11 +10,12 @@ cd "$(dirname "$0")/.."
 # use: with DeepSpeed the recipe trains AdamW (BERT's original optimizer) at a smaller LR.
 OPTIMIZER=adam
 LR=${LR:-$([ "${PHASE:-1}" = 1 ] && echo 4e-4 || echo 2.8e-4)}
+source examples/launchers.sh
 source examples/recipes.sh
 DS_CONFIG=${DS_CONFIG:-examples/ds_config_zero1.json}
 LAUNCH_ARGS="--master_port ${MASTER_PORT:-29500}"
 [ -n "${HOSTFILE:-}" ] && LAUNCH_ARGS="${LAUNCH_ARGS} --hostfile ${HOSTFILE}"
 # Without a hostfile the launcher counts local GPUs; GPUS_PER_NODE overrides (CPU: processes).
 [ -n "${GPUS_PER_NODE:-}" ] && LAUNCH_ARGS="${LAUNCH_ARGS} --num_gpus ${GPUS_PER_NODE}"
-exec deepspeed ${LAUNCH_ARGS} pretrain_bert.py ${ARGS} --deepspeed --deepspeed_config "${DS_CONFIG}" \
+exec "${DEEPSPEED}" ${LAUNCH_ARGS} pretrain_bert.py ${ARGS} --deepspeed --deepspeed_config "${DS_CONFIG}" \
   --zero-stage "${ZERO_STAGE:-1}" "$@"

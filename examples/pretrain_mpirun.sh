@@ -4,7 +4,8 @@
 # Rank 0 publishes the rendezvous address over MPI; no MASTER_ADDR needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source examples/launchers.sh
 source examples/recipes.sh
 HOST_ARGS=""
 [ -n "${HOSTS:-}" ] && HOST_ARGS="-hosts ${HOSTS}"
-exec mpirun -np "${NP:-2}" ${HOST_ARGS} python pretrain_bert.py ${ARGS} "$@"
+exec "${MPIRUN}" -np "${NP:-2}" ${HOST_ARGS} "${PYTHON}" pretrain_bert.py ${ARGS} "$@"

@@ -2,6 +2,7 @@
 under torchrun, the deepspeed launcher and mpirun, and `make demo`'s script runs."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,6 +28,30 @@ def test_example_scripts(dataset, tmp_path, script, layout):  # noqa: F811
     rows = [json.loads(line) for line in open(tmp_path / "bert-phase1" / "metrics.jsonl")]
     assert [x["iteration"] for x in rows if "lm_loss" in x] == [1, 2]
     assert open(tmp_path / "bert-phase1" / "latest_checkpointed_iteration.txt").read() == "2"
+
+
+def _launchers(repo):
+    show = 'source examples/launchers.sh && echo "$PYTHON|${TORCHRUN[*]}|$DEEPSPEED|$MPIRUN"'
+    r = subprocess.run(["bash", "-c", show], cwd=repo, capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split("|"), r.stderr
+
+
+def test_launch_scripts_use_the_repo_venv_else_the_path(tmp_path):
+    """The scripts run the repo's .venv tools without activation; without a .venv, the
+    PATH's, with a one-line note on how to get one."""
+    venv_bin = os.path.join(ROOT, ".venv", "bin")
+    if os.path.isfile(os.path.join(venv_bin, "python")):
+        (python, torchrun, deepspeed, mpirun), note = _launchers(ROOT)
+        assert python == os.path.join(venv_bin, "python") and note == ""
+        assert torchrun == f"{python} -m torch.distributed.run"
+        for tool, path in (("deepspeed", deepspeed), ("mpirun", mpirun)):
+            assert path == (os.path.join(venv_bin, tool) if os.path.isfile(os.path.join(venv_bin, tool)) else tool)
+    (tmp_path / "examples").mkdir()
+    shutil.copy(os.path.join(ROOT, "examples", "launchers.sh"), tmp_path / "examples")
+    tools, note = _launchers(tmp_path)
+    assert tools == ["python", "python -m torch.distributed.run", "deepspeed", "mpirun"]
+    assert len(note.strip().splitlines()) == 1 and "make install" in note and "activate" in note
 
 
 def test_demo_script_runs_small(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from safetensors.torch import load_file
-from test_model_vs_transformers import _close, batch, make_hf_dir
+from test_model_vs_transformers import VOCAB, _close, batch, make_hf_dir
 
 import megabert
 
@@ -32,7 +32,10 @@ def test_roundtrip_bit_identical(tmp_path, arch, tp, pp):
     suffix = "" if pp == 1 else "_000"
     assert os.path.isfile(tmp_path / "ckpt" / "release" / f"mp_rank_01{suffix}" / "model_optim_rng.pt")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "release"
-    r = convert("export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"))
+    vocab = tmp_path / "vocab.txt"  # the export writes a tokenizer, so it needs a vocab of the model's size
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]))
+    r = convert("export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"),
+                "--vocab-file", str(vocab))
     assert r.returncode == 0, r.stderr
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))

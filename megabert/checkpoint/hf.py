@@ -139,15 +139,24 @@ def read_hf_state(path: str) -> dict:
     raise CheckpointError(f"{path} has no model.safetensors or pytorch_model.bin")
 
 
-def write_hf_dir(path: str, hf_state: dict, hf_config: dict, vocab_file: Optional[str] = None) -> None:
+def write_hf_dir(path: str, hf_state: dict, hf_config: dict, vocab_file: Optional[str] = None, *,
+                 lower_case: bool = True) -> None:
+    """model.safetensors + config.json, and with `vocab_file` the tokenizer files
+    (hf_tokenizer.TOKENIZER_FILES), so transformers loads the directory as it stands.
+    Every file is made 0644: safetensors writes 0600, which hides an export from the other
+    users of a shared model directory."""
     from safetensors.torch import save_file
 
+    from megabert.checkpoint.hf_tokenizer import write_tokenizer_files
+
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()},
-              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
+    written = [os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")]
+    save_file({k: v.detach().cpu().contiguous() for k, v in hf_state.items()}, written[0], metadata={"format": "pt"})
+    with open(written[1], "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
     if vocab_file:
-        import shutil
-
-        shutil.copyfile(vocab_file, os.path.join(path, "vocab.txt"))
+        written += write_tokenizer_files(path, vocab_file, lower_case=lower_case,
+                                         model_max_length=hf_config["max_position_embeddings"],
+                                         vocab_size=hf_config.get("vocab_size"))
+    for f in written:
+        os.chmod(f, 0o644)

@@ -12,7 +12,7 @@ from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint.layout import load_file, load_full_model, resolve_checkpoint_dir, saved_layout, \
     saved_virtual_stage_layers
 from megabert.checkpoint.sharding import repad_vocab, shard_state
-from megabert.checkpoint.sources import read_foreign_dir
+from megabert.checkpoint import external
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError, ConfigError
 from megabert.parallel import ParallelState, get_parallel_state
@@ -30,15 +30,14 @@ class PretrainedMixin:
                         device=None, params_dtype: torch.dtype = torch.float32,
                         num_layers_per_virtual_stage: Optional[int] = None, **config_overrides):
         """Loads a Hugging Face BERT directory (config.json + safetensors or pytorch_model.bin),
-        a Google TF BERT directory, or a megabert checkpoint of any TP x PP layout; each rank
+        a Google TF BERT directory (bert_config.json + bert_model.ckpt.*), or a megabert checkpoint of any TP x PP layout; each rank
         keeps only its own shard. `config_overrides` replace ModelConfig fields (e.g.
         hidden_dropout=0.0)."""
         ps = parallel_state or get_parallel_state()
         build = dict(seed=seed, device=device, params_dtype=params_dtype,
                      num_layers_per_virtual_stage=num_layers_per_virtual_stage)
-        foreign = read_foreign_dir(path)
-        if foreign is not None:
-            hf_config, hf_state = foreign
+        if external.is_external(path):  # a Hugging Face or Google TF BERT directory
+            hf_config, hf_state = external.read_external(path)
             model = cls(hf_io.model_config_from_hf(hf_config, **config_overrides), ps, **build)
             model.load_full_state_dict(hf_io.hf_to_megabert(hf_state, spec_table(model)), source=path)
             return model
@@ -93,8 +92,9 @@ class PretrainedMixin:
         Collective over the TP group. Vocab padding is kept; export removes it."""
         return gather_full(dict(self.named_parameters()), self.parallel_state, spec_table(self))
 
-    def save_hf(self, path: str, vocab_file: Optional[str] = None) -> None:
-        """Writes model.safetensors + config.json that transformers loads (rank 0 writes)."""
+    def save_hf(self, path: str, vocab_file: Optional[str] = None, *, lower_case: bool = True) -> None:
+        """Writes model.safetensors + config.json (+ the tokenizer files with `vocab_file`)
+        that transformers loads as they stand (rank 0 writes)."""
         if self.parallel_state.pp_size > 1:
             raise ConfigError("save_hf needs the whole model on each rank (--pipeline-model-parallel-size 1): save a "
                               "checkpoint and run tools/checkpoint/convert_hf.py export on it")
@@ -104,7 +104,7 @@ class PretrainedMixin:
             arch = "BertForMaskedLM"  # no pooler / sentence-pair head to export
         if self.parallel_state.rank == 0:
             hf_io.write_hf_dir(path, hf_io.megabert_to_hf(full, spec_table(self)),
-                               hf_io.hf_config_from_model(self.config, arch), vocab_file)
+                               hf_io.hf_config_from_model(self.config, arch), vocab_file, lower_case=lower_case)
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ from megabert.checkpoint.layout import (commit, load_file, model_payload, read_t
                                         saved_layout, saved_virtual_stage_layers, staging_dir, write_rank_file)
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.checkpoint.reshard import reshard_payloads
-from megabert.checkpoint.sources import read_foreign_dir
+from megabert.checkpoint import external
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_table, table_to_dict
@@ -97,9 +97,9 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
     """Restores what `save_checkpoint` wrote, at the same or another TP/PP layout. A
     Hugging Face directory or a converted ('release') checkpoint gives weights only and
     starts at iteration 0."""
-    foreign = read_foreign_dir(path)
-    if foreign is not None:  # a Hugging Face (or TF) directory: weights only
-        model.load_full_state_dict(hf_io.hf_to_megabert(foreign[1], spec_table(model)), source=path)
+    if external.is_external(path):  # a Hugging Face or Google TF directory: weights only
+        model.load_full_state_dict(hf_io.hf_to_megabert(external.read_external(path)[1], spec_table(model)),
+                                   source=path)
         return TrainingState()
     ckpt_dir = resolve_checkpoint_dir(path)
     layout = saved_layout(ckpt_dir)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megabert.config import FinetuneConfigs
-from megabert.checkpoint import hf as hf_io
+from megabert.checkpoint import external
 from megabert.errors import ConfigError, DataError
 from megabert.model import BertForQuestionAnswering
 from megabert.parallel import ParallelState
@@ -32,13 +32,15 @@ def qa_task() -> Task:
 
 
 def resolve_vocab_file(cfg: FinetuneConfigs) -> str:
-    """--vocab-file, or the vocab.txt of a Hugging Face --load directory."""
+    """--vocab-file, else the vocab.txt that came with --load: a Hugging Face or Google TF
+    directory's own, or the one convert_hf.py import put beside a megabert checkpoint."""
     if cfg.finetune.vocab_file:
         return cfg.finetune.vocab_file
-    candidate = os.path.join(cfg.train.load, "vocab.txt")
-    if hf_io.is_hf_dir(cfg.train.load) and os.path.isfile(candidate):
+    candidate = external.external_vocab_file(cfg.train.load) or os.path.join(cfg.train.load, "vocab.txt")
+    if os.path.isfile(candidate):
         return candidate
-    raise ConfigError("--vocab-file is required: the vocab the model was pre-trained with")
+    raise ConfigError(f"--vocab-file is required: {cfg.train.load} has no vocab.txt; pass the vocab the model was "
+                      f"pre-trained with")
 
 
 def load_qa_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> BertForQuestionAnswering:

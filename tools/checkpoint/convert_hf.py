@@ -1,7 +1,12 @@
-"""Hugging Face BERT <-> megabert checkpoint, at any tensor/pipeline layout.
+"""Hugging Face BERT <-> megabert checkpoint, at any tensor/pipeline layout; Google's
+TensorFlow BERT -> megabert.
 
     convert_hf.py import --hf-dir bert-base-uncased/ --output ckpt/ --tensor-model-parallel-size 2
-    convert_hf.py export --load ckpt/ --hf-dir exported/
+    convert_hf.py import --tf-checkpoint uncased_L-12_H-768_A-12/ --output ckpt/
+    convert_hf.py export --load ckpt/ --hf-dir exported/ [--vocab-file vocab.txt]
+
+The export writes weights, config.json and the tokenizer files (vocab.txt, tokenizer_config.json,
+special_tokens_map.json) that transformers' AutoTokenizer and pipeline() load as they stand.
 
 Runs in one process without a process group: shards are cut as the parameters' specs
 say (a shape-only model of the class gives the table), not by building the model on
@@ -13,20 +18,35 @@ import argparse
 import os
 import shutil
 import sys
+from typing import Optional
 
 from megabert.checkpoint import hf as hf_io
+from megabert.checkpoint import tf as tf_io
+from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, export_tokenizer
 from megabert.checkpoint.layout import load_full_model, save_full_model
 from megabert.checkpoint.sharding import reference_table
 from megabert.config import ModelConfig, ParallelConfig, validate_layout
 from megabert.errors import CheckpointError, cli_main
 
 
-def import_hf(hf_dir: str, output: str, tp: int, pp: int) -> str:
+def read_source(hf_dir: Optional[str], tf_checkpoint: Optional[str]) -> tuple[dict, dict, str]:
+    """(HF config dict, HF-named state dict, directory whose tokenizer files to keep) of
+    --hf-dir or --tf-checkpoint: a TF checkpoint is read into Hugging Face names first."""
+    if tf_checkpoint is not None:
+        if not tf_io.is_tf_dir(tf_checkpoint):
+            raise CheckpointError(f"--tf-checkpoint {tf_checkpoint} is not a Google BERT directory "
+                                  f"(bert_config.json + bert_model.ckpt.index/.data-*) or checkpoint prefix")
+        config, state = tf_io.read_tf_as_hf(tf_checkpoint)
+        return config, state, tf_checkpoint if os.path.isdir(tf_checkpoint) else os.path.dirname(tf_checkpoint)
     if not hf_io.is_hf_dir(hf_dir):
         raise CheckpointError(f"--hf-dir {hf_dir} is not a Hugging Face BERT directory "
                               f"(config.json + model.safetensors or pytorch_model.bin)")
-    hf_config = hf_io.read_hf_config(hf_dir)
-    hf_state = hf_io.read_hf_state(hf_dir)
+    return hf_io.read_hf_config(hf_dir), hf_io.read_hf_state(hf_dir), hf_dir
+
+
+def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = None,
+                      tf_checkpoint: Optional[str] = None) -> str:
+    hf_config, hf_state, source_dir = read_source(hf_dir, tf_checkpoint)
     arch = (hf_config.get("architectures") or ["BertForPreTraining"])[0]
     model_class = "BertForQuestionAnswering" if arch == "BertForQuestionAnswering" else "BertForPreTraining"
     has_binary_head = any(k.startswith("cls.seq_relationship") for k in hf_state)
@@ -35,21 +55,22 @@ def import_hf(hf_dir: str, output: str, tp: int, pp: int) -> str:
     table = reference_table(cfg, model_class)
     full = hf_io.hf_to_megabert(hf_state, table)
     path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)
-    vocab = os.path.join(hf_dir, "vocab.txt")
-    if os.path.isfile(vocab):
-        shutil.copyfile(vocab, os.path.join(output, "vocab.txt"))
+    # The tokenizer travels with the weights: export and --load find it beside the checkpoint.
+    for name in ("vocab.txt", "tokenizer_config.json"):
+        if os.path.isfile(os.path.join(source_dir, name)):
+            shutil.copyfile(os.path.join(source_dir, name), os.path.join(output, name))
     return path
 
 
-def export_hf(load: str, hf_dir: str) -> None:
+def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenizer_type: Optional[str] = None) -> None:
     full, meta, table = load_full_model(load)
     cfg = ModelConfig(**meta["model_config"])
     arch = meta.get("model_class", "BertForPreTraining")
     if arch == "BertForPreTraining" and not cfg.bert_binary_head:
         arch = "BertForMaskedLM"
-    vocab = os.path.join(load, "vocab.txt")
-    hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch),
-                       vocab if os.path.isfile(vocab) else None)
+    vocab, lower_case = export_tokenizer(load, meta, vocab_file, tokenizer_type)
+    hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch), vocab,
+                       lower_case=lower_case)
 
 
 @cli_main
@@ -57,20 +78,29 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="Hugging Face dir -> megabert checkpoint")
-    imp.add_argument("--hf-dir", required=True)
+    source = imp.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-dir", help="Hugging Face BERT dir (config.json + safetensors or pytorch_model.bin)")
+    source.add_argument("--tf-checkpoint", help="Google TF BERT dir (bert_config.json, bert_model.ckpt.index/"
+                        ".data-*, vocab.txt) or a checkpoint prefix in one")
     imp.add_argument("--output", required=True)
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1)
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    exp = sub.add_parser("export", help="megabert checkpoint -> Hugging Face dir (safetensors + config.json)")
+    exp = sub.add_parser("export", help="megabert checkpoint -> Hugging Face dir (safetensors, config.json, "
+                         "tokenizer files)")
     exp.add_argument("--load", required=True)
     exp.add_argument("--hf-dir", required=True)
+    exp.add_argument("--vocab-file", help="WordPiece vocab.txt; default: the one the checkpoint was trained with, "
+                     "else vocab.txt beside it")
+    exp.add_argument("--tokenizer-type", choices=sorted(WORDPIECE_TYPES),
+                     help="casing of the exported tokenizer; default: the one the checkpoint was trained with")
     args = p.parse_args(argv)
     if args.cmd == "import":
-        path = import_hf(args.hf_dir, args.output, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        path = import_checkpoint(args.output, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                 hf_dir=args.hf_dir, tf_checkpoint=args.tf_checkpoint)
         print(f"wrote {path} (tp={args.tensor_model_parallel_size}, pp={args.pipeline_model_parallel_size})")
     else:
-        export_hf(args.load, args.hf_dir)
-        print(f"wrote {args.hf_dir}/model.safetensors and config.json")
+        export_hf(args.load, args.hf_dir, args.vocab_file, args.tokenizer_type)
+        print(f"wrote {args.hf_dir}: model.safetensors, config.json, {', '.join(TOKENIZER_FILES)}")
 
 
 if __name__ == "__main__":

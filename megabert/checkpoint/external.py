@@ -1,0 +1,38 @@
+"""Checkpoints made by other tools, read into one shape.
+
+`--load` and `from_pretrained` take a Hugging Face BERT directory or a Google TensorFlow BERT
+directory besides a megabert checkpoint. Both become (Hugging Face config dict, state dict in
+Hugging Face names) here, so callers have one branch for "made elsewhere":
+
+    if external.is_external(path):
+        hf_config, hf_state = external.read_external(path)
+        model = cls(hf_io.model_config_from_hf(hf_config, ...), ps)
+        full = hf_io.hf_to_megabert(hf_state, spec_table(model))
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megabert.checkpoint import hf as hf_io
+from megabert.checkpoint import tf as tf_io
+
+
+def is_external(path: str) -> bool:
+    """A Hugging Face BERT directory or a Google TF BERT directory (or checkpoint prefix)."""
+    return hf_io.is_hf_dir(path) or tf_io.is_tf_dir(path)
+
+
+def read_external(path: str) -> tuple[dict, dict]:
+    """(Hugging Face config dict, Hugging Face-named full state dict) of either kind."""
+    if hf_io.is_hf_dir(path):
+        return hf_io.read_hf_config(path), hf_io.read_hf_state(path)
+    return tf_io.read_tf_as_hf(path)
+
+
+def external_vocab_file(path: str) -> Optional[str]:
+    """The vocab.txt that ships with an external checkpoint (beside the files, or beside a
+    TF checkpoint prefix), or None."""
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    candidate = os.path.join(directory, "vocab.txt")
+    return candidate if is_external(path) and os.path.isfile(candidate) else None
