@@ -1,0 +1,147 @@
+"""Per-rank memory of a layout: model states, activations, communication buffers, overhead.
+
+Model states, bytes per parameter element held by a rank (P its parameters, d = dp):
+  megabert's trainer (zero_stage 0)  fp32 params 4 P, fp32 grads 4 P, AdamW moments 8 P
+      (bf16/fp16 autocast leaves parameters, grads and moments in fp32).
+  DeepSpeed ZeRO (p = 2 bytes in bf16/fp16, 4 in fp32), after DeepSpeed's stage_1_and_2 / stage3:
+      1: params p P, grads p P, fp32 master + moments 12 P/d
+      2: params p P, grads p P/d, 12 P/d
+      3: params p P/d (+ tensors under the persistence threshold whole, + the live gathered
+         parameters), grads p P/d, 12 P/d
+      offload optimizer: the 12 P/d (and ZeRO-2/3's fp32 gradient partition) move to the host;
+      offload params: ZeRO-3's parameter partition moves to the host.
+  (DeepSpeed's own estimate_zero3_model_states_mem_needs counts 18 P/d for mixed precision.)
+
+Peak: megabert's trainer frees gradients before each forward (zero_grad(set_to_none=True)),
+so activations (highest after forward) and gradients plus reduction buffers (highest after
+backward) do not peak together: peak = params + optimizer + max(activations, grads + buffers).
+DeepSpeed keeps gradient buffers allocated, so there everything adds up.
+
+ZeRO bucket and live-parameter sizes come from megabert.training.deepspeed_engine.zero_sizing,
+the numbers the DeepSpeed config is built from; this module never restates them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megabert.config import ModelConfig
+from megabert.planning.activations import stage_activation_bytes
+from megabert.planning.params import StageParams, stage_params
+from megabert.planning.spec import Layout, RunSpec
+from megabert.training.deepspeed_engine import zero_sizing
+from megabert.training.grads import BUCKET_ELEMENTS
+
+GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
+
+# Memory a training process holds besides the model's tensors.
+# cpu: calibrated with bench/memory.py (peak RSS of pretrain_bert.py at BERT-base and
+#   BERT-large, seq 128, micro-batch 2, fp32): the interpreter, torch's and DeepSpeed's
+#   libraries, the dataset's mmap pages, allocator slack. See the README's "Choosing a layout".
+# cuda: an allowance, not measured here: max_memory_allocated excludes the CUDA context
+#   (~0.5 GB outside PyTorch's count) but fragmentation, cuBLAS workspaces and NCCL buffers
+#   take a few hundred MB inside it.
+FRAMEWORK_OVERHEAD_GB = {"cpu": 0.55, "cuda": 1.0}
+# Importing and initialising DeepSpeed on a CPU run (its ops, the engine's buffers) adds this
+# to the RSS (bench/memory.py, ZeRO-1 at BERT-base against the plain trainer).
+DEEPSPEED_OVERHEAD_GB = {"cpu": 0.25, "cuda": 0.0}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak memory of the fullest rank of a layout, in GB (1e9 bytes), with its parts."""
+
+    layout: Layout
+    stage: int
+    """Pipeline stage of the fullest rank (0: embeddings; pp-1: heads and the tied copy)."""
+    params_per_rank: int
+    """Parameter elements this rank holds before ZeRO partitioning."""
+    parameters_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    buffers_gb: float
+    """Communication and step buffers: ZeRO buckets and live parameters, the DP all-reduce bucket."""
+    overhead_gb: float
+    host_gb: float
+    """Offloaded states in host memory (counted in total_gb when the device is the CPU)."""
+    total_gb: float
+    """The peak the budget must hold."""
+    notes: tuple[str, ...] = field(default=())
+
+    def breakdown(self) -> dict[str, float]:
+        return {"parameters": self.parameters_gb, "gradients": self.gradients_gb, "optimizer": self.optimizer_gb,
+                "activations": self.activations_gb, "buffers": self.buffers_gb, "overhead": self.overhead_gb,
+                "host (offloaded)": self.host_gb}
+
+
+def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Layout) -> dict[str, float]:
+    """Bytes of parameters, gradients, optimizer states, buffers, host-offloaded, and
+    whether gradients persist through the forward (DeepSpeed) or not (megabert's trainer)."""
+    P, d = sp.total, layout.dp
+    out = dict(parameters=0.0, gradients=0.0, optimizer=0.0, buffers=0.0, host=0.0)
+    largest = max(sp.tensors)
+    if layout.zero_stage == 0:
+        out["parameters"] = 4.0 * P
+        out["gradients"] = 4.0 * P
+        out["optimizer"] = 8.0 * P
+        reductions = [0]
+        if layout.dp > 1:
+            reductions.append(min(BUCKET_ELEMENTS, P))  # one flat fp32 copy per coalesced bucket
+        if sp.tied_embedding or (layout.pp > 1 and sp.stage == 0):
+            reductions.append(min(BUCKET_ELEMENTS, model.padded_vocab_size(layout.tp) // layout.tp
+                                  * model.hidden_size))
+        # AdamW's per-tensor loop (foreach=False) makes one temporary the size of a parameter.
+        out["buffers"] = 4.0 * (max(reductions) + largest)
+        return out
+    sizing = zero_sizing(model.hidden_size)
+    p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
+    optimizer = 12.0 * P / d  # fp32 master + two AdamW moments, partitioned
+    if layout.zero_stage == 3:
+        persistent = sp.below(sizing["stage3_param_persistence_threshold"])
+        partition = p * (P - persistent) / d
+        live = min(sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"], P)
+        out["parameters"] = p * persistent + (0.0 if layout.offload_params else partition)
+        out["host"] += partition if layout.offload_params else 0.0
+        out["buffers"] = p * (live + sizing["reduce_bucket_size"])
+    else:
+        out["parameters"] = p * P
+        out["buffers"] = p * (sizing["reduce_bucket_size"] + sizing["allgather_bucket_size"])
+    grads = p * P if layout.zero_stage == 1 else p * P / d
+    if layout.offload_optimizer:
+        out["host"] += optimizer + (4.0 * P / d if layout.zero_stage >= 2 else 0.0)
+        out["gradients"] = grads if layout.zero_stage == 1 else 0.0
+    else:
+        out["optimizer"] = optimizer
+        out["gradients"] = grads
+    return out
+
+
+def estimate_stage(model: ModelConfig, run: RunSpec, layout: Layout, stage: int) -> MemoryEstimate:
+    """The estimate for one rank of pipeline stage `stage`."""
+    layout.check_model(model)
+    sp = stage_params(model, layout.tp, layout.pp, stage)
+    states = _model_states(sp, model, run, layout)
+    activations = stage_activation_bytes(model, run, layout, stage)
+    overhead = (run.overhead_gb if run.overhead_gb is not None else FRAMEWORK_OVERHEAD_GB[run.device]
+                + (DEEPSPEED_OVERHEAD_GB[run.device] if layout.zero_stage else 0.0))
+    resident = states["parameters"] + states["optimizer"]
+    if layout.zero_stage == 0:
+        transient = max(activations, states["gradients"] + states["buffers"])
+    else:
+        transient = activations + states["gradients"] + states["buffers"]
+    host = states["host"]
+    total = (resident + transient + (host if run.device == "cpu" else 0.0)) / GB + overhead
+    notes = []
+    if sp.tied_embedding:
+        notes.append("last stage holds a copy of the tied word embeddings")
+    return MemoryEstimate(layout=layout, stage=stage, params_per_rank=sp.total,
+                          parameters_gb=states["parameters"] / GB, gradients_gb=states["gradients"] / GB,
+                          optimizer_gb=states["optimizer"] / GB, activations_gb=activations / GB,
+                          buffers_gb=states["buffers"] / GB, overhead_gb=overhead, host_gb=host / GB,
+                          total_gb=total, notes=tuple(notes))
+
+
+def estimate(model: ModelConfig, run: RunSpec, layout: Layout) -> MemoryEstimate:
+    """Predicted peak memory of the fullest rank: the maximum over pipeline stages (the
+    first holds the most in-flight activations, the last the heads and the tied copy)."""
+    return max((estimate_stage(model, run, layout, k) for k in range(layout.pp)), key=lambda e: e.total_gb)
