@@ -3,19 +3,24 @@
 Model states, bytes per parameter element held by a rank (P its parameters, d = dp):
   megabert's trainer (zero_stage 0)  fp32 params 4 P, fp32 grads 4 P, AdamW moments 8 P
       (bf16/fp16 autocast leaves parameters, grads and moments in fp32).
-  DeepSpeed ZeRO (p = 2 bytes in bf16/fp16, 4 in fp32), after DeepSpeed's stage_1_and_2 / stage3:
-      1: params p P, grads p P, fp32 master + moments 12 P/d
+  DeepSpeed ZeRO (p = 2 bytes in bf16/fp16, 4 in fp32), as DeepSpeed's stage_1_and_2.py and
+  stage3.py allocate them; the fp32 master copy exists in fp32 runs too (DeepSpeed clones):
+      1: params p P, grads p P + the averaged partition p P/d, master + moments 12 P/d
       2: params p P, grads p P/d, 12 P/d
       3: params p P/d (+ tensors under the persistence threshold whole, + the live gathered
          parameters), grads p P/d, 12 P/d
-      offload optimizer: the 12 P/d (and ZeRO-2/3's fp32 gradient partition) move to the host;
-      offload params: ZeRO-3's parameter partition moves to the host.
+      all: the fp32 gradient partition the step reads, 4 P/d, and the reduce/all-gather buckets.
+      Offload optimizer: master, moments and the fp32 gradient partition live in host memory;
+      offload params: ZeRO-3's parameter partition too.
   (DeepSpeed's own estimate_zero3_model_states_mem_needs counts 18 P/d for mixed precision.)
 
-Peak: megabert's trainer frees gradients before each forward (zero_grad(set_to_none=True)),
+Peak: on a GPU, megabert's trainer frees gradients before each forward
+(zero_grad(set_to_none=True)) and the caching allocator reuses activation blocks for them,
 so activations (highest after forward) and gradients plus reduction buffers (highest after
-backward) do not peak together: peak = params + optimizer + max(activations, grads + buffers).
-DeepSpeed keeps gradient buffers allocated, so there everything adds up.
+backward) do not add up: peak = params + optimizer + max(activations, grads + buffers).
+On the CPU, glibc's heap does not hand freed activation pages to the next, differently
+sized allocations, so the RSS high-water adds them (measured: the max under-predicted
+BERT-base by 0.2 GB). DeepSpeed keeps gradient buffers allocated: everything adds up.
 
 ZeRO bucket and live-parameter sizes come from megabert.training.deepspeed_engine.zero_sizing,
 the numbers the DeepSpeed config is built from; this module never restates them.
@@ -40,10 +45,13 @@ GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
 # cuda: an allowance, not measured here: max_memory_allocated excludes the CUDA context
 #   (~0.5 GB outside PyTorch's count) but fragmentation, cuBLAS workspaces and NCCL buffers
 #   take a few hundred MB inside it.
-FRAMEWORK_OVERHEAD_GB = {"cpu": 0.55, "cuda": 1.0}
-# Importing and initialising DeepSpeed on a CPU run (its ops, the engine's buffers) adds this
-# to the RSS (bench/memory.py, ZeRO-1 at BERT-base against the plain trainer).
-DEEPSPEED_OVERHEAD_GB = {"cpu": 0.25, "cuda": 0.0}
+FRAMEWORK_OVERHEAD_GB = {"cpu": 0.7, "cuda": 1.0}
+# DeepSpeed on a CPU run adds RSS the states above do not explain: its import (0.3 GB
+# measured alone), the shared-memory all-reduce op's buffers, and heap fragmentation from
+# its flatten/partition copies. Fitted to bench/memory.py's ZeRO-1/2/3 runs at BERT-base
+# (residuals 0.1, 0.5 and 0.9 GB over the plain overhead; this is their mean). On a GPU
+# these live in host memory, outside the budget.
+DEEPSPEED_OVERHEAD_GB = {"cpu": 0.5, "cuda": 0.0}
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
     sizing = zero_sizing(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
     optimizer = 12.0 * P / d  # fp32 master + two AdamW moments, partitioned
+    fp32_grad_partition = 4.0 * P / d  # what the optimizer step reads
     if layout.zero_stage == 3:
         persistent = sp.below(sizing["stage3_param_persistence_threshold"])
         partition = p * (P - persistent) / d
@@ -103,16 +112,17 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
         out["parameters"] = p * persistent + (0.0 if layout.offload_params else partition)
         out["host"] += partition if layout.offload_params else 0.0
         out["buffers"] = p * (live + sizing["reduce_bucket_size"])
+        grads = p * P / d
     else:
         out["parameters"] = p * P
         out["buffers"] = p * (sizing["reduce_bucket_size"] + sizing["allgather_bucket_size"])
-    grads = p * P if layout.zero_stage == 1 else p * P / d
+        grads = p * P + p * P / d if layout.zero_stage == 1 else p * P / d
+    out["gradients"] = grads
     if layout.offload_optimizer:
-        out["host"] += optimizer + (4.0 * P / d if layout.zero_stage >= 2 else 0.0)
-        out["gradients"] = grads if layout.zero_stage == 1 else 0.0
+        out["host"] += optimizer + fp32_grad_partition
     else:
         out["optimizer"] = optimizer
-        out["gradients"] = grads
+        out["buffers"] += fp32_grad_partition
     return out
 
 
@@ -125,7 +135,7 @@ def estimate_stage(model: ModelConfig, run: RunSpec, layout: Layout, stage: int)
     overhead = (run.overhead_gb if run.overhead_gb is not None else FRAMEWORK_OVERHEAD_GB[run.device]
                 + (DEEPSPEED_OVERHEAD_GB[run.device] if layout.zero_stage else 0.0))
     resident = states["parameters"] + states["optimizer"]
-    if layout.zero_stage == 0:
+    if layout.zero_stage == 0 and run.device == "cuda":
         transient = max(activations, states["gradients"] + states["buffers"])
     else:
         transient = activations + states["gradients"] + states["buffers"]
