@@ -21,6 +21,12 @@ backward) do not add up: peak = params + optimizer + max(activations, grads + bu
 On the CPU, glibc's heap does not hand freed activation pages to the next, differently
 sized allocations, so the RSS high-water adds them (measured: the max under-predicted
 BERT-base by 0.2 GB). DeepSpeed keeps gradient buffers allocated: everything adds up.
+The same heap behaviour keeps full-size tensors that DeepSpeed makes and frees once per
+step in the RSS (a bench/memory.py RSS timeline of ZeRO-3 at BERT-base: 1.1 GB after
+initialisation, 2.9 GB from the first iteration on): ZeRO-2's per-parameter gradients
+before they are copied into the reduce bucket (p P), ZeRO-3's gathered parameters and
+those gradients (2 p P). A GPU's caching allocator reuses those blocks instead (bounded by
+the live-parameter and bucket sizes), so the terms apply to CPU runs only.
 
 ZeRO bucket and live-parameter sizes come from megabert.training.deepspeed_engine.zero_sizing,
 the numbers the DeepSpeed config is built from; this module never restates them.
@@ -39,19 +45,18 @@ from megabert.training.grads import BUCKET_ELEMENTS
 GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
 
 # Memory a training process holds besides the model's tensors.
-# cpu: calibrated with bench/memory.py (peak RSS of pretrain_bert.py at BERT-base and
-#   BERT-large, seq 128, micro-batch 2, fp32): the interpreter, torch's and DeepSpeed's
-#   libraries, the dataset's mmap pages, allocator slack. See the README's "Choosing a layout".
+# cpu: calibrated with bench/memory.py (peak RSS of pretrain_bert.py, seq 128, micro-batch 2,
+#   fp32): what the one-process, TP=2 and PP=2 runs at BERT-base hold beyond the model's
+#   tensors (0.76, 0.68, 0.62 GB): the interpreter and torch's libraries (0.3 GB measured
+#   alone), gloo, the dataset's pages, allocator slack. BERT-large then checks it (README,
+#   "Choosing a layout").
 # cuda: an allowance, not measured here: max_memory_allocated excludes the CUDA context
 #   (~0.5 GB outside PyTorch's count) but fragmentation, cuBLAS workspaces and NCCL buffers
 #   take a few hundred MB inside it.
 FRAMEWORK_OVERHEAD_GB = {"cpu": 0.7, "cuda": 1.0}
-# DeepSpeed on a CPU run adds RSS the states above do not explain: its import (0.3 GB
-# measured alone), the shared-memory all-reduce op's buffers, and heap fragmentation from
-# its flatten/partition copies. Fitted to bench/memory.py's ZeRO-1/2/3 runs at BERT-base
-# (residuals 0.1, 0.5 and 0.9 GB over the plain overhead; this is their mean). On a GPU
-# these live in host memory, outside the budget.
-DEEPSPEED_OVERHEAD_GB = {"cpu": 0.5, "cuda": 0.0}
+# DeepSpeed's import and engine on a CPU run: what its ZeRO-1/2/3 runs at BERT-base measured
+# beyond the states below (0.11, 0.09, 0.04 GB). On a GPU it lives in host memory.
+DEEPSPEED_OVERHEAD_GB = {"cpu": 0.1, "cuda": 0.0}
 
 
 @dataclass(frozen=True)
@@ -112,11 +117,15 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
         out["parameters"] = p * persistent + (0.0 if layout.offload_params else partition)
         out["host"] += partition if layout.offload_params else 0.0
         out["buffers"] = p * (live + sizing["reduce_bucket_size"])
+        if run.device == "cpu":
+            out["buffers"] = p * (2 * P + sizing["reduce_bucket_size"])  # heap high-water, see above
         grads = p * P / d
     else:
         out["parameters"] = p * P
         out["buffers"] = p * (sizing["reduce_bucket_size"] + sizing["allgather_bucket_size"])
         grads = p * P + p * P / d if layout.zero_stage == 1 else p * P / d
+        if layout.zero_stage == 2 and run.device == "cpu":
+            out["buffers"] += p * P  # per-parameter gradients before the bucket copy, heap high-water
     out["gradients"] = grads
     if layout.offload_optimizer:
         out["host"] += optimizer + fp32_grad_partition
