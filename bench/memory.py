@@ -2,10 +2,12 @@
 
 Each layout runs a few iterations (fp32, AdamW, seq 128, micro-batch 2 by default) on a
 small corpus made here, with a 30522-entry vocab so the embeddings have BERT's real size.
-The peak is the largest resident set size of any process the run started (every rank;
-`resource.getrusage(RUSAGE_CHILDREN)` of a wrapper process, so runs never mix), and the
-training log's `mem_peak_gb` where the trainer writes it. The prediction is
-megabert.planning.estimate for the same model, batch and layout on the CPU.
+On the CPU the peak is the largest resident set size of any process the run started (every
+rank; `resource.getrusage(RUSAGE_CHILDREN)` of a wrapper process, so runs never mix); the
+training log's `mem_peak_gb` is shown too where the trainer writes it. On GPUs the measured
+figure is `mem_peak_gb` (torch.cuda.max_memory_allocated, max over ranks) and a layout needs
+one GPU per rank. The prediction is megabert.planning.estimate for the same model, batch,
+layout and device.
 
     python bench/memory.py                               # BERT-base, every layout
     python bench/memory.py --sizes large --layouts single tp2 pp2
@@ -56,7 +58,7 @@ LAYOUTS = {
                                                          offload_params=True),
                                  ("--zero-offload-optimizer", "--zero-offload-params")),
 }
-DEFAULT_LAYOUTS = ["single", "tp2", "pp2", "zero1", "zero2", "zero3", "zero3-offload"]
+DEFAULT_LAYOUTS = ["single", "tp2", "pp2", "dp2", "zero1", "zero2", "zero3", "zero3-offload"]
 
 # Runs the command and reports the largest peak RSS among the processes it waited for
 # (torchrun reaps its ranks, so theirs count): Linux keeps ru_maxrss of RUSAGE_CHILDREN
@@ -181,18 +183,24 @@ def main() -> None:
           f"peak RSS of the largest rank (GB = 1e9 bytes) | workdir {workdir}")
     print(f"{'model':10} {'layout':14} {'world':>5} {'measured GB':>12} {'predicted GB':>13} {'meas/pred':>9} "
           f"{'mem_peak_gb':>11} {'time s':>7}")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    device = "cuda" if gpus else "cpu"
     port = 29700
     for size in args.sizes:
         model = PRESETS[size](vocab_size=VOCAB_SIZE)
         for name in args.layouts:
             bl = LAYOUTS[name]
-            run = RunSpec(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device="cpu")
+            run = RunSpec(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device=device)
             predicted = estimate(model, run, bl.layout).total_gb
             head = f"{size:10} {name:14} {bl.layout.world_size:5d}"
             missing = missing_flags(bl.needs_flags)
-            if args.predict_only or missing:
+            too_few_gpus = device == "cuda" and bl.layout.world_size > gpus
+            if args.predict_only or missing or too_few_gpus:
                 reason = "--predict-only" if args.predict_only else \
-                    f"pretrain_bert.py has no {', '.join(missing)} on this branch yet"
+                    f"pretrain_bert.py has no {', '.join(missing)} on this branch yet" if missing else \
+                    f"needs {bl.layout.world_size} GPUs, this machine has {gpus}"
                 print(f"{head} {'not run':>12} {predicted:13.2f} {'':>9} {'':>11} {'':>7}  not run: {reason}",
                       flush=True)
                 continue
@@ -207,6 +215,12 @@ def main() -> None:
                 continue
             logged = logged_peak(os.path.join(workdir, f"{size}-{name}.jsonl"))
             logged_s = f"{logged:11.2f}" if logged is not None else f"{'-':>11}"
+            if device == "cuda":
+                if logged is None:
+                    print(f"{head} {'not run':>12} {predicted:13.2f} {'':>9} {'-':>11} {elapsed:7.0f}  not run: "
+                          f"the training log has no mem_peak_gb (GPU peaks come from the trainer)", flush=True)
+                    continue
+                measured = logged
             print(f"{head} {measured:12.2f} {predicted:13.2f} {measured / predicted:9.2f} {logged_s} {elapsed:7.0f}",
                   flush=True)
 

@@ -226,3 +226,18 @@ def test_cli_bad_input_is_a_clear_error(args, message):
     r = _cli(*args)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("error: ") and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_preflight_from_pretrain_flags():
+    from megabert.arguments import parse_args
+    from megabert.planning.preflight import preflight_warning, run_and_layout
+
+    cfg = parse_args(["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+                      "--seq-length", "128", "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                      "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "6",
+                      "--global-batch-size", "8", "--bf16", "--recompute-granularity", "selective"])
+    run, layout = run_and_layout(cfg, dp_size=2, device="cpu")
+    assert (layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.zero_stage) == (2, 2, 2, 2, 0)
+    assert (run.precision, run.recompute, run.microbatches(2), run.seq_length) == ("bf16", "selective", 2, 128)
+    assert preflight_warning(cfg, 2, "cpu") is None  # no ceiling for RSS unless a budget is given
+    assert "exceeds the 1 GB budget" in preflight_warning(cfg, 2, "cpu", budget_gb=1)

@@ -13,9 +13,9 @@ Pipeline stages send the activation forward and its gradient back for every micr
 and model chunk. Data parallelism all-reduces fp32 gradients once per step (megabert's
 trainer); ZeRO-1 reduce-scatters gradients and all-gathers updated parameters once per
 step; ZeRO-2 reduce-scatters in each micro-batch's backward; ZeRO-3 also all-gathers the
-parameters in every forward and backward (ZeRO paper: 3x a DP all-reduce's volume...
-per micro-batch here). Offload adds host <-> device copies (PCIe, not network), reported
-apart and counted in the total because they take step time too.
+parameters in every forward and backward, 1.5x a DP all-reduce's volume per micro-batch
+(the ZeRO paper's 3 Psi against 2 Psi). Offload adds host <-> device copies (PCIe, not
+network), reported apart and counted in the total because they take step time too.
 """
 from __future__ import annotations
 
