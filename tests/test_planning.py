@@ -181,7 +181,8 @@ def test_layout_validation_names_the_flag(kwargs, flag):
 
 
 def test_layout_must_divide_the_model():
-    with pytest.raises(ConfigError, match="--num-attention-heads 16 is not divisible by --tensor-model-parallel-size 3"):
+    with pytest.raises(ConfigError, match="--num-attention-heads 16 is not divisible by "
+                                          "--tensor-model-parallel-size 3"):
         estimate(bert_large(), RunSpec(), Layout(tp=3))
     with pytest.raises(ConfigError, match="--recompute-granularity"):
         RunSpec(recompute="some")
@@ -217,7 +218,8 @@ def test_cli_one_layout_with_warning():
 
 @pytest.mark.parametrize("args,message", [
     (["--hidden-size", "1024"], "give --preset or the model's --num-layers, --num-attention-heads"),
-    (["--preset", "bert-large", "--tensor-model-parallel-size", "3"], "not divisible by --tensor-model-parallel-size 3"),
+    (["--preset", "bert-large", "--tensor-model-parallel-size", "3"],
+     "not divisible by --tensor-model-parallel-size 3"),
     (["--preset", "bert-large", "--devices", "8"], "--devices needs --memory-gb"),
     (["--preset", "bert-large", "--devices", "8", "--memory-gb", "-1"], "--memory-gb must be positive"),
     (["--preset", "bert-large", "--recompute-granularity", "half"], "--recompute-granularity must be one of"),

@@ -8,8 +8,8 @@ layout, and the layouts that fit a memory budget, before a run starts.
     plan(bert_large(), RunSpec(global_batch_size=1024), devices=8, budget_gb=80)  # best first
 
 Files by concern: spec (inputs), params (counts per rank), activations, memory,
-communication, search, preflight (from pretrain_bert.py's configs). tools/plan_layout.py is the CLI; bench/memory.py checks the
-predictions against measured peaks.
+communication, search, preflight (from pretrain_bert.py's configs). tools/plan_layout.py
+is the CLI; bench/memory.py checks the predictions against measured peaks.
 """
 from megabert.planning.communication import CommEstimate, communication
 from megabert.planning.memory import MemoryEstimate, estimate

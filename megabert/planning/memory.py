@@ -88,8 +88,8 @@ class MemoryEstimate:
 
 
 def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Layout) -> dict[str, float]:
-    """Bytes of parameters, gradients, optimizer states, buffers, host-offloaded, and
-    whether gradients persist through the forward (DeepSpeed) or not (megabert's trainer)."""
+    """Bytes of parameters, gradients, optimizer states, buffers and host-offloaded states
+    of one rank holding `sp` (the rules in the module docstring)."""
     P, d = sp.total, layout.dp
     out = dict(parameters=0.0, gradients=0.0, optimizer=0.0, buffers=0.0, host=0.0)
     largest = max(sp.tensors)

@@ -143,7 +143,8 @@ class Layout:
         """The pretrain_bert.py flags of this layout (launch world_size processes)."""
         parts = [f"--tensor-model-parallel-size {self.tp}", f"--pipeline-model-parallel-size {self.pp}"]
         if self.virtual_stages > 1 and model is not None:
-            parts.append(f"--num-layers-per-virtual-pipeline-stage {model.num_layers // (self.pp * self.virtual_stages)}")
+            per_chunk = model.num_layers // (self.pp * self.virtual_stages)
+            parts.append(f"--num-layers-per-virtual-pipeline-stage {per_chunk}")
         if self.sequence_parallel:
             parts.append("--sequence-parallel")
         if self.zero_stage:
