@@ -27,9 +27,14 @@ def run_and_layout(configs: Configs, dp_size: int, device: str = "cuda") -> tupl
                   global_batch_size=t.global_batch_size, precision=precision,
                   recompute=m.recompute_granularity or "none", mlm_logits_at_masked_only=True,
                   mask_prob=configs.data.mask_prob, device=device)
+    zero_stage = t.zero_stage if t.deepspeed else 0
+    # NOTE: --zero-offload-optimizer / --zero-offload-params come with another change; read
+    # them when TrainConfig has them (field names as the flags), else no offload.
+    offload_optimizer = zero_stage > 0 and getattr(t, "zero_offload_optimizer", None) == "cpu"
+    offload_params = zero_stage == 3 and getattr(t, "zero_offload_params", None) == "cpu"
     layout = Layout(tp=p.tensor_model_parallel_size, pp=pp, dp=dp_size, virtual_stages=virtual,
                     sequence_parallel=m.sequence_parallel and p.tensor_model_parallel_size > 1,
-                    zero_stage=t.zero_stage if t.deepspeed else 0)
+                    zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
     return run, layout
 
 
