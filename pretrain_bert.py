@@ -9,9 +9,11 @@ mpirun and srun, or as one process.
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import megabert
+import megabert.planning
 from megabert.arguments import parse_args
 from megabert.errors import cli_main
 from megabert.parallel.layout import BatchLayout
@@ -54,6 +56,11 @@ def main(argv=None) -> None:
                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     configure_process_logging(ps.is_logging_rank)
     validate_run(cfg, ps)
+    # Before any tensor is allocated: a layout that will not fit the GPU is named with the
+    # flags that shrink it, instead of an out-of-memory error minutes later.
+    warning = megabert.planning.preflight_warning(cfg, ps.dp_size, ps.device)
+    if warning and ps.is_logging_rank:
+        logging.getLogger("megabert").warning(warning)
     from megabert.data import build_tokenizer
 
     if not cfg.data.data_path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import sys
 from typing import Optional
 
@@ -41,6 +42,21 @@ def bert_flops_per_sample(cfg: ModelConfig, seq_len: int, masked_tokens: Optiona
     head = predicted * (2 * h * h + 2 * h * cfg.vocab_size)
     forward = cfg.num_layers * s * per_token_layer + head
     return 3.0 * forward
+
+
+def peak_memory_gb(device: torch.device | str) -> float:
+    """Peak memory of this process in GB (1e9 bytes), the figure the layout planner predicts.
+
+    GPU: the caching allocator's high-water mark of allocated tensors on `device`
+    (`torch.cuda.max_memory_allocated`; reserved-but-free cache is not counted).
+    CPU: the peak resident set size of this process (`ru_maxrss`), which includes the
+    Python interpreter, torch's libraries and allocator slack, not only tensors.
+    NOTE: Linux reports ru_maxrss in KiB, macOS in bytes."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / 1e9 if sys.platform == "darwin" else maxrss * 1024 / 1e9
 
 
 def configure_process_logging(is_logging_rank: bool) -> None:

@@ -19,7 +19,7 @@ from megabert.config import TrainConfig
 from megabert.optim import LRSchedule
 from megabert.parallel.layout import BatchLayout
 from megabert.training.checkpointing import TrainingState
-from megabert.training.metrics import MetricsLogger, device_peak_tflops
+from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
 from megabert.training.strategy import Metrics, Strategy
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class Trainer:
                 if logging_step:
                     now = time.perf_counter()
                     metrics.update(self._throughput((now - last_log_time) / (it - last_log_iter)))
+                    metrics["mem_peak_gb"] = self._peak_memory_gb()
                     self.log.log(it, metrics, advance=it - last_log_iter)
                     last_log_time, last_log_iter = now, it
                 if self.data.valid is not None and self.cfg.eval_interval and it % self.cfg.eval_interval == 0:
@@ -166,6 +167,14 @@ class Trainer:
             dist.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
             result = box[0]
         return result
+
+    def _peak_memory_gb(self) -> float:
+        """The largest per-rank peak (GPU allocated, or CPU RSS) over all ranks: the rank that
+        runs out of memory first is the one a layout has to fit."""
+        peak = torch.tensor([peak_memory_gb(self.ps.device)], dtype=torch.float64, device=self.ps.device)
+        if self.ps.world_size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return peak.item()
 
     def _throughput(self, seconds_per_iter: float) -> dict:
         out = {"samples_per_sec": self.batch.global_batch_size / seconds_per_iter, "iteration_time_s": seconds_per_iter}

@@ -1,0 +1,229 @@
+"""Measured peak memory per rank of pretrain_bert.py next to the layout planner's prediction.
+
+Each layout runs a few iterations (fp32, AdamW, seq 128, micro-batch 2 by default) on a
+small corpus made here, with a 30522-entry vocab so the embeddings have BERT's real size.
+On the CPU the peak is the largest resident set size of any process the run started (every
+rank; `resource.getrusage(RUSAGE_CHILDREN)` of a wrapper process, so runs never mix); the
+training log's `mem_peak_gb` is shown too where the trainer writes it. On GPUs the measured
+figure is `mem_peak_gb` (torch.cuda.max_memory_allocated, max over ranks) and a layout needs
+one GPU per rank. The prediction is megabert.planning.estimate for the same model, batch,
+layout and device.
+
+    python bench/memory.py                               # BERT-base, every layout
+    python bench/memory.py --sizes large --layouts single tp2 pp2
+    python bench/memory.py --list                        # the layouts and their flags
+
+Memory on a shared machine: BERT-large takes 7-9 GB per process; runs go one at a time.
+A layout this branch cannot run (a flag not there yet) prints "not run: <reason>", never a figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megabert.config import PRESETS  # noqa: E402
+from megabert.planning import Layout, RunSpec, estimate  # noqa: E402
+from megabert.training.deepspeed_engine import zero_sizing  # noqa: E402
+
+VOCAB_SIZE = 30522  # BERT's uncased vocab: the word embeddings and MLM bias at their real size
+
+
+@dataclass(frozen=True)
+class BenchLayout:
+    name: str
+    layout: Layout
+    needs_flags: tuple[str, ...] = ()
+    """pretrain_bert.py flags this layout needs; missing ones make it "not run"."""
+
+
+LAYOUTS = {
+    "single": BenchLayout("single", Layout()),
+    "tp2": BenchLayout("tp2", Layout(tp=2)),
+    "pp2": BenchLayout("pp2", Layout(pp=2)),
+    "dp2": BenchLayout("dp2", Layout(dp=2)),
+    "zero1": BenchLayout("zero1", Layout(dp=2, zero_stage=1)),
+    "zero2": BenchLayout("zero2", Layout(dp=2, zero_stage=2)),
+    "zero3": BenchLayout("zero3", Layout(dp=2, zero_stage=3)),
+    "zero3-offload": BenchLayout("zero3-offload", Layout(dp=2, zero_stage=3, offload_optimizer=True,
+                                                         offload_params=True),
+                                 ("--zero-offload-optimizer", "--zero-offload-params")),
+}
+DEFAULT_LAYOUTS = ["single", "tp2", "pp2", "dp2", "zero1", "zero2", "zero3", "zero3-offload"]
+
+# Runs the command and reports the largest peak RSS among the processes it waited for
+# (torchrun reaps its ranks, so theirs count): Linux keeps ru_maxrss of RUSAGE_CHILDREN
+# as the maximum over descendants, in KiB.
+_WRAPPER = ("import json, resource, subprocess, sys\n"
+            "rc = subprocess.call(sys.argv[1:])\n"
+            "print('BENCH_RSS ' + json.dumps({'rc': rc, 'maxrss_kib': "
+            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}), flush=True)\n")
+
+WORDS = ("the model reads every sentence and predicts masked words from context while a second head decides "
+         "whether two segments appear in their original order data parallel ranks share gradients tensor parallel "
+         "ranks split matrices pipeline stages pass activations memory grows with the batch and the sequence").split()
+
+
+def make_dataset(workdir: str) -> tuple[str, str]:
+    """A small sentence-split corpus, preprocessed, with a vocab padded to VOCAB_SIZE entries."""
+    prefix, vocab = os.path.join(workdir, "c"), os.path.join(workdir, "vocab.txt")
+    if os.path.exists(prefix + "_text_sentence.idx") and os.path.exists(vocab):
+        return prefix + "_text_sentence", vocab
+    rng = random.Random(0)
+    corpus = os.path.join(workdir, "corpus.jsonl")
+    with open(corpus, "w") as f:
+        for _ in range(400):
+            sents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))).capitalize() + "."
+                     for _ in range(rng.randint(4, 10))]
+            f.write(json.dumps({"text": " ".join(sents)}) + "\n")
+    small = os.path.join(workdir, "vocab_small.txt")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input", corpus,
+                    "--output", small, "--vocab-size", "300", "--min-frequency", "1"], check=True, capture_output=True)
+    tokens = [t for t in open(small).read().split("\n") if t]
+    tokens += [f"[unused{i}]" for i in range(VOCAB_SIZE - len(tokens))]
+    with open(vocab, "w") as f:
+        f.write("\n".join(tokens) + "\n")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+                    "--output-prefix", prefix, "--json-keys", "text", "--tokenizer-type", "BertWordPieceLowerCase",
+                    "--vocab-file", vocab, "--split-sentences", "--workers", "1"], check=True, capture_output=True)
+    return prefix + "_text_sentence", vocab
+
+
+def missing_flags(flags: tuple[str, ...]) -> list[str]:
+    if not flags:
+        return []
+    help_text = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_bert.py"), "--help"],
+                               capture_output=True, text=True).stdout
+    return [f for f in flags if f not in help_text]
+
+
+def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: str, port: int) -> list[str]:
+    model = PRESETS[size]()
+    lay = bl.layout
+    world = lay.world_size
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(port),
+           os.path.join(ROOT, "pretrain_bert.py"),
+           "--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+           "--num-attention-heads", str(model.num_attention_heads), "--seq-length", str(args.seq),
+           "--max-position-embeddings", "512", "--micro-batch-size", str(args.micro_batch),
+           "--global-batch-size", str(args.micro_batch * lay.dp), "--train-iters", str(args.iters),
+           "--lr", "1e-4", "--data-path", data, "--vocab-file", vocab, "--split", "100,0,0",
+           "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0",
+           "--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp),
+           "--metrics-file", os.path.join(workdir, f"{size}-{bl.name}.jsonl")]
+    if lay.zero_stage:
+        # The ZeRO buffers the planner assumes (zero_sizing), given explicitly so the run
+        # uses them whether or not the built config applies them yet.
+        ds = {"zero_optimization": {"stage": lay.zero_stage, **zero_sizing(model.hidden_size)}}
+        if lay.offload_optimizer:
+            ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if lay.offload_params:
+            ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        path = os.path.join(workdir, f"ds-{size}-{bl.name}.json")
+        with open(path, "w") as f:
+            json.dump(ds, f)
+        cmd += ["--deepspeed", "--zero-stage", str(lay.zero_stage), "--deepspeed_config", path]
+        if lay.offload_optimizer:
+            cmd += ["--zero-offload-optimizer", "cpu"]
+        if lay.offload_params:
+            cmd += ["--zero-offload-params", "cpu"]
+    return cmd
+
+
+def measure(cmd: list[str], nproc: int, log_path: str) -> tuple[int, float]:
+    """(exit code, peak RSS in GB of the largest process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    with open(log_path, "w") as log:
+        r = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], stdout=subprocess.PIPE, stderr=log, text=True,
+                           env=env, cwd=ROOT)
+        log.write(r.stdout)
+    line = [x for x in r.stdout.splitlines() if x.startswith("BENCH_RSS ")][-1]
+    info = json.loads(line[len("BENCH_RSS "):])
+    return info["rc"], info["maxrss_kib"] * 1024 / 1e9
+
+
+def logged_peak(path: str) -> float | None:
+    """max mem_peak_gb of the training log, where the trainer writes it."""
+    if not os.path.exists(path):
+        return None
+    vals = [json.loads(x).get("mem_peak_gb") for x in open(path) if x.strip()]
+    vals = [v for v in vals if v is not None]
+    return max(vals) if vals else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=["bert-base"], choices=sorted(PRESETS),
+                   help="model presets to run (bert-large takes 7-9 GB per process)")
+    p.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=sorted(LAYOUTS))
+    p.add_argument("--iters", type=int, default=3, help="training iterations per run")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--workdir", default=None, help="keep data, logs and metrics here (default: a temp dir)")
+    p.add_argument("--predict-only", action="store_true", help="print the predictions, run nothing")
+    p.add_argument("--list", action="store_true", help="list the layouts and exit")
+    args = p.parse_args()
+    if args.list:
+        for name, bl in LAYOUTS.items():
+            print(f"{name:14} world {bl.layout.world_size}  {bl.layout.flags()}")
+        return
+    workdir = args.workdir or tempfile.mkdtemp(prefix="megabert-bench-memory-")
+    os.makedirs(workdir, exist_ok=True)
+    data, vocab = (None, None) if args.predict_only else make_dataset(workdir)
+    print(f"fp32 AdamW | seq {args.seq} micro-batch {args.micro_batch} | {args.iters} iterations | "
+          f"peak RSS of the largest rank (GB = 1e9 bytes) | workdir {workdir}")
+    print(f"{'model':10} {'layout':14} {'world':>5} {'measured GB':>12} {'predicted GB':>13} {'meas/pred':>9} "
+          f"{'mem_peak_gb':>11} {'time s':>7}")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    device = "cuda" if gpus else "cpu"
+    port = 29700
+    for size in args.sizes:
+        model = PRESETS[size](vocab_size=VOCAB_SIZE)
+        for name in args.layouts:
+            bl = LAYOUTS[name]
+            run = RunSpec(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device=device)
+            predicted = estimate(model, run, bl.layout).total_gb
+            head = f"{size:10} {name:14} {bl.layout.world_size:5d}"
+            missing = missing_flags(bl.needs_flags)
+            too_few_gpus = device == "cuda" and bl.layout.world_size > gpus
+            if args.predict_only or missing or too_few_gpus:
+                reason = "--predict-only" if args.predict_only else \
+                    f"pretrain_bert.py has no {', '.join(missing)} on this branch yet" if missing else \
+                    f"needs {bl.layout.world_size} GPUs, this machine has {gpus}"
+                print(f"{head} {'not run':>12} {predicted:13.2f} {'':>9} {'':>11} {'':>7}  not run: {reason}",
+                      flush=True)
+                continue
+            port += 1
+            cmd = command(size, bl, args, data, vocab, workdir, port)
+            t0 = time.time()
+            rc, measured = measure(cmd, bl.layout.world_size, os.path.join(workdir, f"{size}-{name}.log"))
+            elapsed = time.time() - t0
+            if rc != 0:
+                print(f"{head} {'failed':>12} {predicted:13.2f} {'':>9} {'':>11} {elapsed:7.0f}  not run: exit code "
+                      f"{rc}, see {workdir}/{size}-{name}.log", flush=True)
+                continue
+            logged = logged_peak(os.path.join(workdir, f"{size}-{name}.jsonl"))
+            logged_s = f"{logged:11.2f}" if logged is not None else f"{'-':>11}"
+            if device == "cuda":
+                if logged is None:
+                    print(f"{head} {'not run':>12} {predicted:13.2f} {'':>9} {'-':>11} {elapsed:7.0f}  not run: "
+                          f"the training log has no mem_peak_gb (GPU peaks come from the trainer)", flush=True)
+                    continue
+                measured = logged
+            print(f"{head} {measured:12.2f} {predicted:13.2f} {measured / predicted:9.2f} {logged_s} {elapsed:7.0f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

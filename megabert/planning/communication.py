@@ -1,0 +1,118 @@
+"""Bytes each rank sends per optimizer step, by kind of traffic.
+
+Ring collectives over n ranks move, per rank, 2(n-1)/n of the buffer for an all-reduce
+and (n-1)/n for a reduce-scatter or an all-gather (the bandwidth-optimal bound NCCL and
+gloo's ring reach). Per micro-batch and transformer layer, tensor parallelism makes four
+collectives on [s, b, h] activations: the f/g pairs of the Megatron paper, an all-reduce
+after attention and after the MLP in forward, and one before each in backward; with
+sequence parallelism each all-reduce becomes a reduce-scatter plus an all-gather (same
+volume). Full recompute repeats the forward's two. The first stage adds the vocab-parallel
+embedding's all-reduce, the last the MLM head's backward all-reduce.
+
+Pipeline stages send the activation forward and its gradient back for every micro-batch
+and model chunk. Data parallelism all-reduces fp32 gradients once per step (megabert's
+trainer); ZeRO-1 reduce-scatters gradients and all-gathers updated parameters once per
+step; ZeRO-2 reduce-scatters in each micro-batch's backward; ZeRO-3 also all-gathers the
+parameters in every forward and backward, 1.5x a DP all-reduce's volume per micro-batch
+(the ZeRO paper's 3 Psi against 2 Psi). Offload adds host <-> device copies (PCIe, not
+network), reported apart and counted in the total because they take step time too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megabert.config import ModelConfig
+from megabert.planning.params import stage_params
+from megabert.planning.spec import Layout, RunSpec
+from megabert.training.deepspeed_engine import zero_sizing
+
+
+def all_reduce_bytes(size: float, n: int) -> float:
+    return 2.0 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def gather_bytes(size: float, n: int) -> float:
+    """A reduce-scatter or an all-gather."""
+    return (n - 1) / n * size if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Bytes one rank (the busiest pipeline stage) sends per optimizer step."""
+
+    layout: Layout
+    tensor_parallel: float
+    pipeline_parallel: float
+    data_parallel: float
+    """Gradient all-reduce (ZeRO 0) or ZeRO's reduce-scatters and all-gathers."""
+    embedding_sync: float
+    """Tied word-embedding gradient all-reduce between the first and last stage."""
+    offload: float
+    """Host <-> device copies of offloaded states (PCIe)."""
+
+    @property
+    def total(self) -> float:
+        return self.tensor_parallel + self.pipeline_parallel + self.data_parallel + self.embedding_sync + self.offload
+
+    def breakdown(self) -> dict[str, float]:
+        return {"tensor parallel": self.tensor_parallel, "pipeline": self.pipeline_parallel,
+                "data parallel / ZeRO": self.data_parallel, "tied embeddings": self.embedding_sync,
+                "offload (PCIe)": self.offload}
+
+
+def communication(model: ModelConfig, run: RunSpec, layout: Layout) -> CommEstimate:
+    """Per-step bytes sent by one rank of the busiest stage (the maximum over stages)."""
+    layout.check_model(model)
+    return max((_stage_comm(model, run, layout, k) for k in range(layout.pp)), key=lambda c: c.total)
+
+
+def _stage_comm(model: ModelConfig, run: RunSpec, layout: Layout, stage: int) -> CommEstimate:
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    m = run.microbatches(dp)
+    e = run.activation_bytes
+    s, b, h = run.seq_length, run.micro_batch_size, model.hidden_size
+    act = s * b * h * e  # one [s, b, h] activation
+
+    layers = model.num_layers // pp
+    per_layer = 4 + (2 if run.recompute == "full" else 0)
+    collectives = layers * per_layer
+    if stage == 0:
+        collectives += 1  # vocab-parallel embedding: forward all-reduce
+    tp_bytes = m * collectives * all_reduce_bytes(act, tp)
+    if stage == pp - 1:
+        n = math.ceil(run.mask_prob * s) * b if run.mlm_logits_at_masked_only else s * b
+        tp_bytes += m * all_reduce_bytes(n * h * e, tp)  # MLM head input's gradient (copy_to_tp backward)
+
+    pp_bytes = 0.0
+    if pp > 1:
+        boundary = act / (tp if layout.sequence_parallel else 1)
+        # Each chunk sends its output forward and (but the first) its input gradient back;
+        # stages in the middle do both for every chunk: count that, the busiest.
+        pp_bytes = 2.0 * m * layout.virtual_stages * boundary
+
+    sp = stage_params(model, tp, pp, stage)
+    P = sp.total
+    p = 2.0 if (layout.zero_stage and run.precision != "fp32") else 4.0  # DeepSpeed's 16-bit params/grads
+    if layout.zero_stage == 0:
+        dp_bytes = all_reduce_bytes(4.0 * P, dp)
+    elif layout.zero_stage == 1:
+        dp_bytes = gather_bytes(p * P, dp) * 2  # reduce-scatter grads, all-gather params, once per step
+    elif layout.zero_stage == 2:
+        dp_bytes = m * gather_bytes(p * P, dp) + gather_bytes(p * P, dp)
+    else:
+        partitioned = P - sp.below(zero_sizing(h)["stage3_param_persistence_threshold"])
+        dp_bytes = m * (gather_bytes(p * P, dp) + 2 * gather_bytes(p * partitioned, dp))
+
+    emb = all_reduce_bytes(4.0 * sp.tied_embedding, 2) if sp.tied_embedding else 0.0
+    if pp > 1 and stage == 0:
+        emb = all_reduce_bytes(4.0 * model.padded_vocab_size(tp) // tp * h, 2)
+
+    offload = 0.0
+    shard = P / dp
+    if layout.offload_optimizer:
+        offload += 4.0 * shard + p * shard  # fp32 gradient partition down, updated params back up
+    if layout.offload_params:
+        offload += m * 2 * p * shard  # partitions fetched for forward and for backward
+    return CommEstimate(layout=layout, tensor_parallel=tp_bytes, pipeline_parallel=pp_bytes, data_parallel=dp_bytes,
+                        embedding_sync=emb, offload=offload)

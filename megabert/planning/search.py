@@ -1,0 +1,106 @@
+"""Every layout of a device count that fits a memory budget, ranked by communication.
+
+Ranking: predicted bytes per rank per step (less first); ties go to fewer model-parallel
+ranks (tp x pp: less that can go wrong, larger DP), then to less memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from megabert.config import ModelConfig
+from megabert.errors import ConfigError
+from megabert.planning.communication import CommEstimate, communication
+from megabert.planning.memory import MemoryEstimate, estimate
+from megabert.planning.spec import Layout, RunSpec
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout that fits, with its predictions."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    comm: CommEstimate
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(model: ModelConfig, run: RunSpec, devices: int, *, max_tp: int = 8,
+                      allow_offload: bool = False, zero_stages: Iterable[int] = (0, 1, 2, 3)) -> list[Layout]:
+    """Every layout of `devices` ranks the model and the batch allow. TP stays within
+    `max_tp` (one node's fast interconnect); sequence parallelism is tried with TP > 1;
+    interleaving with 2 and 4 chunks where the layers divide."""
+    if devices < 1:
+        raise ConfigError(f"--devices must be >= 1, got {devices}")
+    zero_stages = tuple(zero_stages)
+    out = []
+    for tp in _divisors(devices):
+        if tp > max_tp or model.num_attention_heads % tp or model.ffn_hidden_size % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            if model.num_layers % pp:
+                continue
+            dp = devices // (tp * pp)
+            if run.global_batch_size is not None and run.global_batch_size % (run.micro_batch_size * dp):
+                continue
+            vs = [1] + [v for v in (2, 4) if pp > 1 and (model.num_layers // pp) % v == 0]
+            for v in vs:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for z in zero_stages:
+                        if (pp > 1 and z > 1) or (dp == 1 and z > 0):
+                            continue  # ZeRO-2/3 do not combine with pipelining; ZeRO needs DP > 1
+                        offloads = [(False, False)]
+                        if allow_offload and z >= 1:
+                            offloads.append((True, False))
+                            if z == 3:
+                                offloads.append((True, True))
+                        for oo, op in offloads:
+                            out.append(Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp,
+                                              zero_stage=z, offload_optimizer=oo, offload_params=op))
+    return out
+
+
+def plan(model: ModelConfig, run: RunSpec, devices: int, budget_gb: float, *, max_tp: int = 8,
+         allow_offload: bool = False) -> list[Candidate]:
+    """The layouts of `devices` ranks whose predicted peak fits `budget_gb` per device,
+    best first (least communication; then fewer model-parallel ranks; then less memory)."""
+    if budget_gb <= 0:
+        raise ConfigError(f"--memory-gb must be positive, got {budget_gb}")
+    fits = []
+    for layout in candidate_layouts(model, run, devices, max_tp=max_tp, allow_offload=allow_offload):
+        mem = estimate(model, run, layout)
+        if mem.total_gb <= budget_gb:
+            fits.append(Candidate(layout, mem, communication(model, run, layout)))
+    fits.sort(key=lambda c: (c.comm.total, c.layout.model_parallel_size, c.memory.total_gb, c.layout.pp))
+    return fits
+
+
+def fit_warning(est: MemoryEstimate, budget_gb: float) -> Optional[str]:
+    """None when the estimate fits; else one line naming the largest parts and the flags
+    that shrink them (the trainer prints it before a run that would run out of memory)."""
+    if est.total_gb <= budget_gb:
+        return None
+    lay = est.layout
+    parts = sorted(((v, k) for k, v in est.breakdown().items() if k != "host (offloaded)"), reverse=True)
+    largest = ", ".join(f"{k} {v:.1f}" for v, k in parts[:3])
+    fixes = []
+    states = est.parameters_gb + est.gradients_gb + est.optimizer_gb
+    if states >= est.activations_gb:
+        if lay.dp > 1 and lay.zero_stage < 3 and lay.pp == 1:
+            fixes.append(f"--deepspeed --zero-stage {lay.zero_stage + 1}")
+        elif lay.dp > 1 and lay.zero_stage == 0:
+            fixes.append("--deepspeed --zero-stage 1")
+        fixes.append(f"--tensor-model-parallel-size {lay.tp * 2} or --pipeline-model-parallel-size {lay.pp * 2}")
+        if lay.zero_stage and not lay.offload_optimizer:
+            fixes.append("--zero-offload-optimizer cpu")
+    else:
+        fixes.append("--recompute-granularity selective or full")
+        if lay.tp > 1 and not lay.sequence_parallel:
+            fixes.append("--sequence-parallel")
+        fixes.append("a smaller --micro-batch-size")
+    return (f"predicted peak {est.total_gb:.1f} GB per rank exceeds the {budget_gb:g} GB budget "
+            f"({lay.short()}; largest: {largest} GB); try {'; or '.join(fixes)}")
+

@@ -1,0 +1,168 @@
+"""Predict per-rank memory and per-step communication of BERT training layouts.
+
+One layout: its memory breakdown, its traffic, and whether it fits a budget.
+
+    python tools/plan_layout.py --preset bert-large --tensor-model-parallel-size 2 --memory-gb 16
+
+Every layout of N devices that fits a per-device budget, least communication first:
+
+    python tools/plan_layout.py --preset bert-large --devices 8 --memory-gb 80 --global-batch-size 1024 --bf16
+
+All figures are predictions (megabert.planning); bench/memory.py sets them against
+measured peaks on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megabert.config import PRESETS, ModelConfig  # noqa: E402
+from megabert.errors import ConfigError, cli_main  # noqa: E402
+from megabert.planning import Layout, RunSpec, communication, estimate, fit_warning, plan  # noqa: E402
+from megabert.planning.params import total_params  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (a preset, or the flags of pretrain_bert.py)")
+    m.add_argument("--preset", choices=sorted(PRESETS), help="bert-tiny, bert-base or bert-large")
+    m.add_argument("--num-layers", type=int)
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--num-attention-heads", type=int)
+    m.add_argument("--ffn-hidden-size", type=int)
+    m.add_argument("--vocab-size", type=int, help="before padding (default 30522)")
+    m.add_argument("--max-position-embeddings", type=int)
+    r = p.add_argument_group("run")
+    r.add_argument("--seq-length", type=int, default=128)
+    r.add_argument("--micro-batch-size", type=int, default=2)
+    r.add_argument("--global-batch-size", type=int, help="default micro-batch x DP (no accumulation)")
+    prec = r.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_true")
+    prec.add_argument("--fp16", action="store_true")
+    r.add_argument("--recompute-granularity", default="none", help="none, selective or full")
+    r.add_argument("--device", default="cuda", help="cuda (GPU memory) or cpu (process RSS)")
+    r.add_argument("--overhead-gb", type=float, help="fixed per-process overhead (default: calibrated per device)")
+    lay = p.add_argument_group("one layout (without --devices)")
+    lay.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    lay.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    lay.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    lay.add_argument("--data-parallel-size", type=int, default=1)
+    lay.add_argument("--sequence-parallel", action="store_true")
+    lay.add_argument("--zero-stage", type=int, default=0, help="0: megabert's trainer; 1-3: DeepSpeed ZeRO")
+    lay.add_argument("--zero-offload-optimizer", choices=("none", "cpu"), default="none")
+    lay.add_argument("--zero-offload-params", choices=("none", "cpu"), default="none")
+    s = p.add_argument_group("search")
+    s.add_argument("--devices", type=int, help="list the layouts of this many devices that fit --memory-gb")
+    s.add_argument("--memory-gb", type=float, help="memory per device, GB (1e9 bytes)")
+    s.add_argument("--max-tp", type=int, default=8, help="largest TP size (one node's NVLink domain)")
+    s.add_argument("--allow-offload", action="store_true", help="also consider ZeRO CPU offload")
+    s.add_argument("--top", type=int, default=10, help="rows to print (0: all)")
+    return p
+
+
+def model_from_args(args) -> ModelConfig:
+    shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                           "vocab_size", "max_position_embeddings") if getattr(args, k) is not None}
+    if args.preset:
+        return PRESETS[args.preset](**shape)
+    missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")
+               if k not in shape]
+    if missing:
+        raise ConfigError(f"give --preset or the model's {', '.join(missing)}")
+    return ModelConfig(**shape)
+
+
+def run_from_args(args) -> RunSpec:
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return RunSpec(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                   global_batch_size=args.global_batch_size, precision=precision,
+                   recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb)
+
+
+def layout_from_args(args, model: ModelConfig) -> Layout:
+    pp = args.pipeline_model_parallel_size
+    v = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_stage = model.num_layers // max(pp, 1)
+        if per_stage % args.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError(f"layers per pipeline stage ({per_stage}) is not divisible by "
+                              f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}")
+        v = per_stage // args.num_layers_per_virtual_pipeline_stage
+    return Layout(tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size, virtual_stages=v,
+                  sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
+                  offload_optimizer=args.zero_offload_optimizer == "cpu",
+                  offload_params=args.zero_offload_params == "cpu")
+
+
+def describe(model: ModelConfig, run: RunSpec) -> str:
+    n = total_params(model)
+    return (f"model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
+            f"ffn {model.ffn_hidden_size}, vocab {model.vocab_size} (padded {model.padded_vocab_size(1)}): "
+            f"{n / 1e6:,.1f}M parameters\n"
+            f"run: seq {run.seq_length}, micro-batch {run.micro_batch_size}, global batch "
+            f"{run.global_batch_size or 'micro x DP'}, {run.precision}, recompute {run.recompute}, AdamW, "
+            f"device {run.device}")
+
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def print_one(model: ModelConfig, run: RunSpec, layout: Layout, budget: float | None) -> None:
+    est = estimate(model, run, layout)
+    comm = communication(model, run, layout)
+    print(describe(model, run))
+    print(f"layout: {layout.short()} (world {layout.world_size}): {layout.flags(model)}")
+    print(f"predicted peak memory of the fullest rank (pipeline stage {est.stage}): {est.total_gb:.2f} GB")
+    for k, v in est.breakdown().items():
+        print(f"  {k:18} {v:8.2f} GB")
+    for note in est.notes:
+        print(f"  note: {note}")
+    print(f"predicted communication per step and rank: {gb(comm.total)} GB")
+    for k, v in comm.breakdown().items():
+        print(f"  {k:22} {gb(v):>8} GB")
+    if budget is not None:
+        warning = fit_warning(est, budget)
+        print(f"fits {budget:g} GB" if warning is None else f"warning: {warning}")
+
+
+def print_plan(model: ModelConfig, run: RunSpec, devices: int, budget: float, max_tp: int, allow_offload: bool,
+               top: int) -> int:
+    fits = plan(model, run, devices, budget, max_tp=max_tp, allow_offload=allow_offload)
+    print(describe(model, run))
+    print(f"{devices} devices x {budget:g} GB: {len(fits)} layouts fit (predicted, not measured; memory: the "
+          f"fullest rank's peak; communication: GB one rank sends per step, TP / PP / DP+ZeRO)")
+    if not fits:
+        print("no layout fits: raise --devices, use --recompute-granularity full, --bf16, a smaller "
+              "--micro-batch-size, or --allow-offload")
+        return 1
+    print(f"{'#':>3} {'layout':22} {'mem GB':>7} {'comm GB':>8} {'TP':>7} {'PP':>7} {'DP/ZeRO':>8}  flags")
+    for i, c in enumerate(fits[: top or None], 1):
+        cm = c.comm
+        print(f"{i:3d} {c.layout.short():22} {c.memory.total_gb:7.2f} {gb(cm.total):>8} {gb(cm.tensor_parallel):>7} "
+              f"{gb(cm.pipeline_parallel):>7} {gb(cm.data_parallel + cm.embedding_sync + cm.offload):>8}  "
+              f"{c.layout.flags(model)}")
+    if top and len(fits) > top:
+        print(f"... {len(fits) - top} more (--top 0 lists all)")
+    return 0
+
+
+@cli_main
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    model = model_from_args(args)
+    run = run_from_args(args)
+    if args.devices is not None:
+        if args.memory_gb is None:
+            raise ConfigError("--devices needs --memory-gb (the memory of one device)")
+        return print_plan(model, run, args.devices, args.memory_gb, args.max_tp, args.allow_offload, args.top)
+    layout = layout_from_args(args, model)
+    print_one(model, run, layout, args.memory_gb)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
