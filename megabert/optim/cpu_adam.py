@@ -29,16 +29,29 @@ def jit_build_pending(builder) -> bool:
     return not os.path.isfile(os.path.join(build_dir, f"{builder.name}.so"))
 
 
+def _first_on_node() -> bool:
+    """One process per machine speaks: every process of a node waits on the same build."""
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" in os.environ:
+        return os.environ["LOCAL_RANK"] == "0"
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def note_jit_build(builder_name: str, what: str) -> None:
     """Logs one line before DeepSpeed compiles op `builder_name` (a class name such as
     CPUAdamBuilder) on first use; silent when it is already built."""
     from deepspeed.accelerator import get_accelerator
 
+    import deepspeed.ops
+
     builder = get_accelerator().create_op_builder(builder_name)
-    if builder is not None and jit_build_pending(builder):
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.name, False):
+        return  # not on this accelerator: DeepSpeed will not build it
+    if jit_build_pending(builder) and _first_on_node():
         logger.warning("building DeepSpeed's %s op for %s: a one-time C++ compile, cached for later runs, that "
-                       "takes a few minutes (install deepspeed with DS_BUILD_%s=1 to build it ahead)",
-                       builder.name, what, builder.name.upper())
+                       "takes a few minutes (install deepspeed with %s=1 to build it ahead)",
+                       builder.name, what, getattr(builder, "BUILD_VAR", "DS_BUILD_OPS"))
 
 
 def build_cpu_adam(groups: list[dict], cfg: OptimConfig):

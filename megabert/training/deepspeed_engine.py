@@ -17,6 +17,7 @@ import torch
 
 from megabert.config import OptimConfig, TrainConfig
 from megabert.errors import ConfigError
+from megabert.optim.cpu_adam import note_jit_build
 from megabert.parallel import ParallelState
 from megabert.training.deepspeed_sections import translate_sections
 
@@ -236,6 +237,9 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     os.environ.setdefault("LOCAL_RANK", str(ps.local_rank))
     os.environ.setdefault("RANK", str(ps.rank))
     os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
+    if ps.device.type == "cpu":
+        # DeepSpeed's CPU backend compiles its shared-memory collectives on first use.
+        note_jit_build("ShareMemCommBuilder", "DeepSpeed's shared-memory collectives on CPU")
     # Always our optimizer: a JSON's optimizer section was translated, not merged.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
                                            dist_init_required=False)
