@@ -54,6 +54,7 @@ def test_tutorial_json_runs_with_its_own_values(tmp_path):
         (2e-4, 1.0, 0.01, False, "adam")
     assert "optimizer" not in ds and "scheduler" not in ds  # our client optimizer and schedule train
     assert ds["gradient_clipping"] == 1.0 and ds["steps_per_print"] == 100
+    assert ds["zero_allow_untested_optimizer"]  # our Adam without bias correction, under ZeRO
 
 
 def test_typed_flag_that_disagrees_is_one_line_naming_both(tmp_path):

@@ -36,7 +36,9 @@ def test_typed_lr_that_disagrees_stops_with_one_line(dataset, tmp_path):
     args = pretrain_args(dataset, tmp_path / "m.jsonl", "--deepspeed", "--deepspeed_config", str(ds))
     args[args.index("--lr") + 1] = "0.5"
     r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", *args])
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-4000:]
+    # torchrun adds its own traceback for a failed child; the ranks print one line each.
+    assert r.returncode != 0 and "[rank0]" not in r.stderr and 'pretrain_bert.py", line' not in r.stderr, \
+        r.stderr[-4000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: --deepspeed_config {ds} sets optimizer.params.lr=0.0002 but --lr is 0.5; "
                       f"make them agree, or drop one of them"]

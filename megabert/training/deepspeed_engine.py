@@ -82,6 +82,10 @@ def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState, hidd
         "steps_per_print": 10 ** 9,  # our logger reports; DeepSpeed's own lines would duplicate it
         "wall_clock_breakdown": False,
     }
+    if not optim.bias_correction:
+        # Our Adam (no bias correction) is elementwise, so ZeRO's flat partitions suit it;
+        # DeepSpeed asks for this key for any optimizer not on its list.
+        cfg["zero_allow_untested_optimizer"] = True
     if train.bf16:
         cfg["bf16"] = {"enabled": True}
     if train.fp16:
