@@ -136,3 +136,19 @@ def test_recipe_flag_checks():
         OptimConfig(lr=1e-4, lr_warmup_init=1e-3)
     with pytest.raises(ValueError, match="--lamb-min-coeff <= --lamb-max-coeff"):
         OptimConfig(lamb_min_coeff=0.5, lamb_max_coeff=0.3)
+
+
+def test_adam_without_bias_correction_under_zero2_matches_one_process(tmp_path):
+    # ZeRO hands the optimizer flat partitions; the update is elementwise, so the losses
+    # follow the single-process run.
+    from dist_utils import run_distributed
+    from train_utils import read_metrics, train_worker
+
+    one, zero2 = str(tmp_path / "one.jsonl"), str(tmp_path / "zero2.jsonl")
+    common = ["--train-iters", "4", "--no-bias-correction"]
+    run_distributed(train_worker, 1, common + ["--metrics-file", one])
+    run_distributed(train_worker, 2, common + ["--metrics-file", zero2, "--deepspeed", "--zero-stage", "2"])
+    assert read_metrics(zero2) == pytest.approx(read_metrics(one), abs=1e-4)
+    with_correction = str(tmp_path / "corrected.jsonl")
+    run_distributed(train_worker, 1, ["--train-iters", "4", "--metrics-file", with_correction])
+    assert read_metrics(with_correction)[1:] != pytest.approx(read_metrics(one)[1:], abs=1e-4)  # it did change
