@@ -136,7 +136,11 @@ def test_warmup_schedulers_translate(tmp_path):
     ({"type": "OneCycle", "params": {}}, [], "sets scheduler.type=OneCycle, which has no megabert equivalent"),
     ({"type": "warmup_exp_decay_exp"}, [], "use --lr-decay-style warmup_exp_decay_exp"),
     ({"type": "WarmupLR", "params": {"warmup_type": "linear", "warmup_num_steps": 10}},
-     ["--lr-decay-style", "cosine"], "sets scheduler.type='constant' but --lr-decay-style is 'cosine'"),
+     ["--lr-decay-style", "cosine"],
+     "sets scheduler.type=WarmupLR (constant after warmup) but --lr-decay-style is 'cosine'; make them agree"),
+    ({"type": "WarmupLR", "params": {"warmup_type": "linear"}}, ["--lr-warmup-fraction", "0.1"],
+     "sets scheduler.type=WarmupLR (a warmup counted in scheduler.params.warmup_num_steps) but "
+     "--lr-warmup-fraction is 0.1"),
     ({"type": "WarmupDecayLR", "params": {"warmup_type": "linear"}}, [], "without scheduler.params.total_num_steps"),
 ])
 def test_schedulers_that_do_not_map_stop(tmp_path, scheduler, flags, expected):

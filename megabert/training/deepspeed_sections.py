@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, Optional
 
 from megabert.config import OptimConfig
 from megabert.errors import ConfigError
@@ -51,31 +51,32 @@ class OptimTranslation:
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"--deepspeed_config {self.path} {message}")
 
-    def take(self, field: str, value: Any, key: str, checked: bool = True) -> None:
-        """Field `field` takes `value` from JSON key `key`; `checked`: the value is the
-        JSON's own (type-checked), not one this module derived from it."""
+    def take(self, field: str, value: Any, key: str, derived: Optional[str] = None) -> None:
+        """Field `field` takes `value` from JSON key `key`. `derived`: the value is not the
+        JSON's own but follows from what `derived` describes (no type check; messages
+        quote `derived`)."""
         if value == "auto":  # transformers' placeholder: the value comes from the flags
             return
         current = getattr(self.optim, field)
-        if checked:
+        if derived is None:
             kind, what = ((bool, "true or false") if isinstance(current, bool) else
                           (int, "an integer") if field in INT_FIELDS else (numbers.Real, "a number"))
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
                 raise self.error(f"sets {key}={_show(value)}: expected {what}")
+        shown = derived or f"{key}={_show(value)}"
         if field in self.values and self.values[field][0] != value:
-            other_value, other_key = self.values[field]
-            raise self.error(f"sets {other_key}={_show(other_value)} and {key}={_show(value)}, which DeepSpeed would "
-                             f"apply differently; give one value")
+            raise self.error(f"sets {self.values[field][1]} and {shown}, which DeepSpeed would apply differently; "
+                             f"give one value")
         if f"optim.{field}" in self.explicit and value != current:
-            raise self.error(f"sets {key}={_show(value)} but {flag(field)} is {_show(current)}; make them agree, "
-                             f"or drop one of them")
-        self.values[field] = (value, key)
+            raise self.error(f"sets {shown} but {flag(field)} is {_show(current)}; make them agree, or drop one of "
+                             f"them")
+        self.values[field] = (value, shown)
 
     def result(self) -> OptimConfig:
         try:
             return dataclasses.replace(self.optim, **{f: v for f, (v, _) in self.values.items()})
         except ConfigError as e:  # a cross-field check failed on the JSON's values
-            keys = ", ".join(f"{k}={_show(v)}" for v, k in self.values.values())
+            keys = ", ".join(shown for _, shown in self.values.values())
             raise self.error(f"gives {keys}: {e}")
 
 
@@ -121,7 +122,7 @@ def translate_optimizer(section: Any, t: OptimTranslation) -> None:
         raise t.error(f"sets optimizer.type={kind}, which --deepspeed cannot train: ZeRO and DeepSpeed's precision "
                       f"wrappers hand the optimizer flattened buffers, so LAMB's per-tensor trust ratio would be "
                       f'wrong; set "type": "Adam", or train LAMB without --deepspeed: {_lamb_equivalent(t)}')
-    t.take("optimizer", "adam", "optimizer.type", checked=False)
+    t.take("optimizer", "adam", "optimizer.type", derived=f"optimizer.type={kind}")
 
 
 def _check_switch(key: str, value: Any, params: dict, t: OptimTranslation) -> None:
@@ -173,14 +174,16 @@ def translate_scheduler(section: Any, t: OptimTranslation) -> None:
     if "warmup_max_lr" in params or kind == "WarmupDecayLR":
         t.take("lr", params.get("warmup_max_lr", 0.001), key + "warmup_max_lr")
     t.take("lr_warmup_iters", params.get("warmup_num_steps", 1000), key + "warmup_num_steps")
-    t.take("lr_warmup_fraction", None, key + "warmup_num_steps", checked=False)
+    t.take("lr_warmup_fraction", None, key + "warmup_num_steps",
+           derived=f"scheduler.type={kind} (a warmup counted in scheduler.params.warmup_num_steps)")
     if kind == "WarmupLR":
-        t.take("lr_decay_style", "constant", "scheduler.type", checked=False)
+        t.take("lr_decay_style", "constant", "scheduler.type",
+               derived="scheduler.type=WarmupLR (constant after warmup)")
     else:
         if "total_num_steps" not in params:
             raise t.error("sets scheduler.type=WarmupDecayLR without scheduler.params.total_num_steps; add it "
                           "(the iteration the LR reaches warmup_min_lr)")
-        t.take("lr_decay_style", "linear", "scheduler.type", checked=False)
+        t.take("lr_decay_style", "linear", "scheduler.type", derived="scheduler.type=WarmupDecayLR (linear decay)")
         t.take("lr_decay_iters", params["total_num_steps"], key + "total_num_steps")
         t.take("min_lr", params.get("warmup_min_lr", 0.0), key + "warmup_min_lr")
 
