@@ -139,7 +139,11 @@ def translate_scheduler(section: Any, t: OptimTranslation) -> None:
     """`scheduler` {"type": "WarmupLR"|"WarmupDecayLR", "params": {...}} -> t. Both warm up
     linearly from warmup_min_lr to warmup_max_lr over warmup_num_steps; WarmupLR then holds
     (--lr-decay-style constant), WarmupDecayLR decays linearly back to warmup_min_lr at
-    total_num_steps (--lr-decay-style linear, --min-lr, --lr-decay-iters)."""
+    total_num_steps (--lr-decay-style linear, --min-lr, --lr-decay-iters).
+
+    NOTE: the curve follows our iteration count (Megatron's: iteration 1 runs at
+    warmup_min_lr + delta / warmup_num_steps); DeepSpeed's own scheduler lags it by a step
+    or two, as it applies the LR for step k after optimizer step k."""
     if not isinstance(section, dict) or not isinstance(section.get("type"), str):
         raise t.error('has a "scheduler" section without a "type"; give {"type": "WarmupLR", "params": {...}} '
                       'or drop it')
