@@ -31,7 +31,7 @@ from megabert.data.squad_features import convert_examples_to_features, features_
 from megabert.data.squad_postprocess import postprocess_predictions
 from megabert.errors import cli_main
 from megabert.parallel.layout import BatchLayout
-from megabert.training.build import RunSpec, build_trainer, deepspeed_config
+from megabert.training.build import RunSpec, build_trainer, resolve_optimization
 from megabert.training.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits, qa_task,
                                           resolve_vocab_file)
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
@@ -59,15 +59,16 @@ def train(cfg, ps, model, tokenizer):
     logger.info("fine-tuning for %d steps of %d features (%.2f epochs)", train_cfg.train_iters,
                 batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / len(feats))
     tensors = features_to_tensors(feats)
-    run = RunSpec(optim=cfg.optim, train=train_cfg, batch=batch, task=qa_task(), seq_length=ft.max_seq_length,
-                  deepspeed_config=deepspeed_config(cfg, ps) if t.deepspeed else None)
+    optim, ds_cfg = resolve_optimization(cfg, ps, model.config.hidden_size)
+    run = RunSpec(optim=optim, train=train_cfg, batch=batch, task=qa_task(), seq_length=ft.max_seq_length,
+                  deepspeed_config=ds_cfg)
     trainer = build_trainer(
         model, ps, run,
         lambda consumed: feature_batches(tensors, global_batch=batch.global_batch_size,
                                          micro_batch=t.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
                                          seed=t.seed),
         flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
-        checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(cfg.optim),
+        checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(optim),
                           "finetune": dataclasses.asdict(ft)})
     trainer.train()
     return trainer

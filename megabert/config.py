@@ -166,10 +166,24 @@ class OptimConfig:
     min_loss_scale: float = arg(1.0, "Dynamic loss scale floor.")
     loss_scale_window: int = arg(1000, "Steps without overflow before the scale doubles.")
     hysteresis: int = arg(2, "Overflows tolerated before the scale halves.")
+    bias_correction: bool = arg(True, "Adam/LAMB bias correction of the moment estimates; --no-bias-correction "
+                                "as the DeepSpeed BERT recipe (bias_correction false).")
+    lamb_min_coeff: float = arg(0.01, "LAMB: lower bound of the trust ratio ||w|| / ||update|| (DeepSpeed's "
+                                "min_coeff).")
+    lamb_max_coeff: float = arg(10.0, "LAMB: upper bound of the trust ratio (DeepSpeed's max_coeff; its BERT "
+                                "tutorial uses 0.3).")
+    lr_warmup_init: float = arg(0.0, "Learning rate the warmup starts from, rising linearly to --lr (Megatron's "
+                                "flag); with warmup_exp_decay_exp, bing_bert's --lr_offset (an offset kept "
+                                "through the decay, --lr being the peak including it).")
 
     def __post_init__(self):
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0.0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"--lr-warmup-init must be in [0, --lr], got {self.lr_warmup_init} with --lr {self.lr}")
+        if not 0.0 <= self.lamb_min_coeff <= self.lamb_max_coeff:
+            raise ConfigError(f"LAMB's trust-ratio bounds need 0 <= --lamb-min-coeff <= --lamb-max-coeff, got "
+                              f"{self.lamb_min_coeff} and {self.lamb_max_coeff}")
         if self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"--min-lr must be in [0, --lr], got {self.min_lr} with --lr {self.lr}")
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction <= 1.0:
@@ -204,6 +218,10 @@ class TrainConfig:
     deepspeed_config: Optional[str] = arg(None, "DeepSpeed JSON; default built from these flags.",
                                           flag="--deepspeed_config")
     zero_stage: int = arg(0, "ZeRO stage with --deepspeed.", choices=(0, 1, 2, 3))
+    zero_offload_optimizer: str = arg("none", "ZeRO-Offload: keep optimizer states and the update on the CPU "
+                                      "(DeepSpeedCPUAdam; needs --zero-stage 1-3).", choices=("none", "cpu"))
+    zero_offload_params: str = arg("none", "ZeRO-Infinity: keep partitioned parameters in CPU memory between "
+                                   "uses (needs --zero-stage 3).", choices=("none", "cpu"))
 
     def __post_init__(self):
         if self.bf16 and self.fp16:
@@ -216,6 +234,17 @@ class TrainConfig:
             raise ConfigError("--deepspeed_config needs --deepspeed")
         if self.zero_stage and not self.deepspeed:
             raise ConfigError(f"--zero-stage {self.zero_stage} needs --deepspeed")
+        for name, what in (("zero_offload_optimizer", "optimizer"), ("zero_offload_params", "params")):
+            if getattr(self, name) != "none" and not self.deepspeed:
+                raise ConfigError(f"--zero-offload-{what} {getattr(self, name)} needs --deepspeed")
+        # With a --deepspeed_config the stage may come from the JSON: checked once merged.
+        if not self.deepspeed_config:
+            if self.zero_offload_optimizer != "none" and self.zero_stage < 1:
+                raise ConfigError(f"--zero-offload-optimizer {self.zero_offload_optimizer} needs --zero-stage 1, 2 "
+                                  f"or 3 (ZeRO partitions the optimizer state it offloads)")
+            if self.zero_offload_params != "none" and self.zero_stage != 3:
+                raise ConfigError(f"--zero-offload-params {self.zero_offload_params} needs --zero-stage 3 (only "
+                                  f"ZeRO-3 partitions parameters); got --zero-stage {self.zero_stage}")
 
 
 @dataclass(kw_only=True)

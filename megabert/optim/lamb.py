@@ -5,6 +5,11 @@ batch sizes (the NVIDIA and DeepSpeed BERT recipes).
 With tensor parallelism a weight is split over ranks, but its trust ratio must use the
 norms of the whole matrix, or TP=2 would train a different model than TP=1: the squared
 norms of split tensors are summed over the TP group.
+
+The trust ratio is clamped to [min_trust_ratio, max_trust_ratio] (DeepSpeed's min_coeff /
+max_coeff: 0.01 and 0.3 in its BERT tutorial, 10 in the original LAMB code); a tensor
+whose weight or update norm is zero (a fresh zero-initialised bias) takes ratio 1,
+unclamped, as DeepSpeed's fused LAMB does.
 """
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ import torch.distributed as dist
 
 class Lamb(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
-                 bias_correction: bool = True, max_trust_ratio: float = 10.0,
+                 bias_correction: bool = True, min_trust_ratio: float = 0.0, max_trust_ratio: float = 10.0,
                  tp_group: Optional[dist.ProcessGroup] = None):
         if lr <= 0 or eps <= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr} betas={betas} eps={eps}")
+        if not 0 <= min_trust_ratio <= max_trust_ratio:
+            raise ValueError(f"invalid LAMB trust-ratio bounds [{min_trust_ratio}, {max_trust_ratio}]")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-                        max_trust_ratio=max_trust_ratio)
+                        min_trust_ratio=min_trust_ratio, max_trust_ratio=max_trust_ratio)
         super().__init__(params, defaults)
         self.tp_group = tp_group
 
@@ -67,9 +74,12 @@ class Lamb(torch.optim.Optimizer):
             if not params:
                 continue
             w_norm, u_norm = self._norms(params, updates)
-            # trust = ||w|| / ||u||, 1 where either is zero (fresh zero-init biases), capped.
-            trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-            trust = trust.clamp(max=group["max_trust_ratio"])
+            # trust = ||w|| / ||u|| clamped to the bounds; 1 where either norm is zero (fresh
+            # zero-init biases). A group restored from a checkpoint written before the lower
+            # bound existed has no "min_trust_ratio": it trained without one.
+            both = (w_norm > 0) & (u_norm > 0)
+            ratio = (w_norm / u_norm).clamp(min=group.get("min_trust_ratio", 0.0), max=group["max_trust_ratio"])
+            trust = torch.where(both, ratio, torch.ones_like(w_norm))
             for p, update, t in zip(params, updates, trust):
                 p.add_((update * (-group["lr"] * t)).to(p.dtype))
         return loss

@@ -1,7 +1,12 @@
 """Learning-rate schedules: warmup, then constant / linear / cosine / polynomial decay to
 min_lr (Megatron's OptimizerParamScheduler), or DeepSpeedExamples' BERT schedule
 warmup_exp_decay_exp. The schedule is a pure function of the iteration, so a resumed
-run needs only the iteration to continue exactly."""
+run needs only the iteration to continue exactly.
+
+Warmup starts from lr_warmup_init (Megatron's --lr-warmup-init, default 0):
+    lr(it) = init + (lr - init) * it / warmup_iters          for it <= warmup_iters
+warmup_exp_decay_exp keeps init as bing_bert keeps its --lr_offset, added to the whole
+curve: lr(it) = init + (lr - init) * f(it), f rising as (it / warmup)^2, then decaying."""
 from __future__ import annotations
 
 import math
@@ -24,11 +29,15 @@ class LRSchedule:
         if c.lr_decay_style == "warmup_exp_decay_exp":
             # DeepSpeedExamples (bing_bert): polynomial warmup of degree 2, then
             # exponential decay by lr_exp_decay_rate every lr_exp_decay_iters.
+            # bing_bert's lr = learning_rate * f(step) + lr_offset, with --lr the peak
+            # learning_rate + lr_offset and --lr-warmup-init the offset.
             if it < self.warmup_iters:
-                return c.lr * (it / self.warmup_iters) ** 2
-            return max(c.min_lr, c.lr * c.lr_exp_decay_rate ** ((it - self.warmup_iters) / c.lr_exp_decay_iters))
+                shape = (it / self.warmup_iters) ** 2
+            else:
+                shape = c.lr_exp_decay_rate ** ((it - self.warmup_iters) / c.lr_exp_decay_iters)
+            return max(c.min_lr, c.lr_warmup_init + (c.lr - c.lr_warmup_init) * shape)
         if self.warmup_iters > 0 and it <= self.warmup_iters:
-            return c.lr * it / self.warmup_iters
+            return c.lr_warmup_init + (c.lr - c.lr_warmup_init) * it / self.warmup_iters
         if c.lr_decay_style == "constant":
             return c.lr
         if it > self.decay_iters:

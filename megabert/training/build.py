@@ -35,28 +35,33 @@ class RunSpec:
     deepspeed_config: Optional[dict] = None  # the final DeepSpeed JSON with --deepspeed
 
 
-def deepspeed_config(cfg, ps: ParallelState) -> dict:
-    """DeepSpeed's config from the flags (cfg: Configs or FinetuneConfigs), merged with
-    --deepspeed_config (conflicts raise)."""
-    ds_cfg = deepspeed_engine.build_config(cfg.train, cfg.optim, ps)
-    if cfg.train.deepspeed_config:
-        ds_cfg = deepspeed_engine.merge_user_config(cfg.train.deepspeed_config, ds_cfg, cfg.train)
-    return ds_cfg
+def resolve_optimization(cfg, ps: ParallelState, hidden_size: int) -> tuple[OptimConfig, Optional[dict]]:
+    """The OptimConfig the optimizer and LR schedule are built from, and DeepSpeed's final
+    config (None without --deepspeed). cfg: Configs or FinetuneConfigs. With
+    --deepspeed_config, its optimizer/scheduler sections become OptimConfig values and its
+    other keys are checked against the flags (conflicts raise); ZeRO is sized to `hidden_size`."""
+    if not cfg.train.deepspeed:
+        return cfg.optim, None
+    ds_cfg, optim = deepspeed_engine.resolve_deepspeed_config(cfg, ps, hidden_size)
+    return optim, ds_cfg
 
 
 def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> Strategy:
-    t = run.train
-    optimizer = build_optimizer(model, run.optim, ps.tp_group)
+    t, ds_cfg = run.train, run.deepspeed_config
+    offload = ds_cfg is not None and deepspeed_engine.offloads_optimizer(ds_cfg)
+    optimizer = build_optimizer(model, run.optim, ps.tp_group, cpu_offload=offload)
     amp = lambda: autocast(ps.device, t.bf16, t.fp16)  # noqa: E731
     runner = None
     if ps.pp_size > 1:
         # The residual stream stays fp32 under autocast, so stages exchange fp32.
         comm = PipeComm(ps, model.activation_shape(run.seq_length, t.micro_batch_size), torch.float32)
         runner = PipelineSchedule(model, ps, comm, run.batch.num_micro_batches, run.task, autocast=amp)
-    if t.deepspeed:
-        engine = deepspeed_engine.initialize(model, optimizer, run.deepspeed_config, ps)
+    if ds_cfg is not None:
+        engine = deepspeed_engine.initialize(model, optimizer, ds_cfg, ps)
         runner = runner or SequentialRunner(engine, run.task, amp)
-        return DeepSpeedStrategy(engine, ps, runner, zero_stage=t.zero_stage, fp16=t.fp16, bf16=t.bf16)
+        # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
+        return DeepSpeedStrategy(engine, ps, runner, zero_stage=ds_cfg["zero_optimization"].get("stage", 0),
+                                 fp16=t.fp16, bf16=t.bf16)
     runner = runner or SequentialRunner(model, run.task, amp)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     return LocalStrategy(model, optimizer, ps, runner, scaler=scaler, clip_grad=run.optim.clip_grad)

@@ -6,6 +6,7 @@ partitioning uses our DP group and gradient norms our model-parallel group.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,8 +17,10 @@ import torch
 
 from megabert.config import OptimConfig, TrainConfig
 from megabert.errors import ConfigError
+from megabert.optim.cpu_adam import note_jit_build
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
+from megabert.training.deepspeed_sections import translate_sections
 
 logger = logging.getLogger(__name__)
 
@@ -44,20 +47,46 @@ def zero_sizing(hidden_size: int) -> dict:
     }
 
 
-def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState) -> dict:
-    """DeepSpeed's JSON from our flags: batch sizes, precision, ZeRO stage, clipping.
-    The optimizer stays ours (a client optimizer: AdamW or TP-aware LAMB), and so does the
-    LR schedule, so DeepSpeed and plain runs follow the same curve."""
+# zero_sizing's keys that each ZeRO stage reads. Stage 1 leaves overlap_comm off: its
+# gradients are reduced after backward (by the pipeline schedule too, see
+# reduce_gradients), and overlapping would register reduction hooks during it.
+ZERO_STAGE_KEYS = {
+    0: (),
+    1: ("reduce_bucket_size", "allgather_bucket_size"),
+    2: ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients"),
+    3: ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "overlap_comm", "contiguous_gradients"),
+}
+OFFLOAD_KEYS = {"offload_optimizer": ("zero_offload_optimizer", "--zero-offload-optimizer"),
+                "offload_param": ("zero_offload_params", "--zero-offload-params")}
+
+
+def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState, hidden_size: Optional[int] = None) -> dict:
+    """DeepSpeed's JSON from our flags: batch sizes, precision, ZeRO stage sized to the model
+    (`hidden_size`; DeepSpeed's defaults without it), offload, clipping. The optimizer stays
+    ours (a client optimizer: AdamW or TP-aware LAMB), and so does the LR schedule, so
+    DeepSpeed and plain runs follow the same curve."""
     batch = BatchLayout.of(train.micro_batch_size, train.global_batch_size, ps.dp_size)
+    zero: dict = {"stage": train.zero_stage}
+    if hidden_size is not None:
+        sizing = zero_sizing(hidden_size)
+        zero.update({key: sizing[key] for key in ZERO_STAGE_KEYS[train.zero_stage]})
+    for section, (field, _) in OFFLOAD_KEYS.items():
+        if getattr(train, field) != "none":
+            zero[section] = {"device": getattr(train, field), "pin_memory": True}
     cfg: dict = {
         "train_batch_size": batch.global_batch_size,
         "train_micro_batch_size_per_gpu": batch.micro_batch_size,
         "gradient_accumulation_steps": batch.num_micro_batches,
         "gradient_clipping": optim.clip_grad,
-        "zero_optimization": {"stage": train.zero_stage},
+        "zero_optimization": zero,
         "steps_per_print": 10 ** 9,  # our logger reports; DeepSpeed's own lines would duplicate it
         "wall_clock_breakdown": False,
     }
+    if not optim.bias_correction:
+        # Our Adam (no bias correction) is elementwise, so ZeRO's flat partitions suit it;
+        # DeepSpeed asks for this key for any optimizer not on its list.
+        cfg["zero_allow_untested_optimizer"] = True
     if train.bf16:
         cfg["bf16"] = {"enabled": True}
     if train.fp16:
@@ -80,8 +109,8 @@ def _get(d: dict, dotted: str):
     return d
 
 
-def merge_user_config(path: str, built: dict, train: TrainConfig) -> dict:
-    """The user's JSON, checked against the flags: a value both set differently is an error."""
+def load_user_config(path: str) -> dict:
+    """--deepspeed_config's JSON object (one-line errors for a missing or broken file)."""
     try:
         with open(path) as f:
             user = json.load(f)
@@ -89,25 +118,121 @@ def merge_user_config(path: str, built: dict, train: TrainConfig) -> dict:
         raise ConfigError(f"--deepspeed_config {path}: {e.strerror}")
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed_config {path} is not valid JSON: {e}")
+    if not isinstance(user, dict):
+        raise ConfigError(f"--deepspeed_config {path} must hold a JSON object ({{...}}), not a {type(user).__name__}")
+    return user
+
+
+def merge_user_config(path: str, built: dict, train: TrainConfig, explicit: frozenset = frozenset(),
+                      user: Optional[dict] = None) -> dict:
+    """The user's JSON, checked against the flags: a value both set differently is an error.
+    Its optimizer, scheduler and gradient_clipping are translated into our OptimConfig
+    (deepspeed_sections, through resolve_deepspeed_config), so they are not merged here:
+    the built config already carries their values."""
+    user = load_user_config(path) if user is None else user
+    # "auto" (transformers' placeholder) takes the flags' value. gradient_clipping was
+    # translated into --clip-grad already; checked again for a direct caller.
     checks = [("train_batch_size", "--global-batch-size"), ("train_micro_batch_size_per_gpu", "--micro-batch-size"),
               ("gradient_accumulation_steps", "--global-batch-size / (--micro-batch-size x DP)"),
               ("gradient_clipping", "--clip-grad")]
     for key, flag in checks:
-        if key in user and user[key] != built[key]:
+        if key in user and user[key] != "auto" and user[key] != built[key]:
             raise ConfigError(f"--deepspeed_config {path} sets {key}={user[key]} but the flags give {built[key]} "
                               f"({flag}); make them agree or drop the key from the JSON")
     for prec, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
         user_on = bool(_get(user, f"{prec}.enabled"))
-        if prec in user and user_on != getattr(train, prec):
-            raise ConfigError(f"--deepspeed_config {path} has {prec}.enabled={user_on} but {flag} is "
-                              f"{'set' if getattr(train, prec) else 'not set'}; make them agree")
+        if prec in user and _get(user, f"{prec}.enabled") != "auto" and user_on != getattr(train, prec):
+            todo = f"pass {flag}" if user_on else f"drop {flag}"
+            raise ConfigError(f"--deepspeed_config {path} has {prec}.enabled={str(user_on).lower()} but {flag} is "
+                              f"{'set' if getattr(train, prec) else 'not set'}; {todo} or change the JSON")
+    user_zero = user.get("zero_optimization", {})
     user_stage = _get(user, "zero_optimization.stage")
     if train.zero_stage and user_stage is not None and user_stage != train.zero_stage:
         raise ConfigError(f"--deepspeed_config {path} has zero_optimization.stage={user_stage} but --zero-stage "
                           f"is {train.zero_stage}; make them agree")
-    merged = {**built, **user}
-    merged["zero_optimization"] = {**built["zero_optimization"], **user.get("zero_optimization", {})}
+    for legacy, modern in (("cpu_offload", "--zero-offload-optimizer cpu"), ("cpu_offload_param",
+                                                                              "--zero-offload-params cpu")):
+        if legacy in user_zero:
+            raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.{legacy}, DeepSpeed's deprecated "
+                              f"key; use {modern} (or zero_optimization.offload_* {{\"device\": \"cpu\"}})")
+    for section, (field, flag) in OFFLOAD_KEYS.items():
+        user_device = _get(user_zero, f"{section}.device") or ("none" if section in user_zero else None)
+        typed = getattr(train, field) != "none" or f"train.{field}" in explicit
+        if user_device is not None and typed and user_device != getattr(train, field):
+            raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.{section}.device={user_device} but "
+                              f"{flag} is {getattr(train, field)}; make them agree, or drop one of them")
+    merged = {**built, **{k: v for k, v in user.items() if k not in TRANSLATED_KEYS and v != "auto"}}
+    for prec in ("bf16", "fp16"):
+        if _get(user, f"{prec}.enabled") == "auto":
+            merged[prec] = {**user[prec], "enabled": getattr(train, prec)}
+    merged["zero_optimization"] = {**built["zero_optimization"], **user_zero}
     return merged
+
+
+# Sections translated into our OptimConfig; merged configs never carry them, so DeepSpeed
+# keeps our client optimizer and schedule.
+TRANSLATED_KEYS = ("optimizer", "scheduler", "gradient_clipping")
+
+
+def check_offload(config: dict, path: Optional[str]) -> None:
+    """Offload needs the ZeRO stage that partitions what it offloads; CPU only."""
+    zero = config["zero_optimization"]
+    stage = zero.get("stage", 0)
+    where = f" (--deepspeed_config {path})" if path else ""
+    for section, (_, flag) in OFFLOAD_KEYS.items():
+        device = _get(zero, f"{section}.device")
+        if device in (None, "none"):
+            continue
+        if device != "cpu":
+            raise ConfigError(f"zero_optimization.{section}.device={device}{where}: megabert offloads to the CPU "
+                              f"only; use {flag} cpu")
+        if section == "offload_param" and stage != 3:
+            raise ConfigError(f"{flag} cpu{where} needs ZeRO stage 3 (only ZeRO-3 partitions parameters); "
+                              f"use --zero-stage 3")
+        if section == "offload_optimizer" and stage < 1:
+            raise ConfigError(f"{flag} cpu{where} needs ZeRO stage 1, 2 or 3 (ZeRO partitions the optimizer state "
+                              f"it offloads); use --zero-stage 1-3")
+
+
+def offloads_optimizer(config: dict) -> bool:
+    """True when DeepSpeed's config keeps the optimizer on the CPU (ZeRO-Offload), which
+    needs DeepSpeedCPUAdam as the client optimizer (build_optimizer(cpu_offload=True))."""
+    return _get(config, "zero_optimization.offload_optimizer.device") == "cpu"
+
+
+def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int]) -> tuple[dict, OptimConfig]:
+    """DeepSpeed's config and the OptimConfig to build our optimizer and LR schedule from.
+
+    `cfg` is a Configs or FinetuneConfigs (its .optim, .train and .explicit are read);
+    `hidden_size` sizes ZeRO's buffers. --deepspeed_config's optimizer, scheduler and
+    gradient_clipping become OptimConfig values (flags the user typed must agree with
+    them); its other keys are checked against the flags and merged. Raises ConfigError
+    with one line naming the key and what to do."""
+    path = cfg.train.deepspeed_config
+    user = load_user_config(path) if path else {}
+    optim = translate_sections(user, cfg.optim, cfg.explicit, path) if user else cfg.optim
+    fp16_key = "fp16.enabled=true" if _get(user, "fp16.enabled") is True else None
+    if (cfg.train.fp16 or fp16_key) and ps.device.type != "cuda":
+        source = f"--deepspeed_config {path} sets {fp16_key}" if fp16_key else "--fp16 with --deepspeed"
+        raise ConfigError(f"{source}, but fp16 needs a CUDA device (DeepSpeed's fp16 optimizer and loss scaling run "
+                          f"on GPUs) and this run is on {ps.device.type}; use --bf16 on CPU"
+                          + (" and set fp16.enabled to false" if fp16_key else ""))
+    train = cfg.train
+    user_stage = _get(user, "zero_optimization.stage")
+    if user_stage is not None and user_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage={user_stage}; use 0, 1, 2 or 3")
+    if user_stage is not None and not train.zero_stage:
+        train = dataclasses.replace(train, zero_stage=user_stage)  # the JSON chose the stage: size for it
+    built = build_config(train, optim, ps, hidden_size)
+    config = merge_user_config(path, built, cfg.train, cfg.explicit, user) if path else built
+    check_offload(config, path)
+    stage = config["zero_optimization"].get("stage", 0)
+    if ps.pp_size > 1 and stage != 1:
+        # The flags were checked at parsing (check_combinations); a JSON's stage only now.
+        raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage={stage} with "
+                          f"--pipeline-model-parallel-size {ps.pp_size}: pipeline stages accumulate gradients "
+                          f"outside DeepSpeed's backward, which only ZeRO stage 1 takes; set the stage to 1")
+    return config, optim
 
 
 def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: dict,
@@ -123,8 +248,11 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     os.environ.setdefault("LOCAL_RANK", str(ps.local_rank))
     os.environ.setdefault("RANK", str(ps.rank))
     os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
-    client_optimizer = None if "optimizer" in config else optimizer
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer, config=config, mpu=ps,
+    if ps.device.type == "cpu":
+        # DeepSpeed's CPU backend compiles its shared-memory collectives on first use.
+        note_jit_build("ShareMemCommBuilder", "DeepSpeed's shared-memory collectives on CPU")
+    # Always our optimizer: a JSON's optimizer section was translated, not merged.
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
                                            dist_init_required=False)
     return engine
 

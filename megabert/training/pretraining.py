@@ -13,7 +13,7 @@ from megabert.model import BertForPreTraining
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import RunSpec, build_trainer, deepspeed_config
+from megabert.training.build import RunSpec, build_trainer, resolve_optimization
 from megabert.training.metrics import bert_flops_per_sample
 from megabert.training.strategy import Task
 from megabert.training.trainer import Trainer
@@ -52,8 +52,8 @@ def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> It
 def validate_run(cfg: Configs, ps: ParallelState) -> int:
     """Checks that need the world size (the rest ran in parse_args); returns the DP size."""
     dp = validate_layout(cfg.model, cfg.parallel, ps.world_size, cfg.train)
-    if cfg.train.deepspeed:
-        deepspeed_config(cfg, ps)  # a JSON that contradicts the flags stops the run before any data work
+    # A DeepSpeed JSON that contradicts the flags stops the run before any data work.
+    resolve_optimization(cfg, ps, cfg.model.hidden_size)
     return dp
 
 
@@ -67,14 +67,14 @@ def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
     model = BertForPreTraining(model_cfg, ps, seed=cfg.train.seed,
                                num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage)
     binary_head_task = cfg.data.binary_head_task if model_cfg.bert_binary_head else None
-    run = RunSpec(optim=cfg.optim, train=cfg.train, task=pretraining_task(binary_head_task),
+    optim, ds_cfg = resolve_optimization(cfg, ps, model_cfg.hidden_size)
+    run = RunSpec(optim=optim, train=cfg.train, task=pretraining_task(binary_head_task),
                   batch=BatchLayout.of(cfg.train.micro_batch_size, cfg.train.global_batch_size, ps.dp_size),
-                  seq_length=cfg.data.seq_length,
-                  deepspeed_config=deepspeed_config(cfg, ps) if cfg.train.deepspeed else None)
+                  seq_length=cfg.data.seq_length, deepspeed_config=ds_cfg)
     masked = int(round(cfg.data.mask_prob * cfg.data.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
     return build_trainer(model, ps, run, train_batches, valid_batches,
                          flops_per_sample=bert_flops_per_sample(model_cfg, cfg.data.seq_length, masked),
-                         checkpoint_extra={"train": dataclasses.asdict(cfg.train), "optim": dataclasses.asdict(cfg.optim),
+                         checkpoint_extra={"train": dataclasses.asdict(cfg.train), "optim": dataclasses.asdict(optim),
                                            "data": dataclasses.asdict(cfg.data)})
 
 
