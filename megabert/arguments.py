@@ -25,6 +25,10 @@ FINETUNE_EXCLUDED = {"train.train_iters", "train.eval_interval", "train.eval_ite
                      "train.exit_interval"}
 # BERT's SQuAD recipe (Devlin et al. 2019; Google's run_squad.py): AdamW at 3e-5 with 10%
 # linear warmup, then linear decay to 0, weight decay 0.01.
+# pretrain_bert.py's defaults where they differ from the library's: the trainer always has
+# labels, so the [tokens, vocab] MLM GEMM runs only at the ~15% masked positions (the loss
+# is the same; the Python API keeps transformers' full logits unless asked).
+PRETRAIN_DEFAULTS = {"model.mlm_logits_at_masked_only": True}
 FINETUNE_DEFAULTS = {"optim.lr": 3e-5, "optim.lr_warmup_fraction": 0.1, "optim.lr_decay_style": "linear",
                      "optim.weight_decay": 0.01}
 
@@ -126,9 +130,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     # The deepspeed launcher appends --local_rank=N; the local rank is read from the
     # environment (LOCAL_RANK), so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    typed = explicit_flags(parser.parse_known_args(argv)[0])  # before pretrain_bert.py's defaults fill in
+    parser.set_defaults(**PRETRAIN_DEFAULTS)
     ns = parser.parse_args(argv)
     try:
-        cfg = Configs(**configs_from_namespace(ns), explicit=explicit_flags(ns))
+        cfg = Configs(**configs_from_namespace(ns), explicit=typed)
         check_combinations(cfg)
     except ConfigError as e:
         parser.error(str(e))  # one line + usage, exit code 2

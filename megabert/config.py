@@ -43,13 +43,15 @@ class ModelConfig:
     layernorm_position: str = arg("post", "post: the original BERT; pre: LayerNorm before each sublayer "
                                   "(more stable for deep models).", choices=("post", "pre"))
     bert_binary_head: bool = arg(True, "Train the sentence-pair (SOP/NSP) head.", cli=False)
-    mlm_logits_at_masked_only: bool = arg(False, "Compute MLM logits only at masked positions (saves the "
-                                          "[tokens, vocab] matmul and memory for unmasked tokens).")
+    mlm_logits_at_masked_only: bool = arg(False, "Compute MLM logits only at masked positions when labels are "
+                                          "given (saves the [tokens, vocab] matmul and memory for unmasked "
+                                          "tokens); on by default in pretrain_bert.py.")
     attention_backend: str = arg("auto", "Core attention: torch (unfused reference), sdpa "
                                  "(torch scaled_dot_product_attention), fused (megabert kernels), "
-                                 "auto (fused when built, else sdpa).", choices=("auto", "torch", "sdpa", "fused"))
-    layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused when built).",
-                                 choices=("auto", "torch", "fused"))
+                                 "auto (fused on CPU when built, else sdpa).",
+                                 choices=("auto", "torch", "sdpa", "fused"))
+    layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused on CPU when "
+                                 "built, else torch).", choices=("auto", "torch", "fused"))
     recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or "
                                                "selective (attention core only).", choices=(None, "full", "selective"))
     sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence over the "

@@ -18,6 +18,15 @@ def test_presets_and_flags_override():
     assert bert_large().num_attention_heads == 16
 
 
+def test_pretraining_computes_mlm_logits_at_masked_positions_by_default():
+    assert parse_args([]).model.mlm_logits_at_masked_only
+    assert parse_args(["--preset", "bert-base"]).model.mlm_logits_at_masked_only
+    off = parse_args(["--no-mlm-logits-at-masked-only"])
+    assert not off.model.mlm_logits_at_masked_only and "model.mlm_logits_at_masked_only" in off.explicit
+    assert "model.mlm_logits_at_masked_only" not in parse_args([]).explicit  # a default, not typed
+    assert not ModelConfig().mlm_logits_at_masked_only  # the Python API keeps transformers' full logits
+
+
 def test_padded_vocab():
     m = ModelConfig(vocab_size=30522)
     assert m.padded_vocab_size(1) == 30592 and m.padded_vocab_size(2) == 30720

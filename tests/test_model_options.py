@@ -51,6 +51,9 @@ def _masked_only(rank, world):
     assert o_sparse.mlm_logits.shape == (int(selected.sum()), 99)
     assert torch.allclose(o_sparse.mlm_logits, o_full.mlm_logits[selected], atol=1e-5)
     assert torch.allclose(o_sparse.loss, o_full.loss, atol=1e-6)
+    # Without labels there is nothing to select: full logits, as transformers returns.
+    unlabelled = sparse(*args[:3]).mlm_logits
+    assert torch.allclose(unlabelled, full(*args[:3]).mlm_logits, atol=1e-5) and unlabelled.shape[:2] == (4, 16)
     o_full.loss.backward()
     o_sparse.loss.backward()
     for (n, p), (_, q) in zip(full.named_parameters(), sparse.named_parameters()):

@@ -74,6 +74,13 @@ def test_backend_resolution_is_per_device():
         resolve_layernorm_backend("fused", "cuda")
 
 
+def test_auto_on_cuda_is_sdpa_and_torch_even_with_built_kernels(monkeypatch):
+    # Built CUDA kernels are opt-in (--attention-backend fused) until measured on a GPU.
+    monkeypatch.setattr(fk, "is_available", lambda device="cpu": True)
+    assert resolve_layernorm_backend("auto", "cuda") == "torch" and resolve_attention_backend("auto", "cuda") == "sdpa"
+    assert resolve_layernorm_backend("fused", "cuda") == "fused"
+
+
 @pytest.mark.skipif(not fk.is_available(), reason="kernels not built")
 def test_fused_attention_core_matches_torch():
     gen = torch.Generator().manual_seed(0)

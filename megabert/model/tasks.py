@@ -20,8 +20,8 @@ class BertForPreTraining(BertPreTrainedModel):
 
     forward(input_ids, token_type_ids, attention_mask, labels, next_sentence_label):
     labels are token ids at masked positions and -100 elsewhere. With
-    `mlm_logits_at_masked_only`, logits are computed only where labels != -100 and
-    `mlm_logits` is [n_masked, vocab].
+    `mlm_logits_at_masked_only` and labels, logits are computed only where labels != -100
+    and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab].
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
@@ -48,9 +48,7 @@ class BertForPreTraining(BertPreTrainedModel):
         cfg, labels = self.config, batch.get("labels")
         next_sentence_label = batch.get("next_sentence_label") if self.binary_head is not None else None
         hidden, target = sequence.transpose(0, 1), labels  # [b, s, h]
-        if cfg.mlm_logits_at_masked_only:
-            if labels is None:
-                raise ValueError("mlm_logits_at_masked_only needs labels to know the masked positions")
+        if cfg.mlm_logits_at_masked_only and labels is not None:
             selected = labels != -100
             hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
         logits = self.lm_head(hidden, self.bert.word_embeddings)  # [..., V/tp]

@@ -19,8 +19,8 @@ from megabert.ops.softmax import scaled_masked_softmax
 
 
 def resolve_attention_backend(backend: str, device_type: str = "cpu") -> str:
-    """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
-    model runs) are built, else 'sdpa'. Logged once per choice."""
+    """'auto' -> 'fused' on the CPU when its kernels are built, else 'sdpa' (on CUDA
+    always 'sdpa'; see dispatch.resolve_backend). Logged once per choice."""
     return resolve_backend("attention", "--attention-backend", backend, "sdpa", device_type)
 
 

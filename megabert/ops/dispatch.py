@@ -58,11 +58,13 @@ def dtype_outside(x: torch.Tensor, supported: dict[str, tuple[torch.dtype, ...]]
 
 
 def resolve_backend(what: str, flag: str, backend: str, unfused: str, device_type: str) -> str:
-    """The backend a model on `device_type` uses for `what`: 'auto' is 'fused' when the
-    kernels for that device are built, else `unfused`; 'fused' without them is an error
-    naming `flag`. Logged once per choice."""
+    """The backend a model on `device_type` uses for `what`. 'auto' on the CPU is 'fused'
+    when the CPU kernels are built, else `unfused`; on CUDA it is `unfused` (SDPA's flash /
+    memory-efficient attention, PyTorch's LayerNorm): our CUDA kernels are tested against
+    them but have not been measured on a GPU, so they are opt-in with `flag` fused.
+    'fused' without built kernels is an error naming `flag`. Logged once per choice."""
     if backend == "auto":
-        backend = "fused" if fused_kernels.is_available(device_type) else unfused
+        backend = "fused" if device_type == "cpu" and fused_kernels.is_available(device_type) else unfused
     elif backend == "fused" and not fused_kernels.is_available(device_type):
         raise ConfigError(f"{flag} fused: the fused {device_type} kernels are not built "
                           f"({fused_kernels.load_error(device_type)}); run `make install` or use {flag} {unfused}")

@@ -12,8 +12,8 @@ from megabert.ops.reference import layer_norm_reference
 
 
 def resolve_layernorm_backend(backend: str, device_type: str = "cpu") -> str:
-    """'auto' -> 'fused' when the kernels for `device_type` ('cpu' or 'cuda': where the
-    model runs) are built, else 'torch'. Logged once per choice."""
+    """'auto' -> 'fused' on the CPU when its kernels are built, else 'torch' (on CUDA
+    always 'torch'; see dispatch.resolve_backend). Logged once per choice."""
     return resolve_backend("layernorm", "--layernorm-backend", backend, "torch", device_type)
 
 

@@ -21,9 +21,8 @@ def scaled_masked_softmax_reference(scores: torch.Tensor, mask: Optional[torch.T
     # which also zeroes their gradient.
     x = x.masked_fill(mask, torch.finfo(x.dtype).min)
     probs = torch.softmax(x, dim=-1)
-    all_masked = mask.all(dim=-1, keepdim=True)
-    if all_masked.any():
-        probs = probs.masked_fill(all_masked, 0.0)
+    # Unconditional: `if all_masked.any()` would wait for the device once per layer.
+    probs = probs.masked_fill(mask.all(dim=-1, keepdim=True), 0.0)
     return probs.to(scores.dtype)
 
 
