@@ -73,7 +73,14 @@ def test_launchers_train(dataset, tmp_path, launcher):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     train = [x for x in rows(metrics) if "lm_loss" in x]
     assert [x["iteration"] for x in train] == [1, 2, 3]
-    assert any("valid_lm_loss" in x for x in rows(metrics))
+    _check_eval_row(rows(metrics))
+
+
+def _check_eval_row(all_rows):
+    """Evaluation logs its losses and, next to them, masked-LM and SOP accuracy (0-1)."""
+    valid = [x for x in all_rows if "valid_lm_loss" in x]
+    assert valid and valid[0]["valid_lm_loss"] > 0, all_rows
+    assert all(0 <= valid[0][k] <= 1 for k in ("valid_lm_accuracy", "valid_sop_accuracy")), valid[0]
 
 
 def test_pipeline_under_torchrun(dataset, tmp_path):
@@ -86,7 +93,7 @@ def test_pipeline_under_torchrun(dataset, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     train = [x for x in rows(metrics) if "lm_loss" in x]
     assert [x["iteration"] for x in train] == [1, 2, 3] and all(x["lm_loss"] > 0 for x in train)
-    assert any(x.get("valid_lm_loss", 0) > 0 for x in rows(metrics))
+    _check_eval_row(rows(metrics))  # computed on the last stage, logged by rank 0
     assert sorted(os.listdir(tmp_path / "ck" / "iter_0000003")) == ["mp_rank_00_000", "mp_rank_00_001"]
 
 

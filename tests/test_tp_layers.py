@@ -8,7 +8,8 @@ from dist_utils import run_distributed
 
 import megabert
 from megabert.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                      gather_from_sp, scatter_to_sp, shard, vocab_parallel_cross_entropy)
+                                      gather_from_sp, scatter_to_sp, shard, vocab_parallel_argmax,
+                                      vocab_parallel_cross_entropy)
 
 ATOL = 1e-5
 
@@ -109,6 +110,33 @@ def _check_embedding_and_ce(rank, world):
     _allclose(local.grad, logits_full.grad.chunk(world, -1)[ps.tp_rank], "cross entropy grad")
 
 
+def _check_vocab_parallel_argmax(rank, world):
+    ps = megabert.init_parallel(tensor_parallel_size=world)
+    g = ps.tp_group
+    gen = torch.Generator().manual_seed(3)
+    vocab, padded = 50, 64  # rank 0 holds ids 0..31, rank 1 ids 32..49 and 14 padding columns
+    full = torch.randint(-4, 4, (6, 5, padded), generator=gen).float()  # small integers: many ties
+    full[0, 0, :] = 1.0
+    full[0, 0, [7, 40]] = 9.0  # a tie across ranks: the lower id wins
+    full[0, 1, :] = 1.0
+    full[0, 1, [35, 33]] = 9.0  # a tie on one rank
+    full[0, 2, :] = 2.0  # everything ties: id 0
+    full[1, :, vocab:] = 100.0  # padding larger than any real logit never wins
+    full[2, :, :] = torch.finfo(torch.float32).min  # the model's own padding fill reached by real logits
+    full[2, :, 45] = torch.finfo(torch.float32).min / 2
+    full[3, :, vocab:] = torch.finfo(torch.float32).min
+    expected = torch.argmax(full[..., :vocab], dim=-1)
+    assert expected[0, 0] == 7 and expected[0, 1] == 33 and expected[0, 2] == 0 and (expected[2] == 45).all()
+    local = full.chunk(world, -1)[ps.tp_rank]
+    assert torch.equal(vocab_parallel_argmax(local, g, vocab), expected)
+    # bf16 logits, as under autocast; the global index is the same
+    half = full.to(torch.bfloat16)
+    assert torch.equal(vocab_parallel_argmax(half.chunk(world, -1)[ps.tp_rank], g, vocab),
+                       torch.argmax(half[..., :vocab], dim=-1))
+    # without padding (vocab_size left out): the whole row counts
+    assert torch.equal(vocab_parallel_argmax(local[3:], g), torch.argmax(full[3:], dim=-1))
+
+
 def _check_sequence_mappings(rank, world):
     ps = megabert.init_parallel(tensor_parallel_size=world)
     x = torch.arange(world * 2 * 3, dtype=torch.float32).view(world * 2, 3).requires_grad_()
@@ -132,6 +160,13 @@ def test_linear_layers_sequence_parallel(kind):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_embedding_and_cross_entropy(world):
     run_distributed(_check_embedding_and_ce, world)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_vocab_parallel_argmax(world):
+    """The argmax over vocab-parallel logits equals torch.argmax over the gathered ones,
+    ties (lowest id) and padded vocab included."""
+    run_distributed(_check_vocab_parallel_argmax, world)
 
 
 def test_sequence_parallel_mappings():

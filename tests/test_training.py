@@ -1,12 +1,12 @@
 """Training gives the same losses whatever the layout (fp32, dropout 0), resumes exactly,
-and survives an fp16 overflow."""
+and survives an fp16 overflow; evaluation's accuracies are those of the full logits."""
 import json
 import os
 
 import pytest
 import torch
 from dist_utils import run_distributed
-from train_utils import read_metrics, train_worker
+from train_utils import batches, build_trainer, read_metrics, train_worker, valid_sample
 
 ITERS = ["--train-iters", "6"]
 
@@ -176,3 +176,83 @@ def test_sigterm_saves_and_exits(tmp_path):
     run_distributed(_sigterm_at_iteration_2, 1, ckpt, metrics)
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
     assert len(read_metrics(metrics)) == 3
+
+
+# Evaluation after two steps on 50 global batches (200 samples, 400 masked tokens): enough
+# hits, even for an untrained model, that a wrong argmax would change the count.
+EVAL = ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "50"]
+
+
+def _eval_with_reference(rank, world, argv, reference_path):
+    """Trains and evaluates, then recomputes the accuracies by hand from the same model's
+    full logits (torch.argmax over the vocab) on the same valid batches."""
+    cfg, _, trainer = build_trainer(argv)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    model = trainer.strategy.model.eval()
+    valid = batches(0, cfg.train.micro_batch_size, 0, 1, valid_sample)
+    hits = {"lm": [0, 0], "sop": [0, 0]}
+    batch_ratios = []
+    with torch.no_grad():
+        for _ in range(cfg.train.eval_iters * trainer.batch.num_micro_batches):
+            b = next(valid)
+            out = model(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
+                        attention_mask=b["attention_mask"])
+            masked = b["labels"] != -100
+            correct = int((out.mlm_logits.argmax(-1)[masked] == b["labels"][masked]).sum())
+            hits["lm"][0] += correct
+            hits["lm"][1] += int(masked.sum())
+            batch_ratios.append(correct / int(masked.sum()))
+            hits["sop"][0] += int((out.nsp_logits.argmax(-1) == b["next_sentence_label"]).sum())
+            hits["sop"][1] += len(b["next_sentence_label"])
+    reference = {f"valid_{k}_accuracy": c / n for k, (c, n) in hits.items()}
+    reference.update(lm_hits=hits["lm"][0], mean_of_batch_ratios=sum(batch_ratios) / len(batch_ratios))
+    with open(reference_path, "w") as f:
+        json.dump(reference, f)
+
+
+def _valid_row(path):
+    rows = [json.loads(line) for line in open(path)]
+    return next(r for r in rows if "valid_lm_loss" in r)
+
+
+@pytest.fixture(scope="module")
+def eval_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    metrics, by_hand = str(out / "m.jsonl"), str(out / "by_hand.json")
+    run_distributed(_eval_with_reference, 1, EVAL + ["--metrics-file", metrics, "--tensorboard-dir", str(out / "tb")],
+                    by_hand)
+    return _valid_row(metrics), json.load(open(by_hand)), str(out / "tb")
+
+
+def test_eval_accuracy_matches_full_logits(eval_reference):
+    """One process: the logged accuracies are the token-weighted (sample-weighted for SOP)
+    ratios of argmax hits over the whole evaluation, as computed from the full logits."""
+    row, by_hand, tb = eval_reference
+    assert by_hand["lm_hits"] > 0  # the comparison below is not 0 == 0
+    # ...and tells a token-weighted figure from a mean of per-micro-batch ratios
+    assert by_hand["mean_of_batch_ratios"] != pytest.approx(by_hand["valid_lm_accuracy"], abs=1e-6)
+    for key in ("valid_lm_accuracy", "valid_sop_accuracy"):
+        assert row[key] == pytest.approx(by_hand[key], abs=1e-6), key
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    assert events.Scalars("valid/lm_accuracy")[0].value == pytest.approx(row["valid_lm_accuracy"], abs=1e-6)
+    assert "valid/sop_accuracy" in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("name,world,tp,extra", [
+    ("tp2-masked-only", 2, 2, ["--mlm-logits-at-masked-only"]),  # rank 1 holds only padding columns
+    ("pp2", 2, 1, ["--pipeline-model-parallel-size", "2"]),
+    ("dp2", 2, 1, []),
+])
+def test_eval_accuracy_matches_across_layouts(tmp_path, eval_reference, name, world, tp, extra):
+    path = str(tmp_path / "m.jsonl")
+    run_distributed(train_worker, world, EVAL + ["--metrics-file", path] + extra, tp)
+    row, expected = _valid_row(path), eval_reference[0]
+    for key in ("valid_lm_accuracy", "valid_sop_accuracy"):
+        assert row[key] == pytest.approx(expected[key], abs=1e-6), key
+    assert row["valid_lm_loss"] == pytest.approx(expected["valid_lm_loss"], abs=1e-4)

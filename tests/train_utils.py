@@ -1,6 +1,7 @@
 """A tiny deterministic masked-LM dataset and a worker that trains on it, so the trainer
 can be compared across parallel layouts without the data pipeline."""
 import json
+from typing import Callable
 
 import torch
 
@@ -33,22 +34,40 @@ def sample(index: int, seed: int = 7) -> dict:
             "next_sentence_label": torch.tensor(index % 2)}
 
 
-def batches(consumed: int, micro: int, dp_rank: int, dp_size: int):
+def valid_sample(index: int) -> dict:
+    """Sample `index` of the valid split: other samples than training's, with 1 to 3 masked
+    labels, so that micro-batches and DP ranks hold different numbers of masked tokens (a
+    token-weighted accuracy then differs from a mean of per-batch ratios)."""
+    s = sample(index, seed=8)
+    labelled = (s["labels"] != -100).nonzero().flatten()
+    s["labels"][labelled[1 + index % 3:]] = -100
+    return s
+
+
+def batches(consumed: int, micro: int, dp_rank: int, dp_size: int, make: Callable[[int], dict] = sample):
     """Megatron's sampler order: each global chunk of micro x dp samples, this rank's slice."""
     start = consumed
     while True:
         chunk = range(start + dp_rank * micro, start + (dp_rank + 1) * micro)
-        items = [sample(i) for i in chunk]
+        items = [make(i) for i in chunk]
         yield {k: torch.stack([it[k] for it in items]) for k in items[0]}
         start += micro * dp_size
 
 
-def train_worker(rank, world, argv, tp=1):
+def build_trainer(argv, tp=1):
+    """(cfg, parallel state, Trainer) of the tiny model; with --eval-interval, a valid split."""
     cfg = parse_args(TINY + ["--tensor-model-parallel-size", str(tp)] + argv)
     ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
     validate_run(cfg, ps)
-    trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, cfg.train.micro_batch_size,
-                                                                          ps.dp_rank, ps.dp_size))
+    micro = cfg.train.micro_batch_size
+    valid = (lambda: batches(0, micro, ps.dp_rank, ps.dp_size, valid_sample)) if cfg.train.eval_interval else None
+    trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, micro, ps.dp_rank, ps.dp_size),
+                                valid)
+    return cfg, ps, trainer
+
+
+def train_worker(rank, world, argv, tp=1):
+    _, _, trainer = build_trainer(argv, tp)
     try:
         trainer.train()
     finally:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megabert.tensor_parallel import gather_from_tp
+from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax
 
 
 class ModelOutput(dict):
@@ -23,12 +23,17 @@ class ModelOutput(dict):
 
 class BertPreTrainingOutput(ModelOutput):
     """loss, mlm_loss, nsp_loss; nsp_logits [b, 2]; mlm_logits_parallel [..., padded V / tp];
-    mlm_logits [b, s, vocab] (or [n_masked, vocab]): full vocab, padding columns removed."""
+    mlm_logits [b, s, vocab] (or [n_masked, vocab]): full vocab, padding columns removed;
+    mlm_predictions: the argmax of mlm_logits, without gathering them; mlm_labels and
+    nsp_labels: the targets the losses were computed against (None without labels)."""
 
-    def __init__(self, *, loss, mlm_loss, nsp_loss, mlm_logits_parallel, nsp_logits, tp_group, vocab_size):
+    def __init__(self, *, loss, mlm_loss, nsp_loss, mlm_logits_parallel, nsp_logits, tp_group, vocab_size,
+                 mlm_labels: Optional[torch.Tensor] = None, nsp_labels: Optional[torch.Tensor] = None):
         super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits,
                          mlm_logits_parallel=mlm_logits_parallel)
         self._tp_group, self._vocab_size = tp_group, vocab_size
+        # Kept off the dict: they are inputs handed back, not outputs for tools to walk.
+        self._mlm_labels, self._nsp_labels = mlm_labels, nsp_labels
         self._mlm_logits: Optional[torch.Tensor] = None
 
     @property
@@ -37,6 +42,23 @@ class BertPreTrainingOutput(ModelOutput):
             full = gather_from_tp(self["mlm_logits_parallel"], self._tp_group)
             self._mlm_logits = full[..., : self._vocab_size]
         return self._mlm_logits
+
+    @property
+    def mlm_predictions(self) -> torch.Tensor:
+        """Predicted token ids [b, s] (or [n_masked]): the argmax over the full vocab, reduced
+        over TP ranks instead of gathering [tokens, vocab] logits. Collective over TP."""
+        return vocab_parallel_argmax(self["mlm_logits_parallel"], self._tp_group, self._vocab_size)
+
+    @property
+    def mlm_labels(self) -> Optional[torch.Tensor]:
+        """Labels aligned with the rows of mlm_logits: [b, s] with -100 at unmasked positions,
+        or [n_masked] when logits are computed only at masked positions."""
+        return self._mlm_labels
+
+    @property
+    def nsp_labels(self) -> Optional[torch.Tensor]:
+        """Sentence-pair labels [b] (0 = B follows A), when the binary head was given them."""
+        return self._nsp_labels
 
     # NOTE: the sentence-pair logits are called nsp_logits whether the head was trained
     # for NSP or SOP: both are a 2-way classification of the [CLS] representation.

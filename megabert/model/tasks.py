@@ -47,6 +47,8 @@ class BertForPreTraining(BertPreTrainedModel):
         """MLM logits (tied to the word embeddings) and the sentence-pair head, with losses."""
         cfg, labels = self.config, batch.get("labels")
         next_sentence_label = batch.get("next_sentence_label") if self.binary_head is not None else None
+        if next_sentence_label is not None:
+            next_sentence_label = next_sentence_label.view(-1)  # [b, 1] is accepted too, as in transformers
         hidden, target = sequence.transpose(0, 1), labels  # [b, s, h]
         if cfg.mlm_logits_at_masked_only and labels is not None:
             selected = labels != -100
@@ -59,11 +61,11 @@ class BertForPreTraining(BertPreTrainedModel):
         nsp_logits = self.binary_head(pooled) if self.binary_head is not None else None
         nsp_loss = None
         if nsp_logits is not None and next_sentence_label is not None:
-            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
         parts = [x for x in (mlm_loss, nsp_loss) if x is not None]
         return BertPreTrainingOutput(loss=sum(parts) if parts else None, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
                                      mlm_logits_parallel=logits, nsp_logits=nsp_logits, tp_group=self.ctx.tp_group,
-                                     vocab_size=cfg.vocab_size)
+                                     vocab_size=cfg.vocab_size, mlm_labels=target, nsp_labels=next_sentence_label)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):

@@ -13,7 +13,7 @@ import logging
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -26,16 +26,23 @@ from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
 Metrics = dict[str, torch.Tensor]
+Counts = dict[str, torch.Tensor]  # name -> int64 tensor([hits, total])
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Task:
-    """What the training loop knows of a task: which batch fields the model takes, and how
-    the model's output becomes (loss, {name: scalar tensor}). Pipeline stages get the
-    whole batch and pick their fields themselves."""
+    """What the training loop knows of a task: which batch fields the model takes, how the
+    model's output becomes (loss, {name: scalar tensor}) and, at evaluation only, which
+    counts it adds (`output_counts`: {name: tensor([hits, total])}, reported as the ratio
+    of their sums, e.g. accuracy). Pipeline stages get the whole batch and pick their
+    fields themselves."""
 
     inputs: tuple[str, ...]
     output_loss: Callable[[Any], tuple[torch.Tensor, Metrics]]
+    # Counts rather than ratios: a ratio per micro-batch cannot be averaged into the
+    # ratio over the whole evaluation when micro-batches hold different numbers of items.
+    output_counts: Optional[Callable[[Any], Counts]] = None
 
     def model_inputs(self, batch: dict) -> dict:
         return {k: batch[k] for k in self.inputs if k in batch}
@@ -43,8 +50,10 @@ class Task:
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, Metrics]:
         return self.output_loss(model(**self.model_inputs(batch)))
 
-    def metrics(self, output) -> Metrics:
-        return self.output_loss(output)[1]
+    def eval_metrics(self, output) -> tuple[Metrics, Counts]:
+        """Evaluation: (the losses of `output_loss`, the counts of `output_counts`)."""
+        counts = self.output_counts(output) if self.output_counts is not None else {}
+        return self.output_loss(output)[1], counts
 
 
 def _detached(metrics: Metrics) -> Metrics:
@@ -69,7 +78,7 @@ class SequentialRunner:
         return metrics
 
     @torch.no_grad()
-    def forward_only(self, batches: list[dict], output_fn: Callable[[Any], Metrics]) -> list[Metrics]:
+    def forward_only(self, batches: list[dict], output_fn: Callable[[Any], T]) -> list[T]:
         out = []
         for batch in batches:
             with self.autocast():
@@ -102,7 +111,7 @@ class Strategy:
     def train_step(self, batches: list[dict]) -> StepResult:
         raise NotImplementedError
 
-    def forward_only(self, batches: list[dict], output_fn: Callable[[Any], Metrics]) -> list[Metrics]:
+    def forward_only(self, batches: list[dict], output_fn: Callable[[Any], T]) -> list[T]:
         module = self.engine if self.engine is not None else self.model
         module.eval()
         try:

@@ -20,7 +20,7 @@ from megabert.optim import LRSchedule
 from megabert.parallel.layout import BatchLayout
 from megabert.training.checkpointing import TrainingState
 from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
-from megabert.training.strategy import Metrics, Strategy
+from megabert.training.strategy import Counts, Metrics, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +104,12 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> dict:
-        """Mean losses over the first `eval_iters` global batches of the valid split: the
-        same samples at every evaluation, so points on the curve are comparable."""
+        """Mean losses and the task's ratios (accuracies) over the first `eval_iters` global
+        batches of the valid split: the same samples at every evaluation, so points on the
+        curve are comparable."""
         batches = self.data.valid()
-        output_fn = self.strategy.runner.task.metrics
-        metrics: list[Metrics] = []
+        output_fn = self.strategy.runner.task.eval_metrics
+        outputs: list[tuple[Metrics, Counts]] = []
         for _ in range(self.cfg.eval_iters):
             group = []
             for _ in range(self.batch.num_micro_batches):
@@ -118,8 +119,8 @@ class Trainer:
                     break
             if not group:
                 break
-            metrics += self.strategy.forward_only(group, output_fn)
-        return self._reduce(metrics)
+            outputs += self.strategy.forward_only(group, output_fn)
+        return self._reduce([m for m, _ in outputs], [c for _, c in outputs])
 
     def _report_eval(self, it: int) -> None:
         result = self.evaluate()
@@ -150,9 +151,11 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.ps.device, non_blocking=True) for k, v in batch.items()}
 
-    def _reduce(self, metrics: list[Metrics]) -> dict:
-        """Means over micro-batches and data-parallel ranks. Only the last pipeline stage
-        computes losses; it shares them with the other stages (logging is on rank 0)."""
+    def _reduce(self, metrics: list[Metrics], counts: Optional[list[Counts]] = None) -> dict:
+        """Means over micro-batches and data-parallel ranks, and for counts ({name: [hits,
+        total]}) the ratio of their sums over both, so an accuracy weighs every item alike.
+        Only the last pipeline stage computes them; it shares the result with the other
+        stages (logging is on rank 0)."""
         keys = sorted(metrics[0]) if metrics else []
         if keys:
             values = torch.stack([torch.stack([m[k].float() for m in metrics]).mean() for k in keys])
@@ -162,11 +165,24 @@ class Trainer:
             result = dict(zip(keys, values.tolist()))
         else:
             result = {}
+        result.update(self._ratios(counts or []))
         if self.ps.pp_size > 1:
             box = [result]
             dist.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
             result = box[0]
         return result
+
+    def _ratios(self, counts: list[Counts]) -> dict:
+        """{name: sum of hits / sum of totals} over micro-batches and data-parallel ranks.
+        int64 sums stay exact however many tokens an evaluation covers (fp32 would not past
+        2**24). A name with nothing counted (total 0) is left out rather than logged as NaN."""
+        keys = sorted(counts[0]) if counts else []
+        if not keys:
+            return {}
+        sums = torch.stack([torch.stack([c[k] for c in counts]).sum(dim=0) for k in keys]).long()  # [keys, 2]
+        if self.ps.dp_size > 1:
+            dist.all_reduce(sums, group=self.ps.dp_group)
+        return {k: hits / total for k, (hits, total) in zip(keys, sums.tolist()) if total > 0}
 
     def _peak_memory_gb(self) -> float:
         """The largest per-rank peak (GPU allocated, or CPU RSS) over all ranks: the rank that
