@@ -142,14 +142,26 @@ def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: Paral
     dist.barrier()
 
 
+def _weights_loaded(engine) -> None:
+    """New weights in a DeepSpeed engine's module do not reach its fp32 master copies (ZeRO
+    partitions, fp16/bf16 wrappers): its first step would write the old weights back.
+    DeepSpeed's own module-only load refreshes them the same way."""
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None) if engine is not None else None
+    if refresh is not None:
+        refresh()
+
+
 def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=None, engine=None,
                     load_optimizer: bool = True) -> LoadedCheckpoint:
     """Restores what `save_checkpoint` wrote, at the same or another TP/PP layout. A
     Hugging Face directory or a converted ('release') checkpoint gives weights only and
-    starts at iteration 0."""
+    starts at iteration 0. Weights only (`load_optimizer=False`, or those two) come from
+    our rank files, whichever way the checkpoint was trained, so a plain run's checkpoint
+    also starts a DeepSpeed run."""
     if external.is_external(path):  # a Hugging Face or Google TF directory: weights only
         model.load_full_state_dict(hf_io.hf_to_megabert(external.read_external(path)[1], spec_table(model)),
                                    source=path)
+        _weights_loaded(engine)
         return LoadedCheckpoint(TrainingState(), {})
     ckpt_dir = resolve_checkpoint_dir(path)
     layout = saved_layout(ckpt_dir)
@@ -169,18 +181,20 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
                           int(payload.get("skipped_iterations", 0)))
     saved_args = payload.get("args") or {}
     release = read_tracker(path) == "release" or state.iteration == 0
-    if release:
-        return LoadedCheckpoint(TrainingState(), saved_args)
-    if engine is not None:
+    if release or not load_optimizer:
+        _weights_loaded(engine)
+        if release:
+            return LoadedCheckpoint(TrainingState(), saved_args)
+    elif engine is not None:
         ds_dir = os.path.join(path, DEEPSPEED_SUBDIR)
         if not os.path.isdir(ds_dir):
             raise CheckpointError(f"{path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
                                   f"drop --deepspeed or load the weights only with --finetune")
-        _, client = engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}",
-                                           load_optimizer_states=load_optimizer, load_lr_scheduler_states=False)
+        _, client = engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}", load_optimizer_states=True,
+                                           load_lr_scheduler_states=False)
         if client is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint for iteration {state.iteration} in {ds_dir}")
-    elif load_optimizer and optimizer is not None:
+    elif optimizer is not None:
         if payload.get("optimizer") is None:
             raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
                                   f"or start the optimizer fresh with --finetune")
