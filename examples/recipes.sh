@@ -14,11 +14,15 @@ VPP_ARGS=${VPP:+--num-layers-per-virtual-pipeline-stage ${VPP}}  # VPP=K: interl
 if [ "$PHASE" = 1 ]; then
   SEQ=128; GLOBAL_BATCH=${GLOBAL_BATCH:-65536}; MICRO_BATCH=${MICRO_BATCH:-64}
   LR=${LR:-6e-3}; WARMUP=${WARMUP:-0.2843}; TRAIN_ITERS=${TRAIN_ITERS:-7038}; LOAD_ARGS=""
+  # Re-running phase 1 after an interruption resumes its last checkpoint.
+  if [ -f "${SAVE}-phase1/latest_checkpointed_iteration.txt" ]; then LOAD_ARGS="--load ${SAVE}-phase1"; fi
 else
   SEQ=512; GLOBAL_BATCH=${GLOBAL_BATCH:-32768}; MICRO_BATCH=${MICRO_BATCH:-16}
   LR=${LR:-4e-3}; WARMUP=${WARMUP:-0.128}; TRAIN_ITERS=${TRAIN_ITERS:-1563}
-  # Phase 2 starts from phase 1's weights with a fresh optimizer and schedule.
-  LOAD_ARGS="--load ${PHASE1_CHECKPOINT:-${SAVE}-phase1} --finetune"
+  # Phase 2 starts from phase 1's weights with a fresh optimizer, schedule and data position
+  # while ${SAVE}-phase2 holds no checkpoint; once it does, re-running this same command
+  # resumes phase 2 from it (iteration, optimizer, data position) and phase 1 is not read.
+  LOAD_ARGS="--pretrained-checkpoint ${PHASE1_CHECKPOINT:-${SAVE}-phase1} --load ${SAVE}-phase2"
 fi
 PRECISION=${PRECISION---bf16}  # PRECISION= (empty) for fp32, e.g. on CPU
 ARGS="--preset bert-${SIZE} --seq-length ${SEQ} --max-position-embeddings 512 \

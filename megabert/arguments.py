@@ -22,7 +22,7 @@ FINETUNE_SECTIONS = ("parallel", "optim", "train", "finetune")
 # Flags of the shared sections that mean nothing for SQuAD fine-tuning (no validation
 # split, steps from --epochs, --load is the pre-trained model): left out of its CLI.
 FINETUNE_EXCLUDED = {"train.train_iters", "train.eval_interval", "train.eval_iters", "train.finetune",
-                     "train.exit_interval"}
+                     "train.exit_interval", "train.pretrained_checkpoint"}
 # BERT's SQuAD recipe (Devlin et al. 2019; Google's run_squad.py): AdamW at 3e-5 with 10%
 # linear warmup, then linear decay to 0, weight decay 0.01.
 # pretrain_bert.py's defaults where they differ from the library's: the trainer always has

@@ -210,6 +210,11 @@ class TrainConfig:
     save_interval: Optional[int] = arg(None, "Save every this many iterations.")
     exit_interval: Optional[int] = arg(None, "Save (with --save) and exit when the iteration is a multiple of this.")
     finetune: bool = arg(False, "With --load: take the weights only; iteration, optimizer and data start afresh.")
+    pretrained_checkpoint: Optional[str] = arg(
+        None, "Start from this checkpoint's weights (megabert, Hugging Face or Google TF BERT dir; iteration, "
+        "optimizer and data start afresh, as --finetune) only while the run has no checkpoint of its own in --load "
+        "(--save when --load is not given); once it has, a restart resumes that one. Megatron-LM's flag: "
+        "phase 2 of two-phase pre-training, restart-safe.")
     keep_last_checkpoints: Optional[int] = arg(None, "Keep only the newest N checkpoints.")
     eval_interval: int = arg(1000, "Evaluate on the valid split every this many iterations.")
     eval_iters: int = arg(10, "Batches per evaluation.")
@@ -232,6 +237,9 @@ class TrainConfig:
             raise ConfigError("--micro-batch-size must be >= 1")
         if self.train_iters < 0:
             raise ConfigError("--train-iters must be >= 0")
+        if self.pretrained_checkpoint and self.finetune:
+            raise ConfigError("--pretrained-checkpoint already takes the weights only and resumes the run's own "
+                              "checkpoint once there is one; drop --finetune")
         if self.deepspeed_config and not self.deepspeed:
             raise ConfigError("--deepspeed_config needs --deepspeed")
         if self.zero_stage and not self.deepspeed:

@@ -13,21 +13,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
+def _script_env(dataset, tmp_path, **overrides):  # noqa: F811
+    return {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
+            "DATA_PATH": str(dataset / "c_text_sentence"), "VOCAB_FILE": str(dataset / "vocab.txt"),
+            "SIZE": "tiny", "PHASE": "1", "GLOBAL_BATCH": "4", "MICRO_BATCH": "2", "TRAIN_ITERS": "2",
+            "SAVE": str(tmp_path / "bert"), "SAVE_INTERVAL": "1", "EVAL_INTERVAL": "1", "PRECISION": "",
+            "TP": "2", "SPLIT": "90,10,0", "LOG_INTERVAL": "1", "GPUS_PER_NODE": "2", "NP": "2", "MASTER_PORT": "29631",
+            **overrides}
+
+
+def _run_script(script, env, *args):
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", script), *args], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stderr
+
+
+def _train_iterations(path):
+    return [x["iteration"] for x in (json.loads(line) for line in open(path)) if "lm_loss" in x]
+
+
 @pytest.mark.parametrize("script,layout", [("pretrain_torchrun.sh", {}), ("pretrain_deepspeed.sh", {}),
                                            ("pretrain_mpirun.sh", {}),
                                            ("pretrain_torchrun.sh", {"TP": "1", "PP": "2"})])
 def test_example_scripts(dataset, tmp_path, script, layout):  # noqa: F811
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
-           "DATA_PATH": str(dataset / "c_text_sentence"), "VOCAB_FILE": str(dataset / "vocab.txt"),
-           "SIZE": "tiny", "PHASE": "1", "GLOBAL_BATCH": "4", "MICRO_BATCH": "2", "TRAIN_ITERS": "2",
-           "SAVE": str(tmp_path / "bert"), "SAVE_INTERVAL": "1", "EVAL_INTERVAL": "1", "PRECISION": "",
-           "TP": "2", "SPLIT": "90,10,0", "LOG_INTERVAL": "1", "GPUS_PER_NODE": "2", "NP": "2", "MASTER_PORT": "29631", **layout}
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples", script)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    rows = [json.loads(line) for line in open(tmp_path / "bert-phase1" / "metrics.jsonl")]
-    assert [x["iteration"] for x in rows if "lm_loss" in x] == [1, 2]
+    _run_script(script, _script_env(dataset, tmp_path, **layout))
+    assert _train_iterations(tmp_path / "bert-phase1" / "metrics.jsonl") == [1, 2]
     assert open(tmp_path / "bert-phase1" / "latest_checkpointed_iteration.txt").read() == "2"
+
+
+def test_interrupted_phase2_script_continues_from_its_own_checkpoint(dataset, tmp_path):  # noqa: F811
+    """PHASE=2 starts from phase 1's weights; after an interruption the same script, re-run,
+    continues phase 2 from its own checkpoint instead of starting over from phase 1."""
+    _run_script("pretrain_torchrun.sh", _script_env(dataset, tmp_path, EVAL_INTERVAL="100"))
+    phase2 = _script_env(dataset, tmp_path, PHASE="2", TRAIN_ITERS="3", EVAL_INTERVAL="100", SAVE_INTERVAL="100")
+    log = _run_script("pretrain_torchrun.sh", phase2, "--exit-interval", "2")
+    assert "initialising from --pretrained-checkpoint" in log and "weights of iteration 2 kept" in log
+    log = _run_script("pretrain_torchrun.sh", phase2)
+    assert "holds this run's checkpoint: resuming it" in log and "iteration 2, 8 samples consumed" in log
+    assert _train_iterations(tmp_path / "bert-phase2" / "metrics.jsonl") == [1, 2, 3]
 
 
 def _launchers(repo):

@@ -27,6 +27,8 @@ def last_line(r):
      "--deepspeed with --pipeline-model-parallel-size 2 needs --zero-stage 1"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
     (["--zero-stage", "1"], "--zero-stage 1 needs --deepspeed"),
+    (["--pretrained-checkpoint", "p1", "--load", "p2", "--finetune"],
+     "--pretrained-checkpoint already takes the weights only and resumes the run's own checkpoint"),
     (["--deepspeed", "--optimizer", "lamb"], "--optimizer lamb with --deepspeed is not supported"),
     (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
     (["--num-attention-heads", "3", "--hidden-size", "96", "--tensor-model-parallel-size", "1",

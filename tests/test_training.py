@@ -79,6 +79,21 @@ def _kill_during_save(rank, world, ckpt, metrics):
     train_worker(rank, world, ITERS + ["--save", ckpt, "--save-interval", "2", "--metrics-file", metrics])
 
 
+def test_weights_only_load_reaches_deepspeed_master_weights(tmp_path):
+    """--load --finetune into ZeRO-1 (which keeps fp32 master partitions of its own) from a
+    plain run's checkpoint, which has no deepspeed/ files: the run follows the plain one
+    started from the same weights, not the seed's initialisation."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(train_worker, 1, ["--train-iters", "2", "--save", ckpt])
+    curves = []
+    for i, extra in enumerate(([], ["--deepspeed", "--zero-stage", "1"])):
+        path = str(tmp_path / f"m{i}.jsonl")
+        run_distributed(train_worker, 1, ["--train-iters", "3", "--load", ckpt, "--finetune", "--metrics-file", path,
+                                          *extra])
+        curves.append(read_metrics(path))
+    assert curves[1] == pytest.approx(curves[0], abs=1e-4)
+
+
 def test_sigkill_during_save_keeps_last_complete_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(Exception):

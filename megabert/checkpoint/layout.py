@@ -55,6 +55,17 @@ def read_tracker(root: str) -> Optional[str]:
     return tag
 
 
+def has_checkpoint(path: str) -> bool:
+    """Whether `path` holds a committed checkpoint: a pointer file, or rank directories (an
+    iteration directory itself). A directory holding only metrics or TensorBoard files, or
+    a save killed before its first commit (`ITER.tmp/`), holds none. A pointer to a missing
+    iteration counts as a checkpoint, so the load that follows reports it instead of a
+    restart silently starting over."""
+    if not os.path.isdir(path):
+        return False
+    return os.path.isfile(os.path.join(path, TRACKER)) or any(_RANK_DIR.match(n) for n in os.listdir(path))
+
+
 def resolve_checkpoint_dir(path: str) -> str:
     """ROOT (with the pointer file) or an iteration directory itself -> the iteration directory."""
     if not os.path.isdir(path):

@@ -15,7 +15,7 @@ from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule
 from megabert.training import deepspeed_engine
-from megabert.training.checkpointing import TrainingState
+from megabert.training.checkpointing import StartPoint, TrainingState, resolve_start
 from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.strategy import DeepSpeedStrategy, LocalStrategy, SequentialRunner, Strategy, Task
 from megabert.training.trainer import Batches, Trainer
@@ -75,16 +75,38 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
     resumed run sees exactly the samples the interrupted one would have."""
     strategy = build_strategy(model, ps, run)
     state = TrainingState()
-    if run.train.load:
-        state = strategy.load(run.train.load, load_optimizer=not run.train.finetune)
+    start = resolve_start(run.train)
+    if start.path:
+        if ps.is_logging_rank and start.note:
+            logger.info(start.note)
+        loaded = strategy.load(start.path, load_optimizer=not start.weights_only)
+        state = loaded.state
         if ps.is_logging_rank:
-            logger.info("loaded %s: iteration %d, %d samples consumed", run.train.load, state.iteration,
+            logger.info("loaded %s: iteration %d, %d samples consumed", start.path, state.iteration,
                         state.consumed_samples)
-        if run.train.finetune:
+            _note_seq_length(loaded.saved_args, run.seq_length, start)
+        if start.weights_only:
             if ps.is_logging_rank and state.iteration:
-                logger.info("--finetune: weights of iteration %d kept; iteration, optimizer and data position "
-                            "reset to 0", state.iteration)
+                logger.info("%s: weights of iteration %d kept; iteration, optimizer and data position reset to 0",
+                            start.flag, state.iteration)
             state = TrainingState()
     return Trainer(strategy, Batches(train_batches(state.consumed_samples), valid_batches), run.train, run.batch,
                    LRSchedule(run.optim, run.train.train_iters), state=state, flops_per_sample=flops_per_sample,
                    checkpoint_extra=checkpoint_extra)
+
+
+def _note_seq_length(saved_args: dict, seq_length: int, start: StartPoint) -> None:
+    """Phase 2 of BERT's two-phase recipe starts from phase 1's weights at a longer
+    --seq-length: worth an info line. Resuming a run at another length is rarely meant: it
+    keeps the iteration count, the LR schedule and the consumed samples, which now index a
+    dataset built for the new length; so a warning that names both values."""
+    saved = (saved_args.get("data") or {}).get("seq_length")
+    if saved is None or saved == seq_length:
+        return
+    if start.weights_only:
+        logger.info("%s was trained at --seq-length %d; this run trains at --seq-length %d", start.path, saved,
+                    seq_length)
+    else:
+        logger.warning("--seq-length %d differs from the %d that %s was saved with: it continues its iteration, LR "
+                       "schedule and data position at the new length; to start a new phase from its weights, use "
+                       "--pretrained-checkpoint (or --load --finetune)", seq_length, saved, start.path)

@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 
 from megabert.checkpoint import hf as hf_io
-from megabert.checkpoint.layout import (commit, load_file, model_payload, read_tracker, resolve_checkpoint_dir,
-                                        saved_layout, saved_virtual_stage_layers, staging_dir, write_rank_file)
+from megabert.checkpoint.layout import (TRACKER, commit, has_checkpoint, load_file, model_payload, read_tracker,
+                                        resolve_checkpoint_dir, saved_layout, saved_virtual_stage_layers, staging_dir,
+                                        write_rank_file)
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.checkpoint.reshard import reshard_payloads
 from megabert.checkpoint import external
+from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_table, table_to_dict
@@ -40,6 +42,54 @@ class TrainingState:
     iteration: int = 0
     consumed_samples: int = 0
     skipped_iterations: int = 0  # fp16 overflow skips: they do not advance the LR schedule
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What a load gives back: the run's state, and the configs it was saved with, so the
+    caller can compare them with this run's (the --seq-length of two-phase pre-training)."""
+
+    state: TrainingState
+    saved_args: dict  # the configs it was trained with ("train", "optim", "data"); {} for external weights
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """The checkpoint a run starts from (path None: from the seed), whether it gives the
+    weights only, the flag behind that choice and why it was made (for log lines)."""
+
+    path: Optional[str] = None
+    weights_only: bool = False
+    flag: str = "--load"
+    note: Optional[str] = None
+
+
+def holds_checkpoint(path: str) -> bool:
+    """A megabert/Megatron checkpoint, or a Hugging Face or Google TF BERT directory."""
+    return has_checkpoint(path) or external.is_external(path)
+
+
+def resolve_start(train: TrainConfig) -> StartPoint:
+    """--load (with --finetune: weights only), or Megatron-LM's --pretrained-checkpoint rule:
+    the run's own checkpoint (--load, else --save) as soon as it holds one, so the same
+    command re-run after an interruption resumes instead of starting over; until then the
+    pretrained weights. Reads the file system only: every rank decides alike, and a wrong
+    path stops the run before its data is built."""
+    pretrained = train.pretrained_checkpoint
+    if not pretrained:
+        return StartPoint(train.load, train.finetune, "--finetune" if train.finetune else "--load")
+    own, own_flag = (train.load, "--load") if train.load else (train.save, "--save")
+    if own and holds_checkpoint(own):
+        return StartPoint(own, False, own_flag, f"{own_flag} {own} holds this run's checkpoint: resuming it; "
+                                                f"--pretrained-checkpoint {pretrained} is not used")
+    if not holds_checkpoint(pretrained):
+        what = ("does not exist" if not os.path.exists(pretrained) else
+                f"holds no checkpoint (no {TRACKER}, no mp_rank_* directories, no Hugging Face or TF BERT files)")
+        raise CheckpointError(f"--pretrained-checkpoint {pretrained} {what}; point it at the --save directory of "
+                              f"the run to start from (phase 1)")
+    where = f"{own_flag} {own} holds no checkpoint yet" if own else "no --load or --save to resume from"
+    return StartPoint(pretrained, True, "--pretrained-checkpoint",
+                      f"{where}: initialising from --pretrained-checkpoint {pretrained}")
 
 
 def _rng_state(model) -> dict:
@@ -92,15 +142,27 @@ def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: Paral
     dist.barrier()
 
 
+def _weights_loaded(engine) -> None:
+    """New weights in a DeepSpeed engine's module do not reach its fp32 master copies (ZeRO
+    partitions, fp16/bf16 wrappers): its first step would write the old weights back.
+    DeepSpeed's own module-only load refreshes them the same way."""
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None) if engine is not None else None
+    if refresh is not None:
+        refresh()
+
+
 def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=None, engine=None,
-                    load_optimizer: bool = True) -> TrainingState:
+                    load_optimizer: bool = True) -> LoadedCheckpoint:
     """Restores what `save_checkpoint` wrote, at the same or another TP/PP layout. A
     Hugging Face directory or a converted ('release') checkpoint gives weights only and
-    starts at iteration 0."""
+    starts at iteration 0. Weights only (`load_optimizer=False`, or those two) come from
+    our rank files, whichever way the checkpoint was trained, so a plain run's checkpoint
+    also starts a DeepSpeed run."""
     if external.is_external(path):  # a Hugging Face or Google TF directory: weights only
         model.load_full_state_dict(hf_io.hf_to_megabert(external.read_external(path)[1], spec_table(model)),
                                    source=path)
-        return TrainingState()
+        _weights_loaded(engine)
+        return LoadedCheckpoint(TrainingState(), {})
     ckpt_dir = resolve_checkpoint_dir(path)
     layout = saved_layout(ckpt_dir)
     vpp = model.virtual_stage_layers
@@ -117,19 +179,22 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
     model.load_local_state_dict(payload["model"], source=path)
     state = TrainingState(int(payload.get("iteration", 0)), int(payload.get("consumed_samples", 0)),
                           int(payload.get("skipped_iterations", 0)))
+    saved_args = payload.get("args") or {}
     release = read_tracker(path) == "release" or state.iteration == 0
-    if release:
-        return TrainingState()
-    if engine is not None:
+    if release or not load_optimizer:
+        _weights_loaded(engine)
+        if release:
+            return LoadedCheckpoint(TrainingState(), saved_args)
+    elif engine is not None:
         ds_dir = os.path.join(path, DEEPSPEED_SUBDIR)
         if not os.path.isdir(ds_dir):
             raise CheckpointError(f"{path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
                                   f"drop --deepspeed or load the weights only with --finetune")
-        _, client = engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}",
-                                           load_optimizer_states=load_optimizer, load_lr_scheduler_states=False)
+        _, client = engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}", load_optimizer_states=True,
+                                           load_lr_scheduler_states=False)
         if client is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint for iteration {state.iteration} in {ds_dir}")
-    elif load_optimizer and optimizer is not None:
+    elif optimizer is not None:
         if payload.get("optimizer") is None:
             raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
                                   f"or start the optimizer fresh with --finetune")
@@ -138,4 +203,4 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
         scaler.load_state_dict(payload["loss_scaler"])
     if same_layout and payload.get("rng") is not None:
         _set_rng_state(model, payload["rng"])
-    return state
+    return LoadedCheckpoint(state, saved_args)

@@ -17,6 +17,7 @@ from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import RunSpec, build_trainer, resolve_optimization
+from megabert.training.checkpointing import resolve_start
 from megabert.training.metrics import bert_flops_per_sample
 from megabert.training.strategy import Counts, Task
 from megabert.training.trainer import Trainer
@@ -80,6 +81,8 @@ def validate_run(cfg: Configs, ps: ParallelState) -> int:
     dp = validate_layout(cfg.model, cfg.parallel, ps.world_size, cfg.train)
     # A DeepSpeed JSON that contradicts the flags stops the run before any data work.
     resolve_optimization(cfg, ps, cfg.model.hidden_size)
+    # Likewise a --pretrained-checkpoint that holds nothing, before index mappings are built.
+    resolve_start(cfg.train)
     return dp
 
 

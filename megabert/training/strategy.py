@@ -19,7 +19,7 @@ import torch
 
 from megabert.parallel import ParallelState
 from megabert.training import deepspeed_engine
-from megabert.training.checkpointing import TrainingState, load_checkpoint, save_checkpoint
+from megabert.training.checkpointing import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from megabert.training.precision import DynamicLossScaler
@@ -123,7 +123,7 @@ class Strategy:
         save_checkpoint(root, state, self.model, self.optimizer, self.ps, scaler=self.scaler, extra=extra,
                         keep_last=keep_last, engine=self.engine)
 
-    def load(self, path: str, *, load_optimizer: bool) -> TrainingState:
+    def load(self, path: str, *, load_optimizer: bool) -> LoadedCheckpoint:
         return load_checkpoint(path, self.model, self.optimizer, self.ps, scaler=self.scaler, engine=self.engine,
                                load_optimizer=load_optimizer)
 

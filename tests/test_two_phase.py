@@ -1,0 +1,70 @@
+"""Two-phase pre-training (NVIDIA / DeepSpeed BERT recipe) through pretrain_bert.py: phase 2
+starts from phase 1's weights with --pretrained-checkpoint, and the very same phase-2
+command re-run after an interruption continues from its own checkpoint, bitwise as an
+uninterrupted phase 2."""
+import os
+import sys
+
+import pytest
+from test_pretrain_e2e import BIN, _one_line_error, _run, dataset, pretrain_args, rows  # noqa: F401 (fixture)
+from test_resume_dataloader import _curve
+
+from megabert.config import TrainConfig
+from megabert.errors import CheckpointError
+from megabert.training.checkpointing import resolve_start
+
+
+def _launch(cmd):
+    r = _run(cmd)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stderr
+
+
+def test_start_point_prefers_the_runs_own_checkpoint(tmp_path):
+    p1, own = tmp_path / "p1", tmp_path / "p2"
+    (p1 / "iter_0000003" / "mp_rank_00").mkdir(parents=True)
+    (p1 / "latest_checkpointed_iteration.txt").write_text("3")
+    own.mkdir()
+    (own / "metrics.jsonl").write_text("")  # metrics alone are no checkpoint
+    for kw in ({"load": str(own)}, {"save": str(own)}, {}):
+        start = resolve_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
+        assert (start.path, start.weights_only) == (str(p1), True)
+    (own / "latest_checkpointed_iteration.txt").write_text("2")
+    for kw, flag in (({"load": str(own)}, "--load"), ({"save": str(own)}, "--save")):
+        start = resolve_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
+        assert (start.path, start.weights_only, start.flag) == (str(own), False, flag)
+    with pytest.raises(CheckpointError, match="--pretrained-checkpoint .* holds no checkpoint"):
+        resolve_start(TrainConfig(pretrained_checkpoint=str(tmp_path), save=str(tmp_path / "new")))
+
+
+def test_interrupted_phase2_continues_from_its_own_checkpoint(dataset, tmp_path):
+    p1, p2, ref = (str(tmp_path / n) for n in ("p1", "p2", "ref"))
+    # Phase 1 at seq 32 and TP 2; phase 2 at seq 64 and TP 1 (P1 is resharded on load).
+    _launch([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
+             *pretrain_args(dataset, tmp_path / "p1.jsonl", "--tensor-model-parallel-size", "2", "--save", p1)])
+    phase2 = ["--seq-length", "64", "--train-iters", "4", "--pretrained-checkpoint", p1]
+    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    _launch([sys.executable, *pretrain_args(dataset, full, *phase2, "--load", ref, "--save", ref)])
+    cmd = [sys.executable, *pretrain_args(dataset, part, *phase2, "--load", p2, "--save", p2)]
+    log = _launch([*cmd, "--exit-interval", "2"])
+    assert f"--load {p2} holds no checkpoint yet: initialising from --pretrained-checkpoint {p1}" in log
+    assert "--pretrained-checkpoint: weights of iteration 3 kept; iteration, optimizer and data position reset" in log
+    assert "was trained at --seq-length 32; this run trains at --seq-length 64" in log
+    assert [x["iteration"] for x in rows(part) if "lm_loss" in x] == [1, 2]
+    log = _launch(cmd)  # the same command again: resumes P2 at iteration 3
+    assert f"--load {p2} holds this run's checkpoint: resuming it; --pretrained-checkpoint {p1} is not used" in log
+    assert f"loaded {p2}: iteration 2, 8 samples consumed" in log and "differs from the" not in log
+    assert [x["iteration"] for x in rows(part) if "lm_loss" in x] == [1, 2, 3, 4]
+    assert _curve(part) == _curve(full)  # bitwise, dropout 0.1 included
+    # Resuming at another --seq-length is allowed, with a warning naming both lengths.
+    log = _launch([sys.executable, *pretrain_args(dataset, tmp_path / "w.jsonl", "--train-iters", "4", "--load", p2)])
+    warnings = [line for line in log.splitlines() if "differs from the" in line]
+    assert len(warnings) == 1 and "--seq-length 32 differs from the 64 that" in warnings[0], log[-2000:]
+
+
+def test_pretrained_checkpoint_without_checkpoint_is_a_clear_error(dataset, tmp_path):
+    (tmp_path / "empty").mkdir()
+    args = pretrain_args(dataset, tmp_path / "m.jsonl", "--pretrained-checkpoint", str(tmp_path / "empty"),
+                         "--save", str(tmp_path / "p2"))
+    _one_line_error(_run([sys.executable, *args]), f"--pretrained-checkpoint {tmp_path / 'empty'} holds no checkpoint")
+
