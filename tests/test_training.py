@@ -79,14 +79,16 @@ def _kill_during_save(rank, world, ckpt, metrics):
     train_worker(rank, world, ITERS + ["--save", ckpt, "--save-interval", "2", "--metrics-file", metrics])
 
 
-def test_weights_only_load_reaches_deepspeed_master_weights(tmp_path):
-    """--load --finetune into ZeRO-1 (which keeps fp32 master partitions of its own) from a
-    plain run's checkpoint, which has no deepspeed/ files: the run follows the plain one
-    started from the same weights, not the seed's initialisation."""
+@pytest.mark.parametrize("stage", [1, 3])
+def test_weights_only_load_reaches_deepspeed_master_weights(tmp_path, stage):
+    """--load --finetune into ZeRO-1 (which keeps fp32 master partitions of its own) or
+    ZeRO-3 (which partitions the parameters themselves) from a plain run's checkpoint,
+    which has no deepspeed/ files: the run follows the plain one started from the same
+    weights, not the seed's initialisation."""
     ckpt = str(tmp_path / "ckpt")
     run_distributed(train_worker, 1, ["--train-iters", "2", "--save", ckpt])
     curves = []
-    for i, extra in enumerate(([], ["--deepspeed", "--zero-stage", "1"])):
+    for i, extra in enumerate(([], ["--deepspeed", "--zero-stage", str(stage)])):
         path = str(tmp_path / f"m{i}.jsonl")
         run_distributed(train_worker, 1, ["--train-iters", "3", "--load", ckpt, "--finetune", "--metrics-file", path,
                                           *extra])

@@ -15,7 +15,7 @@ from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule
 from megabert.training import deepspeed_engine
-from megabert.training.checkpointing import StartPoint, TrainingState, resolve_start
+from megabert.training.checkpointing import StartPoint, TrainingState, load_checkpoint, resolve_start
 from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.strategy import DeepSpeedStrategy, LocalStrategy, SequentialRunner, Strategy, Task
 from megabert.training.trainer import Batches, Trainer
@@ -73,13 +73,18 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
                   flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None) -> Trainer:
     """`train_batches(consumed_samples)` gives the training batches from that point on, so a
     resumed run sees exactly the samples the interrupted one would have."""
+    start = resolve_start(run.train)
+    if start.path and ps.is_logging_rank and start.note:
+        logger.info(start.note)
+    loaded = None
+    if start.path and start.weights_only:
+        # Weights go into the whole model before DeepSpeed wraps it: ZeRO-3 then partitions
+        # them and ZeRO-1/2 copy them into their fp32 masters; a fresh optimizer and loss scale.
+        loaded = load_checkpoint(start.path, model, None, ps, load_optimizer=False)
     strategy = build_strategy(model, ps, run)
     state = TrainingState()
-    start = resolve_start(run.train)
     if start.path:
-        if ps.is_logging_rank and start.note:
-            logger.info(start.note)
-        loaded = strategy.load(start.path, load_optimizer=not start.weights_only)
+        loaded = loaded or strategy.load(start.path, load_optimizer=True)
         state = loaded.state
         if ps.is_logging_rank:
             logger.info("loaded %s: iteration %d, %d samples consumed", start.path, state.iteration,

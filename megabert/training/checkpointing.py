@@ -77,7 +77,10 @@ def resolve_start(train: TrainConfig) -> StartPoint:
     path stops the run before its data is built."""
     pretrained = train.pretrained_checkpoint
     if not pretrained:
-        return StartPoint(train.load, train.finetune, "--finetune" if train.finetune else "--load")
+        # A Hugging Face / TF directory or a converted ('release') checkpoint has weights only.
+        weights_only = train.finetune or bool(train.load and (external.is_external(train.load)
+                                                              or read_tracker(train.load) == "release"))
+        return StartPoint(train.load, weights_only, "--finetune" if train.finetune else "--load")
     own, own_flag = (train.load, "--load") if train.load else (train.save, "--save")
     if own and holds_checkpoint(own):
         return StartPoint(own, False, own_flag, f"{own_flag} {own} holds this run's checkpoint: resuming it; "
