@@ -122,9 +122,10 @@ def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: Paral
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging_dir(root, state.iteration), ignore_errors=True)  # a save killed earlier
     dist.barrier()
+    weights = _cpu_state_dict(model, engine, keep=ps.dp_rank == 0)  # collective under ZeRO-3
     if ps.dp_rank == 0:
         payload = model_payload(
-            {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config, tp_size=ps.tp_size,
+            weights, model.config, tp_size=ps.tp_size,
             pp_size=ps.pp_size, model_class=type(model).__name__, param_specs=table_to_dict(spec_table(model)),
             layers_per_virtual_stage=model.virtual_stage_layers, iteration=state.iteration,
             consumed_samples=state.consumed_samples, skipped_iterations=state.skipped_iterations,
@@ -145,6 +146,27 @@ def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: Paral
     dist.barrier()
 
 
+def _cpu_state_dict(model, engine, keep: bool) -> dict:
+    """The model's whole (TP-local) weights on the CPU. ZeRO-3 leaves each rank a partition
+    of every parameter (an empty tensor in state_dict()), so our rank files, and with them
+    export, resharding and weights-only starts, need them gathered: one parameter at a time
+    over the data-parallel group (every rank takes part), kept where `keep`."""
+    if engine is None or engine.zero_optimization_stage() != 3:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if keep else {}
+    import deepspeed
+
+    params = dict(model.named_parameters())
+    out = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if name in params:
+            with deepspeed.zero.GatheredParameters([params[name]]):
+                if keep:
+                    out[name] = params[name].detach().cpu().clone()
+        elif keep:
+            out[name] = value.detach().cpu()
+    return out
+
+
 def _weights_loaded(engine) -> None:
     """New weights in a DeepSpeed engine's module do not reach its fp32 master copies (ZeRO
     partitions, fp16/bf16 wrappers): its first step would write the old weights back.
@@ -155,12 +177,13 @@ def _weights_loaded(engine) -> None:
 
 
 def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=None, engine=None,
-                    load_optimizer: bool = True) -> LoadedCheckpoint:
+                    load_optimizer: bool = True, load_model: bool = True) -> LoadedCheckpoint:
     """Restores what `save_checkpoint` wrote, at the same or another TP/PP layout. A
     Hugging Face directory or a converted ('release') checkpoint gives weights only and
     starts at iteration 0. Weights only (`load_optimizer=False`, or those two) come from
     our rank files, whichever way the checkpoint was trained, so a plain run's checkpoint
-    also starts a DeepSpeed run."""
+    also starts a DeepSpeed run. `load_model=False`: the weights are already in the model
+    (loaded before DeepSpeed partitioned it); only the rest is restored."""
     if external.is_external(path):  # a Hugging Face or Google TF directory: weights only
         model.load_full_state_dict(hf_io.hf_to_megabert(external.read_external(path)[1], spec_table(model)),
                                    source=path)
@@ -179,7 +202,8 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
             logger.warning("%s was saved at tp=%d pp=%d; resharded in memory to tp=%d pp=%d%s "
                            "(RNG streams restart from the seed)", path, layout.tp_size, layout.pp_size, ps.tp_size,
                            ps.pp_size, f" ({vpp} layers per virtual stage)" if vpp else "")
-    model.load_local_state_dict(payload["model"], source=path)
+    if load_model:
+        model.load_local_state_dict(payload["model"], source=path)
     state = TrainingState(int(payload.get("iteration", 0)), int(payload.get("consumed_samples", 0)),
                           int(payload.get("skipped_iterations", 0)))
     saved_args = payload.get("args") or {}

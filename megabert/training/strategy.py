@@ -123,9 +123,9 @@ class Strategy:
         save_checkpoint(root, state, self.model, self.optimizer, self.ps, scaler=self.scaler, extra=extra,
                         keep_last=keep_last, engine=self.engine)
 
-    def load(self, path: str, *, load_optimizer: bool) -> LoadedCheckpoint:
+    def load(self, path: str, *, load_optimizer: bool, load_model: bool = True) -> LoadedCheckpoint:
         return load_checkpoint(path, self.model, self.optimizer, self.ps, scaler=self.scaler, engine=self.engine,
-                               load_optimizer=load_optimizer)
+                               load_optimizer=load_optimizer, load_model=load_model)
 
     def close(self) -> None:
         """Releases the DeepSpeed engine (its hooks, ZeRO-3 partition state and comm
