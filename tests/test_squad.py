@@ -319,13 +319,16 @@ def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, tmp_pat
     assert json.load(open(tmp_path / "pp2" / "predictions.json")) == json.load(open(tmp_path / "one" / "predictions.json"))
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab, tmp_path, stage):
-    """BingBertSquad's workflow: SQuAD under DeepSpeed ZeRO at DP=2 follows plain DP=2."""
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (3, True)],
+                         ids=["zero1", "zero2", "zero3", "zero3-offload"])
+def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab, tmp_path, stage, offload):
+    """BingBertSquad's workflow: SQuAD under DeepSpeed ZeRO at DP=2 follows plain DP=2;
+    with optimizer and parameter offload (DeepSpeedCPUAdam: the same AdamW update) too."""
     pytest.importorskip("deepspeed")
+    flags = ["--zero-offload-optimizer", "cpu", "--zero-offload-params", "cpu"] if offload else []
     plain = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, "plain", 2)
     zero = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, f"zero{stage}", 2, "--deepspeed", "--zero-stage", stage,
-                           predict=True)
+                           *flags, predict=True)
     assert zero == pytest.approx(plain, abs=1e-4)
     assert set(json.load(open(tmp_path / f"zero{stage}" / "predictions.json"))) == dev_ids()
 
