@@ -77,16 +77,18 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
     if start.path and ps.is_logging_rank and start.note:
         logger.info(start.note)
     loaded = None
-    if start.path:
+    preload = start.path and (start.weights_only or run.deepspeed_config is not None)
+    if preload:
         # Weights go into the whole model before DeepSpeed wraps it: ZeRO-3 then partitions
         # them and ZeRO-1/2 copy them into their fp32 masters. A weights-only start is done
-        # here (fresh optimizer and loss scale); a resume restores the rest below.
+        # here (fresh optimizer and loss scale); a resume restores the rest below. A plain
+        # resume reads its rank file once, below.
         loaded = load_checkpoint(start.path, model, None, ps, load_optimizer=False)
     strategy = build_strategy(model, ps, run)
     state = TrainingState()
     if start.path:
         if not start.weights_only:
-            loaded = strategy.load(start.path, load_optimizer=True, load_model=False)
+            loaded = strategy.load(start.path, load_optimizer=True, load_model=not preload)
         state = loaded.state
         if ps.is_logging_rank:
             logger.info("loaded %s: iteration %d, %d samples consumed", start.path, state.iteration,
