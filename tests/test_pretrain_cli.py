@@ -26,6 +26,7 @@ def last_line(r):
     (["--deepspeed", "--pipeline-model-parallel-size", "2"],
      "--deepspeed with --pipeline-model-parallel-size 2 needs --zero-stage 1"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
+    (["--memory-budget-gb", "0"], "--memory-budget-gb must be a positive number of GB per rank, got 0.0"),
     (["--zero-stage", "1"], "--zero-stage 1 needs --deepspeed"),
     (["--deepspeed", "--optimizer", "lamb"], "--optimizer lamb with --deepspeed is not supported"),
     (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
