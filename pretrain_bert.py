@@ -47,6 +47,16 @@ def build_data(cfg, ps, tokenizer):
     return train_batches, valid_batches
 
 
+def log_memory_preflight(cfg, ps, vocab_size: int) -> None:
+    """Before any model tensor is allocated: the planner's predicted per-rank peak against
+    --memory-budget-gb (default the GPU's memory; no check on CPU without the flag). A
+    layout that will not fit is named with the flags that would make it fit, instead of an
+    out-of-memory error minutes later; one that fits gets one info line."""
+    check = megabert.planning.preflight(cfg, ps.dp_size, ps.device, vocab_size=vocab_size)
+    if check is not None:
+        logging.getLogger("megabert").log(logging.INFO if check.fits else logging.WARNING, check.message())
+
+
 @cli_main
 def main(argv=None) -> None:
     cfg = parse_args(argv, description=__doc__)
@@ -56,16 +66,13 @@ def main(argv=None) -> None:
                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     configure_process_logging(ps.is_logging_rank)
     validate_run(cfg, ps)
-    # Before any tensor is allocated: a layout that will not fit the GPU is named with the
-    # flags that shrink it, instead of an out-of-memory error minutes later.
-    warning = megabert.planning.preflight_warning(cfg, ps.dp_size, ps.device)
-    if warning and ps.is_logging_rank:
-        logging.getLogger("megabert").warning(warning)
     from megabert.data import build_tokenizer
 
     if not cfg.data.data_path:
         raise megabert.ConfigError("--data-path is required: a dataset prefix made by tools/preprocess_data.py")
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
+    if ps.is_logging_rank:
+        log_memory_preflight(cfg, ps, tokenizer.vocab_size)
     train_batches, valid_batches = build_data(cfg, ps, tokenizer)
     trainer = build_pretraining(cfg, ps, tokenizer.vocab_size, train_batches, valid_batches)
     try:

@@ -7,14 +7,18 @@ rank; `resource.getrusage(RUSAGE_CHILDREN)` of a wrapper process, so runs never 
 training log's `mem_peak_gb` is shown too where the trainer writes it. On GPUs the measured
 figure is `mem_peak_gb` (torch.cuda.max_memory_allocated, max over ranks) and a layout needs
 one GPU per rank. The prediction is megabert.planning.estimate for the same model, batch,
-layout and device.
+layout and device. Each run gets the flags a user types (`--deepspeed --zero-stage 3
+--zero-offload-optimizer cpu ...`; pretrain_bert.py sizes DeepSpeed's config to the model).
+`vs single` is the measured peak over the one-process peak of the same size in this
+invocation; with `--budget-gb`, each run gets `--memory-budget-gb` and `planner` says what
+pretrain_bert.py's preflight logged before building the model (warned or fits).
 
     python bench/memory.py                               # BERT-base, every layout
-    python bench/memory.py --sizes large --layouts single tp2 pp2
+    python bench/memory.py --sizes bert-large --layouts single zero3 zero3-offload --budget-gb 7
     python bench/memory.py --list                        # the layouts and their flags
 
 Memory on a shared machine: BERT-large takes 7-9 GB per process; runs go one at a time.
-A layout this branch cannot run (a flag not there yet) prints "not run: <reason>", never a figure.
+A layout that cannot run here prints "not run: <reason>", never a figure.
 """
 from __future__ import annotations
 
@@ -33,7 +37,6 @@ sys.path.insert(0, ROOT)
 
 from megabert.config import PRESETS  # noqa: E402
 from megabert.planning import Layout, RunSpec, estimate  # noqa: E402
-from megabert.training.deepspeed_engine import zero_sizing  # noqa: E402
 
 VOCAB_SIZE = 30522  # BERT's uncased vocab: the word embeddings and MLM bias at their real size
 
@@ -42,8 +45,6 @@ VOCAB_SIZE = 30522  # BERT's uncased vocab: the word embeddings and MLM bias at 
 class BenchLayout:
     name: str
     layout: Layout
-    needs_flags: tuple[str, ...] = ()
-    """pretrain_bert.py flags this layout needs; missing ones make it "not run"."""
 
 
 LAYOUTS = {
@@ -55,8 +56,7 @@ LAYOUTS = {
     "zero2": BenchLayout("zero2", Layout(dp=2, zero_stage=2)),
     "zero3": BenchLayout("zero3", Layout(dp=2, zero_stage=3)),
     "zero3-offload": BenchLayout("zero3-offload", Layout(dp=2, zero_stage=3, offload_optimizer=True,
-                                                         offload_params=True),
-                                 ("--zero-offload-optimizer", "--zero-offload-params")),
+                                                         offload_params=True)),
 }
 DEFAULT_LAYOUTS = ["single", "tp2", "pp2", "dp2", "zero1", "zero2", "zero3", "zero3-offload"]
 
@@ -98,14 +98,6 @@ def make_dataset(workdir: str) -> tuple[str, str]:
     return prefix + "_text_sentence", vocab
 
 
-def missing_flags(flags: tuple[str, ...]) -> list[str]:
-    if not flags:
-        return []
-    help_text = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_bert.py"), "--help"],
-                               capture_output=True, text=True).stdout
-    return [f for f in flags if f not in help_text]
-
-
 def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: str, port: int) -> list[str]:
     model = PRESETS[size]()
     lay = bl.layout
@@ -121,17 +113,9 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
            "--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp),
            "--metrics-file", os.path.join(workdir, f"{size}-{bl.name}.jsonl")]
     if lay.zero_stage:
-        # The ZeRO buffers the planner assumes (zero_sizing), given explicitly so the run
-        # uses them whether or not the built config applies them yet.
-        ds = {"zero_optimization": {"stage": lay.zero_stage, **zero_sizing(model.hidden_size)}}
-        if lay.offload_optimizer:
-            ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-        if lay.offload_params:
-            ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
-        path = os.path.join(workdir, f"ds-{size}-{bl.name}.json")
-        with open(path, "w") as f:
-            json.dump(ds, f)
-        cmd += ["--deepspeed", "--zero-stage", str(lay.zero_stage), "--deepspeed_config", path]
+        # The flags users type: pretrain_bert.py sizes DeepSpeed's ZeRO buffers to the model
+        # (deepspeed_engine.zero_sizing, the numbers the planner reads).
+        cmd += ["--deepspeed", "--zero-stage", str(lay.zero_stage)]
         if lay.offload_optimizer:
             cmd += ["--zero-offload-optimizer", "cpu"]
         if lay.offload_params:
@@ -160,7 +144,15 @@ def logged_peak(path: str) -> float | None:
     return max(vals) if vals else None
 
 
-def main() -> None:
+def planner_said(log_path: str) -> str:
+    """What pretrain_bert.py's memory preflight logged on rank 0: "warned", "fits" or "-"."""
+    text = open(log_path).read() if os.path.exists(log_path) else ""
+    if "WARNING predicted peak" in text:
+        return "warned"
+    return "fits" if "INFO predicted peak" in text else "-"
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["bert-base"], choices=sorted(PRESETS),
                    help="model presets to run (bert-large takes 7-9 GB per process)")
@@ -168,10 +160,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3, help="training iterations per run")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--budget-gb", type=float, default=None,
+                   help="pass --memory-budget-gb GB to every run and show whether the planner warned")
     p.add_argument("--workdir", default=None, help="keep data, logs and metrics here (default: a temp dir)")
     p.add_argument("--predict-only", action="store_true", help="print the predictions, run nothing")
     p.add_argument("--list", action="store_true", help="list the layouts and exit")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.list:
         for name, bl in LAYOUTS.items():
             print(f"{name:14} world {bl.layout.world_size}  {bl.layout.flags()}")
@@ -179,10 +177,11 @@ def main() -> None:
     workdir = args.workdir or tempfile.mkdtemp(prefix="megabert-bench-memory-")
     os.makedirs(workdir, exist_ok=True)
     data, vocab = (None, None) if args.predict_only else make_dataset(workdir)
+    budget = f" | --memory-budget-gb {args.budget_gb:g}" if args.budget_gb else ""
     print(f"fp32 AdamW | seq {args.seq} micro-batch {args.micro_batch} | {args.iters} iterations | "
-          f"peak RSS of the largest rank (GB = 1e9 bytes) | workdir {workdir}")
+          f"peak RSS of the largest rank (GB = 1e9 bytes){budget} | workdir {workdir}")
     print(f"{'model':10} {'layout':14} {'world':>5} {'measured GB':>12} {'predicted GB':>13} {'meas/pred':>9} "
-          f"{'mem_peak_gb':>11} {'time s':>7}")
+          f"{'vs single':>9} {'planner':>7} {'mem_peak_gb':>11} {'time s':>7}")
     import torch
 
     gpus = torch.cuda.device_count()
@@ -190,39 +189,43 @@ def main() -> None:
     port = 29700
     for size in args.sizes:
         model = PRESETS[size](vocab_size=VOCAB_SIZE)
+        single = None
         for name in args.layouts:
             bl = LAYOUTS[name]
             run = RunSpec(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device=device)
             predicted = estimate(model, run, bl.layout).total_gb
             head = f"{size:10} {name:14} {bl.layout.world_size:5d}"
-            missing = missing_flags(bl.needs_flags)
+            blank = f"{'':>9} {'':>9} {'':>7} {'':>11}"
             too_few_gpus = device == "cuda" and bl.layout.world_size > gpus
-            if args.predict_only or missing or too_few_gpus:
+            if args.predict_only or too_few_gpus:
                 reason = "--predict-only" if args.predict_only else \
-                    f"pretrain_bert.py has no {', '.join(missing)} on this branch yet" if missing else \
                     f"needs {bl.layout.world_size} GPUs, this machine has {gpus}"
-                print(f"{head} {'not run':>12} {predicted:13.2f} {'':>9} {'':>11} {'':>7}  not run: {reason}",
-                      flush=True)
+                print(f"{head} {'not run':>12} {predicted:13.2f} {blank} {'':>7}  not run: {reason}", flush=True)
                 continue
             port += 1
             cmd = command(size, bl, args, data, vocab, workdir, port)
+            if args.budget_gb:
+                cmd += ["--memory-budget-gb", f"{args.budget_gb:g}"]
+            log_path = os.path.join(workdir, f"{size}-{name}.log")
             t0 = time.time()
-            rc, measured = measure(cmd, bl.layout.world_size, os.path.join(workdir, f"{size}-{name}.log"))
+            rc, measured = measure(cmd, bl.layout.world_size, log_path)
             elapsed = time.time() - t0
             if rc != 0:
-                print(f"{head} {'failed':>12} {predicted:13.2f} {'':>9} {'':>11} {elapsed:7.0f}  not run: exit code "
-                      f"{rc}, see {workdir}/{size}-{name}.log", flush=True)
+                print(f"{head} {'failed':>12} {predicted:13.2f} {blank} {elapsed:7.0f}  not run: exit code "
+                      f"{rc}, see {log_path}", flush=True)
                 continue
             logged = logged_peak(os.path.join(workdir, f"{size}-{name}.jsonl"))
             logged_s = f"{logged:11.2f}" if logged is not None else f"{'-':>11}"
             if device == "cuda":
                 if logged is None:
-                    print(f"{head} {'not run':>12} {predicted:13.2f} {'':>9} {'-':>11} {elapsed:7.0f}  not run: "
+                    print(f"{head} {'not run':>12} {predicted:13.2f} {blank} {elapsed:7.0f}  not run: "
                           f"the training log has no mem_peak_gb (GPU peaks come from the trainer)", flush=True)
                     continue
                 measured = logged
-            print(f"{head} {measured:12.2f} {predicted:13.2f} {measured / predicted:9.2f} {logged_s} {elapsed:7.0f}",
-                  flush=True)
+            single = measured if name == "single" else single
+            vs_single = f"{measured / single:9.2f}" if single else f"{'-':>9}"
+            print(f"{head} {measured:12.2f} {predicted:13.2f} {measured / predicted:9.2f} {vs_single} "
+                  f"{planner_said(log_path):>7} {logged_s} {elapsed:7.0f}", flush=True)
 
 
 if __name__ == "__main__":

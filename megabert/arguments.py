@@ -21,8 +21,11 @@ PRETRAIN_SECTIONS = ("model", "parallel", "data", "optim", "train")
 FINETUNE_SECTIONS = ("parallel", "optim", "train", "finetune")
 # Flags of the shared sections that mean nothing for SQuAD fine-tuning (no validation
 # split, steps from --epochs, --load is the pre-trained model): left out of its CLI.
+# --memory-budget-gb too: the planner's preflight needs the model's shape before the model
+# is built, which fine-tuning only learns by loading --load, and it models pre-training's
+# heads and activations (MLM logits), not the QA head at --max-seq-length.
 FINETUNE_EXCLUDED = {"train.train_iters", "train.eval_interval", "train.eval_iters", "train.finetune",
-                     "train.exit_interval", "train.pretrained_checkpoint"}
+                     "train.exit_interval", "train.pretrained_checkpoint", "train.memory_budget_gb"}
 # BERT's SQuAD recipe (Devlin et al. 2019; Google's run_squad.py): AdamW at 3e-5 with 10%
 # linear warmup, then linear decay to 0, weight decay 0.01.
 # pretrain_bert.py's defaults where they differ from the library's: the trainer always has

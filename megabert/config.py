@@ -229,6 +229,11 @@ class TrainConfig:
                                       "(DeepSpeedCPUAdam; needs --zero-stage 1-3).", choices=("none", "cpu"))
     zero_offload_params: str = arg("none", "ZeRO-Infinity: keep partitioned parameters in CPU memory between "
                                    "uses (needs --zero-stage 3).", choices=("none", "cpu"))
+    memory_budget_gb: Optional[float] = arg(None, "Per-rank memory budget in GB (1e9 bytes): before the model is "
+                                            "built, the layout planner's predicted peak is checked against it and "
+                                            "a layout that exceeds it is named with the flags that would make it "
+                                            "fit. Default: the GPU's total memory on CUDA; no check on CPU, where "
+                                            "a budget is compared with the peak resident set size.")
 
     def __post_init__(self):
         if self.bf16 and self.fp16:
@@ -240,6 +245,9 @@ class TrainConfig:
         if self.pretrained_checkpoint and self.finetune:
             raise ConfigError("--pretrained-checkpoint already takes the weights only and resumes the run's own "
                               "checkpoint once there is one; drop --finetune")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise ConfigError(f"--memory-budget-gb must be a positive number of GB per rank, "
+                              f"got {self.memory_budget_gb}")
         if self.deepspeed_config and not self.deepspeed:
             raise ConfigError("--deepspeed_config needs --deepspeed")
         if self.zero_stage and not self.deepspeed:

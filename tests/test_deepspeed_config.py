@@ -155,7 +155,7 @@ def test_zero_sized_to_the_model_with_only_the_stage_keys(stage):
     expected = {0: set(), 1: {"reduce_bucket_size", "allgather_bucket_size"},
                 2: {"reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients"},
                 3: {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                    "stage3_max_live_parameters", "stage3_max_reuse_distance", "overlap_comm",
+                    "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size", "overlap_comm",
                     "contiguous_gradients"}}[stage]
     assert set(zero) == {"stage"} | expected
     assert all(zero[k] == sizing[k] for k in expected)

@@ -158,13 +158,59 @@ def test_plan_ranks_by_communication_then_model_parallel_size():
 
 
 def test_fit_warning_names_flags():
-    cfg, run = bert_large(), RunSpec(device="cpu")
+    cfg, run = bert_large(), RunSpec(precision="bf16")
     est = estimate(cfg, run, Layout(dp=2))
     assert fit_warning(est, 100) is None
     msg = fit_warning(est, 4)
-    assert "exceeds the 4 GB budget" in msg and "--zero-stage 1" in msg and "\n" not in msg
+    assert "exceeds the 4 GB budget" in msg and "--deepspeed --zero-stage 1 (" in msg and "\n" not in msg
     act = estimate(cfg, RunSpec(seq_length=512, micro_batch_size=64, precision="bf16"), Layout(tp=2))
     assert "--recompute-granularity" in fit_warning(act, 10) and "--sequence-parallel" in fit_warning(act, 10)
+
+
+def _fixes(msg: str) -> dict[str, float]:
+    """{flags: predicted GB} of a fit_warning's "try A (X GB ...); or B (Y GB ...)"."""
+    out = {}
+    for part in msg.split("; try ", 1)[1].split("; or "):
+        flags, rest = part.split(" (", 1)
+        out[flags] = float(rest.split(" GB", 1)[0])
+    return out
+
+
+def test_one_process_warning_names_zero_offload_tp_pp_with_their_predictions():
+    cfg = bert_large()
+    one = estimate(cfg, RunSpec(precision="bf16"), Layout())
+    fixes = _fixes(fit_warning(one, 4))
+    # On a GPU: ZeRO-3 + offload on the same (one) rank, ZeRO-3 on two, TP or PP on two; lowest first.
+    assert set(fixes) == {"--deepspeed --zero-stage 3 --zero-offload-optimizer cpu --zero-offload-params cpu",
+                          "--deepspeed --zero-stage 3", "--tensor-model-parallel-size 2",
+                          "--pipeline-model-parallel-size 2"}
+    assert list(fixes.values()) == sorted(fixes.values()) and max(fixes.values()) < one.total_gb
+    offload = estimate(cfg, RunSpec(precision="bf16"), Layout(zero_stage=3, offload_optimizer=True,
+                                                                offload_params=True))
+    assert fixes["--deepspeed --zero-stage 3 --zero-offload-optimizer cpu --zero-offload-params cpu"] == \
+        pytest.approx(offload.total_gb, abs=0.005)
+    assert "GB on 2 ranks" in fit_warning(one, 4) and "fits)" in fit_warning(one, 4)
+    # On the CPU offloading moves states into the same memory: never suggested there.
+    cpu = estimate(cfg, RunSpec(device="cpu"), Layout())
+    cpu_fixes = _fixes(fit_warning(cpu, 4))
+    assert "--tensor-model-parallel-size 2" in cpu_fixes and not any("offload" in f for f in cpu_fixes)
+    assert max(cpu_fixes.values()) < cpu.total_gb
+
+
+def test_zero3_step_works_one_sub_group_at_a_time():
+    """ZeRO-3's step holds one sub-group's fp32 gradients and AdamW's two temporaries
+    (12 bytes x sub_group_size), not the partition's; DeepSpeedCPUAdam (offload) none."""
+    from megabert.training.deepspeed_engine import zero_sizing
+
+    cfg, run = bert_large(), RunSpec(precision="bf16")
+    sizing = zero_sizing(cfg.hidden_size)
+    est = estimate(cfg, run, Layout(dp=2, zero_stage=3))
+    live = sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"]
+    expected = 2 * (live + sizing["reduce_bucket_size"]) + 12 * sizing["sub_group_size"]
+    assert sizing["sub_group_size"] < total_params(cfg) / 2
+    assert est.buffers_gb == pytest.approx(expected / 1e9)
+    off = estimate(cfg, run, Layout(dp=2, zero_stage=3, offload_optimizer=True))
+    assert off.buffers_gb == pytest.approx(2 * (live + sizing["reduce_bucket_size"]) / 1e9)
 
 
 @pytest.mark.parametrize("kwargs,flag", [
@@ -241,3 +287,40 @@ def test_preflight_from_pretrain_flags():
     assert (run.precision, run.recompute, run.microbatches(2), run.seq_length) == ("bf16", "selective", 2, 128)
     assert preflight_warning(cfg, 2, "cpu") is None  # no ceiling for RSS unless a budget is given
     assert "exceeds the 1 GB budget" in preflight_warning(cfg, 2, "cpu", budget_gb=1)
+
+
+def test_preflight_reads_the_budget_flag():
+    from megabert.arguments import parse_args
+    from megabert.planning import preflight
+
+    flags = ["--preset", "bert-large", "--seq-length", "128", "--micro-batch-size", "2"]
+    assert preflight(parse_args(flags), 1, "cpu") is None  # CPU, no flag: no check
+    over = preflight(parse_args([*flags, "--memory-budget-gb", "5"]), 1, "cpu")
+    assert not over.fits and over.budget_gb == 5
+    assert over.message().startswith(f"predicted peak {over.estimate.total_gb:.2f} GB per rank exceeds the 5 GB")
+    assert over.message().endswith("(budget from --memory-budget-gb)") and "--tensor-model-parallel-size 2" in \
+        over.message()
+    fits = preflight(parse_args([*flags, "--tensor-model-parallel-size", "2", "--memory-budget-gb", "5"]), 1, "cpu")
+    assert fits.fits and fits.message() == (f"predicted peak {fits.estimate.total_gb:.2f} GB per rank "
+                                            f"(tp2.pp1.dp1.z0) fits the 5 GB budget from --memory-budget-gb")
+    # The tokenizer's vocab sizes the embeddings, not ModelConfig's default.
+    small = preflight(parse_args([*flags, "--memory-budget-gb", "5"]), 1, "cpu", vocab_size=1000)
+    assert small.estimate.total_gb < over.estimate.total_gb - 0.4
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_budget_flag_must_be_positive(value):
+    from megabert.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=f"--memory-budget-gb must be a positive number of GB per rank, got "
+                                          f"{float(value)}"):
+        TrainConfig(memory_budget_gb=float(value))
+
+
+def test_finetuning_has_no_budget_flag():
+    """finetune_squad.py learns the model's shape only by loading it, and the planner models
+    pre-training's heads: the flag is not offered there rather than silently ignored."""
+    from megabert.arguments import parse_finetune_args
+
+    with pytest.raises(SystemExit):
+        parse_finetune_args(["--load", "x", "--train-file", "t.json", "--memory-budget-gb", "4"])

@@ -26,6 +26,7 @@ def last_line(r):
     (["--deepspeed", "--pipeline-model-parallel-size", "2"],
      "--deepspeed with --pipeline-model-parallel-size 2 needs --zero-stage 1"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
+    (["--memory-budget-gb", "0"], "--memory-budget-gb must be a positive number of GB per rank, got 0.0"),
     (["--zero-stage", "1"], "--zero-stage 1 needs --deepspeed"),
     (["--pretrained-checkpoint", "p1", "--load", "p2", "--finetune"],
      "--pretrained-checkpoint already takes the weights only and resumes the run's own checkpoint"),

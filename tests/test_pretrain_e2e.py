@@ -134,3 +134,59 @@ def test_vocab_smaller_than_data_is_a_clear_error(dataset, tmp_path):
     args = pretrain_args(dataset, tmp_path / "m.jsonl")
     args[args.index("--vocab-file") + 1] = str(tmp_path / "small.txt")
     _one_line_error(_run([sys.executable, *args]), "preprocessed with another vocab")
+
+
+# Big enough that model states, not the fixed per-process overhead, set TP=2 apart from one process.
+MEMORY_MODEL = ("--hidden-size", "512", "--num-attention-heads", "8")
+
+
+def _budget_between_one_process_and_tp2(d) -> float:
+    """A per-rank budget the planner puts between its one-process and its TP=2 prediction
+    for MEMORY_MODEL on the CPU, so the test follows the planner's calibration."""
+    from megabert.arguments import parse_args
+    from megabert.data import build_tokenizer
+    from megabert.planning import preflight
+
+    vocab_size = build_tokenizer("BertWordPieceLowerCase", str(d / "vocab.txt")).vocab_size
+
+    def predicted(tp: int) -> float:
+        cfg = parse_args(pretrain_args(d, "m.jsonl", *MEMORY_MODEL, "--tensor-model-parallel-size", str(tp))[1:])
+        return preflight(cfg, 1, "cpu", budget_gb=1.0, vocab_size=vocab_size).estimate.total_gb
+
+    one, tp2 = predicted(1), predicted(2)
+    assert tp2 < one - 0.02, (one, tp2)
+    return round((one + tp2) / 2, 3)
+
+
+def test_memory_budget_warning_names_the_flags_that_fit(dataset, tmp_path):
+    """Over --memory-budget-gb, one process logs the planner's warning before the model is
+    built (the TP=2 and PP=2 flags, with their predictions), then trains anyway."""
+    budget = _budget_between_one_process_and_tp2(dataset)
+    metrics = tmp_path / "m.jsonl"
+    r = _run([sys.executable, *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--memory-budget-gb", str(budget))])
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = r.stderr.splitlines()
+    warned = [i for i, line in enumerate(lines) if "WARNING predicted peak" in line]
+    assert len(warned) == 1, r.stderr[-4000:]
+    warning = lines[warned[0]]
+    assert f"exceeds the {budget:g} GB budget (tp1.pp1.dp1.z0;" in warning
+    assert warning.endswith("(budget from --memory-budget-gb)")
+    assert "--tensor-model-parallel-size 2 (" in warning and "GB on 2 ranks, fits)" in warning
+    assert "--pipeline-model-parallel-size 2 (" in warning
+    built = [i for i, line in enumerate(lines) if "attention backend:" in line]  # logged as the model is built
+    assert built and warned[0] < built[0], r.stderr[-4000:]
+    assert len([x for x in rows(metrics) if "lm_loss" in x]) == 3
+
+
+def test_memory_budget_fit_is_one_info_line(dataset, tmp_path):
+    """The same budget with TP=2, which the planner says fits: one info line, and it trains."""
+    budget = _budget_between_one_process_and_tp2(dataset)
+    metrics = tmp_path / "m.jsonl"
+    r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
+              *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--tensor-model-parallel-size", "2",
+                             "--memory-budget-gb", str(budget))])
+    assert r.returncode == 0, r.stderr[-4000:]
+    fit = [line for line in r.stderr.splitlines() if "INFO predicted peak" in line]
+    assert len(fit) == 1 and f"(tp2.pp1.dp1.z0) fits the {budget:g} GB budget from --memory-budget-gb" in fit[0], fit
+    assert "exceeds the" not in r.stderr
+    assert len([x for x in rows(metrics) if "lm_loss" in x]) == 3

@@ -9,9 +9,12 @@ Model states, bytes per parameter element held by a rank (P its parameters, d = 
       2: params p P, grads p P/d, 12 P/d
       3: params p P/d (+ tensors under the persistence threshold whole, + the live gathered
          parameters), grads p P/d, 12 P/d
-      all: the fp32 gradient partition the step reads, 4 P/d, and the reduce/all-gather buckets.
-      Offload optimizer: master, moments and the fp32 gradient partition live in host memory;
-      offload params: ZeRO-3's parameter partition too.
+      1, 2: the fp32 gradient partition the step reads, 4 P/d; all: the reduce/all-gather buckets.
+      3: the step walks the partition one sub-group (S elements, zero_sizing's sub_group_size)
+         at a time: that sub-group's fp32 gradient copy and AdamW's two temporaries, 12 S.
+      Offload optimizer: master, moments and an fp32 gradient partition live in host memory
+      (DeepSpeedCPUAdam steps in place: no temporaries); offload params: ZeRO-3's parameter
+      partition too.
   (DeepSpeed's own estimate_zero3_model_states_mem_needs counts 18 P/d for mixed precision.)
 
 Peak: on a GPU, megabert's trainer frees gradients before each forward
@@ -21,12 +24,18 @@ backward) do not add up: peak = params + optimizer + max(activations, grads + bu
 On the CPU, glibc's heap does not hand freed activation pages to the next, differently
 sized allocations, so the RSS high-water adds them (measured: the max under-predicted
 BERT-base by 0.2 GB). DeepSpeed keeps gradient buffers allocated: everything adds up.
-The same heap behaviour keeps full-size tensors that DeepSpeed makes and frees once per
-step in the RSS (a bench/memory.py RSS timeline of ZeRO-3 at BERT-base: 1.1 GB after
-initialisation, 2.9 GB from the first iteration on): ZeRO-2's per-parameter gradients
-before they are copied into the reduce bucket (p P), ZeRO-3's gathered parameters and
-those gradients (2 p P). A GPU's caching allocator reuses those blocks instead (bounded by
-the live-parameter and bucket sizes), so the terms apply to CPU runs only.
+The same heap keeps pages of full-size tensors that DeepSpeed makes and frees once per
+step: ZeRO-2's per-parameter gradients before they are copied into the reduce bucket
+(p P); under ZeRO-3, one fp32 copy of the model (4 P: the model as megabert builds it
+before DeepSpeed partitions it, whose pages gathered parameters and activations reuse
+later), and 4 P more with the optimizer offloaded. Both calibrated with bench/memory.py
+(fp32, DP=2): BERT-base and BERT-large kept 3.8 and 4.9 bytes per parameter above the
+predicted live states under ZeRO-3, and offload another 3.8 and 4.2. Heap, not live
+tensors: with glibc told to return every block of 128 KiB or more at once
+(MALLOC_MMAP_THRESHOLD_=131072) BERT-large's ZeRO-3 peaked at 4.8 GB instead of 6.8, and
+with offload at 5.5 GB instead of 8.2, the 0.7 GB between them the host fp32 gradient
+partition. A GPU's caching allocator reuses those blocks instead (bounded by the
+live-parameter and bucket sizes), so these terms apply to CPU runs only.
 
 ZeRO bucket and live-parameter sizes come from megabert.training.deepspeed_engine.zero_sizing,
 the numbers the DeepSpeed config is built from; this module never restates them.
@@ -57,12 +66,18 @@ FRAMEWORK_OVERHEAD_GB = {"cpu": 0.7, "cuda": 1.0}
 # DeepSpeed's import and engine on a CPU run: what its ZeRO-1/2/3 runs at BERT-base measured
 # beyond the states below (0.11, 0.09, 0.04 GB). On a GPU it lives in host memory.
 DEEPSPEED_OVERHEAD_GB = {"cpu": 0.1, "cuda": 0.0}
+# glibc's heap high-water under ZeRO-3 on the CPU, bytes per parameter element of the rank's
+# model, and what offloading the optimizer adds (calibrated; see the module docstring).
+CPU_ZERO3_HEAP_BYTES_PER_PARAM = 4.0
+CPU_OFFLOAD_HEAP_BYTES_PER_PARAM = 4.0
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted peak memory of the fullest rank of a layout, in GB (1e9 bytes), with its parts."""
 
+    model: ModelConfig
+    run: RunSpec
     layout: Layout
     stage: int
     """Pipeline stage of the fullest rank (0: embeddings; pp-1: heads and the tied copy)."""
@@ -117,21 +132,24 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
         out["parameters"] = p * persistent + (0.0 if layout.offload_params else partition)
         out["host"] += partition if layout.offload_params else 0.0
         out["buffers"] = p * (live + sizing["reduce_bucket_size"])
-        if run.device == "cpu":
-            out["buffers"] = p * (2 * P + sizing["reduce_bucket_size"])  # heap high-water, see above
+        if run.device == "cpu":  # heap high-water, see above
+            out["buffers"] += (CPU_ZERO3_HEAP_BYTES_PER_PARAM
+                               + (CPU_OFFLOAD_HEAP_BYTES_PER_PARAM if layout.offload_optimizer else 0.0)) * P
         grads = p * P / d
+        step_buffers = 12.0 * min(sizing["sub_group_size"], P / d)  # one sub-group's fp32 grads + AdamW's
     else:
         out["parameters"] = p * P
         out["buffers"] = p * (sizing["reduce_bucket_size"] + sizing["allgather_bucket_size"])
         grads = p * P + p * P / d if layout.zero_stage == 1 else p * P / d
         if layout.zero_stage == 2 and run.device == "cpu":
             out["buffers"] += p * P  # per-parameter gradients before the bucket copy, heap high-water
+        step_buffers = fp32_grad_partition
     out["gradients"] = grads
     if layout.offload_optimizer:
         out["host"] += optimizer + fp32_grad_partition
     else:
         out["optimizer"] = optimizer
-        out["buffers"] += fp32_grad_partition
+        out["buffers"] += step_buffers
     return out
 
 
@@ -153,7 +171,7 @@ def estimate_stage(model: ModelConfig, run: RunSpec, layout: Layout, stage: int)
     notes = []
     if sp.tied_embedding:
         notes.append("last stage holds a copy of the tied word embeddings")
-    return MemoryEstimate(layout=layout, stage=stage, params_per_rank=sp.total,
+    return MemoryEstimate(model=model, run=run, layout=layout, stage=stage, params_per_rank=sp.total,
                           parameters_gb=states["parameters"] / GB, gradients_gb=states["gradients"] / GB,
                           optimizer_gb=states["optimizer"] / GB, activations_gb=activations / GB,
                           buffers_gb=states["buffers"] / GB, overhead_gb=overhead, host_gb=host / GB,

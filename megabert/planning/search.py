@@ -5,7 +5,7 @@ ranks (tp x pp: less that can go wrong, larger DP), then to less memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from megabert.config import ModelConfig
@@ -78,29 +78,61 @@ def plan(model: ModelConfig, run: RunSpec, devices: int, budget_gb: float, *, ma
     return fits
 
 
+def _state_fixes(lay: Layout) -> list[tuple[str, Layout]]:
+    """Layouts that may hold less model state than `lay`, with the flags that give them:
+    more ZeRO on the same ranks (ZeRO-3 on two when there is one), ZeRO-3 with CPU offload
+    (on one process too: ZeRO-Offload), twice the tensor or pipeline ranks. DeepSpeed does
+    not combine with --sequence-parallel, so a layout that uses it gets no ZeRO change."""
+    out = []
+    zero_ok = not lay.sequence_parallel
+    if zero_ok and lay.dp > 1 and lay.zero_stage < 3 and lay.pp == 1:
+        out.append((f"--deepspeed --zero-stage {lay.zero_stage + 1}", replace(lay, zero_stage=lay.zero_stage + 1)))
+    elif zero_ok and lay.dp > 1 and lay.zero_stage == 0:
+        out.append(("--deepspeed --zero-stage 1", replace(lay, zero_stage=1)))
+    elif zero_ok and lay.dp == 1 and lay.pp == 1:
+        out.append(("--deepspeed --zero-stage 3", replace(lay, dp=2, zero_stage=3)))
+    if zero_ok and lay.pp == 1 and not lay.offload_params:
+        out.append(("--deepspeed --zero-stage 3 --zero-offload-optimizer cpu --zero-offload-params cpu",
+                    replace(lay, zero_stage=3, offload_optimizer=True, offload_params=True)))
+    elif lay.zero_stage and not lay.offload_optimizer:
+        out.append(("--zero-offload-optimizer cpu", replace(lay, offload_optimizer=True)))
+    out.append((f"--tensor-model-parallel-size {2 * lay.tp}", replace(lay, tp=2 * lay.tp)))
+    if lay.zero_stage <= 1:  # ZeRO-2/3 do not combine with pipelining
+        out.append((f"--pipeline-model-parallel-size {2 * lay.pp}", replace(lay, pp=2 * lay.pp)))
+    return out
+
+
+def _smaller(est: MemoryEstimate, budget_gb: float) -> list[str]:
+    """The state fixes predicted to lower the peak, lowest first, each as
+    "flags (X GB[ on N ranks][, fits])"; ones the model does not divide for are left out."""
+    found = []
+    for flags, layout in _state_fixes(est.layout):
+        try:
+            total = estimate(est.model, est.run, layout).total_gb
+        except ConfigError:
+            continue
+        if total < est.total_gb:
+            ranks = f" on {layout.world_size} ranks" if layout.world_size != est.layout.world_size else ""
+            found.append((total, f"{flags} ({total:.2f} GB{ranks}{', fits' if total <= budget_gb else ''})"))
+    return [text for _, text in sorted(found)]
+
+
 def fit_warning(est: MemoryEstimate, budget_gb: float) -> Optional[str]:
     """None when the estimate fits; else one line naming the largest parts and the flags
-    that shrink them (the trainer prints it before a run that would run out of memory)."""
+    that shrink them, each state fix with its predicted peak, lowest first (the trainer
+    prints it before a run that would run out of memory)."""
     if est.total_gb <= budget_gb:
         return None
     lay = est.layout
     parts = sorted(((v, k) for k, v in est.breakdown().items() if k != "host (offloaded)"), reverse=True)
-    largest = ", ".join(f"{k} {v:.1f}" for v, k in parts[:3])
-    fixes = []
+    largest = ", ".join(f"{k} {v:.2f}" for v, k in parts[:3])
     states = est.parameters_gb + est.gradients_gb + est.optimizer_gb
     if states >= est.activations_gb:
-        if lay.dp > 1 and lay.zero_stage < 3 and lay.pp == 1:
-            fixes.append(f"--deepspeed --zero-stage {lay.zero_stage + 1}")
-        elif lay.dp > 1 and lay.zero_stage == 0:
-            fixes.append("--deepspeed --zero-stage 1")
-        fixes.append(f"--tensor-model-parallel-size {lay.tp * 2} or --pipeline-model-parallel-size {lay.pp * 2}")
-        if lay.zero_stage and not lay.offload_optimizer:
-            fixes.append("--zero-offload-optimizer cpu")
+        fixes = _smaller(est, budget_gb) or ["more ranks: no layout change of this one is predicted to hold less"]
     else:
-        fixes.append("--recompute-granularity selective or full")
+        fixes = ["--recompute-granularity selective or full"]
         if lay.tp > 1 and not lay.sequence_parallel:
             fixes.append("--sequence-parallel")
         fixes.append("a smaller --micro-batch-size")
-    return (f"predicted peak {est.total_gb:.1f} GB per rank exceeds the {budget_gb:g} GB budget "
+    return (f"predicted peak {est.total_gb:.2f} GB per rank exceeds the {budget_gb:g} GB budget "
             f"({lay.short()}; largest: {largest} GB); try {'; or '.join(fixes)}")
-

@@ -32,8 +32,13 @@ def zero_sizing(hidden_size: int) -> dict:
 
     One transformer layer holds 12 h^2 weights (QKV 3h^2, output h^2, MLP 8h^2); ZeRO-3
     keeps at most two layers' worth gathered, parameters smaller than 10 h stay
-    unpartitioned (LayerNorms, biases: gathering them costs more than it saves). The
-    layout planner (megabert.planning) reads these same numbers."""
+    unpartitioned (LayerNorms, biases: gathering them costs more than it saves), and its
+    optimizer step walks the partition two layers' worth at a time (sub_group_size):
+    DeepSpeed's default of 1e9 elements steps a BERT-large partition in one piece, and the
+    fp32 gradient copy it makes plus AdamW's temporaries (sqrt, then the denominator) were
+    three partition-sized tensors at once (bench/memory.py: BERT-large ZeRO-3 DP=2 peaked
+    at 8.2 GB per rank, above one process's 7.0; 6.8 GB with sub-groups, same losses).
+    The layout planner (megabert.planning) reads these same numbers."""
     h2 = hidden_size * hidden_size
     return {
         "reduce_bucket_size": h2,
@@ -42,6 +47,7 @@ def zero_sizing(hidden_size: int) -> dict:
         "stage3_param_persistence_threshold": 10 * hidden_size,
         "stage3_max_live_parameters": 2 * 12 * h2,
         "stage3_max_reuse_distance": 2 * 12 * h2,
+        "sub_group_size": 2 * 12 * h2,
         "overlap_comm": True,
         "contiguous_gradients": True,
     }
@@ -55,7 +61,8 @@ ZERO_STAGE_KEYS = {
     1: ("reduce_bucket_size", "allgather_bucket_size"),
     2: ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients"),
     3: ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-        "stage3_max_live_parameters", "stage3_max_reuse_distance", "overlap_comm", "contiguous_gradients"),
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size", "overlap_comm",
+        "contiguous_gradients"),
 }
 OFFLOAD_KEYS = {"offload_optimizer": ("zero_offload_optimizer", "--zero-offload-optimizer"),
                 "offload_param": ("zero_offload_params", "--zero-offload-params")}
