@@ -31,7 +31,9 @@ FINETUNE_EXCLUDED = {"train.train_iters", "train.eval_interval", "train.eval_ite
 # pretrain_bert.py's defaults where they differ from the library's: the trainer always has
 # labels, so the [tokens, vocab] MLM GEMM runs only at the ~15% masked positions (the loss
 # is the same; the Python API keeps transformers' full logits unless asked).
-PRETRAIN_DEFAULTS = {"model.mlm_logits_at_masked_only": True}
+# Likewise padding costs no GEMM FLOPs (the unpadded encoder), except with sequence
+# parallelism, which splits the padded sequence: there it stays off unless typed (an error).
+PRETRAIN_DEFAULTS = {"model.mlm_logits_at_masked_only": True, "model.unpad_input": True}
 FINETUNE_DEFAULTS = {"optim.lr": 3e-5, "optim.lr_warmup_fraction": 0.1, "optim.lr_decay_style": "linear",
                      "optim.weight_decay": 0.01}
 
@@ -133,8 +135,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     # The deepspeed launcher appends --local_rank=N; the local rank is read from the
     # environment (LOCAL_RANK), so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    typed = explicit_flags(parser.parse_known_args(argv)[0])  # before pretrain_bert.py's defaults fill in
-    parser.set_defaults(**PRETRAIN_DEFAULTS)
+    known = parser.parse_known_args(argv)[0]
+    typed = explicit_flags(known)  # before pretrain_bert.py's defaults fill in
+    defaults = dict(PRETRAIN_DEFAULTS)
+    if getattr(known, "model.sequence_parallel", False):
+        defaults["model.unpad_input"] = False
+    parser.set_defaults(**defaults)
     ns = parser.parse_args(argv)
     try:
         cfg = Configs(**configs_from_namespace(ns), explicit=typed)

@@ -46,6 +46,10 @@ class ModelConfig:
     mlm_logits_at_masked_only: bool = arg(False, "Compute MLM logits only at masked positions when labels are "
                                           "given (saves the [tokens, vocab] matmul and memory for unmasked "
                                           "tokens); on by default in pretrain_bert.py.")
+    unpad_input: bool = arg(False, "Run the encoder's token-wise work (GEMMs, GELU, LayerNorm, dropout) on "
+                            "real tokens only, leaving padding out (NVIDIA's unpadded BERT); the pre-training "
+                            "loss is unchanged. On by default in pretrain_bert.py; needs a [b, s] padding mask "
+                            "and no --sequence-parallel.")
     attention_backend: str = arg("auto", "Core attention: torch (unfused reference), sdpa "
                                  "(torch scaled_dot_product_attention), fused (megabert kernels), "
                                  "auto (fused on CPU when built, else sdpa).",
@@ -70,6 +74,9 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.unpad_input and self.sequence_parallel:
+            raise ConfigError("--unpad-input cannot combine with --sequence-parallel (the sequence is split over "
+                              "tensor-parallel ranks, the real tokens are not); use --no-unpad-input")
 
     @property
     def head_dim(self) -> int:

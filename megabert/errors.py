@@ -43,7 +43,11 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
                 raise
             rank = os.environ.get("RANK", "0")
             prefix = "error: " if rank == "0" else f"error (rank {rank}): "
-            print(prefix + str(e), file=sys.stderr, flush=True)
+            # One write of the whole line: with unbuffered stderr (PYTHONUNBUFFERED, as
+            # launchers set it) print() writes the text and the newline separately, and
+            # two ranks failing together interleaved into one garbled line.
+            sys.stderr.write(prefix + str(e) + "\n")
+            sys.stderr.flush()
             return 2
 
     return wrapper

@@ -1,13 +1,17 @@
 """Runs a test body in N spawned processes joined by a gloo process group."""
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import tempfile
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import megabert
 
 
 def _worker(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple) -> None:
@@ -16,9 +20,17 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, args: tupl
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     fn(rank, world_size, *args)
     # NOTE: a rank that tears gloo down while its peer is still sending can abort the
-    # peer ("terminate called without an active exception"); leave together.
+    # peer ("terminate called without an active exception"); leave together, drop every
+    # reference to the groups (megabert's current ParallelState included) while both ranks
+    # are still here, and skip the interpreter's finalisation: a gloo group that survives
+    # until then is destroyed among C++ static destructors, and on a loaded machine that
+    # aborted a worker after its test body had passed (seen once in CI).
     dist.barrier()
-    dist.destroy_process_group()
+    megabert.destroy_parallel()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, *args) -> None:

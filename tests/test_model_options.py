@@ -62,3 +62,43 @@ def _masked_only(rank, world):
 
 def test_masked_only_logits_match_full():
     run_distributed(_masked_only, 2)
+
+
+def _unpadded_vs_padded(layernorm_position, recompute, backend):
+    ps = megabert.init_parallel()
+    b = next(batches(0, 4, 0, 1))
+    assert (b["attention_mask"] == 0).any()  # the tiny samples are padded
+    results = []
+    for unpad in (False, True):
+        cfg = _cfg(unpad_input=unpad, layernorm_position=layernorm_position, recompute_granularity=recompute)
+        cfg.attention_backend = backend
+        model = megabert.BertForPreTraining(cfg, ps, seed=5).train()
+        o = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
+        o.loss.backward()
+        results.append((o.loss.detach(), o.nsp_logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss0, nsp0, g0), (loss1, nsp1, g1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-6)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_unpadded_encoder_equals_padded():
+    """Leaving padding out of the token-wise work changes nothing the loss sees: loss,
+    sentence-pair logits and every gradient equal the padded model's (post- and pre-LN,
+    activation recompute, each attention backend)."""
+    for args in [("post", None, "torch"), ("pre", "full", "sdpa"), ("post", "selective", "fused")]:
+        _unpadded_vs_padded(*args)
+
+
+def test_unpadding_and_sequence_parallel_do_not_combine():
+    import pytest
+
+    from megabert.arguments import parse_args
+
+    # pretrain_bert.py unpads by default, and leaves it off under --sequence-parallel ...
+    assert parse_args(["--data-path", "x"]).model.unpad_input
+    assert not parse_args(["--data-path", "x", "--sequence-parallel"]).model.unpad_input
+    # ... where asking for both is one line naming the flags.
+    with pytest.raises(megabert.ConfigError, match="--unpad-input cannot combine with --sequence-parallel"):
+        _cfg(unpad_input=True, sequence_parallel=True)

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from megabert import ops
 from megabert.model.context import BuildContext
+from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 
@@ -37,9 +38,14 @@ class SelfAttention(nn.Module):
                                   dropout_p=self.ctx.config.attention_dropout if self.training else 0.0,
                                   rng_fork=self.ctx.rng.fork)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """x: [s, b, h] (or [s/tp, b, h] with sequence parallelism); mask: bool [b, 1, 1|s, s]."""
-        qkv = self.qkv(x)  # [s, b, 3h/tp]
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None
+                ) -> torch.Tensor:
+        """x: [s, b, h] (or [s/tp, b, h] with sequence parallelism), or [T, h] of the real
+        tokens that `tokens` places (unpadded: the GEMMs skip padding, the core pads back);
+        mask: bool [b, 1, 1|s, s]."""
+        qkv = self.qkv(x)  # [s, b, 3h/tp] or [T, 3h/tp]
+        if tokens is not None:
+            qkv = tokens.pad(qkv)  # [s, b, 3h/tp]: padded keys are masked, padded queries dropped below
         s, b = qkv.shape[:2]
         q, k, v = (t.reshape(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
                    for t in qkv.chunk(3, dim=-1))  # each [b, n/tp, s, d]
@@ -50,4 +56,6 @@ class SelfAttention(nn.Module):
         else:
             ctx = self._core(q, k, v, mask)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)  # [s, b, h/tp]
+        if tokens is not None:
+            ctx = tokens.unpad(ctx)  # [T, h/tp]
         return self.dense(ctx)

@@ -27,6 +27,7 @@ from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
 from megabert.model.pretrained import PretrainedMixin
 from megabert.model.transformer import TransformerBlock
+from megabert.model.unpad import TokenLayout
 from megabert.ops import resolve_attention_backend, resolve_layernorm_backend
 from megabert.parallel import ParallelState, get_parallel_state
 from megabert.parallel.layout import StageLayout
@@ -77,6 +78,7 @@ class BertBackbone(nn.Module):
             self.embeddings = None
         self.encoder = TransformerBlock(ctx, stage.layer_ids, final_layernorm=stage.is_last_stage)
         self.pooler = Pooler(ctx) if add_pooler and stage.is_last_stage else None
+        self.unpad = ctx.config.unpad_input
 
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
                       token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor]):
@@ -87,8 +89,14 @@ class BertBackbone(nn.Module):
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             hidden = self.embeddings(input_ids, tt)
         last = self.stage.is_last_chunk(v)
-        x = self.encoder(hidden, attention_mask_to_bool(attention_mask), self.stage.chunk_layers(v),
-                         apply_final_layernorm=last)
+        # Unpadded: the chunk's layers see [T, h] of the real tokens; what leaves the chunk
+        # (to the heads, or to the next pipeline stage) is [s, b, h] again.
+        tokens = TokenLayout(attention_mask) if self.unpad and attention_mask is not None \
+            and attention_mask.dim() == 2 else None
+        x = self.encoder(hidden if tokens is None else tokens.unpad(hidden), attention_mask_to_bool(attention_mask),
+                         self.stage.chunk_layers(v), apply_final_layernorm=last, tokens=tokens)
+        if tokens is not None:
+            x = tokens.pad(x)
         if not last:
             return x
         if self.ctx.sequence_parallel:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megabert.model.attention import SelfAttention
 from megabert.model.context import BuildContext
+from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import describe_module, set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 
@@ -55,11 +56,13 @@ class TransformerLayer(nn.Module):
         with fork:
             return F.dropout(x, self.dropout_p, self.training)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None
+                ) -> torch.Tensor:
+        """x: [s, b, h], or [T, h] of the real tokens that `tokens` places (unpadded)."""
         if self.pre_ln:
-            x = x + self._dropout(self.attention(self.attention_layernorm(x), mask))
+            x = x + self._dropout(self.attention(self.attention_layernorm(x), mask, tokens))
             return x + self._dropout(self.mlp(self.mlp_layernorm(x)))
-        x = self.attention_layernorm(x + self._dropout(self.attention(x, mask)))
+        x = self.attention_layernorm(x + self._dropout(self.attention(x, mask, tokens)))
         return self.mlp_layernorm(x + self._dropout(self.mlp(x)))
 
 
@@ -80,14 +83,15 @@ class TransformerBlock(nn.Module):
         self.full_recompute = ctx.config.recompute_granularity == "full"
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], layer_ids: Optional[Sequence[int]] = None,
-                apply_final_layernorm: bool = True) -> torch.Tensor:
-        """Runs `layer_ids` (default: all held layers, in order), then the final LayerNorm."""
+                apply_final_layernorm: bool = True, tokens: Optional[TokenLayout] = None) -> torch.Tensor:
+        """Runs `layer_ids` (default: all held layers, in order), then the final LayerNorm.
+        With `tokens`, x is [T, h] of the real tokens (see megabert.model.unpad)."""
         layers = self.layers.values() if layer_ids is None else (self.layers[str(i)] for i in layer_ids)
         for layer in layers:
             if self.full_recompute and self.training:
-                x = checkpoint(layer, self.ctx.rng, x, mask)
+                x = checkpoint(layer, self.ctx.rng, x, mask, tokens)
             else:
-                x = layer(x, mask)
+                x = layer(x, mask, tokens)
         if apply_final_layernorm and self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

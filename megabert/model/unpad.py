@@ -1,0 +1,41 @@
+"""Unpadded encoder: the token-wise work on real tokens only.
+
+In a BERT batch every token-wise operation (the QKV, projection and MLP GEMMs, GELU,
+LayerNorm, dropout, residual adds: all of a layer's FLOPs but attention's) costs as much
+on a padding token as on a real one, and its result is thrown away. NVIDIA's BERT recipe
+packs the real tokens of a batch into one [T, h] matrix and runs those operations on it
+(its "unpadded" path); only the attention core needs sequences, so it pads back there.
+On real pre-training data 10-40% of positions are padding (short documents, the 10% of
+short samples), so that share of the encoder's GEMM FLOPs goes.
+
+Nothing else changes: attention masks padded keys either way, and the loss never reads a
+padding position (masked-LM labels are -100 there, the sentence-pair head reads [CLS]), so
+the pre-training loss and gradients equal the padded model's (to float rounding; dropout
+draws its masks over [T, h] instead of [s, b, h], so with dropout the draws differ).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class TokenLayout:
+    """Where the real tokens of an [s, b] batch are: `indices` into the flattened [s * b]
+    positions (Megatron's sequence-first layout), in that order."""
+
+    def __init__(self, attention_mask: torch.Tensor):
+        """attention_mask: [b, s], transformers' convention (1 = token, 0 = padding)."""
+        b, s = attention_mask.shape
+        self.s, self.b = s, b
+        # NOTE: nonzero() waits for the mask's values: one host sync per micro-batch on a
+        # GPU (none when the mask is still on the CPU), whatever the number of layers.
+        self.indices = attention_mask.t().reshape(-1).nonzero().squeeze(1)  # [T]
+        self.num_tokens = self.indices.numel()
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, ...] -> [T, ...]; the gradient flows back to the real positions."""
+        return x.reshape(self.s * self.b, *x.shape[2:]).index_select(0, self.indices)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [s, b, ...] with zeros at padding positions."""
+        out = x.new_zeros(self.s * self.b, *x.shape[1:])
+        return out.index_copy(0, self.indices, x).reshape(self.s, self.b, *x.shape[1:])
