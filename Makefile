@@ -13,7 +13,7 @@ EXTRAS ?= deepspeed,mpi,test
 SOURCES := Makefile setup.py pyproject.toml $(shell find megabert -name '*.cpp' -o -name '*.cu' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -39,6 +39,16 @@ demo: install
 
 bench: install
 	$(VPY) bench/run_all.py
+
+# On a GPU machine with a CUDA torch in the venv (make install keeps it): builds the CUDA
+# kernels, runs their tests against PyTorch, then BERT-large bf16 phase 1/2 throughput and
+# MFU next to transformers (docs/performance.md records the figures).
+bench-gpu: install
+	$(VPY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make bench-gpu needs a CUDA GPU and a CUDA torch in $(VENV)')"
+	$(VPY) -c "import megabert.fused_kernels as fk; import sys; sys.exit(0 if fk.is_available('cuda') else 'CUDA kernels not built: ' + str(fk.load_error('cuda')))"
+	$(VPY) -m pytest -q tests/test_fused_kernels.py
+	$(VPY) bench/kernels.py
+	$(VPY) bench/gpu/bert_large.py
 
 clean:
 	rm -rf build *.egg-info demo_out

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -27,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import megabert  # noqa: E402
+from _timing import interleaved, print_table  # noqa: E402
 from megabert.arguments import parse_args  # noqa: E402
 from megabert.training.pretraining import build_pretraining  # noqa: E402
 
@@ -134,26 +133,11 @@ def main() -> None:
     sides = {"transformers": transformers_step(args, batches, ps.device)}
     for name in args.variants:
         sides[name] = ours(shape + VARIANTS[name], ps, args.vocab, batches)
-    times = {name: [] for name in sides}
-    for name, (step, _) in sides.items():  # warm-up: allocator, lazy init, first kernel choice
-        step(), step()
-    for r in range(args.rounds):
-        names = list(sides)
-        names = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
-        for name in names:
-            t0 = time.perf_counter()
-            sides[name][0]()
-            times[name].append(time.perf_counter() - t0)
-
-    tokens = args.batch * args.seq
+    medians = interleaved({name: step for name, (step, _) in sides.items()}, args.rounds)
     print(f"device {ps.device} | torch {torch.__version__} threads {torch.get_num_threads()} | {args.layers} layers, "
           f"hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32, AdamW | "
           f"real (non-padding) tokens {real:.1%} | median of {args.rounds} interleaved steps")
-    t_hf = statistics.median(times["transformers"])
-    print(f"{'side':18} {'backends':16} {'step ms':>9} {'tokens/s':>10} {'vs transformers':>16}")
-    for name, (_, backends) in sides.items():
-        t = statistics.median(times[name])
-        print(f"{name:18} {backends:16} {t * 1e3:9.1f} {tokens / t:10.0f} {t_hf / t:15.2f}x")
+    print_table(medians, {name: label for name, (_, label) in sides.items()}, args.batch * args.seq, "transformers")
 
 
 if __name__ == "__main__":
