@@ -5,6 +5,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 from dist_utils import run_distributed
 from train_utils import read_metrics, train_worker
 
@@ -129,3 +130,30 @@ def test_zero1_pipeline_resumes_bitwise(tmp_path):
     assert read_metrics(part) == read_metrics(full)
     assert os.path.isfile(os.path.join(ckpt, "deepspeed", "iter_0000003",
                                        "zero_pp_rank_1_mp_rank_01_optim_states.pt"))
+
+
+def test_bf16_stages_exchange_bf16_and_follow_one_process(tmp_path):
+    """Under --bf16 activations and their gradients cross stages as bf16 (half the bytes);
+    the losses stay those of one bf16 process up to that rounding."""
+    import megabert.pipeline_parallel as pp_mod
+
+    assert pp_mod.pipeline_dtype(True) == torch.bfloat16 and pp_mod.pipeline_dtype(False) == torch.float32
+    one, two = str(tmp_path / "one.jsonl"), str(tmp_path / "two.jsonl")
+    run_distributed(train_worker, 1, COMMON + ["--bf16", "--metrics-file", one])
+    run_distributed(_bf16_worker, 2, COMMON + PP2 + ["--bf16", "--metrics-file", two])
+    assert read_metrics(two) == pytest.approx(read_metrics(one), abs=2e-2)
+
+
+def _bf16_worker(rank, world, argv):
+    import megabert.pipeline_parallel.p2p as p2p
+
+    sent = []
+    real_send = p2p.PipeComm._send
+
+    def send(self, tensor, dst, group, tag):
+        sent.append(self.dtype)
+        return real_send(self, tensor, dst, group, tag)
+
+    p2p.PipeComm._send = send
+    train_worker(rank, world, argv)
+    assert sent and set(sent) == {torch.bfloat16}

@@ -25,6 +25,14 @@ import torch.distributed as dist
 from megabert.parallel import ParallelState
 
 
+def pipeline_dtype(bf16: bool) -> torch.dtype:
+    """What stages exchange. Under bf16 the activations and their gradients travel as
+    bf16 (Megatron's choice): half the bytes of fp32, and bf16 has fp32's range, so nothing
+    overflows; the receiving stage's first LayerNorm runs in fp32 under autocast anyway.
+    fp32 and fp16 runs exchange fp32 (scaled fp16 gradients could overflow in transit)."""
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 class PipeComm:
     """Sends and receives [s, b, h] activations and their gradients for one pipeline."""
 

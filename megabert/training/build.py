@@ -13,7 +13,7 @@ from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
-from megabert.pipeline_parallel import PipeComm, PipelineSchedule
+from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.training import deepspeed_engine
 from megabert.training.checkpointing import StartPoint, TrainingState, load_checkpoint, resolve_start
 from megabert.training.precision import DynamicLossScaler, autocast
@@ -53,8 +53,7 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> S
     amp = lambda: autocast(ps.device, t.bf16, t.fp16)  # noqa: E731
     runner = None
     if ps.pp_size > 1:
-        # The residual stream stays fp32 under autocast, so stages exchange fp32.
-        comm = PipeComm(ps, model.activation_shape(run.seq_length, t.micro_batch_size), torch.float32)
+        comm = PipeComm(ps, model.activation_shape(run.seq_length, t.micro_batch_size), pipeline_dtype(t.bf16))
         runner = PipelineSchedule(model, ps, comm, run.batch.num_micro_batches, run.task, autocast=amp)
     if ds_cfg is not None:
         engine = deepspeed_engine.initialize(model, optimizer, ds_cfg, ps)

@@ -17,7 +17,7 @@ from megabert.checkpoint import external
 from megabert.errors import ConfigError, DataError
 from megabert.model import BertForQuestionAnswering
 from megabert.parallel import ParallelState
-from megabert.pipeline_parallel import PipeComm, PipelineSchedule
+from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.precision import autocast
 from megabert.training.strategy import Task
@@ -88,10 +88,10 @@ def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micr
                 yield {key: t[index] for key, t in tensors.items()}
 
 
-def _pipeline_forward(model, ps: ParallelState, batch_size: int, seq_length: int, amp):
+def _pipeline_forward(model, ps: ParallelState, batch_size: int, seq_length: int, amp, bf16: bool):
     """PP > 1: features through the stages with the forward-only schedule; the last stage
     holds the logits and sends them to the other stages of its pipeline."""
-    comm = PipeComm(ps, model.activation_shape(seq_length, batch_size), torch.float32)
+    comm = PipeComm(ps, model.activation_shape(seq_length, batch_size), pipeline_dtype(bf16))
     # Forward-only needs no steady state: any micro-batch count that passes the
     # interleaving check will do; tags stay unique within one call.
     schedule = PipelineSchedule(model, ps, comm, ps.pp_size, qa_task(), autocast=amp)
@@ -129,7 +129,7 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
         batches.append({key: tensors[key][index].to(ps.device)
                         for key in ("input_ids", "token_type_ids", "attention_mask")})
     if ps.pp_size > 1:
-        outputs = _pipeline_forward(model, ps, batch_size, seq, amp)(batches)
+        outputs = _pipeline_forward(model, ps, batch_size, seq, amp, bf16)(batches)
     else:
         outputs = []
         for batch in batches:
