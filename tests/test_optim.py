@@ -1,5 +1,6 @@
-"""Optimizers and schedules: LAMB is layout-independent and equals its per-tensor form;
-schedules hit their endpoints."""
+"""Optimizers and schedules: LAMB is layout-independent and equals its per-tensor form; the
+default AdamW is torch's fused kernel; schedules hit their endpoints."""
+import logging
 import math
 
 import pytest
@@ -10,8 +11,9 @@ from train_utils import batches
 import megabert
 from megabert.config import ModelConfig, OptimConfig
 from megabert.model.pretrained import gather_full
+import megabert.optim as optim_module
 from megabert.optim import Lamb, LRSchedule, build_optimizer, param_groups
-from megabert.parallel.param_spec import spec_table
+from megabert.parallel.param_spec import describe, spec_table
 
 
 def _lamb_step(rank, world, out):
@@ -166,3 +168,48 @@ def test_lamb_loads_a_checkpoint_of_the_per_tensor_version():
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
     assert all(float(opt.state[p]["step"]) == len(grads) for p in params)
 
+
+def _bert_like_model():
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(6, 5), "norm": torch.nn.LayerNorm(5)})
+    for name, p in model.named_parameters():
+        describe(p, weight_decay=name == "dense.weight")
+    return model
+
+
+def test_default_adamw_is_fused_and_equals_the_per_tensor_loop(monkeypatch, caplog):
+    monkeypatch.setattr(optim_module, "_said", set())
+    cfg = OptimConfig(lr=0.01, weight_decay=0.01)
+    model = _bert_like_model()
+    ref_model = _bert_like_model()
+    ref_model.load_state_dict(model.state_dict())
+    with caplog.at_level(logging.INFO, logger="megabert.optim"):
+        opt = build_optimizer(model, cfg)
+    assert "optimizer: AdamW (fused)" in caplog.messages
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    ref = torch.optim.AdamW(param_groups(ref_model, cfg.weight_decay), lr=cfg.lr,
+                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+
+    # A checkpoint of the per-tensor loop (the old default) resumes fused: torch would
+    # restore the saved "fused"/"foreach" flags with the state.
+    opt.load_state_dict(ref.state_dict())
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    opt.step()
+
+
+def test_adamw_on_a_device_without_the_fused_kernel_is_foreach(monkeypatch, caplog):
+    monkeypatch.setattr(optim_module, "_said", set())
+    with torch.device("meta"):
+        model = _bert_like_model()
+    with caplog.at_level(logging.INFO, logger="megabert.optim"):
+        opt = build_optimizer(model, OptimConfig())
+    assert "optimizer: AdamW (foreach)" in caplog.messages
+    assert all(g["foreach"] and not g["fused"] for g in opt.param_groups)
