@@ -1,7 +1,8 @@
 """A training step waits for the device O(1) times, not once per parameter: the count of
 host syncs that megabert's own step code issues (.item(), .tolist(), bool()/float()/int()
 of a tensor) is the same for 2 and 6 layers, in fp32, bf16 and fp16 with loss scaling, with each
-attention and LayerNorm backend.
+attention and LayerNorm backend and each optimizer. The optimizer steps themselves convert no
+tensor to a Python value at all, whoever the caller.
 
 On the CPU such calls cost nothing, which is why a counting shim is needed to see them; on
 a GPU each one stalls the launch queue. torch.optim's own `.item()` on its CPU step
@@ -10,10 +11,13 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from train_utils import TINY, VOCAB, batches
 
 import megabert
 from megabert.arguments import parse_args
+from megabert.config import OptimConfig
+from megabert.optim import Adam, build_optimizer
 from megabert.training.pretraining import build_pretraining
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
@@ -55,8 +59,9 @@ def _step_syncs(monkeypatch, num_layers: int, precision: list[str]) -> list[str]
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--loss-scale", "1024"],
                                        ["--attention-backend", "sdpa"],
-                                       ["--attention-backend", "auto", "--layernorm-backend", "auto"]],
-                         ids=["fp32", "bf16", "fp16", "sdpa", "fused-kernels"])
+                                       ["--attention-backend", "auto", "--layernorm-backend", "auto"],
+                                       ["--optimizer", "lamb"], ["--no-bias-correction"]],
+                         ids=["fp32", "bf16", "fp16", "sdpa", "fused-kernels", "lamb", "adam-no-bias-correction"])
 def test_host_syncs_per_step_do_not_grow_with_layers(monkeypatch, precision):
     if precision and precision[0] == "--fp16" and not _cpu_fp16_autocast():
         pytest.skip("this torch has no float16 autocast on the CPU")
@@ -72,3 +77,61 @@ def _cpu_fp16_autocast() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+class ScalarReads(TorchDispatchMode):
+    """Every read of a tensor's value into Python (.item(), bool(), float(), int()) goes
+    through aten._local_scalar_dense, from Python or C++ alike; .tolist() is counted by hand."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.count = 0
+        original = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (self._add(), original(t))[1])
+
+    def _add(self):
+        self.count += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self._add()
+        return func(*args, **(kwargs or {}))
+
+
+OPTIMIZERS = {
+    "adamw-fused": lambda model: build_optimizer(model, OptimConfig()),
+    "lamb": lambda model: build_optimizer(model, OptimConfig(optimizer="lamb")),
+    "lamb-no-bias-correction": lambda model: build_optimizer(model, OptimConfig(optimizer="lamb",
+                                                                                bias_correction=False)),
+    "adam-no-bias-correction": lambda model: build_optimizer(model, OptimConfig(bias_correction=False)),
+    "adam-bias-correction": lambda model: Adam(model.parameters(), bias_correction=True),
+}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_step_reads_no_tensor_value(monkeypatch, optimizer):
+    ps = megabert.init_parallel()
+    model = megabert.BertForPreTraining(megabert.bert_tiny(vocab_size=100), ps)
+    opt = OPTIMIZERS[optimizer](model)
+    counts = []
+    for _ in range(2):  # the first creates the state
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        reads = ScalarReads(monkeypatch)
+        with reads:
+            opt.step()
+        monkeypatch.undo()
+        counts.append(reads.count)
+    assert counts == [0, 0]
+
+
+def test_scalar_reads_are_counted(monkeypatch):
+    # The per-tensor AdamW reads its step counter once per parameter.
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+    opt = torch.optim.AdamW(params, foreach=False)
+    for p in params:
+        p.grad = torch.ones(3)
+    reads = ScalarReads(monkeypatch)
+    with reads:
+        opt.step()
+    assert reads.count == 4

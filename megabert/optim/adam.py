@@ -6,18 +6,19 @@ recipe (bing_bert, "bias_correction": false, as Google's original BERT AdamWeigh
 trains without it: the early updates are then larger (step 1 moves by
 (1 - b1) / sqrt(1 - b2) = 3.16 x lr instead of lr for the default betas), which the
 recipe's warmup keeps in check. `build_optimizer` uses this class only when bias
-correction is off; with it on, torch's AdamW is the same update, bitwise.
+correction is off; with it on, it is torch's AdamW(foreach=False) update, bitwise on the CPU.
 
-The update, per tensor (no multi-tensor kernels, so a result does not depend on how the
-parameters are grouped):
+The update, per tensor:
     p <- p * (1 - lr * wd)
     m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
     m_hat, v_hat = m / (1 - b1^t), v / (1 - b2^t)   (or m, v without bias correction)
     p <- p - lr * m_hat / (sqrt(v_hat) + eps)
+run as torch._foreach_* ops over each param group (one launch per op on CUDA instead of
+one per tensor). Each element is computed by the same elementwise ops whatever the
+grouping; on the CPU the foreach ops are the per-tensor ops, so the result does not depend
+on how the parameters are grouped. The sqrt(v) temporary spans the group.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -38,27 +39,41 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    # The names and dtypes of torch's AdamW state, so checkpoints read the same way.
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                if wd:
-                    p.mul_(1 - lr * wd)
-                exp_avg.lerp_(p.grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                if group["bias_correction"]:
-                    step = state["step"].item()
-                    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-                    p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))
-                else:
-                    p.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(eps), value=-lr)
+            grads = [p.grad for p in params]
+            states = [self._state(p) for p in params]
+            exp_avgs = [s["exp_avg"] for s in states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            if wd:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            if group["bias_correction"]:
+                # The corrections in float64 from the host-side step counters, as torch's
+                # AdamW computes them in Python: no device sync, the same rounding.
+                t = torch.stack(steps).double()
+                torch._foreach_div_(denom, list((1 - beta2 ** t).sqrt().unbind(0)))
+                torch._foreach_add_(denom, eps)
+                torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / (1 - beta1 ** t))
+            else:
+                torch._foreach_add_(denom, eps)
+                torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr)
         return loss
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            # The names and dtypes of torch's AdamW state (step a float32 scalar on the host),
+            # so checkpoints read the same way.
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state

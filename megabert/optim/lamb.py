@@ -10,6 +10,14 @@ The trust ratio is clamped to [min_trust_ratio, max_trust_ratio] (DeepSpeed's mi
 max_coeff: 0.01 and 0.3 in its BERT tutorial, 10 in the original LAMB code); a tensor
 whose weight or update norm is zero (a fresh zero-initialised bias) takes ratio 1,
 unclamped, as DeepSpeed's fused LAMB does.
+
+The step is multi-tensor, per param group: torch._foreach_* ops for the moments, the
+update and the norms (one launch per op on CUDA rather than one per tensor), one stacked
+all-reduce over the TP group, the trust ratios as one tensor. Nothing in it waits for the
+device: the step counters live with the parameters and the bias corrections are tensors
+computed from them. The state is torch's layout (per parameter `step`, a float32 scalar,
+and fp32 `exp_avg`, `exp_avg_sq`), so checkpoints of the per-tensor version load as they
+are.
 """
 from __future__ import annotations
 
@@ -32,54 +40,71 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.tp_group = tp_group
 
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        elif state["step"].device != p.device:
+            # A checkpoint is read onto the CPU (and the per-tensor version kept its counters
+            # there): one copy, then the counter stays with the parameter.
+            state["step"] = state["step"].to(p.device)
+        return state
+
     def _norms(self, params: list, updates: list) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.stack([p.detach().float().pow(2).sum() for p in params])
-        u = torch.stack([x.float().pow(2).sum() for x in updates])
-        split = torch.tensor([bool(getattr(p, "tensor_model_parallel", False)) for p in params])
-        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1 and split.any():
-            both = torch.stack([w * split, u * split])  # only split tensors' norms are partial
-            dist.all_reduce(both, group=self.tp_group)
-            w = torch.where(split, both[0], w)
-            u = torch.where(split, both[1], u)
-        return w.sqrt(), u.sqrt()
+        """||w|| and ||update|| per tensor, [n] each; whole-matrix norms for TP-split tensors."""
+        w = list(torch._foreach_norm(params, 2, dtype=torch.float32))
+        u = list(torch._foreach_norm(updates, 2))
+        split = [i for i, p in enumerate(params) if getattr(p, "tensor_model_parallel", False)]
+        if split and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            # Only split tensors' norms are partial: their squares are summed, in one call.
+            squares = torch.stack([w[i] for i in split] + [u[i] for i in split]).square()
+            dist.all_reduce(squares, group=self.tp_group)
+            whole = squares.sqrt()
+            for j, i in enumerate(split):
+                w[i], u[i] = whole[j], whole[len(split) + j]
+        return torch.stack(w), torch.stack(u)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            params, updates = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                g = p.grad.float()
-                state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if group["bias_correction"]:
-                    step = state["step"].item()
-                    m = m / (1 - beta1 ** step)
-                    v = v / (1 - beta2 ** step)
-                update = m / (v.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update = update.add(p.float(), alpha=group["weight_decay"])
-                params.append(p)
-                updates.append(update)
+            params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            w_norm, u_norm = self._norms(params, updates)
+            beta1, beta2 = group["betas"]
+            states = [self._state(p) for p in params]
+            grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+            exp_avgs = [s["exp_avg"] for s in states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            torch._foreach_mul_(exp_avgs, beta1)
+            torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            # update = m_hat / (sqrt(v_hat) + eps), computed in one group-sized buffer (the
+            # per-tensor version held the updates too): 1 / (bc1 (sqrt(v) / sqrt(bc2) + eps)) * m.
+            updates = torch._foreach_sqrt(exp_avg_sqs)
+            if group["bias_correction"]:
+                t = torch.stack(steps).double()  # [n]; float64 as the host-side corrections were
+                bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+                torch._foreach_mul_(updates, list((bc1 / bc2.sqrt()).unbind(0)))
+                torch._foreach_add_(updates, list((bc1 * group["eps"]).unbind(0)))
+            else:
+                torch._foreach_add_(updates, group["eps"])
+            torch._foreach_reciprocal_(updates)
+            torch._foreach_mul_(updates, exp_avgs)
+            fp32_params = [p if p.dtype == torch.float32 else p.float() for p in params]
+            if group["weight_decay"]:
+                torch._foreach_add_(updates, fp32_params, alpha=group["weight_decay"])
+            w_norm, u_norm = self._norms(fp32_params, updates)
             # trust = ||w|| / ||u|| clamped to the bounds; 1 where either norm is zero (fresh
             # zero-init biases). A group restored from a checkpoint written before the lower
             # bound existed has no "min_trust_ratio": it trained without one.
             both = (w_norm > 0) & (u_norm > 0)
             ratio = (w_norm / u_norm).clamp(min=group.get("min_trust_ratio", 0.0), max=group["max_trust_ratio"])
-            trust = torch.where(both, ratio, torch.ones_like(w_norm))
-            for p, update, t in zip(params, updates, trust):
-                p.add_((update * (-group["lr"] * t)).to(p.dtype))
+            scale = torch.where(both, ratio, torch.ones_like(w_norm)) * -group["lr"]
+            torch._foreach_addcmul_(params, updates, list(scale.unbind(0)))
         return loss
