@@ -40,19 +40,21 @@ def resolve_dropout_add_backend(backend: str, device_type: str = "cpu") -> str:
     return resolve_backend("dropout_add", "--dropout-add-backend", backend, "torch", device_type)
 
 
-def draw_seed(generator: Optional[torch.Generator] = None) -> int:
-    """One Philox key from `generator` (the default CPU generator when None): advances it by one draw."""
-    return int(torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, generator=generator))
+def draw_seed(generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One Philox key from `generator` (the default CPU generator when None), advancing it by
+    one draw. A one-element int64 tensor: the kernel reads it, so Python converts nothing."""
+    return torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, generator=generator)
 
 
 class FusedDropoutAdd(torch.autograd.Function):
-    """out = residual + mask * x / (1 - p), mask ~ Bernoulli(1 - p) from Philox keyed by `seed`.
+    """out = residual + mask * x / (1 - p), mask ~ Bernoulli(1 - p) from Philox keyed by `seed`
+    (a one-element int64 tensor).
 
     Forward saves the 1-byte mask; backward: grad_x = mask * grad / (1 - p), grad_residual = grad.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, p: float, seed: int,
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor,
                 kernels: ModuleType) -> torch.Tensor:
         out, mask = kernels.dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed)
         ctx.save_for_backward(mask)
@@ -68,6 +70,8 @@ class FusedDropoutAdd(torch.autograd.Function):
 
 
 def _outside_limits(x: torch.Tensor, residual: torch.Tensor) -> Optional[str]:
+    if x.device.type != "cpu":
+        return f"a {x.device.type} tensor (the fused dropout + add is a CPU kernel)"
     if x.shape != residual.shape:
         return f"input {tuple(x.shape)} with residual {tuple(residual.shape)} (the kernel takes one shape)"
     if x.dtype != residual.dtype:

@@ -221,13 +221,15 @@ void parallel_elements(int64_t n, const F& fn) {
 }  // namespace
 
 std::vector<at::Tensor> dropout_add_forward(const at::Tensor& x, const at::Tensor& residual, double p,
-                                            int64_t seed) {
+                                            const at::Tensor& seed) {
   const Dtype dt = kernel_dtype(x, "dropout_add");
   check_input(x, "input", x.scalar_type());
   check_input(residual, "residual", x.scalar_type());
   TORCH_CHECK(x.sizes() == residual.sizes(), "dropout_add: input ", x.sizes(), " and residual ", residual.sizes(),
               " must have one shape");
   TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_add: p must be in [0, 1), got ", p);
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "dropout_add: seed must be one int64 on the CPU, got ", seed.scalar_type(), " ", seed.sizes());
   at::Tensor out = at::empty_like(x);
   at::Tensor mask = at::empty(x.sizes(), x.options().dtype(at::kBool));
   // P(keep) = 1 - threshold / 2^32: p to within 2^-32.
@@ -237,7 +239,7 @@ std::vector<at::Tensor> dropout_add_forward(const at::Tensor& x, const at::Tenso
                                residual.data_ptr(),
                                out.data_ptr(),
                                reinterpret_cast<uint8_t*>(mask.data_ptr<bool>()),
-                               static_cast<uint64_t>(seed),
+                               static_cast<uint64_t>(*seed.data_ptr<int64_t>()),
                                threshold,
                                1.0 / (1.0 - p)};
   const DropoutAddFwdFn fn = table().dropout_add_fwd[dt];
