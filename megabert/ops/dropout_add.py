@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megabert.errors import ConfigError
 from megabert.ops.dispatch import dtype_outside, fused_kernels_for, resolve_backend
 
 _DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
@@ -33,8 +34,6 @@ def resolve_dropout_add_backend(backend: str, device_type: str = "cpu") -> str:
     kernel: on CUDA 'auto' is 'torch' (PyTorch's dropout, itself one fused kernel there) and
     'fused' is an error. Logged once per choice."""
     if backend == "fused" and device_type != "cpu":
-        from megabert.errors import ConfigError
-
         raise ConfigError(f"--dropout-add-backend fused: the fused dropout + residual add is a CPU kernel; on "
                           f"{device_type} use --dropout-add-backend auto or torch (PyTorch's dropout)")
     return resolve_backend("dropout_add", "--dropout-add-backend", backend, "torch", device_type)
