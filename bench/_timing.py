@@ -25,7 +25,7 @@ def interleaved(steps: dict[str, Callable[[], object]], rounds: int, warmup: int
 
 def print_table(medians: dict[str, float], labels: dict[str, str], tokens_per_step: int, peer: str) -> None:
     """One row per side: ms per step, tokens/s and the ratio to `peer`."""
-    print(f"{'side':18} {'backends':16} {'step ms':>9} {'tokens/s':>10} {'vs ' + peer:>16}")
+    print(f"{'side':18} {'backends':20} {'step ms':>9} {'tokens/s':>10} {'vs ' + peer:>16}")
     for name, t in medians.items():
-        print(f"{name:18} {labels.get(name, ''):16} {t * 1e3:9.1f} {tokens_per_step / t:10.0f} "
+        print(f"{name:18} {labels.get(name, ''):20} {t * 1e3:9.1f} {tokens_per_step / t:10.0f} "
               f"{medians[peer] / t:15.2f}x")

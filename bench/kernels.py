@@ -1,14 +1,16 @@
-"""Forward + backward time of megabert's fused softmax and LayerNorm against PyTorch.
+"""Forward + backward time of megabert's fused softmax, LayerNorm and dropout + add against PyTorch.
 
 Prints figures and never asserts on them. For each BERT-like shape: our kernel through
 `megabert.ops` (autograd included), the unfused reference (`megabert.ops.reference`,
 what `--attention-backend torch` / `--layernorm-backend torch` run) and, for the
-softmax, plain `torch.softmax` on `masked_fill`. "x" is their time over ours: above 1,
+softmax, plain `torch.softmax` on `masked_fill`; for dropout + residual add (CPU only, p 0.1,
+what `--dropout-add-backend fused` / `torch` run) `residual + F.dropout(x, p)`. "x" is their time over ours: above 1,
 the fused kernel is faster. On a GPU it also prints the achieved bandwidth of our
 forward and backward kernels against the device's peak DRAM bandwidth.
 
     python bench/kernels.py                      # CPU, all threads torch uses
     python bench/kernels.py --device cuda --dtype bfloat16 float16
+    python bench/kernels.py --ops dropadd --dtype float32
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 import megabert.fused_kernels as fk
 from megabert import ops
@@ -28,6 +31,9 @@ from megabert.ops.reference import layer_norm_reference, scaled_masked_softmax_r
 SOFTMAX_SHAPES = [(8, 12, 128, 128), (8, 16, 512, 512)]
 # [s * b, h]: the same two models' LayerNorm inputs.
 LAYER_NORM_SHAPES = [(128 * 8, 768), (512 * 8, 1024)]
+# [tokens, h] of the layers' hidden dropout + residual add: bench/pretrain.py's default
+# model (seq 128, batch 16, ~60% real tokens unpadded, h 256), then the two above.
+DROPOUT_ADD_SHAPES = [(1237, 256), (128 * 8, 768), (512 * 8, 1024)]
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -104,6 +110,20 @@ def layer_norm_case(shape, dtype, device):
     return fns, (x, weight, bias, grad)
 
 
+def dropout_add_case(shape, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+    residual = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(shape, generator=gen).to(device, dtype)
+
+    def unfused(x, residual):
+        return residual + F.dropout(x, 0.1, True)
+
+    fns = {"ours": fwd_bwd(ops.dropout_add, (x, residual), grad, 0.1, True),
+           "reference": fwd_bwd(unfused, (x, residual), grad)}
+    return fns, (x, residual, grad)
+
+
 def kernel_bandwidth(op: str, tensors, device: torch.device, reps: int) -> str:
     """Achieved GB/s of our forward and backward kernels alone (the bytes each must move
     at the least) and their share of the device's peak DRAM bandwidth."""
@@ -137,6 +157,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--ops", nargs="+", default=["softmax", "layernorm", "dropadd"],
+                        choices=["softmax", "layernorm", "dropadd"], help="which ops to time (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: 15 CPU, 100 GPU)")
     args = parser.parse_args(argv)
@@ -156,8 +178,10 @@ def main(argv=None) -> None:
           f"x = their time / ours (> 1: ours faster)")
     header = f"{'op':<10}{'shape':<20}{'dtype':<10}{'ours ms':>9}{'reference ms':>20}{'softmax(masked_fill) ms':>28}"
     print(header)
-    for op, shapes, build in (("softmax", SOFTMAX_SHAPES, softmax_case),
-                              ("layernorm", LAYER_NORM_SHAPES, layer_norm_case)):
+    cases = [("softmax", SOFTMAX_SHAPES, softmax_case), ("layernorm", LAYER_NORM_SHAPES, layer_norm_case)]
+    if device.type == "cpu":  # no CUDA kernel: PyTorch's dropout is one fused kernel there
+        cases.append(("dropadd", DROPOUT_ADD_SHAPES, dropout_add_case))
+    for op, shapes, build in (c for c in cases if c[0] in args.ops):
         for shape in shapes:
             for dtype_name in args.dtype:
                 fns, tensors = build(shape, getattr(torch, dtype_name), device)

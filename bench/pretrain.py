@@ -37,6 +37,7 @@ VARIANTS = {
     "attention sdpa": ["--attention-backend", "sdpa"],
     "attention torch": ["--attention-backend", "torch"],
     "layernorm torch": ["--layernorm-backend", "torch"],
+    "dropout-add torch": ["--dropout-add-backend", "torch"],
 }
 
 
@@ -75,7 +76,8 @@ def ours(argv: list[str], ps, vocab_size: int, batches: list[dict]):
     trainer = build_pretraining(cfg, ps, vocab_size, lambda consumed: itertools.cycle(batches))
     trainer.strategy.model.train()
     model = trainer.strategy.model
-    backends = f"{model.ctx.attention_backend}/{model.ctx.layernorm_backend}" if hasattr(model, "ctx") else ""
+    backends = (f"{model.ctx.attention_backend}/{model.ctx.layernorm_backend}/{model.ctx.dropout_add_backend}"
+                if hasattr(model, "ctx") else "")
     return trainer.train_step, backends
 
 

@@ -56,6 +56,9 @@ class ModelConfig:
                                  choices=("auto", "torch", "sdpa", "fused"))
     layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused on CPU when "
                                  "built, else torch).", choices=("auto", "torch", "fused"))
+    dropout_add_backend: str = arg("auto", "The layers' hidden dropout + residual add: torch (F.dropout, then "
+                                   "add), fused (megabert CPU kernel: Philox mask, one pass), auto (fused on "
+                                   "CPU when built, else torch).", choices=("auto", "torch", "fused"))
     recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or "
                                                "selective (attention core only).", choices=(None, "full", "selective"))
     sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence over the "

@@ -102,3 +102,59 @@ def test_unpadding_and_sequence_parallel_do_not_combine():
     # ... where asking for both is one line naming the flags.
     with pytest.raises(megabert.ConfigError, match="--unpad-input cannot combine with --sequence-parallel"):
         _cfg(unpad_input=True, sequence_parallel=True)
+
+
+def _graph_names(t: torch.Tensor) -> set:
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def _dropout_add_layers(rank, world, backend, sequence_parallel):
+    ps = megabert.init_parallel(tensor_parallel_size=world)
+    cfg = _cfg(layernorm_position="pre", sequence_parallel=sequence_parallel, dropout_add_backend=backend)
+    cfg.hidden_dropout = 0.5
+    model = megabert.BertForPreTraining(cfg, ps, seed=5).train()
+    assert model.ctx.dropout_add_backend == ("fused" if backend == "auto" else backend)
+    layer = model.bert.encoder.layers["0"]
+    x = torch.randn(16, 4, 32, generator=torch.Generator().manual_seed(1))
+    if sequence_parallel:  # this rank's slice of the sequence
+        x = x.chunk(world)[ps.tp_rank].contiguous()
+    x.requires_grad_()
+    torch.manual_seed(11)
+    tp_stream = model.ctx.rng.get_states()
+    y = layer(x, None)
+    fused = any(n.startswith("FusedDropoutAdd") for n in _graph_names(y))
+    assert fused == (model.ctx.dropout_add_backend == "fused")
+    # The same generator states replay the same masks; the next call draws new ones.
+    torch.manual_seed(11)
+    model.ctx.rng.set_states(tp_stream)
+    assert torch.equal(layer(x, None), y)
+    assert not torch.equal(layer(x, None), y)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    if sequence_parallel:
+        # Slices draw from the per-TP-rank stream: the two ranks' masks differ though
+        # their default streams (and inputs, here) agree.
+        torch.manual_seed(11)
+        same_input = torch.ones(8, 4, 32)
+        with torch.no_grad():
+            d = layer._dropout_add(same_input, torch.zeros_like(same_input))
+        gathered = [torch.empty_like(d) for _ in range(world)]
+        torch.distributed.all_gather(gathered, d, group=ps.tp_group)
+        assert not torch.equal(gathered[0], gathered[1])
+
+
+def test_layers_use_the_fused_dropout_add_on_cpu():
+    """--dropout-add-backend auto is the fused kernel on the CPU (torch is PyTorch's dropout);
+    it replays from the torch seed, and under sequence parallelism it draws from the
+    per-TP-rank stream as F.dropout did."""
+    for backend in ("auto", "torch"):
+        _dropout_add_layers(0, 1, backend, False)
+    run_distributed(_dropout_add_layers, 2, "auto", True)

@@ -28,7 +28,8 @@ def reference_table(cfg: ModelConfig, model_class: str = "BertForPreTraining") -
 
     if model_class not in MODEL_CLASSES:
         raise CheckpointError(f"unknown model class {model_class!r} (known: {', '.join(sorted(MODEL_CLASSES))})")
-    shape_only = dataclasses.replace(cfg, attention_backend="torch", layernorm_backend="torch")
+    shape_only = dataclasses.replace(cfg, attention_backend="torch", layernorm_backend="torch",
+                                     dropout_add_backend="torch")
     model = MODEL_CLASSES[model_class](shape_only, ParallelState.offline(), device="meta")
     return spec_table(model)
 

@@ -28,7 +28,7 @@ from megabert.model.init import initialize_parameters
 from megabert.model.pretrained import PretrainedMixin
 from megabert.model.transformer import TransformerBlock
 from megabert.model.unpad import TokenLayout
-from megabert.ops import resolve_attention_backend, resolve_layernorm_backend
+from megabert.ops import resolve_attention_backend, resolve_dropout_add_backend, resolve_layernorm_backend
 from megabert.parallel import ParallelState, get_parallel_state
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import spec_table
@@ -58,6 +58,7 @@ def build_context(config: ModelConfig, ps: ParallelState, seed: int, params_dtyp
     return BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, rng=rng,
                         attention_backend=resolve_attention_backend(config.attention_backend, device.type),
                         layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),
+                        dropout_add_backend=resolve_dropout_add_backend(config.dropout_add_backend, device.type),
                         params_dtype=params_dtype, device=device)
 
 

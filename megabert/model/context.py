@@ -22,6 +22,7 @@ class BuildContext:
     rng: RNGStatesTracker  # per-TP-rank dropout stream (attention probs, sequence-parallel regions)
     attention_backend: str  # resolved: torch | sdpa | fused
     layernorm_backend: str  # resolved: torch | fused
+    dropout_add_backend: str = "torch"  # resolved: torch | fused
     params_dtype: torch.dtype = torch.float32
     device: Optional[torch.device] = None
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megabert import ops
 from megabert.model.attention import SelfAttention
 from megabert.model.context import BuildContext
 from megabert.model.unpad import TokenLayout
@@ -49,21 +50,23 @@ class TransformerLayer(nn.Module):
         set_hf_names(self, {f"mlp_layernorm.{k}": f"{hf}output.LayerNorm.{k}" for k in ("weight", "bias")})
         describe_module(self, placement="layer", layer=layer_number)
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+    def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(x): the fused CPU kernel or PyTorch, as ctx.dropout_add_backend says."""
         # Replicated activations: the default stream, identical on TP ranks. Sequence-
-        # parallel slices: the per-rank stream, so slices get independent masks.
+        # parallel slices: the per-rank stream, so slices get independent masks. The fused
+        # kernel draws its Philox key from the default generator, which the fork swaps.
         fork = self.ctx.rng.fork() if self.ctx.sequence_parallel else contextlib.nullcontext()
         with fork:
-            return F.dropout(x, self.dropout_p, self.training)
+            return ops.dropout_add(x, residual, self.dropout_p, self.training, backend=self.ctx.dropout_add_backend)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None
                 ) -> torch.Tensor:
         """x: [s, b, h], or [T, h] of the real tokens that `tokens` places (unpadded)."""
         if self.pre_ln:
-            x = x + self._dropout(self.attention(self.attention_layernorm(x), mask, tokens))
-            return x + self._dropout(self.mlp(self.mlp_layernorm(x)))
-        x = self.attention_layernorm(x + self._dropout(self.attention(x, mask, tokens)))
-        return self.mlp_layernorm(x + self._dropout(self.mlp(x)))
+            x = self._dropout_add(self.attention(self.attention_layernorm(x), mask, tokens), x)
+            return self._dropout_add(self.mlp(self.mlp_layernorm(x)), x)
+        x = self.attention_layernorm(self._dropout_add(self.attention(x, mask, tokens), x))
+        return self.mlp_layernorm(self._dropout_add(self.mlp(x), x))
 
 
 class TransformerBlock(nn.Module):

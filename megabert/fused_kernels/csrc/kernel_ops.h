@@ -33,6 +33,14 @@ namespace cpu {
 const KernelOps& kernel_ops();
 // The instruction set the row kernels run with: "avx512", "avx2" or "default".
 std::string isa();
+// CPU only (CUDA keeps PyTorch's dropout): residual + dropout(x, p) -> {out, keep mask
+// (bool)}, the mask from Philox4x32-10 keyed by `seed` (one int64 tensor, drawn from a torch
+// generator: read here rather than in Python, which would count as a host sync); x,
+// residual contiguous, one shape.
+std::vector<at::Tensor> dropout_add_forward(const at::Tensor& x, const at::Tensor& residual, double p,
+                                            const at::Tensor& seed);
+// grad of dropout's input: mask * grad / (1 - p).
+at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& mask, double p);
 }  // namespace cpu
 
 namespace cuda {

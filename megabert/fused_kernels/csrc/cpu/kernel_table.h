@@ -67,6 +67,26 @@ struct LayerNormBwdArgs {
   int64_t h;
 };
 
+// out = residual + keep * x * scale with keep = (philox4x32(seed, i) >= threshold), the
+// keep mask (0/1) written to `mask`; all contiguous, elements indexed flat.
+struct DropoutAddFwdArgs {
+  const void* x;
+  const void* residual;
+  void* out;
+  uint8_t* mask;
+  uint64_t seed;
+  uint32_t threshold;  // P(keep) = 1 - threshold / 2^32
+  double scale;        // 1 / (1 - p)
+};
+
+// grad_x = mask * grad * scale.
+struct DropoutBwdArgs {
+  const void* grad;
+  const uint8_t* mask;
+  void* grad_x;
+  double scale;
+};
+
 using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
 using SoftmaxBwdFn = void (*)(const SoftmaxBwdArgs&, int64_t row_begin, int64_t row_end);
 using LayerNormFwdFn = void (*)(const LayerNormFwdArgs&, int64_t row_begin, int64_t row_end);
@@ -74,6 +94,8 @@ using LayerNormBwdFn = void (*)(const LayerNormBwdArgs&, int64_t row_begin, int6
                                 void* partial_grad_w, void* partial_grad_b);
 // out[j] = sum over parts of partial[part * h + j], cast to the element type.
 using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_t h, void* out);
+using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
+using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
 struct KernelTable {
   const char* isa;
@@ -82,6 +104,8 @@ struct KernelTable {
   LayerNormFwdFn layer_norm_fwd[kNumDtypes];
   LayerNormBwdFn layer_norm_bwd[kNumDtypes];
   LayerNormBwdReduceFn layer_norm_bwd_reduce[kNumDtypes];
+  DropoutAddFwdFn dropout_add_fwd[kNumDtypes];
+  DropoutBwdFn dropout_bwd[kNumDtypes];
 };
 
 // One table per instruction set; nullptr where this compiler or architecture did not build it.

@@ -206,7 +206,59 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::
   return {grad_x, grad_w, grad_b};
 }
 
+// Elementwise ops: ~16K elements per chunk (row_grain), chunk edges on whole Philox
+// tiles. The mask does not depend on the split (dropout_kernels.h); the tiles only
+// spare a chunk edge from drawing a tile twice.
+template <typename F>
+void parallel_elements(int64_t n, const F& fn) {
+  constexpr int64_t kTileElements = 64;
+  const int64_t tiles = (n + kTileElements - 1) / kTileElements;
+  run_chunks(tiles, num_chunks(tiles, row_grain(kTileElements)), [&](int64_t c, int64_t begin, int64_t end) {
+    fn(c, begin * kTileElements, end * kTileElements < n ? end * kTileElements : n);
+  });
+}
+
 }  // namespace
+
+std::vector<at::Tensor> dropout_add_forward(const at::Tensor& x, const at::Tensor& residual, double p,
+                                            const at::Tensor& seed) {
+  const Dtype dt = kernel_dtype(x, "dropout_add");
+  check_input(x, "input", x.scalar_type());
+  check_input(residual, "residual", x.scalar_type());
+  TORCH_CHECK(x.sizes() == residual.sizes(), "dropout_add: input ", x.sizes(), " and residual ", residual.sizes(),
+              " must have one shape");
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_add: p must be in [0, 1), got ", p);
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "dropout_add: seed must be one int64 on the CPU, got ", seed.scalar_type(), " ", seed.sizes());
+  at::Tensor out = at::empty_like(x);
+  at::Tensor mask = at::empty(x.sizes(), x.options().dtype(at::kBool));
+  // P(keep) = 1 - threshold / 2^32: p to within 2^-32.
+  const double scaled = p * 4294967296.0;
+  const uint32_t threshold = scaled >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(scaled + 0.5);
+  const DropoutAddFwdArgs args{x.data_ptr(),
+                               residual.data_ptr(),
+                               out.data_ptr(),
+                               reinterpret_cast<uint8_t*>(mask.data_ptr<bool>()),
+                               static_cast<uint64_t>(*seed.data_ptr<int64_t>()),
+                               threshold,
+                               1.0 / (1.0 - p)};
+  const DropoutAddFwdFn fn = table().dropout_add_fwd[dt];
+  parallel_elements(x.numel(), [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return {out, mask};
+}
+
+at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& mask, double p) {
+  const Dtype dt = kernel_dtype(grad, "dropout_add backward");
+  check_input(grad, "output grad", grad.scalar_type());
+  check_input(mask, "mask", at::kBool);
+  TORCH_CHECK(grad.sizes() == mask.sizes(), "grad shape ", grad.sizes(), " != mask shape ", mask.sizes());
+  at::Tensor grad_x = at::empty_like(grad);
+  const DropoutBwdArgs args{grad.data_ptr(), reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()),
+                            grad_x.data_ptr(), 1.0 / (1.0 - p)};
+  const DropoutBwdFn fn = table().dropout_bwd[dt];
+  parallel_elements(grad.numel(), [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return grad_x;
+}
 
 std::string isa() { return table().isa; }
 

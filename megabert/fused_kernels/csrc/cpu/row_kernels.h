@@ -1,4 +1,5 @@
-// Row kernels for softmax and LayerNorm, compiled once per instruction set.
+// Row kernels for softmax and LayerNorm (and, from dropout_kernels.h, dropout + residual
+// add), compiled once per instruction set.
 //
 // Included by isa_*.cpp after `#define MEGABERT_ISA <name>` (and, on x86, after a
 // `#pragma GCC target`), so every function here lands in its own namespace
@@ -284,6 +285,8 @@ void layer_norm_bwd_reduce(const void* partial_in, int64_t parts, int64_t h, voi
   }
 }
 
+#include "dropout_kernels.h"
+
 // Indexed by Dtype: kFloat, kBFloat16, kDouble.
 const KernelTable kTable = {
     MEGABERT_ISA_NAME,
@@ -292,6 +295,8 @@ const KernelTable kTable = {
     {&layer_norm_fwd<float>, &layer_norm_fwd<bf16_t>, &layer_norm_fwd<double>},
     {&layer_norm_bwd<float>, &layer_norm_bwd<bf16_t>, &layer_norm_bwd<double>},
     {&layer_norm_bwd_reduce<float>, &layer_norm_bwd_reduce<bf16_t>, &layer_norm_bwd_reduce<double>},
+    {&dropout_add_fwd<float>, &dropout_add_fwd<bf16_t>, &dropout_add_fwd<double>},
+    {&dropout_bwd<float>, &dropout_bwd<bf16_t>, &dropout_bwd<double>},
 };
 
 }  // namespace MEGABERT_ISA

@@ -1,0 +1,123 @@
+"""dropout_add front end: residual + dropout(x), fused in one pass on the CPU, and its backend.
+
+Issue 10: on the CPU, `residual + F.dropout(x, p)` draws a float mask with bernoulli_
+(4.8% of the default pre-training step), divides it, multiplies, then adds: four passes
+over memory and a 4-byte mask kept for the backward. The fused kernel draws the mask
+with Philox4x32-10 (vectorised, counter-based) and writes out = residual + mask * x / (1-p)
+and a 1-byte mask in one pass; the backward is one pass too (grad_residual is grad itself).
+
+The Philox key is drawn from a torch generator (the default CPU generator unless one is
+given), one draw per call, so `torch.manual_seed` controls the masks, checkpoints that save
+the generator state resume bitwise, activation recompute (which restores it) redraws the
+same masks, and inside `RNGStatesTracker.fork()` the draw comes from the forked stream.
+The masks differ from PyTorch's dropout for the same seed (another generator).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from megabert.errors import ConfigError
+from megabert.ops.dispatch import dtype_outside, fused_kernels_for, resolve_backend
+
+_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
+# Philox keys: any 63-bit value (the kernel takes an int64).
+_SEED_HIGH = 2**63 - 1
+
+
+def resolve_dropout_add_backend(backend: str, device_type: str = "cpu") -> str:
+    """'auto' -> 'fused' on the CPU when its kernels are built, else 'torch'. There is no CUDA
+    kernel: on CUDA 'auto' is 'torch' (PyTorch's dropout, itself one fused kernel there) and
+    'fused' is an error. Logged once per choice."""
+    if backend == "fused" and device_type != "cpu":
+        raise ConfigError(f"--dropout-add-backend fused: the fused dropout + residual add is a CPU kernel; on "
+                          f"{device_type} use --dropout-add-backend auto or torch (PyTorch's dropout)")
+    return resolve_backend("dropout_add", "--dropout-add-backend", backend, "torch", device_type)
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One Philox key from `generator` (the default CPU generator when None), advancing it by
+    one draw. A one-element int64 tensor: the kernel reads it, so Python converts nothing."""
+    return torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, generator=generator)
+
+
+class FusedDropoutAdd(torch.autograd.Function):
+    """out = residual + mask * x / (1 - p), mask ~ Bernoulli(1 - p) from Philox keyed by `seed`
+    (a one-element int64 tensor).
+
+    Forward saves the 1-byte mask; backward: grad_x = mask * grad / (1 - p), grad_residual = grad.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor,
+                kernels: ModuleType) -> torch.Tensor:
+        out, mask = kernels.dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed)
+        ctx.save_for_backward(mask)
+        ctx.p, ctx.kernels = p, kernels
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        grad_x = ctx.kernels.dropout_backward(grad_out.contiguous(), mask, ctx.p) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_out, None, None, None
+
+
+def _outside_limits(x: torch.Tensor, residual: torch.Tensor) -> Optional[str]:
+    if x.device.type != "cpu":
+        return f"a {x.device.type} tensor (the fused dropout + add is a CPU kernel)"
+    if x.shape != residual.shape:
+        return f"input {tuple(x.shape)} with residual {tuple(residual.shape)} (the kernel takes one shape)"
+    if x.dtype != residual.dtype:
+        return f"{x.dtype} input with a {residual.dtype} residual (the kernel takes one dtype)"
+    if x.device != residual.device:
+        return f"input on {x.device} with residual on {residual.device}"
+    return dtype_outside(x, _DTYPES)
+
+
+def dropout_add_reference(x: torch.Tensor, residual: torch.Tensor, p: float, training: bool,
+                          generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """residual + dropout(x): PyTorch's dropout (the oracle and the unfused path)."""
+    if generator is None or not training or p == 0.0:
+        return residual + F.dropout(x, p, training)
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
+    return residual + x * keep / (1.0 - p)
+
+
+def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: bool = True,
+                generator: Optional[torch.Generator] = None, *, backend: str = "fused",
+                return_mask: bool = False):
+    """residual + dropout(x, p) (training) or residual + x (eval, or p == 0: no generator draw,
+    as F.dropout). Autograd-capable for x and residual.
+
+    `backend` as resolved by `resolve_dropout_add_backend` ('fused' or 'torch'); 'fused' runs the
+    kernel where it applies (CPU; fp32, bf16, fp64; one shape) and PyTorch otherwise, said once.
+    `generator`: where the Philox key comes from (default: torch's default CPU generator, or the
+    stream of the `RNGStatesTracker.fork()` the call runs in). `return_mask=True` (fused only,
+    for tests; no autograd) returns (out, the bool keep mask the kernel drew).
+    """
+    if not training or p == 0.0:
+        out = residual + x
+        return (out, torch.ones_like(x, dtype=torch.bool)) if return_mask else out
+    if backend == "torch":
+        if return_mask:
+            raise ValueError("dropout_add: return_mask needs the fused backend")
+        return dropout_add_reference(x, residual, p, training, generator)
+    if backend != "fused":
+        raise ValueError(f"unknown dropout_add backend {backend!r}")
+    kernels = fused_kernels_for("dropout_add", x, _outside_limits(x, residual))
+    if kernels is None:
+        if return_mask:
+            raise ValueError("dropout_add: return_mask needs the fused kernel, which does not apply here")
+        return dropout_add_reference(x, residual, p, training, generator)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_add: p must be in [0, 1), got {p}")
+    seed = draw_seed(generator)
+    if return_mask:  # no autograd: for tests that check the output against the mask drawn
+        return tuple(kernels.dropout_add_forward(x.contiguous(), residual.contiguous(), float(p), seed))
+    return FusedDropoutAdd.apply(x, residual, float(p), seed, kernels)
