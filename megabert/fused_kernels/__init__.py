@@ -28,6 +28,9 @@ def _load(name: str) -> tuple[Optional[ModuleType], Optional[str]]:
 
 
 _cpu, _cpu_error = _load("_cpu")
+# Read once: describe() is called per op call (its log line), also inside torch.compile'd
+# code, which cannot trace into the extension.
+_cpu_isa = _cpu.isa() if _cpu is not None else None
 if torch.version.cuda is None and torch.version.hip is None:
     _cuda, _cuda_error = None, f"this torch ({torch.__version__}) has no CUDA, so the CUDA kernels were not built"
 else:
@@ -54,7 +57,7 @@ def kernels_for(device_type: str) -> Optional[ModuleType]:
 def describe(device_type: str) -> str:
     """A short name for the kernels that run on `device_type`, for logs and benchmarks."""
     if device_type == "cpu" and _cpu is not None:
-        return f"megabert CPU kernels ({_cpu.isa()})"
+        return f"megabert CPU kernels ({_cpu_isa})"
     if device_type == "cuda" and _cuda is not None:
         return "megabert CUDA kernels"
     return f"no megabert kernels for {device_type}"

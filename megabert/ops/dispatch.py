@@ -9,7 +9,6 @@ the first fused call says which kernels run (INFO). Nothing falls back silently.
 from __future__ import annotations
 
 import logging
-from types import ModuleType
 from typing import Optional
 
 import torch
@@ -28,24 +27,27 @@ def say_once(key: tuple, level: int, msg: str, *args) -> None:
         logger.log(level, msg, *args)
 
 
-def fused_kernels_for(op: str, x: torch.Tensor, outside_limits: Optional[str]) -> Optional[ModuleType]:
-    """The compiled module that runs `op` on `x`, or None for the PyTorch reference.
-
-    `outside_limits` is the caller's reason why this call is beyond the kernel (None
-    when it is within); each distinct reason is logged once.
-    """
-    device = x.device.type
-    kernels = fused_kernels.kernels_for(device)
-    if kernels is None:
-        say_once((op, device, "unbuilt"), logging.WARNING, "%s: no fused kernel for %s tensors (%s); using PyTorch",
-                  op, device, fused_kernels.load_error(device))
-        return None
+# NOTE: under torch.compile this runs in Python when dynamo traces the call, and its
+# answer is a constant of the graph (assume_constant_result): the log lines are said for
+# real, and dynamo neither breaks the graph at the logger nor guards on `_said` (which
+# would recompile once the first line was said). The answer depends only on the
+# arguments and on which extensions loaded at import.
+@torch.compiler.assume_constant_result
+def use_fused_kernel(op: str, device_type: str, outside_limits: Optional[str]) -> bool:
+    """Whether `op` on a `device_type` tensor runs the compiled kernel (else the PyTorch
+    reference). `outside_limits` is the caller's reason why this call is beyond the
+    kernel (None when it is within); each distinct reason is logged once."""
+    if fused_kernels.kernels_for(device_type) is None:
+        say_once((op, device_type, "unbuilt"), logging.WARNING,
+                 "%s: no fused kernel for %s tensors (%s); using PyTorch", op, device_type,
+                 fused_kernels.load_error(device_type))
+        return False
     if outside_limits is not None:
-        say_once((op, device, outside_limits), logging.WARNING,
-                  "%s: %s is outside the fused kernel's limits; using PyTorch for such calls", op, outside_limits)
-        return None
-    say_once((op, device, "fused"), logging.INFO, "%s: %s", op, fused_kernels.describe(device))
-    return kernels
+        say_once((op, device_type, outside_limits), logging.WARNING,
+                 "%s: %s is outside the fused kernel's limits; using PyTorch for such calls", op, outside_limits)
+        return False
+    say_once((op, device_type, "fused"), logging.INFO, "%s: %s", op, fused_kernels.describe(device_type))
+    return True
 
 
 def dtype_outside(x: torch.Tensor, supported: dict[str, tuple[torch.dtype, ...]]) -> Optional[str]:

@@ -14,7 +14,6 @@ The masks differ from PyTorch's dropout for the same seed (another generator).
 """
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Optional
 
 import torch
@@ -22,7 +21,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from megabert.errors import ConfigError
-from megabert.ops.dispatch import dtype_outside, fused_kernels_for, resolve_backend
+from megabert.ops import kernel_ops
+from megabert.ops.dispatch import dtype_outside, resolve_backend, use_fused_kernel
 
 _DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
 # Philox keys: any 63-bit value (the kernel takes an int64).
@@ -53,19 +53,18 @@ class FusedDropoutAdd(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor,
-                kernels: ModuleType) -> torch.Tensor:
-        out, mask = kernels.dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed)
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+        out, mask = kernel_ops.dropout_add_forward(x, residual, p, seed)
         ctx.save_for_backward(mask)
-        ctx.p, ctx.kernels = p, kernels
+        ctx.p = p
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         (mask,) = ctx.saved_tensors
-        grad_x = ctx.kernels.dropout_backward(grad_out.contiguous(), mask, ctx.p) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_out, None, None, None
+        grad_x = kernel_ops.dropout_backward(grad_out, mask, ctx.p) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_out, None, None
 
 
 def _outside_limits(x: torch.Tensor, residual: torch.Tensor) -> Optional[str]:
@@ -110,8 +109,7 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: boo
         return dropout_add_reference(x, residual, p, training, generator)
     if backend != "fused":
         raise ValueError(f"unknown dropout_add backend {backend!r}")
-    kernels = fused_kernels_for("dropout_add", x, _outside_limits(x, residual))
-    if kernels is None:
+    if not use_fused_kernel("dropout_add", x.device.type, _outside_limits(x, residual)):
         if return_mask:
             raise ValueError("dropout_add: return_mask needs the fused kernel, which does not apply here")
         return dropout_add_reference(x, residual, p, training, generator)
@@ -119,5 +117,5 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: boo
         raise ValueError(f"dropout_add: p must be in [0, 1), got {p}")
     seed = draw_seed(generator)
     if return_mask:  # no autograd: for tests that check the output against the mask drawn
-        return tuple(kernels.dropout_add_forward(x.contiguous(), residual.contiguous(), float(p), seed))
-    return FusedDropoutAdd.apply(x, residual, float(p), seed, kernels)
+        return kernel_ops.dropout_add_forward(x, residual, float(p), seed)
+    return FusedDropoutAdd.apply(x, residual, float(p), seed)

@@ -1,13 +1,13 @@
 """layer_norm front end (the fused kernel when it applies, else PyTorch) and backend resolution."""
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from megabert.ops.dispatch import dtype_outside, fused_kernels_for, resolve_backend
+from megabert.ops import kernel_ops
+from megabert.ops.dispatch import dtype_outside, use_fused_kernel, resolve_backend
 from megabert.ops.reference import layer_norm_reference
 
 
@@ -32,21 +32,19 @@ class FusedLayerNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                kernels: ModuleType) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
         weight = weight.contiguous()
-        y, mean, rstd = kernels.layer_norm_forward(x, weight, bias.contiguous(), eps)
+        y, mean, rstd = kernel_ops.layer_norm_forward(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.kernels = kernels
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
         x, weight, mean, rstd = ctx.saved_tensors
-        grad_x, grad_weight, grad_bias = ctx.kernels.layer_norm_backward(grad_y.contiguous(), x, weight, mean, rstd)
-        return grad_x, grad_weight, grad_bias, None, None
+        grad_x, grad_weight, grad_bias = kernel_ops.layer_norm_backward(grad_y, x, weight, mean, rstd)
+        return grad_x, grad_weight, grad_bias, None
 
 
 def _outside_limits(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> Optional[str]:
@@ -66,7 +64,6 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
                eps: float) -> torch.Tensor:
     """LayerNorm over the last dim of x ([s, b, h] or any leading dims). Autograd-capable
     (grads for x, weight and bias); fp32 math for 16-bit inputs, output in x's dtype."""
-    kernels = fused_kernels_for("layer_norm", x, _outside_limits(x, weight, bias))
-    if kernels is None:
+    if not use_fused_kernel("layer_norm", x.device.type, _outside_limits(x, weight, bias)):
         return layer_norm_reference(x, weight, bias, eps)
-    return FusedLayerNorm.apply(x, weight, bias, float(eps), kernels)
+    return FusedLayerNorm.apply(x, weight, bias, float(eps))

@@ -1,13 +1,13 @@
 """scaled_masked_softmax front end: the fused kernel when it applies, else PyTorch."""
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from megabert.ops.dispatch import dtype_outside, fused_kernels_for
+from megabert.ops import kernel_ops
+from megabert.ops.dispatch import dtype_outside, use_fused_kernel
 from megabert.ops.reference import scaled_masked_softmax_reference
 
 # What the kernels take. CPU: fp32 and bf16 with fp32 math, fp64 with fp64 math (for
@@ -25,19 +25,18 @@ class FusedScaledMaskedSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                kernels: ModuleType) -> torch.Tensor:
-        probs = kernels.scaled_masked_softmax_forward(scores, mask, scale)
+    def forward(ctx, scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        probs = kernel_ops.scaled_masked_softmax_forward(scores, mask, scale)
         ctx.save_for_backward(probs)
-        ctx.scale, ctx.kernels = scale, kernels
+        ctx.scale = scale
         return probs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_probs: torch.Tensor):
         (probs,) = ctx.saved_tensors
-        grad_scores = ctx.kernels.scaled_masked_softmax_backward(grad_probs.contiguous(), probs, ctx.scale)
-        return grad_scores, None, None, None
+        grad_scores = kernel_ops.scaled_masked_softmax_backward(grad_probs, probs, ctx.scale)
+        return grad_scores, None, None
 
 
 def _outside_limits(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> Optional[str]:
@@ -58,12 +57,11 @@ def scaled_masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], sc
     typically), or None. A fully masked row gives zeros. Autograd-capable; fp32 math
     for 16-bit inputs, output in the input dtype.
     """
-    kernels = fused_kernels_for("scaled_masked_softmax", scores, _outside_limits(scores, mask))
-    if kernels is None:
+    if not use_fused_kernel("scaled_masked_softmax", scores.device.type, _outside_limits(scores, mask)):
         return scaled_masked_softmax_reference(scores, mask, scale)
     if mask is not None:
         # A broadcast view, not a copy: the kernels read the mask through its strides.
         mask = mask.expand(scores.shape)
         if mask.size(-1) > 1 and mask.stride(-1) != 1:  # broadcast along keys: rare, materialise
             mask = mask.contiguous()
-    return FusedScaledMaskedSoftmax.apply(scores.contiguous(), mask, float(scale), kernels)
+    return FusedScaledMaskedSoftmax.apply(scores.contiguous(), mask, float(scale))

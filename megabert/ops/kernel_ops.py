@@ -1,0 +1,154 @@
+"""The fused kernels as torch.library custom ops (`torch.ops.megabert.*`).
+
+The pybind11 functions of `megabert.fused_kernels` are opaque to torch.compile: dynamo
+cannot trace them and breaks the graph around every call. As custom ops with a fake
+(meta) implementation they stay in the graph as single nodes, so `--compile` and the
+fused backends combine. The autograd Functions in `softmax.py` and `layer_norm.py` call
+the functions at the bottom of this file: the custom op while dynamo traces, the pybind11
+function itself in eager mode.
+
+NOTE: a custom op costs ~20 us of dispatch per call in eager mode against ~3 us for the
+pybind11 call (measured on the CPU), which would show in a GPU step bound by launches;
+hence the two routes to the same kernel.
+
+Each op picks the compiled module for its input's device when it runs (the front ends
+have already checked that the kernel applies to the call).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megabert import fused_kernels
+
+
+def _kernels(x: torch.Tensor):
+    kernels = fused_kernels.kernels_for(x.device.type)
+    if kernels is None:  # the front ends check first: reaching this is a bug, not a user error
+        raise RuntimeError(f"no megabert kernels for {x.device.type} tensors: {fused_kernels.load_error(x.device.type)}")
+    return kernels
+
+
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    # LayerNorm statistics in the kernels' math type: fp64 for fp64 input, else fp32.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("megabert::scaled_masked_softmax_forward", mutates_args=())
+def _scaled_masked_softmax_forward_op(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """scores: [b, heads, sq, sk] contiguous; mask: bool expanded to the scores' shape
+    (a view), last dim contiguous. -> probs, contiguous, the scores' dtype."""
+    return _kernels(scores).scaled_masked_softmax_forward(scores, mask, scale)
+
+
+@_scaled_masked_softmax_forward_op.register_fake
+def _(scores, mask, scale):
+    return torch.empty_like(scores, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("megabert::scaled_masked_softmax_backward", mutates_args=())
+def _scaled_masked_softmax_backward_op(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    """-> grad of the scores, contiguous."""
+    return _kernels(probs).scaled_masked_softmax_backward(grad_probs.contiguous(), probs, scale)
+
+
+@_scaled_masked_softmax_backward_op.register_fake
+def _(grad_probs, probs, scale):
+    return torch.empty_like(probs, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("megabert::layer_norm_forward", mutates_args=())
+def _layer_norm_forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim -> (y, mean [rows], rstd [rows]); statistics in fp32
+    (fp64 for fp64 input)."""
+    y, mean, rstd = _kernels(x).layer_norm_forward(x.contiguous(), weight.contiguous(), bias.contiguous(), eps)
+    return y, mean, rstd
+
+
+@_layer_norm_forward_op.register_fake
+def _(x, weight, bias, eps):
+    rows = x.numel() // x.size(-1) if x.size(-1) else 0
+    stats = x.new_empty((rows,), dtype=_stat_dtype(x))
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("megabert::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (grad_x, grad_weight, grad_bias)."""
+    grad_x, grad_w, grad_b = _kernels(x).layer_norm_backward(grad_y.contiguous(), x, weight, mean, rstd)
+    return grad_x, grad_w, grad_b
+
+
+@_layer_norm_backward_op.register_fake
+def _(grad_y, x, weight, mean, rstd):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            torch.empty_like(weight))
+
+
+@torch.library.custom_op("megabert::dropout_add_forward", mutates_args=())
+def _dropout_add_forward_op(x: torch.Tensor, residual: torch.Tensor, p: float,
+                            seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual + keep * x / (1 - p), keep from Philox keyed by `seed` (one int64) -> (out, keep: bool)."""
+    out, mask = _kernels(x).dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed)
+    return out, mask
+
+
+@_dropout_add_forward_op.register_fake
+def _(x, residual, p, seed):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("megabert::dropout_backward", mutates_args=())
+def _dropout_backward_op(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """-> keep * grad / (1 - p)."""
+    return _kernels(grad).dropout_backward(grad.contiguous(), mask, p)
+
+
+@_dropout_backward_op.register_fake
+def _(grad, mask, p):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------- what the front ends call
+
+def scaled_masked_softmax_forward(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _scaled_masked_softmax_forward_op(scores, mask, scale)
+    return _kernels(scores).scaled_masked_softmax_forward(scores, mask, scale)
+
+
+def scaled_masked_softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _scaled_masked_softmax_backward_op(grad_probs, probs, scale)
+    return _kernels(probs).scaled_masked_softmax_backward(grad_probs.contiguous(), probs, scale)
+
+
+def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if torch.compiler.is_compiling():
+        return _layer_norm_forward_op(x, weight, bias, eps)
+    return tuple(_kernels(x).layer_norm_forward(x.contiguous(), weight.contiguous(), bias.contiguous(), eps))
+
+
+def layer_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if torch.compiler.is_compiling():
+        return _layer_norm_backward_op(grad_y, x, weight, mean, rstd)
+    return tuple(_kernels(x).layer_norm_backward(grad_y.contiguous(), x, weight, mean, rstd))
+
+
+def dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, p: float,
+                        seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.compiler.is_compiling():
+        return _dropout_add_forward_op(x, residual, p, seed)
+    return tuple(_kernels(x).dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed))
+
+
+def dropout_backward(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _dropout_backward_op(grad, mask, p)
+    return _kernels(grad).dropout_backward(grad.contiguous(), mask, p)
