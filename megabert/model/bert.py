@@ -94,8 +94,11 @@ class BertBackbone(nn.Module):
         # (to the heads, or to the next pipeline stage) is [s, b, h] again.
         tokens = TokenLayout(attention_mask) if self.unpad and attention_mask is not None \
             and attention_mask.dim() == 2 else None
-        x = self.encoder(hidden if tokens is None else tokens.unpad(hidden), attention_mask_to_bool(attention_mask),
-                         self.stage.chunk_layers(v), apply_final_layernorm=last, tokens=tokens)
+        if tokens is not None:
+            hidden = tokens.unpad(hidden)  # [T, h]
+            torch._dynamo.maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
+        x = self.encoder(hidden, attention_mask_to_bool(attention_mask), self.stage.chunk_layers(v),
+                         apply_final_layernorm=last, tokens=tokens)
         if tokens is not None:
             x = tokens.pad(x)
         if not last:

@@ -30,6 +30,10 @@ class TokenLayout:
         # GPU (none when the mask is still on the CPU), whatever the number of layers.
         self.indices = attention_mask.t().reshape(-1).nonzero().squeeze(1)  # [T]
         self.num_tokens = self.indices.numel()
+        # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
+        # torch.compile'd layers compile one graph for any T, not one for the first batch's T
+        # and another once it changes. A no-op in eager mode.
+        torch._dynamo.maybe_mark_dynamic(self.indices, 0)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, ...] -> [T, ...]; the gradient flows back to the real positions."""
