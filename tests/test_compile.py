@@ -4,6 +4,9 @@ with compiled transformer layers gives the eager losses (fp32, dropout 0) to 1e-
 Inductor compiles C++ on the CPU, so each test keeps its compiled graphs few: one model
 config per test, and dynamo's caches are reset around each test.
 """
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch._dynamo
@@ -11,7 +14,11 @@ from dist_utils import run_distributed
 from train_utils import build_trainer
 
 import megabert.fused_kernels as fk
+from megabert.arguments import parse_args
+from megabert.config import TrainConfig
+from megabert.errors import ConfigError
 from megabert.ops import kernel_ops, layer_norm, scaled_masked_softmax
+from megabert.training.deepspeed_engine import resolve_deepspeed_config
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
 
@@ -64,3 +71,59 @@ def test_custom_ops_pass_opcheck(op, args):
     """torch.library's checks: schema, fake (meta) implementation against the real one."""
     torch.library.opcheck(getattr(kernel_ops, f"_{op}_op"), args(),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------- training with --compile
+
+TRAIN = ["--train-iters", "4", "--attention-backend", "auto", "--layernorm-backend", "auto"]
+
+
+def _losses(argv, tp=1) -> list[float]:
+    """lm_loss of each of 4 steps through the trainer pretrain_bert.py builds (dropout 0)."""
+    _, _, trainer = build_trainer(TRAIN + argv, tp)
+    try:
+        return [float(trainer.train_step()["lm_loss"]) for _ in range(4)]
+    finally:
+        trainer.close()
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def test_compile_trains_to_the_eager_losses():
+    """The default backends (the fused kernels where they are built) through compiled
+    layers: the losses of eager mode, the layers one graph with no break."""
+    torch._dynamo.utils.counters.clear()
+    eager = _losses([])
+    compiled = _losses(["--compile"])
+    assert compiled == pytest.approx(eager, abs=1e-5, rel=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 and _graph_breaks() == 0
+
+
+def _tp2_eager_and_compiled(rank, world, argv):
+    eager = _losses(argv, tp=2)
+    compiled = _losses(argv + ["--compile"], tp=2)
+    assert compiled == pytest.approx(eager, abs=1e-5, rel=0), (eager, compiled)
+    assert _graph_breaks() == 0  # the collectives and the recompute's checkpoint stay in the graph
+
+
+def test_compile_with_tensor_and_sequence_parallelism_and_recompute():
+    """TP=2 with sequence parallelism (all-gather / reduce-scatter inside the layer) and
+    full activation recompute (the compiled layer inside torch.utils.checkpoint)."""
+    run_distributed(_tp2_eager_and_compiled, 2, ["--sequence-parallel", "--recompute-granularity", "full"])
+
+
+def test_compile_with_zero3_is_one_line_naming_both_flags(tmp_path):
+    """Tried: ZeRO-3's parameter hooks in every submodule cut the layers into fragments
+    and run past dynamo's recompile limit (eager again), so the flags refuse it; a
+    DeepSpeed JSON that chooses stage 3 likewise."""
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(deepspeed=True, zero_stage=3, compile=True)
+    assert "\n" not in str(e.value) and "--compile" in str(e.value) and "--zero-stage 3" in str(e.value)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    cfg = parse_args(["--deepspeed", "--deepspeed_config", str(path), "--compile"])
+    with pytest.raises(ConfigError) as e:
+        resolve_deepspeed_config(cfg, SimpleNamespace(dp_size=2, pp_size=1, device=torch.device("cpu")), 64)
+    assert "\n" not in str(e.value) and "--compile" in str(e.value) and "zero_optimization.stage=3" in str(e.value)

@@ -55,6 +55,8 @@ class TransformerLayer(nn.Module):
         # Replicated activations: the default stream, identical on TP ranks. Sequence-
         # parallel slices: the per-rank stream, so slices get independent masks. The fused
         # kernel draws its Philox key from the default generator, which the fork swaps.
+        if self.dropout_p == 0.0 or not self.training:
+            return residual + x  # no draw, so no stream to swap in (a swap is a graph break under torch.compile)
         fork = self.ctx.rng.fork() if self.ctx.sequence_parallel else contextlib.nullcontext()
         with fork:
             return ops.dropout_add(x, residual, self.dropout_p, self.training, backend=self.ctx.dropout_add_backend)
@@ -98,3 +100,18 @@ class TransformerBlock(nn.Module):
         if apply_final_layernorm and self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
+
+
+def compile_layers(model: nn.Module) -> int:
+    """torch.compile every TransformerLayer of `model` in place; returns how many.
+
+    Layers rather than the whole model: the pipeline schedule, activation recompute
+    (`checkpoint` around a layer) and the embeddings and heads stay eager Python around
+    them, and every layer runs the same compiled graph (one compilation per mode, train
+    and eval, whatever the depth). `nn.Module.compile` keeps parameter names and state
+    dicts as they are, so checkpoints do not change.
+    """
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    return len(layers)

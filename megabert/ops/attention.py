@@ -29,7 +29,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     """q, k, v: [b, heads, s, head_dim]; mask: bool, True = masked, broadcastable to
     [b, heads, sq, sk]. `rng_fork()` is the context in which dropout draws (the
     per-TP-rank stream, since heads are split over TP ranks). Returns [b, heads, sq, head_dim]."""
-    fork = rng_fork if rng_fork is not None else contextlib.nullcontext
+    # No dropout, no draw: the stream stays as it is (a swap is a graph break under torch.compile).
+    fork = rng_fork if rng_fork is not None and dropout_p > 0.0 else contextlib.nullcontext
     if backend == "sdpa":
         with fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask,

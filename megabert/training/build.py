@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megabert.config import OptimConfig, TrainConfig
+from megabert.model.transformer import compile_layers
 from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
@@ -44,6 +45,17 @@ def resolve_optimization(cfg, ps: ParallelState, hidden_size: int) -> tuple[Opti
         return cfg.optim, None
     ds_cfg, optim = deepspeed_engine.resolve_deepspeed_config(cfg, ps, hidden_size)
     return optim, ds_cfg
+
+
+def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig) -> None:
+    """--compile: torch.compile the model's transformer layers, once, where the model is
+    built (before DeepSpeed wraps it)."""
+    if not train.compile:
+        return
+    n = compile_layers(model)
+    if ps.is_logging_rank:
+        logger.info("--compile: %d transformer layers compiled with torch.compile; the first training step and the "
+                    "first evaluation compile them (once per process)", n)
 
 
 def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> Strategy:

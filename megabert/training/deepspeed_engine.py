@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megabert.config import OptimConfig, TrainConfig
+from megabert.config import COMPILE_ZERO3_WHY, OptimConfig, TrainConfig
 from megabert.errors import ConfigError
 from megabert.optim.cpu_adam import note_jit_build
 from megabert.parallel import ParallelState
@@ -228,6 +228,9 @@ def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int])
     user_stage = _get(user, "zero_optimization.stage")
     if user_stage is not None and user_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage={user_stage}; use 0, 1, 2 or 3")
+    if user_stage == 3 and train.compile:  # --zero-stage 3 --compile stopped at parsing (TrainConfig)
+        raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage=3 with --compile: "
+                          f"{COMPILE_ZERO3_WHY}; set the stage to 1 or 2, or drop --compile")
     if user_stage is not None and not train.zero_stage:
         train = dataclasses.replace(train, zero_stage=user_stage)  # the JSON chose the stage: size for it
     built = build_config(train, optim, ps, hidden_size)

@@ -19,6 +19,7 @@ from megabert.model import BertForQuestionAnswering
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.tensor_parallel.random import seed_default_stream
+from megabert.training.build import apply_compile
 from megabert.training.precision import autocast
 from megabert.training.strategy import Task
 
@@ -56,6 +57,7 @@ def load_qa_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> B
     if vocab_size > model.config.vocab_size:
         raise DataError(f"the tokenizer of {resolve_vocab_file(cfg)} has {vocab_size} ids but the model of "
                         f"{cfg.train.load} has {model.config.vocab_size}: pass the vocab it was pre-trained with")
+    apply_compile(model, ps, cfg.train)
     return model
 
 

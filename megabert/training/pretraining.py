@@ -16,7 +16,7 @@ from megabert.model.outputs import BertPreTrainingOutput
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import RunSpec, build_trainer, resolve_optimization
+from megabert.training.build import RunSpec, apply_compile, build_trainer, resolve_optimization
 from megabert.training.checkpointing import resolve_start
 from megabert.training.metrics import bert_flops_per_sample
 from megabert.training.strategy import Counts, Task
@@ -95,6 +95,7 @@ def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
     seed_default_stream(cfg.train.seed, ps.pp_rank, ps.device)
     model = BertForPreTraining(model_cfg, ps, seed=cfg.train.seed,
                                num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage)
+    apply_compile(model, ps, cfg.train)
     binary_head_task = cfg.data.binary_head_task if model_cfg.bert_binary_head else None
     optim, ds_cfg = resolve_optimization(cfg, ps, model_cfg.hidden_size)
     run = RunSpec(optim=optim, train=cfg.train, task=pretraining_task(binary_head_task),
