@@ -246,10 +246,12 @@ class TrainConfig:
                                       "(DeepSpeedCPUAdam; needs --zero-stage 1-3).", choices=("none", "cpu"))
     zero_offload_params: str = arg("none", "ZeRO-Infinity: keep partitioned parameters in CPU memory between "
                                    "uses (needs --zero-stage 3).", choices=("none", "cpu"))
-    compile: bool = arg(False, "torch.compile each transformer layer (TorchInductor): the same losses as eager "
-                        "(to ~1e-5 with dropout 0) after a one-off compilation at the first step and at the first "
-                        "evaluation; works with tensor and pipeline parallelism, activation recompute and the "
-                        "fused kernels.")
+    compile: bool = arg(False, "torch.compile each transformer layer (TorchInductor; the fused kernels enter the "
+                        "graph as custom ops, dropout draws eager mode's masks): the losses of eager mode to ~1e-5 in "
+                        "fp32, after a one-off compilation at the first training step and the first evaluation. "
+                        "Combines with tensor, sequence and pipeline parallelism, activation recompute and "
+                        "ZeRO-1/2, not ZeRO-3. Attention dropout (drawn from the per-TP-rank RNG stream) runs "
+                        "eagerly between compiled graphs.")
     memory_budget_gb: Optional[float] = arg(None, "Per-rank memory budget in GB (1e9 bytes): before the model is "
                                             "built, the layout planner's predicted peak is checked against it and "
                                             "a layout that exceeds it is named with the flags that would make it "

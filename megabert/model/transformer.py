@@ -110,8 +110,14 @@ def compile_layers(model: nn.Module) -> int:
     them, and every layer runs the same compiled graph (one compilation per mode, train
     and eval, whatever the depth). `nn.Module.compile` keeps parameter names and state
     dicts as they are, so checkpoints do not change.
+
+    fallback_random: dropout draws from the default generator through ATen's kernels, as
+    in eager mode, instead of Inductor's own random numbers. So the compiled layers drop
+    exactly what eager mode drops (the losses agree with dropout on too), replicated
+    activations get the same mask on every TP rank, and activation recompute replays the
+    masks by restoring the generator, as in eager mode.
     """
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        layer.compile()
+        layer.compile(options={"fallback_random": True})
     return len(layers)
