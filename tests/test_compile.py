@@ -17,7 +17,7 @@ import megabert.fused_kernels as fk
 from megabert.arguments import parse_args
 from megabert.config import TrainConfig
 from megabert.errors import ConfigError
-from megabert.ops import kernel_ops, layer_norm, scaled_masked_softmax
+from megabert.ops import dropout_add, kernel_ops, layer_norm, scaled_masked_softmax
 from megabert.training.deepspeed_engine import resolve_deepspeed_config
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
@@ -32,14 +32,16 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _softmax_and_layer_norm(scores, mask, x, weight, bias):
-    return scaled_masked_softmax(scores, mask, 0.5), layer_norm(x, weight, bias, 1e-5)
+def _fused_ops(scores, mask, x, weight, bias):
+    y = layer_norm(x, weight, bias, 1e-5)
+    return scaled_masked_softmax(scores, mask, 0.5), dropout_add(y, x, 0.3, True, backend="fused")
 
 
 @needs_kernels
 def test_fused_kernels_compile_in_one_graph():
     """fullgraph=True fails on any graph break: the pybind11 kernels are opaque to dynamo,
-    the custom ops are not. Forward and gradients equal eager's."""
+    the custom ops are not. Forward and gradients (softmax, LayerNorm, dropout + residual
+    add) equal eager's."""
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(2, 3, 8, 8, generator=g).requires_grad_()
     mask = (torch.rand(2, 1, 1, 8, generator=g) < 0.3).expand(2, 1, 8, 8)
@@ -50,11 +52,12 @@ def test_fused_kernels_compile_in_one_graph():
     grads_out = (torch.randn(scores.shape, generator=g), torch.randn(x.shape, generator=g))
 
     def run(fn):
+        torch.manual_seed(0)  # the dropout's Philox key is drawn from the default generator
         outs = fn(scores, mask, x, weight, bias)
         return outs, torch.autograd.grad(outs, leaves, grads_out)
 
-    compiled = torch.compile(_softmax_and_layer_norm, fullgraph=True, backend="aot_eager")
-    for got, want in zip(run(compiled), run(_softmax_and_layer_norm)):
+    compiled = torch.compile(_fused_ops, fullgraph=True, backend="aot_eager")
+    for got, want in zip(run(compiled), run(_fused_ops)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -66,6 +69,8 @@ def test_fused_kernels_compile_in_one_graph():
     ("layer_norm_backward", lambda: (torch.randn(6, 8), torch.randn(6, 8), torch.rand(8), torch.randn(6),
                                      torch.rand(6) + 0.5)),
     ("scaled_masked_softmax_backward", lambda: (torch.randn(2, 2, 3, 5), torch.rand(2, 2, 3, 5), 0.5)),
+    ("dropout_add_forward", lambda: (torch.randn(3, 8), torch.randn(3, 8), 0.3, torch.tensor([7]))),
+    ("dropout_backward", lambda: (torch.randn(3, 8), torch.rand(3, 8) < 0.7, 0.3)),
 ])
 def test_custom_ops_pass_opcheck(op, args):
     """torch.library's checks: schema, fake (meta) implementation against the real one."""
