@@ -2,15 +2,17 @@
 optimizer step through the trainer pretrain_bert.py runs (one process, TP=1), and the
 one-off compilation time. Prints figures and ratios; it never passes or fails on time.
 
-Each variant is a Trainer built from pretrain_bert.py's flags on the same synthetic
-batches (random tokens, 15% masked, a quarter of the rows padded). The variants' steps
-interleave (A B A B ...) so that a machine whose load changes during the run weighs on
-each alike; the figures are medians over the steps after the first. "first s" is the
-first step, which holds the compilation of the layers (forward and backward) for the
---compile variants; the run starts from an empty TorchInductor cache unless --warm-cache
-(a later run on the same machine reuses the compiled kernels). A second table times the transformer layers alone (forward and
-backward of the encoder on a fixed [s, b, h] input), the part --compile compiles: the
-whole step also holds the embeddings, the heads and the optimizer, which stay eager.
+Each variant is a Trainer built from pretrain_bert.py's flags (its defaults: unpadded
+encoder, fused CPU kernels, MLM logits at masked positions) on the same synthetic batches.
+The variants' steps interleave (A B A B ...) so that a machine whose load changes during
+the run weighs on each alike; the figures are medians over the steps after the first.
+"first s" is the first step, which holds the compilation of the layers (forward and
+backward) for the --compile variants; the run starts from an empty TorchInductor cache
+unless --warm-cache (a later run on the same machine reuses the compiled kernels). A
+second table times the transformer layers alone (forward and backward of the encoder on a
+fixed, padded [s, b, h] input: another graph, compiled at its first call), the part
+--compile compiles: the whole step also holds the embeddings, the heads and the
+optimizer, which stay eager.
 
     python bench/compile.py                         # 4 layers, hidden 256, seq 128, batch 16
     python bench/compile.py --variants eager compile compile-sdpa --repeats 20
@@ -43,11 +45,14 @@ VARIANTS = {
 
 
 def synthetic_batches(batch: int, seq: int, seed: int = 0):
+    """Random tokens, 15% masked; a quarter of the rows padded from a random length on, so
+    the unpadded encoder's token count changes from batch to batch as on real data."""
     g = torch.Generator().manual_seed(seed)
     while True:
         ids = torch.randint(1000, VOCAB, (batch, seq), generator=g)
         am = torch.ones_like(ids)
-        am[: batch // 4, seq * 3 // 4:] = 0
+        for row in range(batch // 4):
+            am[row, int(torch.randint(8, seq, (1,), generator=g)):] = 0
         labels = torch.where(torch.rand(ids.shape, generator=g) < 0.15, ids, torch.full_like(ids, -100))
         yield {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": am, "labels": labels,
                "next_sentence_label": torch.randint(0, 2, (batch,), generator=g)}
