@@ -198,15 +198,15 @@ def test_one_process_warning_names_zero_offload_tp_pp_with_their_predictions():
 
 
 def test_zero3_step_works_one_sub_group_at_a_time():
-    """ZeRO-3's step holds one sub-group's fp32 gradients and AdamW's two temporaries
-    (12 bytes x sub_group_size), not the partition's; DeepSpeedCPUAdam (offload) none."""
+    """ZeRO-3's step holds one sub-group's fp32 gradients (4 bytes x sub_group_size; the
+    fused AdamW makes no temporaries), not the partition's; DeepSpeedCPUAdam (offload) none."""
     from megabert.training.deepspeed_engine import zero_sizing
 
     cfg, run = bert_large(), RunSpec(precision="bf16")
     sizing = zero_sizing(cfg.hidden_size)
     est = estimate(cfg, run, Layout(dp=2, zero_stage=3))
     live = sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"]
-    expected = 2 * (live + sizing["reduce_bucket_size"]) + 12 * sizing["sub_group_size"]
+    expected = 2 * (live + sizing["reduce_bucket_size"]) + 4 * sizing["sub_group_size"]
     assert sizing["sub_group_size"] < total_params(cfg) / 2
     assert est.buffers_gb == pytest.approx(expected / 1e9)
     off = estimate(cfg, run, Layout(dp=2, zero_stage=3, offload_optimizer=True))

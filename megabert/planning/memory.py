@@ -11,7 +11,7 @@ Model states, bytes per parameter element held by a rank (P its parameters, d = 
          parameters), grads p P/d, 12 P/d
       1, 2: the fp32 gradient partition the step reads, 4 P/d; all: the reduce/all-gather buckets.
       3: the step walks the partition one sub-group (S elements, zero_sizing's sub_group_size)
-         at a time: that sub-group's fp32 gradient copy and AdamW's two temporaries, 12 S.
+         at a time: that sub-group's fp32 gradient copy, 4 S (fused AdamW makes no temporaries).
       Offload optimizer: master, moments and an fp32 gradient partition live in host memory
       (DeepSpeedCPUAdam steps in place: no temporaries); offload params: ZeRO-3's parameter
       partition too.
@@ -107,7 +107,6 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
     of one rank holding `sp` (the rules in the module docstring)."""
     P, d = sp.total, layout.dp
     out = dict(parameters=0.0, gradients=0.0, optimizer=0.0, buffers=0.0, host=0.0)
-    largest = max(sp.tensors)
     if layout.zero_stage == 0:
         out["parameters"] = 4.0 * P
         out["gradients"] = 4.0 * P
@@ -118,8 +117,8 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
         if sp.tied_embedding or (layout.pp > 1 and sp.stage == 0):
             reductions.append(min(BUCKET_ELEMENTS, model.padded_vocab_size(layout.tp) // layout.tp
                                   * model.hidden_size))
-        # AdamW's per-tensor loop (foreach=False) makes one temporary the size of a parameter.
-        out["buffers"] = 4.0 * (max(reductions) + largest)
+        # torch's fused AdamW (build_optimizer's default) steps in place: no temporaries.
+        out["buffers"] = 4.0 * max(reductions)
         return out
     sizing = zero_sizing(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
@@ -136,7 +135,7 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
             out["buffers"] += (CPU_ZERO3_HEAP_BYTES_PER_PARAM
                                + (CPU_OFFLOAD_HEAP_BYTES_PER_PARAM if layout.offload_optimizer else 0.0)) * P
         grads = p * P / d
-        step_buffers = 12.0 * min(sizing["sub_group_size"], P / d)  # one sub-group's fp32 grads + AdamW's
+        step_buffers = 4.0 * min(sizing["sub_group_size"], P / d)  # one sub-group's fp32 grads (fused AdamW)
     else:
         out["parameters"] = p * P
         out["buffers"] = p * (sizing["reduce_bucket_size"] + sizing["allgather_bucket_size"])
