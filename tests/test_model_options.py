@@ -158,3 +158,22 @@ def test_layers_use_the_fused_dropout_add_on_cpu():
     for backend in ("auto", "torch"):
         _dropout_add_layers(0, 1, backend, False)
     run_distributed(_dropout_add_layers, 2, "auto", True)
+
+
+def _qa_from_unpadded_pretraining(rank, world, root):
+    from megabert.config import FinetuneConfig, FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
+    from megabert.training.checkpointing import TrainingState, save_checkpoint
+    from megabert.training.finetuning import load_qa_model
+
+    ps = megabert.init_parallel()
+    save_checkpoint(root, TrainingState(), megabert.BertForPreTraining(_cfg(unpad_input=True), ps), None, ps)
+    cfg = FinetuneConfigs(parallel=ParallelConfig(), optim=OptimConfig(), train=TrainConfig(load=root),
+                          finetune=FinetuneConfig(train_file="t.json", max_seq_length=32,
+                                                                   max_query_length=8, doc_stride=8))
+    assert not load_qa_model(cfg, ps, 99).config.unpad_input
+
+
+def test_squad_fine_tuning_keeps_the_padded_encoder(tmp_path):
+    """pretrain_bert.py's checkpoints say unpad_input=True; SQuAD's span softmax reads the
+    padding positions, so fine-tuning builds the padded encoder from them."""
+    run_distributed(_qa_from_unpadded_pretraining, 1, str(tmp_path / "ckpt"))
