@@ -29,3 +29,11 @@ def print_table(medians: dict[str, float], labels: dict[str, str], tokens_per_st
     for name, t in medians.items():
         print(f"{name:18} {labels.get(name, ''):20} {t * 1e3:9.1f} {tokens_per_step / t:10.0f} "
               f"{medians[peer] / t:15.2f}x")
+
+
+def compare(sides: dict[str, tuple[Callable[[], object], str]], rounds: int, tokens_per_step: int, header: str,
+            peer: str = "transformers") -> None:
+    """Times {side: (step, backends label)} interleaved, then prints `header` and the table."""
+    medians = interleaved({name: step for name, (step, _) in sides.items()}, rounds)
+    print(header)
+    print_table(medians, {name: label for name, (_, label) in sides.items()}, tokens_per_step, peer)

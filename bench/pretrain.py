@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import megabert  # noqa: E402
-from _timing import interleaved, print_table  # noqa: E402
+from _timing import compare  # noqa: E402
 from megabert.arguments import parse_args  # noqa: E402
 from megabert.training.pretraining import build_pretraining  # noqa: E402
 
@@ -135,12 +135,10 @@ def main() -> None:
     sides = {"transformers": transformers_step(args, batches, ps.device)}
     for name in args.variants:
         sides[name] = ours(shape + VARIANTS[name], ps, args.vocab, batches)
-    medians = interleaved({name: step for name, (step, _) in sides.items()}, args.rounds)
-    print(f"device {ps.device} | torch {torch.__version__} threads {torch.get_num_threads()} | {args.layers} layers, "
-          f"hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32, AdamW | "
-          f"real (non-padding) tokens {real:.1%} | median of {args.rounds} interleaved steps")
-    print_table(medians, {name: label for name, (_, label) in sides.items()}, args.batch * args.seq, "transformers")
-
+    compare(sides, args.rounds, args.batch * args.seq,
+            f"device {ps.device} | torch {torch.__version__} threads {torch.get_num_threads()} | {args.layers} layers, "
+            f"hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32, AdamW | "
+            f"real (non-padding) tokens {real:.1%} | median of {args.rounds} interleaved steps")
 
 if __name__ == "__main__":
     main()

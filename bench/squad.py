@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import megabert  # noqa: E402
-from _timing import interleaved, print_table  # noqa: E402
+from _timing import compare  # noqa: E402
 from megabert.arguments import parse_finetune_args  # noqa: E402
 from megabert.config import ModelConfig  # noqa: E402
 from megabert.parallel.layout import BatchLayout  # noqa: E402
@@ -91,12 +91,10 @@ def main() -> None:
     ps = megabert.init_parallel()
     batches = squad_batches(args, 4)
     sides = {"transformers": transformers_step(args, batches, ps.device), "finetune_squad.py": ours(args, ps, batches)}
-    medians = interleaved({name: step for name, (step, _) in sides.items()}, args.rounds)
-    print(f"device {ps.device} | torch {torch.__version__} threads {torch.get_num_threads()} | SQuAD fine-tuning, "
-          f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32 | median of "
-          f"{args.rounds} interleaved steps")
-    print_table(medians, {name: label for name, (_, label) in sides.items()}, args.batch * args.seq, "transformers")
-
+    compare(sides, args.rounds, args.batch * args.seq,
+            f"device {ps.device} | torch {torch.__version__} threads {torch.get_num_threads()} | SQuAD fine-tuning, "
+            f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32 | median of "
+            f"{args.rounds} interleaved steps")
 
 if __name__ == "__main__":
     main()
