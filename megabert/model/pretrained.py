@@ -2,6 +2,8 @@
 full or local state dicts into this rank's slice of a model, and full-state gathering."""
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Optional
 
@@ -22,6 +24,17 @@ from megabert.tensor_parallel.layers import unshard
 logger = logging.getLogger(__name__)
 
 
+# How pretrain_bert.py ran, not what the model is: its checkpoints store them True, but a
+# loaded model keeps the library's (transformers') outputs unless asked. Unpadding in
+# particular must not reach SQuAD, whose span softmax reads the padding positions.
+RUN_TIME_CHOICES = ("unpad_input", "mlm_logits_at_masked_only")
+
+
+def _library_config(saved: dict, overrides: dict) -> ModelConfig:
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in RUN_TIME_CHOICES}
+    return ModelConfig(**{**saved, **defaults, **overrides})
+
+
 class PretrainedMixin:
     """Loading and saving for the task models (see megabert.model.bert)."""
 
@@ -32,7 +45,8 @@ class PretrainedMixin:
         """Loads a Hugging Face BERT directory (config.json + safetensors or pytorch_model.bin),
         a Google TF BERT directory (bert_config.json + bert_model.ckpt.*), or a megabert checkpoint of any TP x PP layout; each rank
         keeps only its own shard. `config_overrides` replace ModelConfig fields (e.g.
-        hidden_dropout=0.0)."""
+        hidden_dropout=0.0). pretrain_bert.py's speed choices saved in a checkpoint
+        (RUN_TIME_CHOICES) go back to the library's defaults unless overridden."""
         ps = parallel_state or get_parallel_state()
         build = dict(seed=seed, device=device, params_dtype=params_dtype,
                      num_layers_per_virtual_stage=num_layers_per_virtual_stage)
@@ -44,13 +58,13 @@ class PretrainedMixin:
         layout = saved_layout(resolve_checkpoint_dir(path))
         if (layout.tp_size, layout.pp_size) == (ps.tp_size, ps.pp_size):
             payload = load_file(layout.files[(ps.tp_rank, ps.pp_rank)])  # this rank's shard only
-            model = cls(ModelConfig(**{**payload["model_config"], **config_overrides}), ps, **build)
+            model = cls(_library_config(payload["model_config"], config_overrides), ps, **build)
             if saved_virtual_stage_layers(payload) == model.virtual_stage_layers:
                 model.load_local_state_dict(payload["model"], source=path)
                 return model
         # Another layout: merge and re-split in memory.
         full, meta, _ = load_full_model(path)
-        model = cls(ModelConfig(**{**meta["model_config"], **config_overrides}), ps, **build)
+        model = cls(_library_config(meta["model_config"], config_overrides), ps, **build)
         model.load_full_state_dict(full, source=path)
         return model
 

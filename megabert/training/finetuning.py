@@ -48,12 +48,9 @@ def load_qa_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> B
     """BertForQuestionAnswering from --load (megabert checkpoint of any TP layout, or a
     Hugging Face directory); the QA head is new unless the checkpoint already has one."""
     seed_default_stream(cfg.train.seed, ps.pp_rank, ps.device)
-    # unpad_input=False: pretrain_bert.py saves its unpadded encoder in the checkpoint's
-    # config, but SQuAD's span softmax runs over every position, padding included (Google's
-    # and transformers' loss), so padding positions must get the padded encoder's states.
     model = BertForQuestionAnswering.from_pretrained(
         cfg.train.load, ps, seed=cfg.train.seed,
-        num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage, unpad_input=False)
+        num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage)
     if cfg.finetune.max_seq_length > model.config.max_position_embeddings:
         raise ConfigError(f"--max-seq-length {cfg.finetune.max_seq_length} exceeds the model's "
                           f"{model.config.max_position_embeddings} position embeddings ({cfg.train.load})")
