@@ -21,6 +21,7 @@ from megabert.optim.cpu_adam import note_jit_build
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.training.deepspeed_sections import translate_sections
+from megabert.training.zero_masters import share_fp32_masters
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,11 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     # Always our optimizer: a JSON's optimizer section was translated, not merged.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
                                            dist_init_required=False)
+    stage = config["zero_optimization"].get("stage", 0)
+    freed = share_fp32_masters(engine.optimizer, stage)
+    if freed and ps.is_logging_rank:
+        logger.info("ZeRO-%d in fp32: DeepSpeed's fp32 master partition shares the parameter partition's memory "
+                    "(%.2f GB per rank not duplicated)", stage, freed / 1e9)
     return engine
 
 
