@@ -51,6 +51,7 @@ LAYOUTS = {
     "single": BenchLayout("single", Layout()),
     "tp2": BenchLayout("tp2", Layout(tp=2)),
     "pp2": BenchLayout("pp2", Layout(pp=2)),
+    "tp2pp2": BenchLayout("tp2pp2", Layout(tp=2, pp=2)),
     "dp2": BenchLayout("dp2", Layout(dp=2)),
     "zero1": BenchLayout("zero1", Layout(dp=2, zero_stage=1)),
     "zero2": BenchLayout("zero2", Layout(dp=2, zero_stage=2)),

@@ -199,18 +199,40 @@ def test_one_process_warning_names_zero_offload_tp_pp_with_their_predictions():
 
 def test_zero3_step_works_one_sub_group_at_a_time():
     """ZeRO-3's step holds one sub-group's fp32 gradients (4 bytes x sub_group_size; the
-    fused AdamW makes no temporaries), not the partition's; DeepSpeedCPUAdam (offload) none."""
+    fused AdamW makes no temporaries), not the partition's; DeepSpeedCPUAdam (offload) none.
+    Backward holds the gathered parameters and the reduce bucket instead; the peak is the
+    larger phase."""
+    from megabert.planning.memory import _model_states
     from megabert.training.deepspeed_engine import zero_sizing
 
     cfg, run = bert_large(), RunSpec(precision="bf16")
     sizing = zero_sizing(cfg.hidden_size)
-    est = estimate(cfg, run, Layout(dp=2, zero_stage=3))
+    sp = stage_params(cfg, 1, 1, 0)
+    states = _model_states(sp, cfg, run, Layout(dp=2, zero_stage=3))
+    grads = 2 * sp.total / 2
     live = sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"]
-    expected = 2 * (live + sizing["reduce_bucket_size"]) + 4 * sizing["sub_group_size"]
     assert sizing["sub_group_size"] < total_params(cfg) / 2
-    assert est.buffers_gb == pytest.approx(expected / 1e9)
-    off = estimate(cfg, run, Layout(dp=2, zero_stage=3, offload_optimizer=True))
-    assert off.buffers_gb == pytest.approx(2 * (live + sizing["reduce_bucket_size"]) / 1e9)
+    assert states.step == pytest.approx(grads + 4 * sizing["sub_group_size"])
+    assert states.backward == pytest.approx(grads + 2 * (live + sizing["reduce_bucket_size"]))
+    off = _model_states(sp, cfg, run, Layout(dp=2, zero_stage=3, offload_optimizer=True))
+    assert off.step == pytest.approx(grads)
+    est = estimate(cfg, run, Layout(dp=2, zero_stage=3))
+    transient = max(est.activations_gb * 1e9 + states.backward, states.step)
+    assert est.total_gb == pytest.approx((states.parameters + states.optimizer + transient) / 1e9 + est.overhead_gb)
+
+
+def test_fp32_zero_master_shares_the_parameters_unless_offloaded():
+    """fp32 ZeRO keeps no separate fp32 master (training.zero_masters): 8 bytes of moments per
+    element and rank; bf16 and an offloaded optimizer keep it (12, the offloaded in host memory)."""
+    cfg = bert_large()
+    P = total_params(cfg)
+    for stage in (1, 2, 3):
+        fp32 = estimate(cfg, RunSpec(), Layout(dp=2, zero_stage=stage))
+        bf16 = estimate(cfg, RunSpec(precision="bf16"), Layout(dp=2, zero_stage=stage))
+        assert fp32.optimizer_gb == pytest.approx(8 * P / 2 / 1e9)
+        assert bf16.optimizer_gb == pytest.approx(12 * P / 2 / 1e9)
+    off = estimate(cfg, RunSpec(), Layout(dp=2, zero_stage=3, offload_optimizer=True))
+    assert off.optimizer_gb == 0 and off.host_gb == pytest.approx((12 + 4) * P / 2 / 1e9, rel=0.01)
 
 
 @pytest.mark.parametrize("kwargs,flag", [

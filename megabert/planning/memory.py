@@ -4,38 +4,37 @@ Model states, bytes per parameter element held by a rank (P its parameters, d = 
   megabert's trainer (zero_stage 0)  fp32 params 4 P, fp32 grads 4 P, AdamW moments 8 P
       (bf16/fp16 autocast leaves parameters, grads and moments in fp32).
   DeepSpeed ZeRO (p = 2 bytes in bf16/fp16, 4 in fp32), as DeepSpeed's stage_1_and_2.py and
-  stage3.py allocate them; the fp32 master copy exists in fp32 runs too (DeepSpeed clones):
-      1: params p P, grads p P + the averaged partition p P/d, master + moments 12 P/d
-      2: params p P, grads p P/d, 12 P/d
+  stage3.py allocate them; AdamW's moments 8 P/d, and an fp32 master 4 P/d except in fp32
+  runs, where it shares the parameter partition (megabert.training.zero_masters):
+      1: params p P, grads p P, then the reduced partition p P/d and the flat fp32 copy of it
+         the step reads, 4 P/d
+      2: params p P, a contiguous gradient partition p P/d (+ its flat fp32 copy, 4 P/d)
       3: params p P/d (+ tensors under the persistence threshold whole, + the live gathered
-         parameters), grads p P/d, 12 P/d
-      1, 2: the fp32 gradient partition the step reads, 4 P/d; all: the reduce/all-gather buckets.
-      3: the step walks the partition one sub-group (S elements, zero_sizing's sub_group_size)
-         at a time: that sub-group's fp32 gradient copy, 4 S (fused AdamW makes no temporaries).
+         parameters), grads p P/d; the step walks the partition one sub-group (S elements,
+         zero_sizing's sub_group_size) at a time: that sub-group's fp32 gradients, 4 S.
       Offload optimizer: master, moments and an fp32 gradient partition live in host memory
       (DeepSpeedCPUAdam steps in place: no temporaries); offload params: ZeRO-3's parameter
       partition too.
   (DeepSpeed's own estimate_zero3_model_states_mem_needs counts 18 P/d for mixed precision.)
 
-Peak: on a GPU, megabert's trainer frees gradients before each forward
-(zero_grad(set_to_none=True)) and the caching allocator reuses activation blocks for them,
-so activations (highest after forward) and gradients plus reduction buffers (highest after
-backward) do not add up: peak = params + optimizer + max(activations, grads + buffers).
-On the CPU, glibc's heap does not hand freed activation pages to the next, differently
-sized allocations, so the RSS high-water adds them (measured: the max under-predicted
-BERT-base by 0.2 GB). DeepSpeed keeps gradient buffers allocated: everything adds up.
-The same heap keeps pages of full-size tensors that DeepSpeed makes and frees once per
-step: ZeRO-2's per-parameter gradients before they are copied into the reduce bucket
-(p P); under ZeRO-3, one fp32 copy of the model (4 P: the model as megabert builds it
-before DeepSpeed partitions it, whose pages gathered parameters and activations reuse
-later), and 4 P more with the optimizer offloaded. Both calibrated with bench/memory.py
-(fp32, DP=2): BERT-base and BERT-large kept 3.8 and 4.9 bytes per parameter above the
-predicted live states under ZeRO-3, and offload another 3.8 and 4.2. Heap, not live
-tensors: with glibc told to return every block of 128 KiB or more at once
-(MALLOC_MMAP_THRESHOLD_=131072) BERT-large's ZeRO-3 peaked at 4.8 GB instead of 6.8, and
-with offload at 5.5 GB instead of 8.2, the 0.7 GB between them the host fp32 gradient
-partition. A GPU's caching allocator reuses those blocks instead (bounded by the
-live-parameter and bucket sizes), so these terms apply to CPU runs only.
+Peak: parameters and optimizer states stay; on top of them a step has two phases, and the
+peak is the larger: backward (activations, the gradients it has made, the buffers that
+reduce them while it runs: the DP all-reduce bucket, ZeRO's reduce bucket and ZeRO-3's
+gathered parameters) and the step after it (the gradients, the flat copies the reduction
+and the optimizer read, the tied embeddings' all-reduce).
+On a GPU, megabert's trainer frees gradients before each forward
+(zero_grad(set_to_none=True)) and the caching allocator reuses activation blocks for them:
+peak = params + optimizer + max(activations, grads + buffers).
+On the CPU, glibc's heap does not hand activation pages freed during backward to the
+gradients made meanwhile, so backward adds them; and it keeps pages of tensors DeepSpeed
+makes and frees every step: ZeRO-2's per-parameter gradients before their bucket copy,
+ZeRO-3's gathered parameters (its peak is 6 bytes per parameter above the live states,
+8 with the optimizer offloaded). Calibrated with bench/memory.py (fp32, DP=2, BERT-base
+and BERT-large; README "Choosing a layout"). With glibc told to return every block of 128
+KiB or more at once (MALLOC_MMAP_THRESHOLD_=131072) BERT-base's ZeRO-3 peaked at 1.83 GB
+instead of 2.48, at 37% more time per step, so the planner predicts the default
+allocator. A GPU's caching allocator reuses those blocks instead (bounded by the
+live-parameter and bucket sizes), so the heap terms apply to CPU runs only.
 
 ZeRO bucket and live-parameter sizes come from megabert.training.deepspeed_engine.zero_sizing,
 the numbers the DeepSpeed config is built from; this module never restates them.
@@ -55,21 +54,21 @@ GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
 
 # Memory a training process holds besides the model's tensors.
 # cpu: calibrated with bench/memory.py (peak RSS of pretrain_bert.py, seq 128, micro-batch 2,
-#   fp32): what the one-process, TP=2 and PP=2 runs at BERT-base hold beyond the model's
-#   tensors (0.76, 0.68, 0.62 GB): the interpreter and torch's libraries (0.3 GB measured
-#   alone), gloo, the dataset's pages, allocator slack. BERT-large then checks it (README,
-#   "Choosing a layout").
+#   fp32): what the one-process, TP=2 and DP=2 runs of BERT-base and BERT-large hold beyond
+#   the model's states and activations (0.50 to 0.65 GB): the interpreter and torch's
+#   libraries (0.3 GB measured alone), gloo, the dataset's pages, allocator slack.
 # cuda: an allowance, not measured here: max_memory_allocated excludes the CUDA context
 #   (~0.5 GB outside PyTorch's count) but fragmentation, cuBLAS workspaces and NCCL buffers
 #   take a few hundred MB inside it.
-FRAMEWORK_OVERHEAD_GB = {"cpu": 0.7, "cuda": 1.0}
-# DeepSpeed's import and engine on a CPU run: what its ZeRO-1/2/3 runs at BERT-base measured
-# beyond the states below (0.11, 0.09, 0.04 GB). On a GPU it lives in host memory.
+FRAMEWORK_OVERHEAD_GB = {"cpu": 0.55, "cuda": 1.0}
+# DeepSpeed's import and engine on a CPU run. On a GPU it lives in host memory.
 DEEPSPEED_OVERHEAD_GB = {"cpu": 0.1, "cuda": 0.0}
-# glibc's heap high-water under ZeRO-3 on the CPU, bytes per parameter element of the rank's
-# model, and what offloading the optimizer adds (calibrated; see the module docstring).
-CPU_ZERO3_HEAP_BYTES_PER_PARAM = 4.0
-CPU_OFFLOAD_HEAP_BYTES_PER_PARAM = 4.0
+# glibc's heap high-water on the CPU, bytes per parameter element of the rank's model
+# (calibrated; see the module docstring): ZeRO-2's per-parameter gradients waiting for
+# their bucket, ZeRO-3's gathered parameters, and what offloading ZeRO-3's optimizer adds.
+CPU_ZERO2_HEAP_BYTES_PER_PARAM = 2.0
+CPU_ZERO3_HEAP_BYTES_PER_PARAM = 6.0
+CPU_OFFLOAD_HEAP_BYTES_PER_PARAM = 2.0
 
 
 @dataclass(frozen=True)
@@ -102,54 +101,77 @@ class MemoryEstimate:
                 "host (offloaded)": self.host_gb}
 
 
-def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Layout) -> dict[str, float]:
-    """Bytes of parameters, gradients, optimizer states, buffers and host-offloaded states
-    of one rank holding `sp` (the rules in the module docstring)."""
+@dataclass(frozen=True)
+class _States:
+    """Bytes one rank holds for the model (see the module docstring)."""
+
+    parameters: float
+    optimizer: float
+    gradients: float
+    """After backward: what the step reads."""
+    backward: float
+    """Besides activations, during backward: the gradients made so far and the buffers
+    that reduce them meanwhile."""
+    step: float
+    """After backward: the gradients and the flat copies the reduction and the step make."""
+    heap: float = 0.0
+    """CPU only: glibc's heap high-water beyond the live tensors."""
+    host: float = 0.0
+    """Offloaded states (host memory)."""
+
+
+def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Layout) -> _States:
+    """Bytes of parameters, gradients, optimizer states and buffers of one rank holding `sp`."""
     P, d = sp.total, layout.dp
-    out = dict(parameters=0.0, gradients=0.0, optimizer=0.0, buffers=0.0, host=0.0)
+    cpu = run.device == "cpu"
     if layout.zero_stage == 0:
-        out["parameters"] = 4.0 * P
-        out["gradients"] = 4.0 * P
-        out["optimizer"] = 8.0 * P
-        reductions = [0]
-        if layout.dp > 1:
-            reductions.append(min(BUCKET_ELEMENTS, P))  # one flat fp32 copy per coalesced bucket
+        grads = 4.0 * P
+        dp_bucket = 4.0 * min(BUCKET_ELEMENTS, P) if layout.dp > 1 else 0.0  # one flat copy per bucket
+        tied = 0.0
         if sp.tied_embedding or (layout.pp > 1 and sp.stage == 0):
-            reductions.append(min(BUCKET_ELEMENTS, model.padded_vocab_size(layout.tp) // layout.tp
-                                  * model.hidden_size))
+            tied = 4.0 * min(BUCKET_ELEMENTS, model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size)
         # torch's fused AdamW (build_optimizer's default) steps in place: no temporaries.
-        out["buffers"] = 4.0 * max(reductions)
-        return out
+        return _States(parameters=4.0 * P, optimizer=8.0 * P, gradients=grads, backward=grads + dp_bucket,
+                       step=grads + tied)
     sizing = zero_sizing(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
-    optimizer = 12.0 * P / d  # fp32 master + two AdamW moments, partitioned
-    fp32_grad_partition = 4.0 * P / d  # what the optimizer step reads
+    # AdamW's two moments and the fp32 master, partitioned; in fp32 the master shares the
+    # parameter partition (training.zero_masters) unless the optimizer is offloaded.
+    master = 0.0 if p == 4.0 and not layout.offload_optimizer else 4.0
+    optimizer = (8.0 + master) * P / d
+    fp32_grad_partition = 4.0 * P / d  # the flat copy the optimizer step reads
+    reduce_bucket = p * sizing["reduce_bucket_size"]
+    host = 0.0
+    heap = 0.0
     if layout.zero_stage == 3:
         persistent = sp.below(sizing["stage3_param_persistence_threshold"])
         partition = p * (P - persistent) / d
-        live = min(sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"], P)
-        out["parameters"] = p * persistent + (0.0 if layout.offload_params else partition)
-        out["host"] += partition if layout.offload_params else 0.0
-        out["buffers"] = p * (live + sizing["reduce_bucket_size"])
-        if run.device == "cpu":  # heap high-water, see above
-            out["buffers"] += (CPU_ZERO3_HEAP_BYTES_PER_PARAM
-                               + (CPU_OFFLOAD_HEAP_BYTES_PER_PARAM if layout.offload_optimizer else 0.0)) * P
+        live = p * min(sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"], P)
+        parameters = p * persistent + (0.0 if layout.offload_params else partition)
+        host += partition if layout.offload_params else 0.0
         grads = p * P / d
-        step_buffers = 4.0 * min(sizing["sub_group_size"], P / d)  # one sub-group's fp32 grads (fused AdamW)
+        backward = grads + live + reduce_bucket
+        # One sub-group's fp32 gradients (fused AdamW); DeepSpeedCPUAdam reads the host copy.
+        step = grads + (0.0 if layout.offload_optimizer else 4.0 * min(sizing["sub_group_size"], P / d))
+        if cpu:
+            heap = (CPU_ZERO3_HEAP_BYTES_PER_PARAM
+                    + (CPU_OFFLOAD_HEAP_BYTES_PER_PARAM if layout.offload_optimizer else 0.0)) * P
     else:
-        out["parameters"] = p * P
-        out["buffers"] = p * (sizing["reduce_bucket_size"] + sizing["allgather_bucket_size"])
-        grads = p * P + p * P / d if layout.zero_stage == 1 else p * P / d
-        if layout.zero_stage == 2 and run.device == "cpu":
-            out["buffers"] += p * P  # per-parameter gradients before the bucket copy, heap high-water
-        step_buffers = fp32_grad_partition
-    out["gradients"] = grads
+        parameters = p * P
+        if layout.zero_stage == 1:  # reduced after backward (no overlap_comm)
+            grads = p * P + p * P / d
+            backward = p * P
+        else:
+            grads = p * P / d
+            backward = grads + reduce_bucket + p * sizing["allgather_bucket_size"]
+            if cpu:
+                heap = CPU_ZERO2_HEAP_BYTES_PER_PARAM * P
+        step = grads + (0.0 if layout.offload_optimizer else fp32_grad_partition)
     if layout.offload_optimizer:
-        out["host"] += optimizer + fp32_grad_partition
-    else:
-        out["optimizer"] = optimizer
-        out["buffers"] += step_buffers
-    return out
+        host += optimizer + fp32_grad_partition
+        optimizer = 0.0
+    return _States(parameters=parameters, optimizer=optimizer, gradients=grads, backward=backward, step=step,
+                   heap=heap, host=host)
 
 
 def estimate_stage(model: ModelConfig, run: RunSpec, layout: Layout, stage: int) -> MemoryEstimate:
@@ -160,20 +182,22 @@ def estimate_stage(model: ModelConfig, run: RunSpec, layout: Layout, stage: int)
     activations = stage_activation_bytes(model, run, layout, stage)
     overhead = (run.overhead_gb if run.overhead_gb is not None else FRAMEWORK_OVERHEAD_GB[run.device]
                 + (DEEPSPEED_OVERHEAD_GB[run.device] if layout.zero_stage else 0.0))
-    resident = states["parameters"] + states["optimizer"]
+    resident = states.parameters + states.optimizer
     if layout.zero_stage == 0 and run.device == "cuda":
-        transient = max(activations, states["gradients"] + states["buffers"])
+        transient = max(activations, states.step)
     else:
-        transient = activations + states["gradients"] + states["buffers"]
-    host = states["host"]
-    total = (resident + transient + (host if run.device == "cpu" else 0.0)) / GB + overhead
+        transient = max(activations + states.backward, states.step)
+    # What the peak phase holds besides activations and gradients.
+    buffers = transient - states.gradients - (activations if transient > states.step else 0.0)
+    buffers = max(buffers, 0.0) + states.heap
+    total = (resident + transient + states.heap + (states.host if run.device == "cpu" else 0.0)) / GB + overhead
     notes = []
     if sp.tied_embedding:
         notes.append("last stage holds a copy of the tied word embeddings")
     return MemoryEstimate(model=model, run=run, layout=layout, stage=stage, params_per_rank=sp.total,
-                          parameters_gb=states["parameters"] / GB, gradients_gb=states["gradients"] / GB,
-                          optimizer_gb=states["optimizer"] / GB, activations_gb=activations / GB,
-                          buffers_gb=states["buffers"] / GB, overhead_gb=overhead, host_gb=host / GB,
+                          parameters_gb=states.parameters / GB, gradients_gb=states.gradients / GB,
+                          optimizer_gb=states.optimizer / GB, activations_gb=activations / GB,
+                          buffers_gb=buffers / GB, overhead_gb=overhead, host_gb=states.host / GB,
                           total_gb=total, notes=tuple(notes))
 
 
