@@ -59,7 +59,7 @@ LAYOUTS = {
     "zero3-offload": BenchLayout("zero3-offload", Layout(dp=2, zero_stage=3, offload_optimizer=True,
                                                          offload_params=True)),
 }
-DEFAULT_LAYOUTS = ["single", "tp2", "pp2", "dp2", "zero1", "zero2", "zero3", "zero3-offload"]
+DEFAULT_LAYOUTS = ["single", "tp2", "pp2", "tp2pp2", "dp2", "zero1", "zero2", "zero3", "zero3-offload"]
 
 # Runs the command and reports the largest peak RSS among the processes it waited for
 # (torchrun reaps its ranks, so theirs count): Linux keeps ru_maxrss of RUSAGE_CHILDREN
