@@ -36,17 +36,13 @@ import torch.multiprocessing as mp  # noqa: E402
 from megabert.config import PRESETS  # noqa: E402
 from megabert.planning import Layout, RunSpec, estimate  # noqa: E402
 
-VOCAB_SIZE = 30522
+from memory import LAYOUTS as MEMORY_LAYOUTS, VOCAB_SIZE  # noqa: E402  (bench/memory.py, beside this file)
+
 SEQ, MICRO = 128, 2
-LAYOUTS = {
-    "single": Layout(),
-    "tp2": Layout(tp=2),
-    "pp2": Layout(pp=2),
-    "dp2": Layout(dp=2),
-    "zero1": Layout(dp=2, zero_stage=1),
-    "zero2": Layout(dp=2, zero_stage=2),
-    "zero3": Layout(dp=2, zero_stage=3),
-}
+# bench/memory.py's layouts whose model states live on the rank (offload moves them to the
+# host, the same memory on a CPU) and that run on 2 processes.
+LAYOUTS = {name: bl.layout for name, bl in MEMORY_LAYOUTS.items()
+           if name not in ("tp2pp2", "zero3-offload")}
 
 
 def live_tensor_bytes() -> int:

@@ -18,6 +18,7 @@ device) and bf16/fp16 runs keep the separate master: there it is a different ten
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def _shareable(master: torch.Tensor, partition: torch.Tensor) -> bool:
@@ -50,8 +51,6 @@ def share_fp32_masters(optimizer, zero_stage: int) -> int:
     elif zero_stage in (1, 2):
         if getattr(optimizer, "cpu_offload", False):
             return 0
-        import torch.distributed as dist
-
         for i, master in enumerate(optimizer.single_partition_of_fp32_groups):
             rank = dist.get_rank(group=optimizer.real_dp_process_group[i])
             partition = optimizer.parallel_partitioned_bit16_groups[i][rank]
