@@ -25,14 +25,14 @@ import megabert
 from megabert.arguments import parse_finetune_args
 from megabert.config import validate_layout
 from megabert.data import build_tokenizer
-from megabert.data.squad import load_squad_json, read_squad_examples
-from megabert.data.squad_eval import evaluate
-from megabert.data.squad_features import convert_examples_to_features, features_to_tensors
-from megabert.data.squad_postprocess import postprocess_predictions
+from megabert.tasks.squad.examples import load_squad_json, read_squad_examples
+from megabert.tasks.squad.evaluate import evaluate
+from megabert.tasks.squad.features import convert_examples_to_features, features_to_tensors
+from megabert.tasks.squad.postprocess import postprocess_predictions
 from megabert.errors import cli_main
 from megabert.parallel.layout import BatchLayout
 from megabert.training.build import RunSpec, build_trainer, resolve_optimization
-from megabert.training.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits, qa_task,
+from megabert.tasks.squad.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits, qa_task,
                                           resolve_vocab_file)
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
 

@@ -18,12 +18,13 @@ from megabert.arguments import parse_args
 from megabert.errors import cli_main
 from megabert.parallel.layout import BatchLayout
 from megabert.training.metrics import configure_process_logging
-from megabert.training.pretraining import build_pretraining, checked_batches, infinite, validate_run
+from megabert.tasks.pretraining.task import build_pretraining, checked_batches, infinite, validate_run
 
 
 def build_data(cfg, ps, tokenizer):
     """Train/valid loaders positioned by consumed samples (Megatron's sample counts)."""
-    from megabert.data import build_pretraining_data_loader, build_train_valid_test_datasets
+    from megabert.data import build_pretraining_data_loader
+    from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
 
     t = cfg.train
     global_batch = BatchLayout.of(t.micro_batch_size, t.global_batch_size, ps.dp_size).global_batch_size

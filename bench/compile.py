@@ -30,7 +30,7 @@ import torch
 import megabert
 from megabert.arguments import parse_args
 from megabert.model.bert import attention_mask_to_bool
-from megabert.training.pretraining import build_pretraining
+from megabert.tasks.pretraining.task import build_pretraining
 
 VOCAB = 30522
 # Variant -> flags added to the model's; "auto" backends are the fused kernels on a CPU

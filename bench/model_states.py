@@ -10,7 +10,7 @@ rank is reported next to the planner's parameters + gradients + optimizer for th
 lower here), and as a ratio to one process of the same size.
 
 Ranks are spawned here (gloo, one file store) and build the model through
-megabert.training.pretraining.build_pretraining, the path pretrain_bert.py takes, fed synthetic
+megabert.tasks.pretraining.task.build_pretraining, the path pretrain_bert.py takes, fed synthetic
 batches (seq 128, micro-batch 2, vocab 30522: the embeddings at BERT's real size).
 
     python bench/model_states.py                                   # BERT-base
@@ -92,7 +92,7 @@ def _argv(size: str, lay: Layout) -> list[str]:
 def _worker(rank: int, world: int, store: str, size: str, name: str, out: str) -> None:
     import megabert
     from megabert.arguments import parse_args
-    from megabert.training.pretraining import build_pretraining
+    from megabert.tasks.pretraining.task import build_pretraining
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from megabert.data.demo_corpus import stdlib_documents
-from megabert.data.preprocess import EncodeOptions, preprocess
-from megabert.data.sentence_splitter import split_sentences
-from megabert.data.tokenizer_training import train_wordpiece
+from megabert.corpus.demo_corpus import stdlib_documents
+from megabert.corpus.preprocess import EncodeOptions, preprocess
+from megabert.corpus.sentence_splitter import split_sentences
+from megabert.corpus.tokenizer_training import train_wordpiece
 
 
 # Docstrings are almost pure ASCII; encyclopedic text is not. A third of the paragraphs get one of these,
@@ -100,7 +100,7 @@ def identical(a: str, b: str) -> bool:
 def bench_mapping(num_docs: int = 1_000_000) -> None:
     """Sample mapping for 1M documents of 1-30 sentences (about 15M sentences), as the trainer builds it."""
     from megabert.data.indexed_dataset import IndexedDatasetWriter
-    from megabert.data.sample_mapping import build_mapping, get_mapping
+    from megabert.tasks.pretraining.sample_mapping import build_mapping, get_mapping
     from megabert.data.indexed_dataset import IndexedDataset
 
     rng = np.random.default_rng(0)

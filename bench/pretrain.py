@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 import megabert  # noqa: E402
 from _timing import compare  # noqa: E402
 from megabert.arguments import parse_args  # noqa: E402
-from megabert.training.pretraining import build_pretraining  # noqa: E402
+from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
 
 # Each optimisation turned off alone, next to the defaults: its share of the speed-up.
 VARIANTS = {
@@ -60,7 +60,8 @@ def prepare_data(workdir: str, vocab_size: int) -> tuple[str, str]:
 
 def real_batches(cfg, num_batches: int) -> list[dict]:
     """`num_batches` collated micro-batches of the train split, as the DataLoader yields them."""
-    from megabert.data import build_tokenizer, build_train_valid_test_datasets
+    from megabert.data import build_tokenizer
+    from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
     n = num_batches * cfg.train.micro_batch_size

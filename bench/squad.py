@@ -26,7 +26,7 @@ from megabert.arguments import parse_finetune_args  # noqa: E402
 from megabert.config import ModelConfig  # noqa: E402
 from megabert.parallel.layout import BatchLayout  # noqa: E402
 from megabert.training.build import RunSpec, build_trainer, resolve_optimization  # noqa: E402
-from megabert.training.finetuning import qa_task  # noqa: E402
+from megabert.tasks.squad.finetuning import qa_task  # noqa: E402
 
 
 def squad_batches(args, count: int) -> list[dict]:

@@ -19,8 +19,16 @@ __all__ = [
 
 def __getattr__(name: str):
     # The model pulls in more of torch; import it when first asked for.
-    if name in ("BertForPreTraining", "BertForQuestionAnswering", "BertModel"):
-        from megabert import model
+    if name == "BertModel":
+        from megabert.model import BertModel
 
-        return getattr(model, name)
+        return BertModel
+    if name == "BertForPreTraining":
+        from megabert.tasks.pretraining import BertForPreTraining
+
+        return BertForPreTraining
+    if name == "BertForQuestionAnswering":
+        from megabert.tasks.squad import BertForQuestionAnswering
+
+        return BertForQuestionAnswering
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")

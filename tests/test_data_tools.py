@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from megabert.data import build_tokenizer
-from megabert.data.demo_corpus import stdlib_documents
-from megabert.data.sentence_splitter import split_sentences
+from megabert.corpus.demo_corpus import stdlib_documents
+from megabert.corpus.sentence_splitter import split_sentences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

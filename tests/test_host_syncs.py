@@ -18,7 +18,7 @@ import megabert
 from megabert.arguments import parse_args
 from megabert.config import OptimConfig
 from megabert.optim import Adam, build_optimizer
-from megabert.training.pretraining import build_pretraining
+from megabert.tasks.pretraining.task import build_pretraining
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 

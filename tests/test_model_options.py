@@ -163,7 +163,7 @@ def test_layers_use_the_fused_dropout_add_on_cpu():
 def _qa_from_unpadded_pretraining(rank, world, root):
     from megabert.config import FinetuneConfig, FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
     from megabert.training.checkpointing import TrainingState, save_checkpoint
-    from megabert.training.finetuning import load_qa_model
+    from megabert.tasks.squad.finetuning import load_qa_model
 
     ps = megabert.init_parallel()
     save_checkpoint(root, TrainingState(), megabert.BertForPreTraining(_cfg(unpad_input=True), ps), None, ps)

@@ -11,7 +11,8 @@ import megabert
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint.layout import load_full_model, save_full_model
 from megabert.checkpoint.reshard import reshard_payloads
-from megabert.checkpoint.sharding import reference_table, shard_state, unshard_states
+from megabert.checkpoint.sharding import shard_state, unshard_states
+from megabert.parallel.param_spec import reference_table
 from megabert.model import transformer
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import StageLayout

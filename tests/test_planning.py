@@ -28,7 +28,7 @@ def _fake_state(tp, pp, pp_rank):
 
 
 def _real_count(cfg, ps) -> int:
-    from megabert.model import BertForPreTraining
+    from megabert.tasks.pretraining import BertForPreTraining
 
     model = BertForPreTraining(cfg, ps, device="meta")
     return sum(p.numel() for p in model.parameters())

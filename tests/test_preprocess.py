@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from megabert.data import IndexedDataset, build_tokenizer
-from megabert.data.preprocess import EncodeOptions, preprocess
-from megabert.data.sentence_splitter import split_sentences
-from megabert.data.tokenizer_training import train_wordpiece
+from megabert.corpus.preprocess import EncodeOptions, preprocess
+from megabert.corpus.sentence_splitter import split_sentences
+from megabert.corpus.tokenizer_training import train_wordpiece
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [

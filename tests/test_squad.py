@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from megabert.data import build_tokenizer
-from megabert.data.squad import SquadExample, read_squad_examples
-from megabert.data.squad_eval import evaluate, normalize_answer
-from megabert.data.squad_features import convert_examples_to_features, window_starts
-from megabert.data.squad_postprocess import postprocess_predictions
-from megabert.data.tokenizer_training import BERT_SPECIALS, train_wordpiece
+from megabert.tasks.squad.examples import SquadExample, read_squad_examples
+from megabert.tasks.squad.evaluate import evaluate, normalize_answer
+from megabert.tasks.squad.features import convert_examples_to_features, window_starts
+from megabert.tasks.squad.postprocess import postprocess_predictions
+from megabert.corpus.tokenizer_training import BERT_SPECIALS, train_wordpiece
 from megabert.errors import ConfigError, DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megabert.data import build_tokenizer
-from megabert.data.tokenizer_training import train_sentencepiece, train_wordpiece
+from megabert.corpus.tokenizer_training import train_sentencepiece, train_wordpiece
 from megabert.errors import ConfigError, DataError
 
 transformers = pytest.importorskip("transformers")

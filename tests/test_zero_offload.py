@@ -38,7 +38,7 @@ def test_zero3_offload_trains_like_zero3(tmp_path):
 
 def _optimizer_type_worker(rank, world):
     from megabert.training.build import RunSpec, build_strategy, resolve_optimization
-    from megabert.training.pretraining import pretraining_task
+    from megabert.tasks.pretraining.task import pretraining_task
 
     cfg = parse_args(TINY + ["--deepspeed", "--zero-stage", "2", "--zero-offload-optimizer", "cpu"])
     ps = megabert.init_parallel(1, 1)

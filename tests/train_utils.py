@@ -7,7 +7,7 @@ import torch
 
 import megabert
 from megabert.arguments import parse_args
-from megabert.training.pretraining import build_pretraining, validate_run
+from megabert.tasks.pretraining.task import build_pretraining, validate_run
 
 VOCAB = 99
 SEQ = 16

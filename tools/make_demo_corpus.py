@@ -6,7 +6,7 @@
 import argparse
 import sys
 
-from megabert.data.demo_corpus import write_demo_corpus
+from megabert.corpus.demo_corpus import write_demo_corpus
 from megabert.errors import DataError, cli_main
 
 

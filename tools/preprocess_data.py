@@ -13,7 +13,7 @@ line numbers; --strict stops at the first one instead.
 import argparse
 import sys
 
-from megabert.data.preprocess import EncodeOptions, preprocess
+from megabert.corpus.preprocess import EncodeOptions, preprocess
 from megabert.data.tokenizers import TOKENIZER_TYPES
 from megabert.errors import ConfigError, cli_main
 

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from megabert.data.squad import load_squad_json, read_json
-from megabert.data.squad_eval import evaluate
+from megabert.tasks.squad.examples import load_squad_json, read_json
+from megabert.tasks.squad.evaluate import evaluate
 from megabert.errors import DataError, cli_main
 
 

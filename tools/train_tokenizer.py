@@ -10,8 +10,8 @@ import argparse
 import itertools
 import sys
 
-from megabert.data.text_input import expand_inputs, input_format, text_stream
-from megabert.data.tokenizer_training import train_sentencepiece, train_wordpiece
+from megabert.corpus.text_input import expand_inputs, input_format, text_stream
+from megabert.corpus.tokenizer_training import train_sentencepiece, train_wordpiece
 from megabert.errors import ConfigError, DataError, cli_main
 
 

@@ -16,8 +16,8 @@ import sys
 import time
 from itertools import islice
 
-from megabert.data.preprocess import ordered_pool_map
-from megabert.data.wikipedia import clean_pages, iter_pages
+from megabert.corpus.preprocess import ordered_pool_map
+from megabert.corpus.wikipedia import clean_pages, iter_pages
 from megabert.errors import ConfigError, DataError, cli_main
 
 

@@ -27,7 +27,7 @@ import megabert  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from megabert.arguments import parse_args  # noqa: E402
 from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops  # noqa: E402
-from megabert.training.pretraining import build_pretraining  # noqa: E402
+from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
 
 VOCAB = 30522
 

@@ -8,7 +8,6 @@ shape-only ("meta") model of its class.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -16,22 +15,8 @@ import torch
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
 from megabert.parallel.layout import StageLayout
-from megabert.parallel.param_spec import ParamSpec, spec_table, table_from_dict
+from megabert.parallel.param_spec import ParamSpec, reference_table, table_from_dict
 from megabert.tensor_parallel.layers import shard, unshard
-
-
-def reference_table(cfg: ModelConfig, model_class: str = "BertForPreTraining") -> dict[str, ParamSpec]:
-    """The spec table of a whole model of `model_class`, built on the meta device (no
-    memory, no process group, no numbers)."""
-    from megabert.model import MODEL_CLASSES
-    from megabert.parallel.state import ParallelState
-
-    if model_class not in MODEL_CLASSES:
-        raise CheckpointError(f"unknown model class {model_class!r} (known: {', '.join(sorted(MODEL_CLASSES))})")
-    shape_only = dataclasses.replace(cfg, attention_backend="torch", layernorm_backend="torch",
-                                     dropout_add_backend="torch")
-    model = MODEL_CLASSES[model_class](shape_only, ParallelState.offline(), device="meta")
-    return spec_table(model)
 
 
 def checkpoint_table(payloads: list[dict], cfg: ModelConfig) -> dict[str, ParamSpec]:

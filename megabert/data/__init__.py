@@ -1,17 +1,14 @@
-"""Data: tokenizers, Megatron's indexed dataset, BERT samples and the pre-training data loader.
+"""Run-time data that any task reads: tokenizers, Megatron's memory-mapped indexed dataset
+and the data loader positioned by consumed samples. Task-specific samples live in their
+task package (BERT pre-training samples: megabert.tasks.pretraining); offline corpus
+tooling in megabert.corpus.
 
-The trainer's entry points:
     build_tokenizer(tokenizer_type, vocab_file)
-    build_train_valid_test_datasets(data_config, tokenizer, num_samples, seed, binary_head)
     build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, num_workers)
 """
-from megabert.data.bert_dataset import BertDataset, SampleSpec
-from megabert.data.dataset_builder import BlendedDataset, build_train_valid_test_datasets
 from megabert.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from megabert.data.sample_mapping import DataWarning
 from megabert.data.samplers import PretrainingSampler, build_pretraining_data_loader
 from megabert.data.tokenizers import Tokenizer, build_tokenizer
 
-__all__ = ["build_tokenizer", "build_train_valid_test_datasets", "build_pretraining_data_loader", "Tokenizer",
-           "IndexedDataset", "IndexedDatasetWriter", "BertDataset", "SampleSpec", "BlendedDataset",
-           "PretrainingSampler", "DataWarning"]
+__all__ = ["build_tokenizer", "build_pretraining_data_loader", "Tokenizer", "IndexedDataset", "IndexedDatasetWriter",
+           "PretrainingSampler"]

@@ -1,9 +1,6 @@
-"""BERT built from tensor-parallel layers: one definition for every TP/PP layout."""
+"""BERT built from tensor-parallel layers: one encoder for every TP/PP layout. The task
+models (pre-training, SQuAD, ...) live in their task packages under megabert.tasks."""
 from megabert.model.bert import BertModel, BertPreTrainedModel, attention_mask_to_bool
-from megabert.model.outputs import BertPreTrainingOutput, QuestionAnsweringOutput
-from megabert.model.tasks import BertForPreTraining, BertForQuestionAnswering
+from megabert.model.outputs import ModelOutput
 
-MODEL_CLASSES = {cls.__name__: cls for cls in (BertModel, BertForPreTraining, BertForQuestionAnswering)}
-
-__all__ = ["BertModel", "BertPreTrainedModel", "BertForPreTraining", "BertForQuestionAnswering",
-           "BertPreTrainingOutput", "QuestionAnsweringOutput", "attention_mask_to_bool", "MODEL_CLASSES"]
+__all__ = ["BertModel", "BertPreTrainedModel", "ModelOutput", "attention_mask_to_bool"]

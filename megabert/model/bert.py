@@ -26,6 +26,7 @@ from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings
 from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
 from megabert.model.pretrained import PretrainedMixin
+from megabert.model.registry import register_model
 from megabert.model.transformer import TransformerBlock
 from megabert.model.unpad import TokenLayout
 from megabert.ops import resolve_attention_backend, resolve_dropout_add_backend, resolve_layernorm_backend
@@ -204,6 +205,7 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         return self.forward_chunk(0, None, batch)
 
 
+@register_model
 class BertModel(BertPreTrainedModel):
     """The encoder alone: forward -> (sequence [s, b, h], pooled [b, h] or None)."""
 

@@ -24,7 +24,8 @@ from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint import tf as tf_io
 from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, export_tokenizer
 from megabert.checkpoint.layout import load_full_model, save_full_model
-from megabert.checkpoint.sharding import reference_table
+from megabert.parallel.param_spec import reference_table
+from megabert.tasks import model_classes
 from megabert.config import ModelConfig, ParallelConfig, validate_layout
 from megabert.errors import CheckpointError, cli_main
 
@@ -52,6 +53,7 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     has_binary_head = any(k.startswith("cls.seq_relationship") for k in hf_state)
     cfg = hf_io.model_config_from_hf(hf_config, bert_binary_head=has_binary_head)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
+    model_classes()  # registers every task model class by name
     table = reference_table(cfg, model_class)
     full = hf_io.hf_to_megabert(hf_state, table)
     path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)

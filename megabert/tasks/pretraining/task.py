@@ -11,8 +11,8 @@ import torch
 
 from megabert.config import Configs, validate_layout
 from megabert.errors import DataError
-from megabert.model import BertForPreTraining
-from megabert.model.outputs import BertPreTrainingOutput
+from megabert.tasks.pretraining import BertForPreTraining
+from megabert.tasks.pretraining import BertPreTrainingOutput
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.tensor_parallel.random import seed_default_stream

@@ -1,4 +1,6 @@
-"""The task models: BERT for pre-training (masked LM + NSP/SOP) and for question answering."""
+"""BERT for pre-training: masked LM + the sentence-pair head (NSP or SOP), as transformers'
+BertForPreTraining, and its output. User-visible MLM logits are gathered over TP ranks on
+first access only: training reads the loss and never pays for a [tokens, vocab] all-gather."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,12 +11,60 @@ import torch.nn.functional as F
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead, head_linear
-from megabert.model.outputs import BertPreTrainingOutput, QuestionAnsweringOutput
+from megabert.model.outputs import ModelOutput
+from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
-from megabert.tensor_parallel import vocab_parallel_cross_entropy
+from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax, vocab_parallel_cross_entropy
 
 
+class BertPreTrainingOutput(ModelOutput):
+    """loss, mlm_loss, nsp_loss; nsp_logits [b, 2]; mlm_logits_parallel [..., padded V / tp];
+    mlm_logits [b, s, vocab] (or [n_masked, vocab]): full vocab, padding columns removed;
+    mlm_predictions: the argmax of mlm_logits, without gathering them; mlm_labels and
+    nsp_labels: the targets the losses were computed against (None without labels)."""
+
+    def __init__(self, *, loss, mlm_loss, nsp_loss, mlm_logits_parallel, nsp_logits, tp_group, vocab_size,
+                 mlm_labels: Optional[torch.Tensor] = None, nsp_labels: Optional[torch.Tensor] = None):
+        super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits,
+                         mlm_logits_parallel=mlm_logits_parallel)
+        self._tp_group, self._vocab_size = tp_group, vocab_size
+        # Kept off the dict: they are inputs handed back, not outputs for tools to walk.
+        self._mlm_labels, self._nsp_labels = mlm_labels, nsp_labels
+        self._mlm_logits: Optional[torch.Tensor] = None
+
+    @property
+    def mlm_logits(self) -> torch.Tensor:
+        if self._mlm_logits is None:
+            full = gather_from_tp(self["mlm_logits_parallel"], self._tp_group)
+            self._mlm_logits = full[..., : self._vocab_size]
+        return self._mlm_logits
+
+    @property
+    def mlm_predictions(self) -> torch.Tensor:
+        """Predicted token ids [b, s] (or [n_masked]): the argmax over the full vocab, reduced
+        over TP ranks instead of gathering [tokens, vocab] logits. Collective over TP."""
+        return vocab_parallel_argmax(self["mlm_logits_parallel"], self._tp_group, self._vocab_size)
+
+    @property
+    def mlm_labels(self) -> Optional[torch.Tensor]:
+        """Labels aligned with the rows of mlm_logits: [b, s] with -100 at unmasked positions,
+        or [n_masked] when logits are computed only at masked positions."""
+        return self._mlm_labels
+
+    @property
+    def nsp_labels(self) -> Optional[torch.Tensor]:
+        """Sentence-pair labels [b] (0 = B follows A), when the binary head was given them."""
+        return self._nsp_labels
+
+    # NOTE: the sentence-pair logits are called nsp_logits whether the head was trained
+    # for NSP or SOP: both are a 2-way classification of the [CLS] representation.
+    @property
+    def sop_logits(self) -> Optional[torch.Tensor]:
+        return self["nsp_logits"]
+
+
+@register_model
 class BertForPreTraining(BertPreTrainedModel):
     """Masked LM + the sentence-pair head (NSP or SOP), as transformers' BertForPreTraining.
 
@@ -66,32 +116,3 @@ class BertForPreTraining(BertPreTrainedModel):
         return BertPreTrainingOutput(loss=sum(parts) if parts else None, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
                                      mlm_logits_parallel=logits, nsp_logits=nsp_logits, tp_group=self.ctx.tp_group,
                                      vocab_size=cfg.vocab_size, mlm_labels=target, nsp_labels=next_sentence_label)
-
-
-class BertForQuestionAnswering(BertPreTrainedModel):
-    """Span extraction (SQuAD): start/end logits per token, as transformers'."""
-
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
-        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
-        self.qa_outputs = head_linear(self.ctx, 2, "qa_outputs.") if self.stage.is_last_stage else None
-
-    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, start_positions: Optional[torch.Tensor] = None,
-                end_positions: Optional[torch.Tensor] = None) -> QuestionAnsweringOutput:
-        return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
-                                              attention_mask=attention_mask, start_positions=start_positions,
-                                              end_positions=end_positions))
-
-    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> QuestionAnsweringOutput:
-        logits = self.qa_outputs(sequence.transpose(0, 1))  # [b, s, 2]
-        start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
-        start_positions, end_positions = batch.get("start_positions"), batch.get("end_positions")
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            # As transformers: positions outside the sequence are ignored, not errors.
-            ignored = start_logits.size(1)
-            start = start_positions.view(-1).clamp(0, ignored)
-            end = end_positions.view(-1).clamp(0, ignored)
-            loss = (F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
-                    + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)) / 2
-        return QuestionAnsweringOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from megabert.config import DataConfig
-from megabert.data.bert_dataset import BertDataset, SampleSpec
+from megabert.tasks.pretraining.bert_dataset import BertDataset, SampleSpec
 from megabert.data.indexed_dataset import IndexedDataset
-from megabert.data.sample_mapping import DataWarning, _helpers
+from megabert.tasks.pretraining.sample_mapping import DataWarning, _helpers
 from megabert.errors import ConfigError, DataError
 
 SPLITS = ("train", "valid", "test")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megabert.config import FinetuneConfigs
 from megabert.checkpoint import external
 from megabert.errors import ConfigError, DataError
-from megabert.model import BertForQuestionAnswering
+from megabert.tasks.squad import BertForQuestionAnswering
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.tensor_parallel.random import seed_default_stream

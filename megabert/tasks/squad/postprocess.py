@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megabert.data.squad import SquadExample
-from megabert.data.squad_features import SquadFeature
+from megabert.tasks.squad.examples import SquadExample
+from megabert.tasks.squad.features import SquadFeature
 
 
 def _softmax(scores: list[float]) -> list[float]:

@@ -27,8 +27,8 @@ from typing import Optional
 import numpy as np
 
 from megabert.data.indexed_dataset import IndexedDatasetWriter, best_dtype
-from megabert.data.sentence_splitter import split_sentences
-from megabert.data.text_input import describe_skipped, expand_inputs, input_format, jsonl_records, read_blocks, \
+from megabert.corpus.sentence_splitter import split_sentences
+from megabert.corpus.text_input import describe_skipped, expand_inputs, input_format, jsonl_records, read_blocks, \
     text_records
 from megabert.data.tokenizers import build_tokenizer
 from megabert.errors import DataError

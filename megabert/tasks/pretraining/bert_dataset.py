@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from megabert.data.indexed_dataset import IndexedDataset
-from megabert.data.masking import mask_tokens
-from megabert.data.sample_mapping import get_mapping
+from megabert.tasks.pretraining.masking import mask_tokens
+from megabert.tasks.pretraining.sample_mapping import get_mapping
 from megabert.errors import ConfigError
 
 SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}

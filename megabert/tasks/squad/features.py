@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megabert.data.squad import SquadExample
+from megabert.tasks.squad.examples import SquadExample
 from megabert.errors import ConfigError
 
 
