@@ -38,8 +38,34 @@ FINETUNE_DEFAULTS = {"optim.lr": 3e-5, "optim.lr_warmup_fraction": 0.1, "optim.l
                      "optim.weight_decay": 0.01}
 
 
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+def _flags(f: dataclasses.Field) -> list[str]:
+    """The field's flag, plus the other spelling when its name has both (Megatron writes
+    --deepspeed_config, most other flags with dashes; users type either)."""
+    flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+    other = "--" + flag[2:].replace("_", "-") if "_" in flag else None
+    return [flag, other] if other else [flag]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: a wrong flag is one line on stderr and exit code 2,
+    not an 80-line usage block that buries the message (`--help` still shows it all)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+class _DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the scripts' docstrings as written and shows each flag's default."""
+
+
+def _help_with_default(help_: str, default) -> str:
+    if isinstance(default, bool) or default is None:
+        shown = {True: "on", False: "off", None: "none"}[default]
+    elif isinstance(default, (list, tuple)):
+        shown = " ".join(map(str, default)) or "none"
+    else:
+        shown = default
+    return f"{help_} (default: {shown})"
 
 
 def _base_type(tp) -> type:
@@ -51,8 +77,11 @@ def _base_type(tp) -> type:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] = PRETRAIN_SECTIONS,
-                         exclude: frozenset | set = frozenset()) -> None:
-    """One flag per field of each section (`exclude`: "section.field" names to leave out)."""
+                         exclude: frozenset | set = frozenset(), defaults: Optional[dict] = None) -> None:
+    """One flag per field of each section (`exclude`: "section.field" names to leave out;
+    `defaults`: the script's own defaults where they differ from the dataclasses', shown
+    in --help). Flags default to SUPPRESS so the namespace holds only what was typed."""
+    defaults = defaults or {}
     for section in sections:
         cls = SECTIONS[section]
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
@@ -60,25 +89,30 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str
             if not f.metadata.get("cli", True) or f"{section}.{f.name}" in exclude:
                 continue
             kind = _base_type(f.type)
-            help_ = f.metadata.get("help", "")
             dest = f"{section}.{f.name}"
+            default = defaults.get(dest, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+            help_ = _help_with_default(f.metadata.get("help", ""), default)
+            metavar = f.name.upper()
             if kind is bool:
                 # BooleanOptionalAction gives --x and --no-x; the default comes from the dataclass.
-                group.add_argument(_flag(f), dest=dest, action=argparse.BooleanOptionalAction,
+                group.add_argument(*_flags(f), dest=dest, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_)
             elif kind is list:
-                group.add_argument(_flag(f), dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_)
+                group.add_argument(*_flags(f), dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_,
+                                   metavar=metavar)
             else:
                 choices = f.metadata.get("choices")
                 if choices is not None:
                     choices = [c for c in choices if c is not None]
-                group.add_argument(_flag(f), dest=dest, type=kind, choices=choices,
-                                   default=argparse.SUPPRESS, help=help_)
+                group.add_argument(*_flags(f), dest=dest, type=kind, choices=choices,
+                                   default=argparse.SUPPRESS, help=help_, metavar=None if choices else metavar)
     if "model" in sections:
         parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                            help="Model size preset; explicit model flags override it.")
+                            help="Model size preset; explicit model flags override it (default: the ModelConfig "
+                                 "defaults above, a bert-tiny).")
         parser.add_argument("--bert-no-binary-head", dest="model.bert_binary_head", action="store_false",
-                            default=argparse.SUPPRESS, help="Train masked LM only, without the SOP/NSP head.")
+                            default=argparse.SUPPRESS, help="Train masked LM only, without the SOP/NSP head (default: "
+                                                                "the head is trained).")
 
 
 def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRETRAIN_SECTIONS) -> dict:
@@ -130,8 +164,8 @@ def check_combinations(cfg: Configs | FinetuneConfigs) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> Configs:
-    parser = argparse.ArgumentParser(description=description)
-    add_config_arguments(parser)
+    parser = ArgumentParser(description=description, formatter_class=_DefaultsHelpFormatter)
+    add_config_arguments(parser, defaults=PRETRAIN_DEFAULTS)
     # The deepspeed launcher appends --local_rank=N; the local rank is read from the
     # environment (LOCAL_RANK), so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -142,28 +176,23 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
         defaults["model.unpad_input"] = False
     parser.set_defaults(**defaults)
     ns = parser.parse_args(argv)
-    try:
-        cfg = Configs(**configs_from_namespace(ns), explicit=typed)
-        check_combinations(cfg)
-    except ConfigError as e:
-        parser.error(str(e))  # one line + usage, exit code 2
+    # A broken rule raises ConfigError: the entry script's cli_main prints its one line.
+    cfg = Configs(**configs_from_namespace(ns), explicit=typed)
+    check_combinations(cfg)
     return cfg
 
 
 def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str = "") -> FinetuneConfigs:
     """finetune_squad.py's CLI: the parallel, optimizer and training flags shared with
     pre-training (BERT's fine-tuning defaults for the optimizer) plus FinetuneConfig's."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(parser, FINETUNE_SECTIONS, exclude=FINETUNE_EXCLUDED)
+    parser = ArgumentParser(description=description, formatter_class=_DefaultsHelpFormatter)
+    add_config_arguments(parser, FINETUNE_SECTIONS, exclude=FINETUNE_EXCLUDED, defaults=FINETUNE_DEFAULTS)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     typed = explicit_flags(parser.parse_known_args(argv)[0])  # before the fine-tuning defaults fill in
     parser.set_defaults(**FINETUNE_DEFAULTS)
     ns = parser.parse_args(argv)
-    try:
-        cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS), explicit=typed)
-        if not cfg.train.load:
-            raise ConfigError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
-        check_combinations(cfg)
-    except ConfigError as e:
-        parser.error(str(e))
+    cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS), explicit=typed)
+    if not cfg.train.load:
+        raise ConfigError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
+    check_combinations(cfg)
     return cfg
