@@ -23,7 +23,7 @@ import sys
 
 import megabert
 from megabert.arguments import parse_finetune_args
-from megabert.config import validate_layout
+from megabert.rules import validate_layout
 from megabert.data import build_tokenizer
 from megabert.tasks.squad.examples import load_squad_json, read_squad_examples
 from megabert.tasks.squad.evaluate import evaluate

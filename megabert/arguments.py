@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from megabert.config import (PRESETS, Configs, DataConfig, FinetuneConfig, FinetuneConfigs, ModelConfig,
                              OptimConfig, ParallelConfig, TrainConfig)
 from megabert.errors import ConfigError
+from megabert.rules import check_flags
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
@@ -139,28 +140,12 @@ def explicit_flags(ns: argparse.Namespace) -> frozenset:
 
 
 def check_combinations(cfg: Configs | FinetuneConfigs) -> None:
-    """Checks across config sections that need no process group (raises ConfigError)."""
+    """The cross-flag rules that need no process group (megabert.rules)."""
     model = getattr(cfg, "model", None)
-    if model is not None and cfg.data.seq_length > model.max_position_embeddings:
-        raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds --max-position-embeddings "
-                          f"{model.max_position_embeddings}")
-    pp = cfg.parallel.pipeline_model_parallel_size
-    if cfg.train.deepspeed and pp > 1 and cfg.train.zero_stage > 1:
-        raise ConfigError(f"--zero-stage {cfg.train.zero_stage} cannot combine with --pipeline-model-parallel-size "
-                          f"{pp} > 1 (ZeRO-2/3 partition gradients that pipeline stages accumulate); "
-                          f"use --zero-stage 1")
-    if cfg.train.deepspeed and pp > 1 and cfg.train.zero_stage == 0:
-        raise ConfigError(f"--deepspeed with --pipeline-model-parallel-size {pp} needs --zero-stage 1 (without ZeRO, "
-                          f"DeepSpeed's gradient clipping counts pipeline stages wrongly); or drop --deepspeed")
-    if cfg.optim.optimizer == "lamb" and cfg.train.deepspeed:
-        raise ConfigError("--optimizer lamb with --deepspeed is not supported: ZeRO and DeepSpeed's precision "
-                          "wrappers hand the optimizer flattened buffers, so LAMB's per-tensor trust ratio would "
-                          "be wrong; train LAMB without --deepspeed, or use --optimizer adam with ZeRO")
-    if cfg.train.finetune and not cfg.train.load:
-        raise ConfigError("--finetune needs --load")
-    if model is not None and model.sequence_parallel and cfg.train.deepspeed:
-        raise ConfigError("--sequence-parallel with --deepspeed is not supported: DeepSpeed reduces gradients "
-                          "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
+    check_flags(train=cfg.train, pp=cfg.parallel.pipeline_model_parallel_size, optimizer=cfg.optim.optimizer,
+                sequence_parallel=bool(model and model.sequence_parallel),
+                seq_length=cfg.data.seq_length if model is not None else None,
+                max_position_embeddings=model.max_position_embeddings if model is not None else None)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> Configs:

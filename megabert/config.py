@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megabert.errors import ConfigError
+from megabert.rules import check_zero
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
@@ -204,13 +205,6 @@ class OptimConfig:
             raise ConfigError("--clip-grad must be >= 0")
 
 
-# Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
-# submodule, so what compiles is a dozen fragments per layer and recompilations past
-# dynamo's limit, after which those frames run eagerly: a silent fallback, not a speed-up.
-COMPILE_ZERO3_WHY = ("ZeRO-3 gathers each submodule's parameters in hooks that torch.compile cannot trace, which "
-                     "splits every layer into a graph per linear layer until dynamo gives up and runs them eagerly")
-
-
 @dataclass(kw_only=True)
 class TrainConfig:
     """The training loop: batch sizes, precision, checkpoints, logging, DeepSpeed."""
@@ -278,17 +272,10 @@ class TrainConfig:
         for name, what in (("zero_offload_optimizer", "optimizer"), ("zero_offload_params", "params")):
             if getattr(self, name) != "none" and not self.deepspeed:
                 raise ConfigError(f"--zero-offload-{what} {getattr(self, name)} needs --deepspeed")
-        if self.compile and self.deepspeed and self.zero_stage == 3:
-            raise ConfigError(f"--compile cannot combine with --zero-stage 3: {COMPILE_ZERO3_WHY}; use --zero-stage 1 "
-                              f"or 2 with --compile, or drop --compile")
         # With a --deepspeed_config the stage may come from the JSON: checked once merged.
-        if not self.deepspeed_config:
-            if self.zero_offload_optimizer != "none" and self.zero_stage < 1:
-                raise ConfigError(f"--zero-offload-optimizer {self.zero_offload_optimizer} needs --zero-stage 1, 2 "
-                                  f"or 3 (ZeRO partitions the optimizer state it offloads)")
-            if self.zero_offload_params != "none" and self.zero_stage != 3:
-                raise ConfigError(f"--zero-offload-params {self.zero_offload_params} needs --zero-stage 3 (only "
-                                  f"ZeRO-3 partitions parameters); got --zero-stage {self.zero_stage}")
+        if self.deepspeed and not self.deepspeed_config:
+            check_zero(self.zero_stage, offload_optimizer=self.zero_offload_optimizer == "cpu",
+                       offload_params=self.zero_offload_params == "cpu", compile=self.compile)
 
 
 @dataclass(kw_only=True)
@@ -360,36 +347,6 @@ class FinetuneConfigs:
     train: TrainConfig
     finetune: FinetuneConfig
     explicit: frozenset = frozenset()
-
-
-def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int,
-                    train: TrainConfig | None = None) -> int:
-    """Checks the model against the rank grid; returns the data-parallel size."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
-    if model.num_attention_heads % tp:
-        raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if model.ffn_hidden_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if model.num_layers % pp:
-        raise ConfigError(f"--num-layers {model.num_layers} is not divisible by "
-                          f"--pipeline-model-parallel-size {pp}")
-    vpp = parallel.num_layers_per_virtual_pipeline_stage
-    if vpp is not None and pp == 1:
-        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    if vpp is not None and (vpp < 1 or (model.num_layers // pp) % vpp):
-        raise ConfigError(f"layers per pipeline stage ({model.num_layers // pp}) is not divisible by "
-                          f"--num-layers-per-virtual-pipeline-stage {vpp}")
-    dp = world_size // (tp * pp)
-    if train is not None and train.global_batch_size is not None:
-        if train.global_batch_size % (train.micro_batch_size * dp):
-            raise ConfigError(f"--global-batch-size {train.global_batch_size} is not divisible by "
-                              f"--micro-batch-size {train.micro_batch_size} x data-parallel size {dp}")
-    return dp
 
 
 # Presets: plain functions so a user can read and copy them.

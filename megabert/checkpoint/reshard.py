@@ -9,7 +9,8 @@ from typing import Optional
 from megabert.checkpoint.layout import parallel_meta, saved_layout
 from megabert.checkpoint.optimizer_state import shard_optimizer_state, unshard_optimizer_states
 from megabert.checkpoint.sharding import checkpoint_table, repad_vocab, shard_state, unshard_states
-from megabert.config import ModelConfig, ParallelConfig, validate_layout
+from megabert.config import ModelConfig, ParallelConfig
+from megabert.rules import validate_layout
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import table_to_dict
 

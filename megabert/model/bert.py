@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from megabert.config import ModelConfig, ParallelConfig, validate_layout
+from megabert.config import ModelConfig, ParallelConfig
+from megabert.rules import validate_layout
 from megabert.errors import ConfigError
 from megabert.model.context import BuildContext
 from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings

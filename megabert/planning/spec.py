@@ -12,6 +12,7 @@ from typing import Optional
 
 from megabert.config import ModelConfig
 from megabert.errors import ConfigError
+from megabert.rules import check_model_split, check_zero
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
@@ -109,13 +110,8 @@ class Layout:
             raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.virtual_stages > 1 and self.pp == 1:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        if self.pp > 1 and self.zero_stage > 1:
-            raise ConfigError(f"--zero-stage {self.zero_stage} does not combine with --pipeline-model-parallel-size "
-                              f"{self.pp}: use --zero-stage 1 (or 0) with pipelining")
-        if self.offload_optimizer and self.zero_stage == 0:
-            raise ConfigError("--zero-offload-optimizer needs --deepspeed --zero-stage 1, 2 or 3")
-        if self.offload_params and self.zero_stage != 3:
-            raise ConfigError("--zero-offload-params needs --zero-stage 3 (only ZeRO-3 partitions parameters)")
+        check_zero(self.zero_stage, pp=self.pp, offload_optimizer=self.offload_optimizer,
+                   offload_params=self.offload_params, deepspeed=self.zero_stage > 0)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
@@ -128,16 +124,12 @@ class Layout:
         return self.tp * self.pp
 
     def check_model(self, model: ModelConfig) -> None:
-        """The divisibility rules of megabert.config.validate_layout, for a layout with no world yet."""
-        if model.num_attention_heads % self.tp:
-            raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
-                              f"--tensor-model-parallel-size {self.tp}")
-        if model.ffn_hidden_size % self.tp:
-            raise ConfigError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
-                              f"--tensor-model-parallel-size {self.tp}")
-        if model.num_layers % (self.pp * self.virtual_stages):
+        """The divisibility rules of megabert.rules, for a layout with no world yet."""
+        per_chunk = model.num_layers // (self.pp * self.virtual_stages) if self.virtual_stages > 1 else None
+        if per_chunk is not None and model.num_layers % (self.pp * self.virtual_stages):
             raise ConfigError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
                               f"{self.pp} x {self.virtual_stages} virtual stages")
+        check_model_split(model, self.tp, self.pp, per_chunk)
 
     def flags(self, model: Optional[ModelConfig] = None) -> str:
         """The pretrain_bert.py flags of this layout (launch world_size processes)."""

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from megabert.config import COMPILE_ZERO3_WHY, OptimConfig, TrainConfig
+from megabert.rules import check_zero
+from megabert.config import OptimConfig, TrainConfig
 from megabert.errors import ConfigError
 from megabert.optim.cpu_adam import note_jit_build
 from megabert.parallel import ParallelState
@@ -183,23 +184,14 @@ TRANSLATED_KEYS = ("optimizer", "scheduler", "gradient_clipping")
 
 
 def check_offload(config: dict, path: Optional[str]) -> None:
-    """Offload needs the ZeRO stage that partitions what it offloads; CPU only."""
+    """Offload goes to the CPU only; which stage it needs is megabert.rules.check_zero's."""
     zero = config["zero_optimization"]
-    stage = zero.get("stage", 0)
     where = f" (--deepspeed_config {path})" if path else ""
     for section, (_, flag) in OFFLOAD_KEYS.items():
         device = _get(zero, f"{section}.device")
-        if device in (None, "none"):
-            continue
-        if device != "cpu":
+        if device not in (None, "none", "cpu"):
             raise ConfigError(f"zero_optimization.{section}.device={device}{where}: megabert offloads to the CPU "
                               f"only; use {flag} cpu")
-        if section == "offload_param" and stage != 3:
-            raise ConfigError(f"{flag} cpu{where} needs ZeRO stage 3 (only ZeRO-3 partitions parameters); "
-                              f"use --zero-stage 3")
-        if section == "offload_optimizer" and stage < 1:
-            raise ConfigError(f"{flag} cpu{where} needs ZeRO stage 1, 2 or 3 (ZeRO partitions the optimizer state "
-                              f"it offloads); use --zero-stage 1-3")
 
 
 def offloads_optimizer(config: dict) -> bool:
@@ -229,20 +221,19 @@ def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int])
     user_stage = _get(user, "zero_optimization.stage")
     if user_stage is not None and user_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage={user_stage}; use 0, 1, 2 or 3")
-    if user_stage == 3 and train.compile:  # --zero-stage 3 --compile stopped at parsing (TrainConfig)
-        raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage=3 with --compile: "
-                          f"{COMPILE_ZERO3_WHY}; set the stage to 1 or 2, or drop --compile")
     if user_stage is not None and not train.zero_stage:
         train = dataclasses.replace(train, zero_stage=user_stage)  # the JSON chose the stage: size for it
     built = build_config(train, optim, ps, hidden_size)
     config = merge_user_config(path, built, cfg.train, cfg.explicit, user) if path else built
     check_offload(config, path)
+    # The stage and offload that will run, from the flags or the JSON: megabert.rules.
     stage = config["zero_optimization"].get("stage", 0)
-    if ps.pp_size > 1 and stage != 1:
-        # The flags were checked at parsing (check_combinations); a JSON's stage only now.
-        raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage={stage} with "
-                          f"--pipeline-model-parallel-size {ps.pp_size}: pipeline stages accumulate gradients "
-                          f"outside DeepSpeed's backward, which only ZeRO stage 1 takes; set the stage to 1")
+    from_json = path is not None and (_get(user, "zero_optimization.stage") is not None)
+    check_zero(stage, pp=ps.pp_size, offload_optimizer=offloads_optimizer(config),
+               offload_params=_get(config, "zero_optimization.offload_param.device") == "cpu",
+               compile=cfg.train.compile,
+               stage_source=f"--deepspeed_config {path} sets zero_optimization.stage={stage}" if from_json else None,
+               where=f" (--deepspeed_config {path})" if path else "")
     return config, optim
 
 

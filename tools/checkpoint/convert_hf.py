@@ -26,7 +26,8 @@ from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, e
 from megabert.checkpoint.layout import load_full_model, save_full_model
 from megabert.parallel.param_spec import reference_table
 from megabert.tasks import model_classes
-from megabert.config import ModelConfig, ParallelConfig, validate_layout
+from megabert.config import ModelConfig, ParallelConfig
+from megabert.rules import validate_layout
 from megabert.errors import CheckpointError, cli_main
 
 

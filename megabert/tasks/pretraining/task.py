@@ -9,7 +9,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from megabert.config import Configs, validate_layout
+from megabert.config import Configs
+from megabert.rules import validate_layout
 from megabert.errors import DataError
 from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
