@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megabert.config import PRESETS  # noqa: E402
-from megabert.planning import Layout, RunSpec, estimate  # noqa: E402
+from megabert.planning import Layout, Workload, estimate  # noqa: E402
 
 VOCAB_SIZE = 30522  # BERT's uncased vocab: the word embeddings and MLM bias at their real size
 
@@ -198,7 +198,7 @@ def main() -> None:
         single = None
         for name in args.layouts:
             bl = LAYOUTS[name]
-            run = RunSpec(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device=device)
+            run = Workload(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device=device)
             predicted = estimate(model, run, bl.layout).total_gb
             head = f"{size:10} {name:14} {bl.layout.world_size:5d}"
             blank = f"{'':>9} {'':>9} {'':>7} {'':>11}"

@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from megabert.config import PRESETS  # noqa: E402
-from megabert.planning import Layout, RunSpec, estimate  # noqa: E402
+from megabert.planning import Layout, Workload, estimate  # noqa: E402
 
 from memory import LAYOUTS as MEMORY_LAYOUTS, VOCAB_SIZE  # noqa: E402  (bench/memory.py, beside this file)
 
@@ -136,7 +136,7 @@ def main() -> None:
         single = None
         for name in args.layouts:
             lay = LAYOUTS[name]
-            est = estimate(model, RunSpec(seq_length=SEQ, micro_batch_size=MICRO, device="cpu"), lay)
+            est = estimate(model, Workload(seq_length=SEQ, micro_batch_size=MICRO, device="cpu"), lay)
             states = est.parameters_gb + est.gradients_gb + est.optimizer_gb
             measured = measure(size, name)
             single = measured if name == "single" else single

@@ -12,7 +12,7 @@ from dist_utils import run_distributed
 
 from megabert.config import ModelConfig, bert_base, bert_large, bert_tiny
 from megabert.errors import ConfigError
-from megabert.planning import Layout, RunSpec, communication, estimate, fit_warning, plan
+from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan
 from megabert.planning.activations import layer_activation_bytes
 from megabert.planning.memory import estimate_stage
 from megabert.planning.params import stage_params, total_params
@@ -75,7 +75,7 @@ def test_vocab_padding_grows_with_tp():
 def test_layer_activations_hand_checked():
     """s=4, b=1, h=8, a=2, ffn=32, 16-bit: the paper's sbh(34 + 5as/h) and its variants."""
     cfg = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=100)
-    run = RunSpec(seq_length=4, micro_batch_size=1, precision="bf16")
+    run = Workload(seq_length=4, micro_batch_size=1, precision="bf16")
     sbh, as2b = 4 * 8, 2 * 16
     assert layer_activation_bytes(cfg, run, Layout(), "none") == 34 * sbh + 5 * as2b  # 1248
     assert layer_activation_bytes(cfg, run, Layout(tp=2), "none") == sbh * (10 + 24 / 2) + 5 * as2b / 2
@@ -83,12 +83,12 @@ def test_layer_activations_hand_checked():
     assert layer_activation_bytes(cfg, run, Layout(), "selective") == 34 * sbh
     assert layer_activation_bytes(cfg, run, Layout(), "full") == 2 * sbh
     # fp32 activations: 4-byte tensors, 1-byte masks.
-    run32 = RunSpec(seq_length=4, micro_batch_size=1, precision="fp32")
+    run32 = Workload(seq_length=4, micro_batch_size=1, precision="fp32")
     assert layer_activation_bytes(cfg, run32, Layout(), "none") == 66 * sbh + 9 * as2b
 
 
 def test_pipeline_first_stage_holds_pp_microbatches():
-    cfg, run = bert_large(), RunSpec(global_batch_size=64, micro_batch_size=2, precision="bf16")
+    cfg, run = bert_large(), Workload(global_batch_size=64, micro_batch_size=2, precision="bf16")
     one = estimate(cfg, run, Layout(dp=1))
     stages = [estimate_stage(cfg, run, Layout(pp=4), k) for k in range(4)]
     # Stage 0 keeps 4 micro-batches of 6 layers: about the activations of all 24 layers;
@@ -101,7 +101,7 @@ def test_pipeline_first_stage_holds_pp_microbatches():
 
 
 def test_zero3_divides_model_states_by_dp():
-    cfg, run = bert_large(), RunSpec(precision="bf16")
+    cfg, run = bert_large(), Workload(precision="bf16")
     e2, e4 = (estimate(cfg, run, Layout(dp=d, zero_stage=3)) for d in (2, 4))
     assert e2.optimizer_gb == pytest.approx(2 * e4.optimizer_gb)
     assert e2.gradients_gb == pytest.approx(2 * e4.gradients_gb)
@@ -117,16 +117,16 @@ def test_zero3_divides_model_states_by_dp():
 
 def test_offload_moves_states_to_the_host():
     cfg = bert_large()
-    gpu = RunSpec(precision="bf16")
+    gpu = Workload(precision="bf16")
     plain, off = (estimate(cfg, gpu, Layout(dp=2, zero_stage=3, offload_optimizer=o, offload_params=o))
                   for o in (False, True))
     assert off.optimizer_gb == 0 and off.host_gb > 0 and off.total_gb < plain.total_gb
-    cpu = RunSpec(precision="bf16", device="cpu", overhead_gb=0)
+    cpu = Workload(precision="bf16", device="cpu", overhead_gb=0)
     assert estimate(cfg, cpu, off.layout).total_gb > off.total_gb - off.overhead_gb  # CPU: host memory counts
 
 
 def test_communication_hand_checked():
-    cfg, run = bert_base(), RunSpec(seq_length=128, micro_batch_size=2, precision="bf16")
+    cfg, run = bert_base(), Workload(seq_length=128, micro_batch_size=2, precision="bf16")
     P = total_params(cfg)
     dp = communication(cfg, run, Layout(dp=4))
     assert dp.data_parallel == pytest.approx(2 * 3 / 4 * 4 * P)
@@ -145,7 +145,7 @@ def test_communication_hand_checked():
 
 def test_plan_ranks_by_communication_then_model_parallel_size():
     cfg = bert_large()
-    run = RunSpec(precision="bf16", global_batch_size=256, micro_batch_size=4)
+    run = Workload(precision="bf16", global_batch_size=256, micro_batch_size=4)
     fits = plan(cfg, run, devices=8, budget_gb=80)
     keys = [(c.comm.total, c.layout.model_parallel_size) for c in fits]
     assert keys == sorted(keys)
@@ -158,12 +158,12 @@ def test_plan_ranks_by_communication_then_model_parallel_size():
 
 
 def test_fit_warning_names_flags():
-    cfg, run = bert_large(), RunSpec(precision="bf16")
+    cfg, run = bert_large(), Workload(precision="bf16")
     est = estimate(cfg, run, Layout(dp=2))
     assert fit_warning(est, 100) is None
     msg = fit_warning(est, 4)
     assert "exceeds the 4 GB budget" in msg and "--deepspeed --zero-stage 1 (" in msg and "\n" not in msg
-    act = estimate(cfg, RunSpec(seq_length=512, micro_batch_size=64, precision="bf16"), Layout(tp=2))
+    act = estimate(cfg, Workload(seq_length=512, micro_batch_size=64, precision="bf16"), Layout(tp=2))
     assert "--recompute-granularity" in fit_warning(act, 10) and "--sequence-parallel" in fit_warning(act, 10)
 
 
@@ -178,20 +178,20 @@ def _fixes(msg: str) -> dict[str, float]:
 
 def test_one_process_warning_names_zero_offload_tp_pp_with_their_predictions():
     cfg = bert_large()
-    one = estimate(cfg, RunSpec(precision="bf16"), Layout())
+    one = estimate(cfg, Workload(precision="bf16"), Layout())
     fixes = _fixes(fit_warning(one, 4))
     # On a GPU: ZeRO-3 + offload on the same (one) rank, ZeRO-3 on two, TP or PP on two; lowest first.
     assert set(fixes) == {"--deepspeed --zero-stage 3 --zero-offload-optimizer cpu --zero-offload-params cpu",
                           "--deepspeed --zero-stage 3", "--tensor-model-parallel-size 2",
                           "--pipeline-model-parallel-size 2"}
     assert list(fixes.values()) == sorted(fixes.values()) and max(fixes.values()) < one.total_gb
-    offload = estimate(cfg, RunSpec(precision="bf16"), Layout(zero_stage=3, offload_optimizer=True,
+    offload = estimate(cfg, Workload(precision="bf16"), Layout(zero_stage=3, offload_optimizer=True,
                                                                 offload_params=True))
     assert fixes["--deepspeed --zero-stage 3 --zero-offload-optimizer cpu --zero-offload-params cpu"] == \
         pytest.approx(offload.total_gb, abs=0.005)
     assert "GB on 2 ranks" in fit_warning(one, 4) and "fits)" in fit_warning(one, 4)
     # On the CPU offloading moves states into the same memory: never suggested there.
-    cpu = estimate(cfg, RunSpec(device="cpu"), Layout())
+    cpu = estimate(cfg, Workload(device="cpu"), Layout())
     cpu_fixes = _fixes(fit_warning(cpu, 4))
     assert "--tensor-model-parallel-size 2" in cpu_fixes and not any("offload" in f for f in cpu_fixes)
     assert max(cpu_fixes.values()) < cpu.total_gb
@@ -205,7 +205,7 @@ def test_zero3_step_works_one_sub_group_at_a_time():
     from megabert.planning.memory import _model_states
     from megabert.training.deepspeed_engine import zero_sizing
 
-    cfg, run = bert_large(), RunSpec(precision="bf16")
+    cfg, run = bert_large(), Workload(precision="bf16")
     sizing = zero_sizing(cfg.hidden_size)
     sp = stage_params(cfg, 1, 1, 0)
     states = _model_states(sp, cfg, run, Layout(dp=2, zero_stage=3))
@@ -227,11 +227,11 @@ def test_fp32_zero_master_shares_the_parameters_unless_offloaded():
     cfg = bert_large()
     P = total_params(cfg)
     for stage in (1, 2, 3):
-        fp32 = estimate(cfg, RunSpec(), Layout(dp=2, zero_stage=stage))
-        bf16 = estimate(cfg, RunSpec(precision="bf16"), Layout(dp=2, zero_stage=stage))
+        fp32 = estimate(cfg, Workload(), Layout(dp=2, zero_stage=stage))
+        bf16 = estimate(cfg, Workload(precision="bf16"), Layout(dp=2, zero_stage=stage))
         assert fp32.optimizer_gb == pytest.approx(8 * P / 2 / 1e9)
         assert bf16.optimizer_gb == pytest.approx(12 * P / 2 / 1e9)
-    off = estimate(cfg, RunSpec(), Layout(dp=2, zero_stage=3, offload_optimizer=True))
+    off = estimate(cfg, Workload(), Layout(dp=2, zero_stage=3, offload_optimizer=True))
     assert off.optimizer_gb == 0 and off.host_gb == pytest.approx((12 + 4) * P / 2 / 1e9, rel=0.01)
 
 
@@ -249,9 +249,9 @@ def test_layout_validation_names_the_flag(kwargs, flag):
 def test_layout_must_divide_the_model():
     with pytest.raises(ConfigError, match="--num-attention-heads 16 is not divisible by "
                                           "--tensor-model-parallel-size 3"):
-        estimate(bert_large(), RunSpec(), Layout(tp=3))
+        estimate(bert_large(), Workload(), Layout(tp=3))
     with pytest.raises(ConfigError, match="--recompute-granularity"):
-        RunSpec(recompute="some")
+        Workload(recompute="some")
 
 
 def _cli(*args):

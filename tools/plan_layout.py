@@ -19,10 +19,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megabert.config import PRESETS, ModelConfig  # noqa: E402
+from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from megabert.errors import ConfigError, cli_main  # noqa: E402
-from megabert.planning import Layout, RunSpec, communication, estimate, fit_warning, plan  # noqa: E402
+from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan  # noqa: E402
 from megabert.planning.params import total_params  # noqa: E402
+
+
+def _default(config_class, name: str):
+    return config_class.__dataclass_fields__[name].default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=int, help="before padding (default 30522)")
     m.add_argument("--max-position-embeddings", type=int)
     r = p.add_argument_group("run")
-    r.add_argument("--seq-length", type=int, default=128)
-    r.add_argument("--micro-batch-size", type=int, default=2)
+    # pretrain_bert.py's defaults, so a plan and the trainer's preflight describe the same run.
+    r.add_argument("--seq-length", type=int, default=_default(DataConfig, "seq_length"),
+                   help="default: pretrain_bert.py's, %(default)s")
+    r.add_argument("--micro-batch-size", type=int, default=_default(TrainConfig, "micro_batch_size"),
+                   help="default: pretrain_bert.py's, %(default)s")
     r.add_argument("--global-batch-size", type=int, help="default micro-batch x DP (no accumulation)")
     prec = r.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true")
@@ -75,11 +82,11 @@ def model_from_args(args) -> ModelConfig:
     return ModelConfig(**shape)
 
 
-def run_from_args(args) -> RunSpec:
+def run_from_args(args) -> Workload:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    return RunSpec(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                   global_batch_size=args.global_batch_size, precision=precision,
-                   recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb)
+    return Workload(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    global_batch_size=args.global_batch_size, precision=precision,
+                    recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb)
 
 
 def layout_from_args(args, model: ModelConfig) -> Layout:
@@ -97,7 +104,7 @@ def layout_from_args(args, model: ModelConfig) -> Layout:
                   offload_params=args.zero_offload_params == "cpu")
 
 
-def describe(model: ModelConfig, run: RunSpec) -> str:
+def describe(model: ModelConfig, run: Workload) -> str:
     n = total_params(model)
     return (f"model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
             f"ffn {model.ffn_hidden_size}, vocab {model.vocab_size} (padded {model.padded_vocab_size(1)}): "
@@ -111,7 +118,7 @@ def gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
 
 
-def print_one(model: ModelConfig, run: RunSpec, layout: Layout, budget: float | None) -> None:
+def print_one(model: ModelConfig, run: Workload, layout: Layout, budget: float | None) -> None:
     est = estimate(model, run, layout)
     comm = communication(model, run, layout)
     print(describe(model, run))
@@ -129,7 +136,7 @@ def print_one(model: ModelConfig, run: RunSpec, layout: Layout, budget: float | 
         print(f"fits {budget:g} GB" if warning is None else f"warning: {warning}")
 
 
-def print_plan(model: ModelConfig, run: RunSpec, devices: int, budget: float, max_tp: int, allow_offload: bool,
+def print_plan(model: ModelConfig, run: Workload, devices: int, budget: float, max_tp: int, allow_offload: bool,
                top: int) -> int:
     fits = plan(model, run, devices, budget, max_tp=max_tp, allow_offload=allow_offload)
     print(describe(model, run))

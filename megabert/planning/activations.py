@@ -25,12 +25,12 @@ from __future__ import annotations
 import math
 
 from megabert.config import ModelConfig
-from megabert.planning.spec import Layout, RunSpec
+from megabert.planning.spec import Layout, Workload
 
 MASK_BYTES = 1  # torch keeps dropout masks as bool
 
 
-def layer_activation_bytes(model: ModelConfig, run: RunSpec, layout: Layout, recompute: str) -> float:
+def layer_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, recompute: str) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank."""
     s, b, h, f, a = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
         model.num_attention_heads
@@ -49,7 +49,7 @@ def layer_activation_bytes(model: ModelConfig, run: RunSpec, layout: Layout, rec
     return replicated + split + core
 
 
-def embedding_activation_bytes(model: ModelConfig, run: RunSpec, layout: Layout) -> float:
+def embedding_activation_bytes(model: ModelConfig, run: Workload, layout: Layout) -> float:
     """First stage, per micro-batch: three int64 id tensors, the summed embeddings and the
     LayerNorm output, and the embedding dropout mask (Megatron counts 8sb + sbh in 16 bits)."""
     s, b, h = run.seq_length, run.micro_batch_size, model.hidden_size
@@ -57,7 +57,7 @@ def embedding_activation_bytes(model: ModelConfig, run: RunSpec, layout: Layout)
     return 3 * 8 * s * b + s * b * h * (2 * run.activation_bytes + MASK_BYTES / sp)
 
 
-def head_activation_bytes(model: ModelConfig, run: RunSpec, layout: Layout) -> float:
+def head_activation_bytes(model: ModelConfig, run: Workload, layout: Layout) -> float:
     """Last stage, one micro-batch: the MLM head's inputs (dense, GeLU, LayerNorm, projection:
     4 n h) and its logits over the vocab slice with the fp32 copies the cross entropy keeps
     (about two), for n predicted tokens (masked ones only on the default fast path)."""
@@ -79,7 +79,7 @@ def in_flight_microbatches(layout: Layout, stage: int, microbatches: int) -> flo
     return float(depth)
 
 
-def stage_activation_bytes(model: ModelConfig, run: RunSpec, layout: Layout, stage: int) -> float:
+def stage_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, stage: int) -> float:
     """Peak activation bytes of one rank of pipeline stage `stage`."""
     m = run.microbatches(layout.dp)
     flight = in_flight_microbatches(layout, stage, m)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from megabert.config import ModelConfig
 from megabert.planning.params import stage_params
-from megabert.planning.spec import Layout, RunSpec
+from megabert.planning.spec import Layout, Workload
 from megabert.training.deepspeed_engine import zero_sizing
 
 
@@ -61,13 +61,13 @@ class CommEstimate:
                 "offload (PCIe)": self.offload}
 
 
-def communication(model: ModelConfig, run: RunSpec, layout: Layout) -> CommEstimate:
+def communication(model: ModelConfig, run: Workload, layout: Layout) -> CommEstimate:
     """Per-step bytes sent by one rank of the busiest stage (the maximum over stages)."""
     layout.check_model(model)
     return max((_stage_comm(model, run, layout, k) for k in range(layout.pp)), key=lambda c: c.total)
 
 
-def _stage_comm(model: ModelConfig, run: RunSpec, layout: Layout, stage: int) -> CommEstimate:
+def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -> CommEstimate:
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     m = run.microbatches(dp)
     e = run.activation_bytes

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from megabert.config import ModelConfig
 from megabert.planning.activations import stage_activation_bytes
 from megabert.planning.params import StageParams, stage_params
-from megabert.planning.spec import Layout, RunSpec
+from megabert.planning.spec import Layout, Workload
 from megabert.training.deepspeed_engine import zero_sizing
 from megabert.training.grads import BUCKET_ELEMENTS
 
@@ -76,7 +76,7 @@ class MemoryEstimate:
     """Predicted peak memory of the fullest rank of a layout, in GB (1e9 bytes), with its parts."""
 
     model: ModelConfig
-    run: RunSpec
+    run: Workload
     layout: Layout
     stage: int
     """Pipeline stage of the fullest rank (0: embeddings; pp-1: heads and the tied copy)."""
@@ -120,7 +120,7 @@ class _States:
     """Offloaded states (host memory)."""
 
 
-def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Layout) -> _States:
+def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: Layout) -> _States:
     """Bytes of parameters, gradients, optimizer states and buffers of one rank holding `sp`."""
     P, d = sp.total, layout.dp
     cpu = run.device == "cpu"
@@ -174,7 +174,7 @@ def _model_states(sp: StageParams, model: ModelConfig, run: RunSpec, layout: Lay
                    heap=heap, host=host)
 
 
-def estimate_stage(model: ModelConfig, run: RunSpec, layout: Layout, stage: int) -> MemoryEstimate:
+def estimate_stage(model: ModelConfig, run: Workload, layout: Layout, stage: int) -> MemoryEstimate:
     """The estimate for one rank of pipeline stage `stage`."""
     layout.check_model(model)
     sp = stage_params(model, layout.tp, layout.pp, stage)
@@ -201,7 +201,7 @@ def estimate_stage(model: ModelConfig, run: RunSpec, layout: Layout, stage: int)
                           total_gb=total, notes=tuple(notes))
 
 
-def estimate(model: ModelConfig, run: RunSpec, layout: Layout) -> MemoryEstimate:
+def estimate(model: ModelConfig, run: Workload, layout: Layout) -> MemoryEstimate:
     """Predicted peak memory of the fullest rank: the maximum over pipeline stages (the
     first holds the most in-flight activations, the last the heads and the tied copy)."""
     return max((estimate_stage(model, run, layout, k) for k in range(layout.pp)), key=lambda e: e.total_gb)

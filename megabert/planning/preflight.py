@@ -17,17 +17,17 @@ import torch
 from megabert.config import Configs
 from megabert.planning.memory import MemoryEstimate, estimate
 from megabert.planning.search import fit_warning
-from megabert.planning.spec import Layout, RunSpec
+from megabert.planning.spec import Layout, Workload
 
 
-def run_and_layout(configs: Configs, dp_size: int, device: str = "cuda") -> tuple[RunSpec, Layout]:
-    """The RunSpec and Layout that pretrain_bert.py's configs describe."""
+def run_and_layout(configs: Configs, dp_size: int, device: str = "cuda") -> tuple[Workload, Layout]:
+    """The Workload and Layout that pretrain_bert.py's configs describe."""
     m, p, t = configs.model, configs.parallel, configs.train
     precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
     pp = p.pipeline_model_parallel_size
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     virtual = m.num_layers // (pp * per_chunk) if per_chunk else 1
-    run = RunSpec(seq_length=configs.data.seq_length, micro_batch_size=t.micro_batch_size,
+    run = Workload(seq_length=configs.data.seq_length, micro_batch_size=t.micro_batch_size,
                   global_batch_size=t.global_batch_size, precision=precision,
                   recompute=m.recompute_granularity or "none", mlm_logits_at_masked_only=True,
                   mask_prob=configs.data.mask_prob, device=device)

@@ -12,7 +12,7 @@ from megabert.config import ModelConfig
 from megabert.errors import ConfigError
 from megabert.planning.communication import CommEstimate, communication
 from megabert.planning.memory import MemoryEstimate, estimate
-from megabert.planning.spec import Layout, RunSpec
+from megabert.planning.spec import Layout, Workload
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(model: ModelConfig, run: RunSpec, devices: int, *, max_tp: int = 8,
+def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp: int = 8,
                       allow_offload: bool = False, zero_stages: Iterable[int] = (0, 1, 2, 3)) -> list[Layout]:
     """Every layout of `devices` ranks the model and the batch allow. TP stays within
     `max_tp` (one node's fast interconnect); sequence parallelism is tried with TP > 1;
@@ -63,7 +63,7 @@ def candidate_layouts(model: ModelConfig, run: RunSpec, devices: int, *, max_tp:
     return out
 
 
-def plan(model: ModelConfig, run: RunSpec, devices: int, budget_gb: float, *, max_tp: int = 8,
+def plan(model: ModelConfig, run: Workload, devices: int, budget_gb: float, *, max_tp: int = 8,
          allow_offload: bool = False) -> list[Candidate]:
     """The layouts of `devices` ranks whose predicted peak fits `budget_gb` per device,
     best first (least communication; then fewer model-parallel ranks; then less memory)."""

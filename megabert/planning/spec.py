@@ -20,7 +20,7 @@ DEVICES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunSpec:
+class Workload:
     """The per-step workload and numerics of a training run."""
 
     seq_length: int = 128
