@@ -190,3 +190,23 @@ def test_memory_budget_fit_is_one_info_line(dataset, tmp_path):
     assert len(fit) == 1 and f"(tp2.pp1.dp1.z0) fits the {budget:g} GB budget from --memory-budget-gb" in fit[0], fit
     assert "exceeds the" not in r.stderr
     assert len([x for x in rows(metrics) if "lm_loss" in x]) == 3
+
+
+def test_save_and_load_the_same_empty_dir_starts_fresh_then_resumes(dataset, tmp_path):
+    """Megatron's restart pattern: `--save X --load X` on a first run starts from the seed
+    with one info line, so the same command re-run (torchrun --max-restarts, a requeued
+    SLURM job) resumes from what it saved; a --load elsewhere that holds nothing is an error."""
+    ck = str(tmp_path / "ck")
+    first = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--load", ck,
+                                                 "--train-iters", "2")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"--load {ck} holds no checkpoint yet (it is also --save): starting from the seed" in first.stderr
+    again = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m2.jsonl", "--save", ck, "--load", ck)])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "holds no checkpoint yet" not in again.stderr
+    assert [r["iteration"] for r in rows(tmp_path / "m2.jsonl") if "lm_loss" in r] == [3]
+    elsewhere = tmp_path / "empty"
+    elsewhere.mkdir()
+    r = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", str(elsewhere))])
+    _one_line_error(r, f"--load {elsewhere} holds no checkpoint")
+    assert os.path.isfile(os.path.join(ck, "latest_checkpointed_iteration.txt"))  # a failed load deletes nothing

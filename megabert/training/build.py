@@ -85,7 +85,7 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
     """`train_batches(consumed_samples)` gives the training batches from that point on, so a
     resumed run sees exactly the samples the interrupted one would have."""
     start = resolve_start(run.train)
-    if start.path and ps.is_logging_rank and start.note:
+    if ps.is_logging_rank and start.note:
         logger.info(start.note)
     loaded = None
     preload = start.path and (start.weights_only or run.deepspeed_config is not None)

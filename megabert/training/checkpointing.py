@@ -69,6 +69,10 @@ def holds_checkpoint(path: str) -> bool:
     return has_checkpoint(path) or external.is_external(path)
 
 
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def resolve_start(train: TrainConfig) -> StartPoint:
     """--load (with --finetune: weights only), or Megatron-LM's --pretrained-checkpoint rule:
     the run's own checkpoint (--load, else --save) as soon as it holds one, so the same
@@ -77,6 +81,16 @@ def resolve_start(train: TrainConfig) -> StartPoint:
     path stops the run before its data is built."""
     pretrained = train.pretrained_checkpoint
     if not pretrained:
+        if train.load and not holds_checkpoint(train.load):
+            if train.save and _same_dir(train.load, train.save) and not train.finetune:
+                # Megatron's restart pattern: the same command, re-run by torchrun --max-restarts,
+                # the deepspeed launcher or a requeued SLURM job, resumes once there is something.
+                return StartPoint(None, note=f"--load {train.load} holds no checkpoint yet (it is also --save): "
+                                             f"starting from the seed; a re-run of this command resumes from it")
+            what = ("does not exist" if not os.path.exists(train.load) else
+                    f"holds no checkpoint (no {TRACKER}, no mp_rank_* directories, no Hugging Face or TF BERT files)")
+            raise CheckpointError(f"--load {train.load} {what}; point it at a checkpoint, or at this run's --save "
+                                  f"directory to start fresh now and resume on a re-run")
         # A Hugging Face / TF directory or a converted ('release') checkpoint has weights only.
         weights_only = train.finetune or bool(train.load and (external.is_external(train.load)
                                                               or read_tracker(train.load) == "release"))
