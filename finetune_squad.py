@@ -23,18 +23,17 @@ import sys
 
 import megabert
 from megabert.arguments import parse_finetune_args
-from megabert.rules import validate_layout
 from megabert.data import build_tokenizer
 from megabert.tasks.squad.examples import load_squad_json, read_squad_examples
 from megabert.tasks.squad.evaluate import evaluate
 from megabert.tasks.squad.features import convert_examples_to_features, features_to_tensors
 from megabert.tasks.squad.postprocess import postprocess_predictions
 from megabert.errors import cli_main
-from megabert.parallel.layout import BatchLayout
-from megabert.training.build import RunSpec, build_trainer, resolve_optimization
+from megabert.training.build import RunSpec, build_trainer
 from megabert.tasks.squad.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits, qa_task,
                                           resolve_vocab_file)
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
+from megabert.training.resolve import resolve_run
 
 logger = logging.getLogger("megabert")
 
@@ -48,27 +47,26 @@ def features(path, tokenizer, ft, is_training):
     return examples, feats
 
 
-def train(cfg, ps, model, tokenizer):
+def train(run, ps, model, tokenizer):
     """Fine-tunes `model` in place; returns the Trainer (close it after predicting: a
     ZeRO-3 engine holds the partitioned weights until then)."""
-    ft, t = cfg.finetune, cfg.train
+    ft, t = run.finetune, run.train
     _, feats = features(ft.train_file, tokenizer, ft, is_training=True)
-    batch = BatchLayout.of(t.micro_batch_size, t.global_batch_size, ps.dp_size)
+    batch = run.batch
     # --load named the pre-trained model (already loaded); --save keeps the fine-tuned one.
-    train_cfg = dataclasses.replace(t, load=None, train_iters=num_train_steps(len(feats), cfg, batch.global_batch_size))
+    train_cfg = dataclasses.replace(t, load=None, train_iters=num_train_steps(len(feats), ft, batch.global_batch_size))
     logger.info("fine-tuning for %d steps of %d features (%.2f epochs)", train_cfg.train_iters,
                 batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / len(feats))
     tensors = features_to_tensors(feats)
-    optim, ds_cfg = resolve_optimization(cfg, ps, model.config.hidden_size)
-    run = RunSpec(optim=optim, train=train_cfg, batch=batch, task=qa_task(), seq_length=ft.max_seq_length,
-                  deepspeed_config=ds_cfg)
+    spec = RunSpec(optim=run.optim, train=train_cfg, batch=batch, task=qa_task(), seq_length=ft.max_seq_length,
+                   deepspeed_config=run.deepspeed_config)
     trainer = build_trainer(
-        model, ps, run,
+        model, ps, spec,
         lambda consumed: feature_batches(tensors, global_batch=batch.global_batch_size,
                                          micro_batch=t.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
                                          seed=t.seed),
         flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
-        checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(optim),
+        checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
                           "finetune": dataclasses.asdict(ft)})
     trainer.train()
     return trainer
@@ -113,8 +111,8 @@ def main(argv=None) -> None:
         if path:
             load_squad_json(path)  # a missing or malformed file stops the run before the model loads
     model = load_qa_model(cfg, ps, tokenizer.vocab_size)
-    validate_layout(model.config, cfg.parallel, ps.world_size, cfg.train)
-    trainer = train(cfg, ps, model, tokenizer) if cfg.finetune.train_file else None
+    run = resolve_run(cfg, ps, model.config)  # the layout, the batch and the DeepSpeed JSON, checked once
+    trainer = train(run, ps, model, tokenizer) if cfg.finetune.train_file else None
     try:
         if cfg.finetune.predict_file:
             predict(cfg, ps, model, tokenizer)

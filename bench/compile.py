@@ -31,6 +31,7 @@ import megabert
 from megabert.arguments import parse_args
 from megabert.model.bert import attention_mask_to_bool
 from megabert.tasks.pretraining.task import build_pretraining
+from megabert.training.resolve import resolve_run  # noqa: E402
 
 VOCAB = 30522
 # Variant -> flags added to the model's; "auto" backends are the fused kernels on a CPU
@@ -112,7 +113,8 @@ def main() -> None:
     trainers = {}
     for name in args.variants:
         cfg = parse_args(model_flags + VARIANTS[name])
-        trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: synthetic_batches(args.batch, args.seq))
+        trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB,
+                                    lambda consumed: synthetic_batches(args.batch, args.seq))
         trainer.strategy.model.train()
         trainers[name] = trainer
     tokens = args.batch * args.seq

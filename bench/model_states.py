@@ -93,13 +93,15 @@ def _worker(rank: int, world: int, store: str, size: str, name: str, out: str) -
     import megabert
     from megabert.arguments import parse_args
     from megabert.tasks.pretraining.task import build_pretraining
+    from megabert.training.resolve import resolve_run
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     lay = LAYOUTS[name]
     cfg = parse_args(_argv(size, lay))
     ps = megabert.init_parallel(lay.tp, lay.pp)
-    trainer = build_pretraining(cfg, ps, VOCAB_SIZE, lambda consumed: _batches(consumed, ps.dp_rank, ps.dp_size))
+    trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB_SIZE,
+                                lambda consumed: _batches(consumed, ps.dp_rank, ps.dp_size))
     trainer.train()
     mine = torch.tensor([float(live_tensor_bytes())], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)

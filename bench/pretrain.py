@@ -28,6 +28,7 @@ import megabert  # noqa: E402
 from _timing import compare  # noqa: E402
 from megabert.arguments import parse_args  # noqa: E402
 from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
+from megabert.training.resolve import resolve_run  # noqa: E402
 
 # Each optimisation turned off alone, next to the defaults: its share of the speed-up.
 VARIANTS = {
@@ -74,7 +75,7 @@ def real_batches(cfg, num_batches: int) -> list[dict]:
 def ours(argv: list[str], ps, vocab_size: int, batches: list[dict]):
     """A step of pretrain_bert.py's trainer (forward, backward, clipping, optimizer, LR)."""
     cfg = parse_args(argv)
-    trainer = build_pretraining(cfg, ps, vocab_size, lambda consumed: itertools.cycle(batches))
+    trainer = build_pretraining(resolve_run(cfg, ps), ps, vocab_size, lambda consumed: itertools.cycle(batches))
     trainer.strategy.model.train()
     model = trainer.strategy.model
     backends = (f"{model.ctx.attention_backend}/{model.ctx.layernorm_backend}/{model.ctx.dropout_add_backend}"

@@ -19,6 +19,7 @@ from megabert.arguments import parse_args
 from megabert.config import OptimConfig
 from megabert.optim import Adam, build_optimizer
 from megabert.tasks.pretraining.task import build_pretraining
+from megabert.training.resolve import resolve_run  # noqa: E402
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 
@@ -46,7 +47,8 @@ def _step_syncs(monkeypatch, num_layers: int, precision: list[str]) -> list[str]
     cfg = parse_args(TINY + ["--num-layers", str(num_layers), "--train-iters", "3", "--log-interval", "100",
                              *precision])
     ps = megabert.init_parallel()
-    trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, cfg.train.micro_batch_size, 0, 1))
+    trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB,
+                                lambda consumed: batches(consumed, cfg.train.micro_batch_size, 0, 1))
     try:
         trainer.train_step()  # first step: lazy state (optimizer moments) is created
         counter = SyncCounter(monkeypatch)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import json
+
 import pytest
 import torch
 from dist_utils import run_distributed
@@ -296,37 +298,65 @@ def test_cli_bad_input_is_a_clear_error(args, message):
     assert r.stderr.startswith("error: ") and message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_preflight_from_pretrain_flags():
+def _resolved(argv, dp=1):
+    """The resolved run of pretrain_bert.py's flags on a world of tp x pp x dp ranks."""
+    from types import SimpleNamespace
+
     from megabert.arguments import parse_args
+    from megabert.training.resolve import resolve_run
+
+    cfg = parse_args(argv)
+    pp = cfg.parallel.pipeline_model_parallel_size
+    world = cfg.parallel.tensor_model_parallel_size * pp * dp
+    return resolve_run(cfg, SimpleNamespace(world_size=world, dp_size=dp, pp_size=pp, device=torch.device("cpu")))
+
+
+def test_preflight_from_pretrain_flags():
     from megabert.planning.preflight import preflight_warning, run_and_layout
 
-    cfg = parse_args(["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
-                      "--seq-length", "128", "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
-                      "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "6",
-                      "--global-batch-size", "8", "--bf16", "--recompute-granularity", "selective"])
-    run, layout = run_and_layout(cfg, dp_size=2, device="cpu")
+    run = _resolved(["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+                     "--seq-length", "128", "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                     "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "6",
+                     "--global-batch-size", "8", "--bf16", "--recompute-granularity", "selective"], dp=2)
+    work, layout = run_and_layout(run, device="cpu")
     assert (layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.zero_stage) == (2, 2, 2, 2, 0)
-    assert (run.precision, run.recompute, run.microbatches(2), run.seq_length) == ("bf16", "selective", 2, 128)
-    assert preflight_warning(cfg, 2, "cpu") is None  # no ceiling for RSS unless a budget is given
-    assert "exceeds the 1 GB budget" in preflight_warning(cfg, 2, "cpu", budget_gb=1)
+    assert (work.precision, work.recompute, work.microbatches(2), work.seq_length) == ("bf16", "selective", 2, 128)
+    assert preflight_warning(run, "cpu") is None  # no ceiling for RSS unless a budget is given
+    assert "exceeds the 1 GB budget" in preflight_warning(run, "cpu", budget_gb=1)
+
+
+def test_preflight_reads_the_zero_stage_and_offload_that_run_from_the_deepspeed_json(tmp_path):
+    """A stage or offload set only in --deepspeed_config is what runs, so it is what the
+    preflight predicts (it used to read --zero-stage from the flags: 0 here)."""
+    from megabert.planning.preflight import run_and_layout
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                      "offload_param": {"device": "cpu"}}}))
+    run = _resolved(["--preset", "bert-base", "--deepspeed", "--deepspeed-config", str(path)], dp=2)
+    _, layout = run_and_layout(run, device="cpu")
+    assert (layout.zero_stage, layout.offload_optimizer, layout.offload_params) == (3, True, True)
+    assert run.train.zero_stage == 3 and run.zero_stage == 3
+    _, flags_only = run_and_layout(_resolved(["--preset", "bert-base", "--deepspeed", "--zero-stage", "1"], dp=2),
+                                   device="cpu")
+    assert (flags_only.zero_stage, flags_only.offload_optimizer) == (1, False)
 
 
 def test_preflight_reads_the_budget_flag():
-    from megabert.arguments import parse_args
     from megabert.planning import preflight
 
     flags = ["--preset", "bert-large", "--seq-length", "128", "--micro-batch-size", "2"]
-    assert preflight(parse_args(flags), 1, "cpu") is None  # CPU, no flag: no check
-    over = preflight(parse_args([*flags, "--memory-budget-gb", "5"]), 1, "cpu")
+    assert preflight(_resolved(flags), "cpu") is None  # CPU, no flag: no check
+    over = preflight(_resolved([*flags, "--memory-budget-gb", "5"]), "cpu")
     assert not over.fits and over.budget_gb == 5
     assert over.message().startswith(f"predicted peak {over.estimate.total_gb:.2f} GB per rank exceeds the 5 GB")
     assert over.message().endswith("(budget from --memory-budget-gb)") and "--tensor-model-parallel-size 2" in \
         over.message()
-    fits = preflight(parse_args([*flags, "--tensor-model-parallel-size", "2", "--memory-budget-gb", "5"]), 1, "cpu")
+    fits = preflight(_resolved([*flags, "--tensor-model-parallel-size", "2", "--memory-budget-gb", "5"]), "cpu")
     assert fits.fits and fits.message() == (f"predicted peak {fits.estimate.total_gb:.2f} GB per rank "
                                             f"(tp2.pp1.dp1.z0) fits the 5 GB budget from --memory-budget-gb")
     # The tokenizer's vocab sizes the embeddings, not ModelConfig's default.
-    small = preflight(parse_args([*flags, "--memory-budget-gb", "5"]), 1, "cpu", vocab_size=1000)
+    small = preflight(_resolved([*flags, "--memory-budget-gb", "5"]), "cpu", vocab_size=1000)
     assert small.estimate.total_gb < over.estimate.total_gb - 0.4
 
 

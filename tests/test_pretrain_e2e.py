@@ -6,8 +6,10 @@ import random
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -146,12 +148,14 @@ def _budget_between_one_process_and_tp2(d) -> float:
     from megabert.arguments import parse_args
     from megabert.data import build_tokenizer
     from megabert.planning import preflight
+    from megabert.training.resolve import resolve_run
 
     vocab_size = build_tokenizer("BertWordPieceLowerCase", str(d / "vocab.txt")).vocab_size
 
     def predicted(tp: int) -> float:
         cfg = parse_args(pretrain_args(d, "m.jsonl", *MEMORY_MODEL, "--tensor-model-parallel-size", str(tp))[1:])
-        return preflight(cfg, 1, "cpu", budget_gb=1.0, vocab_size=vocab_size).estimate.total_gb
+        run = resolve_run(cfg, SimpleNamespace(world_size=tp, dp_size=1, pp_size=1, device=torch.device("cpu")))
+        return preflight(run, "cpu", budget_gb=1.0, vocab_size=vocab_size).estimate.total_gb
 
     one, tp2 = predicted(1), predicted(2)
     assert tp2 < one - 0.02, (one, tp2)

@@ -7,7 +7,8 @@ import torch
 
 import megabert
 from megabert.arguments import parse_args
-from megabert.tasks.pretraining.task import build_pretraining, validate_run
+from megabert.tasks.pretraining.task import build_pretraining
+from megabert.training.resolve import resolve_run
 
 VOCAB = 99
 SEQ = 16
@@ -58,10 +59,10 @@ def build_trainer(argv, tp=1):
     """(cfg, parallel state, Trainer) of the tiny model; with --eval-interval, a valid split."""
     cfg = parse_args(TINY + ["--tensor-model-parallel-size", str(tp)] + argv)
     ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
-    validate_run(cfg, ps)
+    run = resolve_run(cfg, ps)
     micro = cfg.train.micro_batch_size
     valid = (lambda: batches(0, micro, ps.dp_rank, ps.dp_size, valid_sample)) if cfg.train.eval_interval else None
-    trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: batches(consumed, micro, ps.dp_rank, ps.dp_size),
+    trainer = build_pretraining(run, ps, VOCAB, lambda consumed: batches(consumed, micro, ps.dp_rank, ps.dp_size),
                                 valid)
     return cfg, ps, trainer
 

@@ -28,6 +28,7 @@ from _timing import interleaved  # noqa: E402
 from megabert.arguments import parse_args  # noqa: E402
 from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops  # noqa: E402
 from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
+from megabert.training.resolve import resolve_run  # noqa: E402
 
 VOCAB = 30522
 
@@ -48,7 +49,7 @@ def ours(ps, seq: int, batch: int, batches: list[dict]):
     cfg = parse_args(["--preset", "bert-large", "--bf16", "--seq-length", str(seq), "--max-position-embeddings", "512",
                       "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--data-path", "unused",
                       "--train-iters", "1000000", "--log-interval", "1000000", "--eval-interval", "0"])
-    trainer = build_pretraining(cfg, ps, VOCAB, lambda consumed: itertools.cycle(batches))
+    trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB, lambda consumed: itertools.cycle(batches))
     trainer.strategy.model.train()
     return trainer.train_step, cfg.model
 

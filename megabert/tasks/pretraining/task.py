@@ -9,17 +9,14 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from megabert.config import Configs
-from megabert.rules import validate_layout
 from megabert.errors import DataError
 from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
 from megabert.parallel import ParallelState
-from megabert.parallel.layout import BatchLayout
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import RunSpec, apply_compile, build_trainer, resolve_optimization
-from megabert.training.checkpointing import resolve_start
+from megabert.training.build import RunSpec, apply_compile, build_trainer
 from megabert.training.metrics import bert_flops_per_sample
+from megabert.training.resolve import ResolvedRun
 from megabert.training.strategy import Counts, Task
 from megabert.training.trainer import Trainer
 
@@ -77,36 +74,23 @@ def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> It
         yield batch
 
 
-def validate_run(cfg: Configs, ps: ParallelState) -> int:
-    """Checks that need the world size (the rest ran in parse_args); returns the DP size."""
-    dp = validate_layout(cfg.model, cfg.parallel, ps.world_size, cfg.train)
-    # A DeepSpeed JSON that contradicts the flags stops the run before any data work.
-    resolve_optimization(cfg, ps, cfg.model.hidden_size)
-    # Likewise a --pretrained-checkpoint that holds nothing, before index mappings are built.
-    resolve_start(cfg.train)
-    return dp
-
-
-def build_pretraining(cfg: Configs, ps: ParallelState, vocab_size: int,
+def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                       train_batches: Callable[[int], Iterator[dict]],
                       valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
     """This rank's BertForPreTraining (its pipeline stage), optimizer, DeepSpeed engine and
-    checkpoint state -> a ready Trainer."""
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
-    seed_default_stream(cfg.train.seed, ps.pp_rank, ps.device)
-    model = BertForPreTraining(model_cfg, ps, seed=cfg.train.seed,
-                               num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage)
-    apply_compile(model, ps, cfg.train)
-    binary_head_task = cfg.data.binary_head_task if model_cfg.bert_binary_head else None
-    optim, ds_cfg = resolve_optimization(cfg, ps, model_cfg.hidden_size)
-    run = RunSpec(optim=optim, train=cfg.train, task=pretraining_task(binary_head_task),
-                  batch=BatchLayout.of(cfg.train.micro_batch_size, cfg.train.global_batch_size, ps.dp_size),
-                  seq_length=cfg.data.seq_length, deepspeed_config=ds_cfg)
-    masked = int(round(cfg.data.mask_prob * cfg.data.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
-    return build_trainer(model, ps, run, train_batches, valid_batches,
-                         flops_per_sample=bert_flops_per_sample(model_cfg, cfg.data.seq_length, masked),
-                         checkpoint_extra={"train": dataclasses.asdict(cfg.train), "optim": dataclasses.asdict(optim),
-                                           "data": dataclasses.asdict(cfg.data)})
+    checkpoint state -> a ready Trainer, all from the resolved run."""
+    model_cfg = dataclasses.replace(run.model, vocab_size=vocab_size)
+    seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
+    model = BertForPreTraining(model_cfg, ps, seed=run.train.seed,
+                               num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
+    apply_compile(model, ps, run.train)
+    spec = RunSpec(optim=run.optim, train=run.train, task=pretraining_task(run.binary_head_task), batch=run.batch,
+                   seq_length=run.seq_length, deepspeed_config=run.deepspeed_config)
+    masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
+    return build_trainer(model, ps, spec, train_batches, valid_batches,
+                         flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
+                         checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
+                                           "data": dataclasses.asdict(run.data)})
 
 
 def infinite(loader_factory) -> Iterator[dict]:

@@ -61,11 +61,11 @@ def load_qa_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> B
     return model
 
 
-def num_train_steps(num_features: int, cfg: FinetuneConfigs, global_batch: int) -> int:
+def num_train_steps(num_features: int, finetune, global_batch: int) -> int:
     """--train-iters, else ceil(--epochs x features / global batch)."""
-    if cfg.finetune.train_iters is not None:
-        return cfg.finetune.train_iters
-    return max(1, math.ceil(cfg.finetune.epochs * num_features / global_batch))
+    if finetune.train_iters is not None:
+        return finetune.train_iters
+    return max(1, math.ceil(finetune.epochs * num_features / global_batch))
 
 
 def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micro_batch: int, dp_rank: int,

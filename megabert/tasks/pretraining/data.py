@@ -1,0 +1,39 @@
+"""pretrain_bert.py's data: train/valid loaders over BERT samples of Megatron's indexed
+dataset, positioned by consumed samples (Megatron's sample counts), so a resumed run sees
+exactly the samples the interrupted one would have."""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+from megabert.data import build_pretraining_data_loader
+from megabert.parallel import ParallelState
+from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
+from megabert.tasks.pretraining.task import checked_batches, infinite
+from megabert.training.resolve import ResolvedRun
+
+
+def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
+               ) -> tuple[Callable[[int], Iterator[dict]], Optional[Callable[[], Iterator[dict]]]]:
+    """(train_batches(consumed_samples), valid_batches() or None) for this DP rank."""
+    t, data = run.train, run.data
+    global_batch = run.batch.global_batch_size
+    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    num_samples = (t.train_iters * global_batch, evals * t.eval_iters * global_batch, t.eval_iters * global_batch)
+    train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
+                                                            run.model.bert_binary_head)
+    source = " ".join(data.data_path)
+
+    def loader(ds, consumed):
+        return build_pretraining_data_loader(ds, consumed, t.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                             data.num_workers)
+
+    def train_batches(consumed):
+        return checked_batches(infinite(lambda: loader(train_ds, consumed)), tokenizer.vocab_size, source)
+
+    if valid_ds is None or not evals:
+        return train_batches, None
+
+    def valid_batches():
+        return iter(checked_batches(loader(valid_ds, 0), tokenizer.vocab_size, source))
+
+    return train_batches, valid_batches
