@@ -13,7 +13,7 @@ EXTRAS ?= deepspeed,mpi,test
 SOURCES := Makefile setup.py pyproject.toml $(shell find megabert -name '*.cpp' -o -name '*.cu' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench bench-gpu clean
+.PHONY: install test demo bench bench-gpu clean
 
 install: $(STAMP)
 
