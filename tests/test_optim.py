@@ -34,12 +34,15 @@ def _lamb_step(rank, world, out):
 
 def test_lamb_tp2_equals_tp1_parameterwise(tmp_path):
     # The trust ratio needs the norms of whole matrices; with TP-local norms the TP=2 update
-    # differs by ~1e-5 here (checked), well above this tolerance.
+    # differs by ~1e-5 here (checked). Float reordering alone (TP splits the GEMMs, and the
+    # fused kernels' AVX2 and AVX-512 paths sum in different orders) reaches 1.07e-6 on an
+    # AVX-512 machine: 3e-6 sits between the two with a margin of about 3x on each side.
     run_distributed(_lamb_step, 1, str(tmp_path / "a"))
     run_distributed(_lamb_step, 2, str(tmp_path / "b"))
     a, b = torch.load(tmp_path / "a"), torch.load(tmp_path / "b")
+    assert len(a) > 10 and set(a) == set(b)
     for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, (a[k] - b[k]).abs().max().item())
+        assert torch.allclose(a[k], b[k], atol=3e-6, rtol=0), (k, (a[k] - b[k]).abs().max().item())
 
 
 def test_no_weight_decay_on_bias_and_layernorm():
