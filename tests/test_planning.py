@@ -205,7 +205,7 @@ def test_zero3_step_works_one_sub_group_at_a_time():
     Backward holds the gathered parameters and the reduce bucket instead; the peak is the
     larger phase."""
     from megabert.planning.memory import _model_states
-    from megabert.training.deepspeed_engine import zero_sizing
+    from megabert.parallel.buckets import zero_sizing
 
     cfg, run = bert_large(), Workload(precision="bf16")
     sizing = zero_sizing(cfg.hidden_size)

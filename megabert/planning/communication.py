@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from megabert.config import ModelConfig
 from megabert.planning.params import stage_params
 from megabert.planning.spec import Layout, Workload
-from megabert.training.deepspeed_engine import zero_sizing
+from megabert.parallel.buckets import zero_sizing
 
 
 def all_reduce_bytes(size: float, n: int) -> float:

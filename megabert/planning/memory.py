@@ -36,7 +36,7 @@ instead of 2.48, at 37% more time per step, so the planner predicts the default
 allocator. A GPU's caching allocator reuses those blocks instead (bounded by the
 live-parameter and bucket sizes), so the heap terms apply to CPU runs only.
 
-ZeRO bucket and live-parameter sizes come from megabert.training.deepspeed_engine.zero_sizing,
+ZeRO bucket and live-parameter sizes come from megabert.parallel.buckets.zero_sizing,
 the numbers the DeepSpeed config is built from; this module never restates them.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ from megabert.config import ModelConfig
 from megabert.planning.activations import stage_activation_bytes
 from megabert.planning.params import StageParams, stage_params
 from megabert.planning.spec import Layout, Workload
-from megabert.training.deepspeed_engine import zero_sizing
-from megabert.training.grads import BUCKET_ELEMENTS
+from megabert.parallel.buckets import zero_sizing
+from megabert.parallel.buckets import BUCKET_ELEMENTS
 
 GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
 

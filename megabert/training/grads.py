@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megabert.parallel import ParallelState
+from megabert.parallel.buckets import BUCKET_ELEMENTS
 from megabert.parallel.param_spec import ParamSpec, spec_of
 
-BUCKET_ELEMENTS = 32 * 1024 * 1024  # fewer, larger all-reduces; bounded extra memory
 
 
 def _buckets(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
