@@ -183,8 +183,9 @@ def test_same_sample_across_runs_workers_dp_sizes_and_resume(corpus, tmp_path, t
             for k in x:
                 assert torch.equal(x[k], y[k]), (mbs, dp, workers, k)
     resumed = _loader_batches(train, 3 * 4, 2, 2, 0, 3)  # resume after 3 steps with another layout
+    assert len(resumed) == len(base[3:]) > 0
     for x, y in zip(base[3:], resumed):
-        assert all(torch.equal(x[k], y[k]) for k in x)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     with pytest.raises(DataError, match="consumed samples"):
         build_pretraining_data_loader(train, len(train), 4, 0, 1, 0)
 

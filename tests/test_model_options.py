@@ -36,6 +36,7 @@ def test_pre_layernorm_tp2_equals_tp1(tmp_path):
     a, b = torch.load(tmp_path / "a"), torch.load(tmp_path / "b")
     assert torch.allclose(a["loss"], b["loss"], atol=1e-6)
     assert torch.allclose(a["logits"], b["logits"], atol=1e-5)
+    assert a["grads"] and set(a["grads"]) == set(b["grads"])
     for k in a["grads"]:
         assert torch.allclose(a["grads"][k], b["grads"][k], atol=1e-5), k
 
@@ -79,6 +80,7 @@ def _unpadded_vs_padded(layernorm_position, recompute, backend):
     (loss0, nsp0, g0), (loss1, nsp1, g1) = results
     torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
     torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-6)
+    assert g0 and set(g1) == set(g0) and all(g is not None for g in g0.values())
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
 

@@ -104,6 +104,7 @@ def _fp16_overflow_on_first_stage(rank, world, metrics):
         out = real_step(self)
         if handle is not None:
             handle.remove()
+        assert before and len(before) == len(self.strategy.params)
         assert all(torch.equal(a, p) for a, p in zip(before, self.strategy.params)), f"stage {self.ps.pp_rank} stepped"
         return out
 

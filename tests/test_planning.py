@@ -151,7 +151,7 @@ def test_plan_ranks_by_communication_then_model_parallel_size():
     fits = plan(cfg, run, devices=8, budget_gb=80)
     keys = [(c.comm.total, c.layout.model_parallel_size) for c in fits]
     assert keys == sorted(keys)
-    assert all(c.memory.total_gb <= 80 for c in fits)
+    assert fits and all(c.memory.total_gb <= 80 for c in fits)
     assert {c.layout.world_size for c in fits} == {8}
     # A tight budget leaves only layouts that shard the model.
     tight = plan(cfg, run, devices=8, budget_gb=3.0)

@@ -27,6 +27,7 @@ def _check(rank, world):
     for granularity in ("full", "selective"):
         loss, g = _grads(ps, granularity)
         assert torch.equal(loss, loss0), granularity
+        assert g0 and set(g) == set(g0), granularity
         for n in g0:
             assert torch.equal(g[n], g0[n]), (granularity, n)
 

@@ -138,7 +138,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     skipped = read_metrics(path, "skipped")
     assert scales[:3] == [1024.0, 1024.0, 1024.0] and scales[3] == 512.0
     assert skipped == [1]
-    assert all(x == x for x in read_metrics(path))
+    assert len(read_metrics(path)) >= 4 and all(x == x for x in read_metrics(path))
 
 
 def test_reshard_tp2_checkpoint_and_continue_at_tp1(tmp_path, reference):

@@ -41,7 +41,7 @@ def test_fp32_master_shares_the_parameter_partition(tmp_path, stage):
     out = tmp_path / "r.json"
     run_distributed(_masters_worker, 2, [], stage, str(out))
     r = json.loads(out.read_text())
-    assert r["before"] and all(r["before"]) and all(r["after"]), r
+    assert r["before"] and len(r["after"]) == len(r["before"]) and all(r["before"]) and all(r["after"]), r
     assert r["equal"] and r["dtypes"] == ["torch.float32/torch.float32"]
 
 
