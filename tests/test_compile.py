@@ -18,7 +18,7 @@ from megabert.arguments import parse_args
 from megabert.config import TrainConfig
 from megabert.errors import ConfigError
 from megabert.ops import dropout_add, kernel_ops, layer_norm, scaled_masked_softmax
-from megabert.training.deepspeed_engine import resolve_deepspeed_config
+from megabert.training.deepspeed.config import resolve_deepspeed_config
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
 

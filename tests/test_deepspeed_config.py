@@ -11,7 +11,7 @@ from megabert.arguments import parse_args
 from megabert.config import FinetuneConfig, FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
 from megabert.errors import ConfigError
 from megabert.parallel.buckets import zero_sizing
-from megabert.training.deepspeed_engine import build_config, offloads_optimizer, resolve_deepspeed_config
+from megabert.training.deepspeed.config import build_config, offloads_optimizer, resolve_deepspeed_config
 
 CPU = SimpleNamespace(dp_size=2, pp_size=1, device=torch.device("cpu"))
 GPU = SimpleNamespace(dp_size=2, pp_size=1, device=torch.device("cuda", 0))  # only read for its type here

@@ -162,16 +162,11 @@ def test_lower_packages_never_reach_up(graph, importer, imported):
     assert bad == []
 
 
-DEEPSPEED_MODULES = ("megabert.training.deepspeed_engine", "megabert.training.deepspeed_sections",
-                     "megabert.training.zero_masters", "megabert.optim.cpu_adam")
-
-
-@pytest.mark.xfail(strict=True, reason="issue 18 deliverable 2 is pending: DeepSpeed's modules are not yet one "
-                                       "subpackage, and training/strategy.py and checkpointing.py still hold the "
-                                       "engine")
 def test_deepspeed_is_entered_through_one_door(graph):
-    """Only the strategy builder and the run resolver open DeepSpeed's modules."""
-    door = {"megabert.training.build", "megabert.training.resolve", *DEEPSPEED_MODULES}
-    users = sorted(f"{m} -> {t}" for m, targets in graph.items() if m not in door
-                   for t in targets if t in DEEPSPEED_MODULES)
+    """Only the strategy builder and the run resolver open the DeepSpeed subpackage."""
+    door = {"megabert.training.build", "megabert.training.resolve"}
+    inside = {m for m in graph if m.startswith("megabert.training.deepspeed")}
+    assert {"megabert.training.deepspeed.strategy", "megabert.training.deepspeed.config"} <= inside
+    users = sorted(f"{m} -> {t}" for m, targets in graph.items() if m not in inside | door
+                   for t in targets if t in inside)
     assert users == []

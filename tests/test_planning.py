@@ -224,7 +224,7 @@ def test_zero3_step_works_one_sub_group_at_a_time():
 
 
 def test_fp32_zero_master_shares_the_parameters_unless_offloaded():
-    """fp32 ZeRO keeps no separate fp32 master (training.zero_masters): 8 bytes of moments per
+    """fp32 ZeRO keeps no separate fp32 master (training.deepspeed.zero_masters): 8 bytes of moments per
     element and rank; bf16 and an offloaded optimizer keep it (12, the offloaded in host memory)."""
     cfg = bert_large()
     P = total_params(cfg)

@@ -51,3 +51,21 @@ def test_bf16_keeps_a_separate_fp32_master(tmp_path):
     r = json.loads(out.read_text())
     assert not any(r["before"]) and not any(r["after"]), r
     assert r["dtypes"] == ["torch.float32/torch.bfloat16"]
+
+
+def test_version_guard_switches_the_private_patch_off_on_an_unknown_deepspeed(monkeypatch, caplog):
+    import deepspeed
+
+    from megabert.training.deepspeed import version
+
+    assert version.known_version(deepspeed.__version__)  # the installed one is pinned in pyproject.toml
+    assert version.known_version("0.19.3+cu130") and not version.known_version("0.20.0")
+    assert not version.known_version("0.18.9")
+    monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
+    monkeypatch.setattr(version, "_warned", False)
+    monkeypatch.delenv("MEGABERT_DEEPSPEED_PATCHES", raising=False)
+    with caplog.at_level("WARNING", logger="megabert.training.deepspeed.version"):
+        assert not version.private_patches_allowed() and not version.private_patches_allowed()
+    assert len(caplog.records) == 1 and "deepspeed 0.99.0 is outside" in caplog.text
+    monkeypatch.setenv("MEGABERT_DEEPSPEED_PATCHES", "1")
+    assert version.private_patches_allowed()

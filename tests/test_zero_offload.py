@@ -37,15 +37,17 @@ def test_zero3_offload_trains_like_zero3(tmp_path):
 
 
 def _optimizer_type_worker(rank, world):
-    from megabert.training.build import RunSpec, build_strategy, resolve_optimization
     from megabert.tasks.pretraining.task import pretraining_task
+    from megabert.training.build import RunSpec, build_strategy
+    from megabert.training.resolve import resolve_run
 
     cfg = parse_args(TINY + ["--deepspeed", "--zero-stage", "2", "--zero-offload-optimizer", "cpu"])
     ps = megabert.init_parallel(1, 1)
     model = megabert.BertForPreTraining(dataclasses.replace(cfg.model, vocab_size=VOCAB), ps, seed=cfg.train.seed)
-    optim, ds_cfg = resolve_optimization(cfg, ps, cfg.model.hidden_size)
-    run = RunSpec(optim=optim, train=cfg.train, batch=BatchLayout.of(2, 4, 1), task=pretraining_task("sop"),
-                  seq_length=16, deepspeed_config=ds_cfg)
+    resolved = resolve_run(cfg, ps)
+    ds_cfg = resolved.deepspeed_config
+    run = RunSpec(optim=resolved.optim, train=resolved.train, batch=BatchLayout.of(2, 4, 1),
+                  task=pretraining_task("sop"), seq_length=16, deepspeed_config=ds_cfg)
     strategy = build_strategy(model, ps, run)
     try:
         assert type(strategy.engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"
@@ -62,11 +64,11 @@ def test_offload_flag_builds_deepspeed_cpu_adam():
 def test_first_build_of_cpu_adam_is_announced_once(tmp_path, monkeypatch, caplog):
     from deepspeed.git_version_info import installed_ops
 
-    from megabert.optim.cpu_adam import note_jit_build
+    from megabert.training.deepspeed.cpu_adam import note_jit_build
 
     monkeypatch.setitem(installed_ops, "cpu_adam", False)  # as a JIT install (DS_BUILD_CPU_ADAM unset)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    with caplog.at_level("WARNING", logger="megabert.optim.cpu_adam"):
+    with caplog.at_level("WARNING", logger="megabert.training.deepspeed.cpu_adam"):
         note_jit_build("CPUAdamBuilder", "ZeRO-Offload's CPU optimizer")
     assert [r.getMessage() for r in caplog.records] == [
         "building DeepSpeed's cpu_adam op for ZeRO-Offload's CPU optimizer: a one-time C++ compile, cached for "

@@ -1,4 +1,4 @@
-"""Corpus -> Megatron `.bin/.idx` (the engine of tools/preprocess_data.py).
+"""Corpus -> Megatron `.bin/.idx` (the core of tools/preprocess_data.py).
 
 Why it is fast: the main process only reads blocks of raw bytes and writes finished
 bytes. Each worker decodes a block of a few hundred documents, splits sentences,

@@ -1,4 +1,4 @@
-"""Wikipedia XML dump -> plain-text articles (the engine of tools/wikipedia_to_jsonl.py).
+"""Wikipedia XML dump -> plain-text articles (the core of tools/wikipedia_to_jsonl.py).
 
 The dump is streamed with `iterparse` (a 20 GB .xml.bz2 never sits in memory) and the
 wikitext of each article is cleaned by mwparserfromhell, a maintained wikitext parser,

@@ -44,27 +44,18 @@ def fused_adamw_supports(p: torch.Tensor) -> bool:
     return p.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(p)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group: Optional[dist.ProcessGroup] = None, *,
-                    cpu_offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
+                    tp_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
     """The optimizer `cfg` describes, over BERT's parameter groups; which implementation
-    runs is logged once ("optimizer: AdamW (fused)").
-
-    cpu_offload: ZeRO-Offload keeps the optimizer on the CPU, where DeepSpeed wants its
-    own vectorised DeepSpeedCPUAdam (same AdamW update, bias correction switchable)."""
+    runs is logged once ("optimizer: AdamW (fused)"). ZeRO-Offload's CPU optimizer is
+    DeepSpeed's (megabert.training.deepspeed.cpu_adam)."""
     groups = param_groups(model, cfg.weight_decay)
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "lamb":
-        if cpu_offload:
-            raise ValueError("LAMB cannot run offloaded: DeepSpeedCPUAdam is an Adam")
         _say_once("optimizer: LAMB (multi-tensor)")
         return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                     bias_correction=cfg.bias_correction, min_trust_ratio=cfg.lamb_min_coeff,
                     max_trust_ratio=cfg.lamb_max_coeff, tp_group=tp_group)
-    if cpu_offload:
-        from megabert.optim.cpu_adam import build_cpu_adam
-
-        _say_once("optimizer: DeepSpeedCPUAdam (ZeRO-Offload)")
-        return build_cpu_adam(groups, cfg)
     if not cfg.bias_correction:
         _say_once("optimizer: Adam without bias correction (multi-tensor)")
         return Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,

@@ -5,7 +5,7 @@ Model states, bytes per parameter element held by a rank (P its parameters, d = 
       (bf16/fp16 autocast leaves parameters, grads and moments in fp32).
   DeepSpeed ZeRO (p = 2 bytes in bf16/fp16, 4 in fp32), as DeepSpeed's stage_1_and_2.py and
   stage3.py allocate them; AdamW's moments 8 P/d, and an fp32 master 4 P/d except in fp32
-  runs, where it shares the parameter partition (megabert.training.zero_masters):
+  runs, where it shares the parameter partition (megabert.training.deepspeed.zero_masters):
       1: params p P, grads p P, then the reduced partition p P/d and the flat fp32 copy of it
          the step reads, 4 P/d
       2: params p P, a contiguous gradient partition p P/d (+ its flat fp32 copy, 4 P/d)
@@ -136,7 +136,7 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
     sizing = zero_sizing(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
     # AdamW's two moments and the fp32 master, partitioned; in fp32 the master shares the
-    # parameter partition (training.zero_masters) unless the optimizer is offloaded.
+    # parameter partition (training.deepspeed.zero_masters) unless the optimizer is offloaded.
     master = 0.0 if p == 4.0 and not layout.offload_optimizer else 4.0
     optimizer = (8.0 + master) * P / d
     fp32_grad_partition = 4.0 * P / d  # the flat copy the optimizer step reads

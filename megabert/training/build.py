@@ -15,10 +15,9 @@ from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
-from megabert.training import deepspeed_engine
 from megabert.training.checkpointing import StartPoint, TrainingState, load_checkpoint, resolve_start
 from megabert.training.precision import DynamicLossScaler, autocast
-from megabert.training.strategy import DeepSpeedStrategy, LocalStrategy, SequentialRunner, Strategy, Task
+from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, Task
 from megabert.training.trainer import Batches, Trainer
 
 logger = logging.getLogger(__name__)
@@ -36,17 +35,6 @@ class RunSpec:
     deepspeed_config: Optional[dict] = None  # the final DeepSpeed JSON with --deepspeed
 
 
-def resolve_optimization(cfg, ps: ParallelState, hidden_size: int) -> tuple[OptimConfig, Optional[dict]]:
-    """The OptimConfig the optimizer and LR schedule are built from, and DeepSpeed's final
-    config (None without --deepspeed). cfg: Configs or FinetuneConfigs. With
-    --deepspeed_config, its optimizer/scheduler sections become OptimConfig values and its
-    other keys are checked against the flags (conflicts raise); ZeRO is sized to `hidden_size`."""
-    if not cfg.train.deepspeed:
-        return cfg.optim, None
-    ds_cfg, optim = deepspeed_engine.resolve_deepspeed_config(cfg, ps, hidden_size)
-    return optim, ds_cfg
-
-
 def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig) -> None:
     """--compile: torch.compile the model's transformer layers, once, where the model is
     built (before DeepSpeed wraps it)."""
@@ -58,21 +46,32 @@ def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig)
                     "first evaluation compile them (once per process)", n)
 
 
+def build_runner(model: torch.nn.Module, ps: ParallelState, task: Task, *, seq_length: int, micro_batch_size: int,
+                 num_micro_batches: int, bf16: bool = False, fp16: bool = False):
+    """What takes micro-batches through the model, for training and forward-only alike:
+    the pipeline schedule with PP > 1 (stages exchange [s, b, h] activations of this
+    micro-batch size), else one micro-batch after another."""
+    amp = lambda: autocast(ps.device, bf16, fp16)  # noqa: E731
+    if ps.pp_size > 1:
+        comm = PipeComm(ps, model.activation_shape(seq_length, micro_batch_size), pipeline_dtype(bf16))
+        return PipelineSchedule(model, ps, comm, num_micro_batches, task, autocast=amp)
+    return SequentialRunner(model, task, amp)
+
+
 def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> Strategy:
     t, ds_cfg = run.train, run.deepspeed_config
-    offload = ds_cfg is not None and deepspeed_engine.offloads_optimizer(ds_cfg)
-    optimizer = build_optimizer(model, run.optim, ps.tp_group, cpu_offload=offload)
     amp = lambda: autocast(ps.device, t.bf16, t.fp16)  # noqa: E731
     runner = None
     if ps.pp_size > 1:
-        comm = PipeComm(ps, model.activation_shape(run.seq_length, t.micro_batch_size), pipeline_dtype(t.bf16))
-        runner = PipelineSchedule(model, ps, comm, run.batch.num_micro_batches, run.task, autocast=amp)
+        runner = build_runner(model, ps, run.task, seq_length=run.seq_length, micro_batch_size=t.micro_batch_size,
+                              num_micro_batches=run.batch.num_micro_batches, bf16=t.bf16, fp16=t.fp16)
     if ds_cfg is not None:
-        engine = deepspeed_engine.initialize(model, optimizer, ds_cfg, ps)
-        runner = runner or SequentialRunner(engine, run.task, amp)
-        # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
-        return DeepSpeedStrategy(engine, ps, runner, zero_stage=ds_cfg["zero_optimization"].get("stage", 0),
-                                 fp16=t.fp16, bf16=t.bf16)
+        # The one door to DeepSpeed: its strategy builds its engine (and, for ZeRO-Offload,
+        # its CPU optimizer) around the model.
+        from megabert.training.deepspeed.strategy import build_deepspeed_strategy
+
+        return build_deepspeed_strategy(model, ps, ds_cfg, run.optim, t, runner, run.task, amp)
+    optimizer = build_optimizer(model, run.optim, ps.tp_group)
     runner = runner or SequentialRunner(model, run.task, amp)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     return LocalStrategy(model, optimizer, ps, runner, scaler=scaler, clip_grad=run.optim.clip_grad)
@@ -94,7 +93,7 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
         # them and ZeRO-1/2 copy them into their fp32 masters. A weights-only start is done
         # here (fresh optimizer and loss scale); a resume restores the rest below. A plain
         # resume reads its rank file once, below.
-        loaded = load_checkpoint(start.path, model, None, ps, load_optimizer=False)
+        loaded = load_checkpoint(start.path, model, ps, load_optimizer=False)
     strategy = build_strategy(model, ps, run)
     state = TrainingState()
     if start.path:

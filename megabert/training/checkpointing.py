@@ -4,9 +4,9 @@ A checkpoint holds, per (tp, pp) rank: the model shard, the optimizer state by
 parameter name, the loss scaler, every RNG stream, the iteration and the consumed
 samples. Only DP rank 0 of each model-parallel rank writes (DP replicas are identical,
 including their RNG states, since dropout is seeded per TP/PP rank, not per DP rank).
-With DeepSpeed, the engine's own checkpoint (ZeRO-partitioned optimizer) goes to
-SAVE/deepspeed/ and the model shards are also written in our layout, so export,
-resharding and fine-tuning read every run the same way.
+A strategy with state of its own (DeepSpeed's ZeRO-partitioned optimizer) writes it
+beside the rank files (SAVE/deepspeed/), and the model shards are also written in our
+layout, so export, resharding and fine-tuning read every run the same way.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint.layout import (TRACKER, commit, has_checkpoint, load_file, model_payload, read_tracker,
                                         resolve_checkpoint_dir, saved_layout, saved_virtual_stage_layers, staging_dir,
                                         write_rank_file)
-from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.checkpoint.reshard import reshard_payloads
 from megabert.checkpoint import external
 from megabert.config import TrainConfig
@@ -129,30 +128,27 @@ def _prune(root: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(root, f"iter_{it:07d}"), ignore_errors=True)
 
 
-def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: ParallelState, *, scaler=None,
-                    extra: Optional[dict] = None, keep_last: Optional[int] = None, engine=None) -> None:
-    """Collective: every rank calls it. Atomic: see megabert.checkpoint.layout."""
+def save_checkpoint(root: str, state: TrainingState, strategy, *, extra: Optional[dict] = None,
+                    keep_last: Optional[int] = None) -> None:
+    """Collective: every rank calls it. Atomic: see megabert.checkpoint.layout. `strategy`
+    gives the weights, the optimizer state and any files of its own (training.strategy)."""
+    model, ps = strategy.model, strategy.ps
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging_dir(root, state.iteration), ignore_errors=True)  # a save killed earlier
     dist.barrier()
-    weights = _cpu_state_dict(model, engine, keep=ps.dp_rank == 0)  # collective under ZeRO-3
+    weights = strategy.cpu_state_dict(keep=ps.dp_rank == 0)  # collective when parameters are partitioned
     if ps.dp_rank == 0:
         payload = model_payload(
             weights, model.config, tp_size=ps.tp_size,
             pp_size=ps.pp_size, model_class=type(model).__name__, param_specs=table_to_dict(spec_table(model)),
             layers_per_virtual_stage=model.virtual_stage_layers, iteration=state.iteration,
             consumed_samples=state.consumed_samples, skipped_iterations=state.skipped_iterations,
-            rng=_rng_state(model),
-            optimizer=optimizer_state_by_name(optimizer, model) if optimizer is not None and engine is None
-            else None,
-            loss_scaler=scaler.state_dict() if scaler is not None else None, args=extra or {})
+            rng=_rng_state(model), optimizer=strategy.optimizer_state(),
+            loss_scaler=strategy.scaler.state_dict() if strategy.scaler is not None else None, args=extra or {})
         write_rank_file(staging_dir(root, state.iteration), ps.tp_rank, ps.pp_rank, ps.pp_size, payload)
     dist.barrier()
-    if engine is not None:  # ZeRO-partitioned optimizer state: DeepSpeed's own files
-        engine.save_checkpoint(os.path.join(root, DEEPSPEED_SUBDIR), tag=f"iter_{state.iteration:07d}",
-                               client_state={"iteration": state.iteration,
-                                             "consumed_samples": state.consumed_samples})
+    strategy.save_own_files(root, state)
     if ps.rank == 0:
         commit(root, state.iteration)
         if keep_last:
@@ -160,48 +156,21 @@ def save_checkpoint(root: str, state: TrainingState, model, optimizer, ps: Paral
     dist.barrier()
 
 
-def _cpu_state_dict(model, engine, keep: bool) -> dict:
-    """The model's whole (TP-local) weights on the CPU. ZeRO-3 leaves each rank a partition
-    of every parameter (an empty tensor in state_dict()), so our rank files, and with them
-    export, resharding and weights-only starts, need them gathered: one parameter at a time
-    over the data-parallel group (every rank takes part), kept where `keep`."""
-    if engine is None or engine.zero_optimization_stage() != 3:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if keep else {}
-    import deepspeed
-
-    params = dict(model.named_parameters())
-    out = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        if name in params:
-            with deepspeed.zero.GatheredParameters([params[name]]):
-                if keep:
-                    out[name] = params[name].detach().cpu().clone()
-        elif keep:
-            out[name] = value.detach().cpu()
-    return out
-
-
-def _weights_loaded(engine) -> None:
-    """New weights in a DeepSpeed engine's module do not reach its fp32 master copies (ZeRO
-    partitions, fp16/bf16 wrappers): its first step would write the old weights back.
-    DeepSpeed's own module-only load refreshes them the same way."""
-    refresh = getattr(engine.optimizer, "refresh_fp32_params", None) if engine is not None else None
-    if refresh is not None:
-        refresh()
-
-
-def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=None, engine=None,
-                    load_optimizer: bool = True, load_model: bool = True) -> LoadedCheckpoint:
+def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_optimizer: bool = True,
+                    load_model: bool = True) -> LoadedCheckpoint:
     """Restores what `save_checkpoint` wrote, at the same or another TP/PP layout. A
     Hugging Face directory or a converted ('release') checkpoint gives weights only and
     starts at iteration 0. Weights only (`load_optimizer=False`, or those two) come from
     our rank files, whichever way the checkpoint was trained, so a plain run's checkpoint
-    also starts a DeepSpeed run. `load_model=False`: the weights are already in the model
-    (loaded before DeepSpeed partitioned it); only the rest is restored."""
+    also starts a DeepSpeed run. `strategy` (None: weights only, into `model`) restores its
+    optimizer, loss scale and whatever it keeps of the weights. `load_model=False`: the
+    weights are already in the model (loaded before DeepSpeed partitioned it); only the
+    rest is restored."""
+    weights_loaded = strategy.weights_loaded if strategy is not None else (lambda: None)
     if external.is_external(path):  # a Hugging Face or Google TF directory: weights only
         model.load_full_state_dict(hf_io.hf_to_megabert(external.read_external(path)[1], spec_table(model)),
                                    source=path)
-        _weights_loaded(engine)
+        weights_loaded()
         return LoadedCheckpoint(TrainingState(), {})
     ckpt_dir = resolve_checkpoint_dir(path)
     layout = saved_layout(ckpt_dir)
@@ -222,26 +191,14 @@ def load_checkpoint(path: str, model, optimizer, ps: ParallelState, *, scaler=No
                           int(payload.get("skipped_iterations", 0)))
     saved_args = payload.get("args") or {}
     release = read_tracker(path) == "release" or state.iteration == 0
-    if release or not load_optimizer:
-        _weights_loaded(engine)
+    if release or not load_optimizer or strategy is None:
+        weights_loaded()
         if release:
             return LoadedCheckpoint(TrainingState(), saved_args)
-    elif engine is not None:
-        ds_dir = os.path.join(path, DEEPSPEED_SUBDIR)
-        if not os.path.isdir(ds_dir):
-            raise CheckpointError(f"{path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
-                                  f"drop --deepspeed or load the weights only with --finetune")
-        _, client = engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}", load_optimizer_states=True,
-                                           load_lr_scheduler_states=False)
-        if client is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint for iteration {state.iteration} in {ds_dir}")
-    elif optimizer is not None:
-        if payload.get("optimizer") is None:
-            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
-                                  f"or start the optimizer fresh with --finetune")
-        load_optimizer_state_by_name(optimizer, model, payload["optimizer"])
-    if scaler is not None and payload.get("loss_scaler") is not None:
-        scaler.load_state_dict(payload["loss_scaler"])
+    else:
+        strategy.load_optimizer_state(path, payload, state)
+    if strategy is not None and strategy.scaler is not None and payload.get("loss_scaler") is not None:
+        strategy.scaler.load_state_dict(payload["loss_scaler"])
     if same_layout and payload.get("rng") is not None:
         _set_rng_state(model, payload["rng"])
     return LoadedCheckpoint(state, saved_args)

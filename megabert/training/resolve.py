@@ -81,7 +81,7 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
     batch = BatchLayout.of(cfg.train.micro_batch_size, cfg.train.global_batch_size, ps.dp_size)
     optim, train, ds_config = cfg.optim, cfg.train, None
     if cfg.train.deepspeed:
-        from megabert.training.deepspeed_engine import resolve_deepspeed_config
+        from megabert.training.deepspeed.config import resolve_deepspeed_config
 
         ds_config, optim = resolve_deepspeed_config(cfg, ps, model.hidden_size if model is not None else None)
         train = dataclasses.replace(train, zero_stage=ds_config["zero_optimization"].get("stage", 0))

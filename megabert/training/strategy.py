@@ -4,7 +4,7 @@ A *runner* takes the micro-batches of one global batch through the model: one af
 another (`SequentialRunner`, PP=1) or through pipeline stages (`PipelineSchedule`, 1F1B or
 interleaved). A *strategy* turns the accumulated gradients into an update: ours
 (`LocalStrategy`: explicit reductions, fp16 loss scaling, global-norm clipping, the
-optimizer) or DeepSpeed's engine (`DeepSpeedStrategy`: ZeRO partitions). The Trainer only
+optimizer) or DeepSpeed's (megabert.training.deepspeed: ZeRO partitions). The Trainer only
 calls `train_step`, `forward_only`, `save` and `load`.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from megabert.parallel import ParallelState
-from megabert.training import deepspeed_engine
+from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
+from megabert.errors import CheckpointError
 from megabert.training.checkpointing import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -95,44 +96,66 @@ class StepResult:
 
 
 class Strategy:
-    """Shared by both strategies: the model, its optimizer, the runner, checkpoints."""
+    """Shared by every strategy: the model, its optimizer, the runner, checkpoints. The
+    checkpoint code calls the hooks below; a strategy that keeps its own state (DeepSpeed's
+    ZeRO partitions: megabert.training.deepspeed) overrides them."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ps: ParallelState, runner, *,
-                 scaler: Optional[DynamicLossScaler] = None, engine=None):
+                 scaler: Optional[DynamicLossScaler] = None):
         self.model, self.optimizer, self.ps, self.runner = model, optimizer, ps, runner
-        self.scaler, self.engine = scaler, engine
+        self.scaler = scaler
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     @property
     def lr_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer whose param groups carry the learning rate."""
-        return self.engine.optimizer if self.engine is not None else self.optimizer
+        return self.optimizer
 
     def train_step(self, batches: list[dict]) -> StepResult:
         raise NotImplementedError
 
     def forward_only(self, batches: list[dict], output_fn: Callable[[Any], T]) -> list[T]:
-        module = self.engine if self.engine is not None else self.model
-        module.eval()
+        self.model.eval()
         try:
             return self.runner.forward_only(batches, output_fn)
         finally:
-            module.train()
+            self.model.train()
 
     def save(self, root: str, state: TrainingState, *, extra: dict, keep_last: Optional[int]) -> None:
-        save_checkpoint(root, state, self.model, self.optimizer, self.ps, scaler=self.scaler, extra=extra,
-                        keep_last=keep_last, engine=self.engine)
+        save_checkpoint(root, state, self, extra=extra, keep_last=keep_last)
 
     def load(self, path: str, *, load_optimizer: bool, load_model: bool = True) -> LoadedCheckpoint:
-        return load_checkpoint(path, self.model, self.optimizer, self.ps, scaler=self.scaler, engine=self.engine,
-                               load_optimizer=load_optimizer, load_model=load_model)
+        return load_checkpoint(path, self.model, self.ps, strategy=self, load_optimizer=load_optimizer,
+                               load_model=load_model)
+
+    # ------------------------------------------------------------ checkpoint hooks
+
+    def cpu_state_dict(self, keep: bool) -> dict:
+        """The model's whole (TP-local) weights on the CPU where `keep`, else {}. Every rank
+        calls it (a strategy that partitions parameters gathers them here)."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if keep else {}
+
+    def optimizer_state(self) -> Optional[dict]:
+        """The optimizer state for our rank files (by parameter name), or None when the
+        strategy saves it in files of its own (save_own_files)."""
+        return optimizer_state_by_name(self.optimizer, self.model) if self.optimizer is not None else None
+
+    def save_own_files(self, root: str, state: TrainingState) -> None:
+        """Collective, after the rank files: state our rank files do not hold."""
+
+    def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
+        """Restores the optimizer of a resumed run from what save wrote."""
+        if payload.get("optimizer") is None:
+            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
+                                  f"or start the optimizer fresh with --finetune")
+        load_optimizer_state_by_name(self.optimizer, self.model, payload["optimizer"])
+
+    def weights_loaded(self) -> None:
+        """New weights went into the model (a weights-only start): copies of them that the
+        strategy keeps elsewhere must follow."""
 
     def close(self) -> None:
-        """Releases the DeepSpeed engine (its hooks, ZeRO-3 partition state and comm
-        buffers) before the process groups go away, so the process exits cleanly."""
-        if self.engine is not None:
-            self.engine.destroy()
-            self.engine = None
+        """Releases what the strategy holds before the process groups go away."""
 
 
 class LocalStrategy(Strategy):
@@ -170,41 +193,3 @@ class LocalStrategy(Strategy):
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
-
-
-class DeepSpeedStrategy(Strategy):
-    """DeepSpeed's engine applies the update (ZeRO 1/2/3 over the data-parallel group).
-    Without pipelining the engine runs forward, backward and its accumulation boundary;
-    with it, our schedule runs the micro-batches and ZeRO-1 takes the gradients after."""
-
-    def __init__(self, engine, ps, runner, *, zero_stage: int, fp16: bool, bf16: bool):
-        super().__init__(engine.module, engine.optimizer, ps, runner, engine=engine)
-        self.zero_stage, self.fp16, self.bf16 = zero_stage, fp16, bf16
-
-    def train_step(self, batches: list[dict]) -> StepResult:
-        engine = self.engine
-        skipped_before = getattr(engine, "skipped_steps", 0)
-        own_norm = None
-        if self.ps.pp_size > 1:
-            # The schedule runs backward itself; DeepSpeed reduces and steps afterwards.
-            scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if self.fp16 else 1.0
-            metrics = self.runner.forward_backward(batches, scale)
-            sync_tied_embedding_grads(self.params, self.ps)
-            deepspeed_engine.reduce_gradients(engine, self.zero_stage)
-            engine.step()
-        else:
-            metrics = []
-            task = self.runner.task
-            for i, batch in enumerate(batches):
-                loss, m = task.loss(engine, batch)
-                engine.backward(loss)  # scaled by 1/gradient_accumulation_steps inside
-                if i == len(batches) - 1 and self.zero_stage == 0 and not (self.fp16 or self.bf16):
-                    # DeepSpeed without ZeRO in fp32 clips but does not report the norm; the
-                    # reduced gradients are still in .grad after the boundary backward.
-                    own_norm = grad_norm(self.params, self.ps).item()
-                engine.step()  # a real step only at the accumulation boundary
-                metrics.append(_detached(m))
-        norm = engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else (own_norm if own_norm is not None else float("nan"))
-        scale = float(getattr(engine.optimizer, "loss_scale", float("nan"))) if self.fp16 else None
-        return StepResult(metrics, norm, skipped=getattr(engine, "skipped_steps", 0) > skipped_before, loss_scale=scale)

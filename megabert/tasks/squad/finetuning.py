@@ -17,10 +17,8 @@ from megabert.checkpoint import external
 from megabert.errors import ConfigError, DataError
 from megabert.tasks.squad import BertForQuestionAnswering
 from megabert.parallel import ParallelState
-from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import apply_compile
-from megabert.training.precision import autocast
+from megabert.training.build import apply_compile, build_runner
 from megabert.training.strategy import Task
 
 logger = logging.getLogger(__name__)
@@ -90,26 +88,8 @@ def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micr
                 yield {key: t[index] for key, t in tensors.items()}
 
 
-def _pipeline_forward(model, ps: ParallelState, batch_size: int, seq_length: int, amp, bf16: bool):
-    """PP > 1: features through the stages with the forward-only schedule; the last stage
-    holds the logits and sends them to the other stages of its pipeline."""
-    comm = PipeComm(ps, model.activation_shape(seq_length, batch_size), pipeline_dtype(bf16))
-    # Forward-only needs no steady state: any micro-batch count that passes the
-    # interleaving check will do; tags stay unique within one call.
-    schedule = PipelineSchedule(model, ps, comm, ps.pp_size, qa_task(), autocast=amp)
-
-    def logits(out):
-        return out.start_logits.float().cpu(), out.end_logits.float().cpu()
-
-    def forward(batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for k in range(0, len(batches), ps.pp_size):
-            out += schedule.forward_only(batches[k:k + ps.pp_size], logits)
-        box = [out]
-        dist.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
-        return box[0]
-
-    return forward
+def _logits(out) -> tuple[torch.Tensor, torch.Tensor]:
+    return out.start_logits.float().cpu(), out.end_logits.float().cpu()
 
 
 @torch.no_grad()
@@ -122,7 +102,6 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
     model.eval()
     n, seq = tensors["input_ids"].shape
     shard = np.array_split(np.arange(n), ps.dp_size)[ps.dp_rank]
-    amp = lambda: autocast(ps.device, bf16, fp16)  # noqa: E731
     batches, sizes = [], []
     for k in range(0, len(shard), batch_size):
         index = torch.as_tensor(shard[k:k + batch_size])
@@ -130,14 +109,17 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
         index = torch.cat([index, index[:1].repeat(batch_size - len(index))]) if ps.pp_size > 1 else index
         batches.append({key: tensors[key][index].to(ps.device)
                         for key in ("input_ids", "token_type_ids", "attention_mask")})
+    # The one forward-only path (training.build.build_runner): the pipeline schedule with
+    # PP > 1, whose last stage shares the logits with the other stages of its pipeline.
+    runner = build_runner(model, ps, qa_task(), seq_length=seq, micro_batch_size=batch_size,
+                          num_micro_batches=ps.pp_size, bf16=bf16, fp16=fp16)
+    outputs = []
+    for k in range(0, len(batches), ps.pp_size):
+        outputs += runner.forward_only(batches[k:k + ps.pp_size], _logits)
     if ps.pp_size > 1:
-        outputs = _pipeline_forward(model, ps, batch_size, seq, amp, bf16)(batches)
-    else:
-        outputs = []
-        for batch in batches:
-            with amp():
-                out = model(**batch)
-            outputs.append((out.start_logits.float().cpu(), out.end_logits.float().cpu()))
+        box = [outputs]
+        dist.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
+        outputs = box[0]
     start = np.concatenate([o[0][:m].numpy() for o, m in zip(outputs, sizes)]) if outputs \
         else np.zeros((0, seq), np.float32)
     end = np.concatenate([o[1][:m].numpy() for o, m in zip(outputs, sizes)]) if outputs \

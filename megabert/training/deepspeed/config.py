@@ -1,29 +1,20 @@
-"""DeepSpeed: the config built from our flags (or checked against them), and the engine.
-
-ZeRO partitions optimizer state (1), gradients (2) and parameters (3) over the
-data-parallel group; our ParallelState is handed over as DeepSpeed's `mpu`, so the
-partitioning uses our DP group and gradient norms our model-parallel group.
-"""
+"""DeepSpeed's config: built from our flags, or the user's --deepspeed_config checked
+against them and merged (its optimizer and scheduler sections translated into ours)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
 import math
-import os
 from typing import Optional
 
-import torch
-
-from megabert.rules import check_zero
 from megabert.config import OptimConfig, TrainConfig
 from megabert.errors import ConfigError
-from megabert.optim.cpu_adam import note_jit_build
 from megabert.parallel import ParallelState
-from megabert.parallel.layout import BatchLayout
 from megabert.parallel.buckets import zero_sizing
-from megabert.training.deepspeed_sections import translate_sections
-from megabert.training.zero_masters import share_fp32_masters
+from megabert.parallel.layout import BatchLayout
+from megabert.rules import check_zero
+from megabert.training.deepspeed.sections import translate_sections
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +100,7 @@ def merge_user_config(path: str, built: dict, train: TrainConfig, explicit: froz
                       user: Optional[dict] = None) -> dict:
     """The user's JSON, checked against the flags: a value both set differently is an error.
     Its optimizer, scheduler and gradient_clipping are translated into our OptimConfig
-    (deepspeed_sections, through resolve_deepspeed_config), so they are not merged here:
+    (megabert.training.deepspeed.sections, through resolve_deepspeed_config), so they are not merged here:
     the built config already carries their values."""
     user = load_user_config(path) if user is None else user
     # "auto" (transformers' placeholder) takes the flags' value. gradient_clipping was
@@ -208,43 +199,3 @@ def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int])
                stage_source=f"--deepspeed_config {path} sets zero_optimization.stage={stage}" if from_json else None,
                where=f" (--deepspeed_config {path})" if path else "")
     return config, optim
-
-
-def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: dict,
-               ps: ParallelState):
-    """Returns the DeepSpeed engine wrapping `model`."""
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise ConfigError(f"--deepspeed needs the deepspeed package ({e}); `pip install deepspeed` "
-                          f"or `make install` (it is in the deepspeed extra)")
-    # DeepSpeed reads the launch from torchrun's variables; under mpirun, srun or a single
-    # process they are missing, so export what init_parallel discovered.
-    os.environ.setdefault("LOCAL_RANK", str(ps.local_rank))
-    os.environ.setdefault("RANK", str(ps.rank))
-    os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
-    if ps.device.type == "cpu":
-        # DeepSpeed's CPU backend compiles its shared-memory collectives on first use.
-        note_jit_build("ShareMemCommBuilder", "DeepSpeed's shared-memory collectives on CPU")
-    # Always our optimizer: a JSON's optimizer section was translated, not merged.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
-                                           dist_init_required=False)
-    stage = config["zero_optimization"].get("stage", 0)
-    freed = share_fp32_masters(engine.optimizer, stage)
-    if freed and ps.is_logging_rank:
-        logger.info("ZeRO-%d in fp32: DeepSpeed's fp32 master partition shares the parameter partition's memory "
-                    "(%.2f GB per rank not duplicated)", stage, freed / 1e9)
-    return engine
-
-
-def reduce_gradients(engine, zero_stage: int) -> None:
-    """Reduces gradients accumulated outside `engine.backward` (the pipeline schedule's
-    backward) over the data-parallel group, ZeRO-1 into its optimizer-state partitions;
-    `engine.step()` then applies them with DeepSpeed's clipping, loss-scale bookkeeping
-    and global norm. Only ZeRO-1 takes gradients accumulated this way: ZeRO-2/3 reduce
-    inside backward hooks, and DeepSpeed without ZeRO clips with a norm that counts
-    pipeline stages wrongly (both refused at argument parsing)."""
-    if zero_stage != 1:
-        raise ValueError(f"pipeline + DeepSpeed needs ZeRO stage 1, got {zero_stage}")
-    engine.set_gradient_accumulation_boundary(True)
-    engine.optimizer.reduce_gradients(pipeline_parallel=True)

@@ -59,6 +59,7 @@ def build_cpu_adam(groups: list[dict], cfg: OptimConfig):
     note_jit_build("CPUAdamBuilder", "ZeRO-Offload's CPU optimizer")
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+    logger.info("optimizer: DeepSpeedCPUAdam (ZeRO-Offload)")
     return DeepSpeedCPUAdam(groups, lr=cfg.lr, bias_correction=cfg.bias_correction,
                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                             adamw_mode=True)

@@ -1,0 +1,59 @@
+"""DeepSpeed's engine: initialised around our model and optimizer, with our ParallelState
+as its `mpu`, so ZeRO partitions over our data-parallel group and gradient norms reduce
+over our model-parallel group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from megabert.errors import ConfigError
+from megabert.parallel import ParallelState
+from megabert.training.deepspeed.cpu_adam import note_jit_build
+from megabert.training.deepspeed.zero_masters import share_fp32_masters
+from megabert.training.deepspeed.version import private_patches_allowed
+
+logger = logging.getLogger(__name__)
+
+
+def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], config: dict,
+               ps: ParallelState):
+    """Returns the DeepSpeed engine wrapping `model`."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ConfigError(f"--deepspeed needs the deepspeed package ({e}); `pip install deepspeed` "
+                          f"or `make install` (it is in the deepspeed extra)")
+    # DeepSpeed reads the launch from torchrun's variables; under mpirun, srun or a single
+    # process they are missing, so export what init_parallel discovered.
+    os.environ.setdefault("LOCAL_RANK", str(ps.local_rank))
+    os.environ.setdefault("RANK", str(ps.rank))
+    os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
+    if ps.device.type == "cpu":
+        # DeepSpeed's CPU backend compiles its shared-memory collectives on first use.
+        note_jit_build("ShareMemCommBuilder", "DeepSpeed's shared-memory collectives on CPU")
+    # Always our optimizer: a JSON's optimizer section was translated, not merged.
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
+                                           dist_init_required=False)
+    stage = config["zero_optimization"].get("stage", 0)
+    freed = share_fp32_masters(engine.optimizer, stage) if private_patches_allowed() else 0
+    if freed and ps.is_logging_rank:
+        logger.info("ZeRO-%d in fp32: DeepSpeed's fp32 master partition shares the parameter partition's memory "
+                    "(%.2f GB per rank not duplicated)", stage, freed / 1e9)
+    return engine
+
+
+def reduce_gradients(engine, zero_stage: int) -> None:
+    """Reduces gradients accumulated outside `engine.backward` (the pipeline schedule's
+    backward) over the data-parallel group, ZeRO-1 into its optimizer-state partitions;
+    `engine.step()` then applies them with DeepSpeed's clipping, loss-scale bookkeeping
+    and global norm. Only ZeRO-1 takes gradients accumulated this way: ZeRO-2/3 reduce
+    inside backward hooks, and DeepSpeed without ZeRO clips with a norm that counts
+    pipeline stages wrongly (both refused at argument parsing)."""
+    if zero_stage != 1:
+        raise ValueError(f"pipeline + DeepSpeed needs ZeRO stage 1, got {zero_stage}")
+    engine.set_gradient_accumulation_boundary(True)
+    engine.optimizer.reduce_gradients(pipeline_parallel=True)

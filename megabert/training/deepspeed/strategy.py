@@ -1,0 +1,134 @@
+"""DeepSpeed's strategy: the engine applies the update (ZeRO partitions over the
+data-parallel group) and keeps its own checkpoint files beside our rank files."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from megabert.errors import CheckpointError
+from megabert.training.checkpointing import DEEPSPEED_SUBDIR, TrainingState
+from megabert.config import OptimConfig, TrainConfig
+from megabert.optim import build_optimizer, param_groups
+from megabert.training.deepspeed.config import offloads_optimizer
+from megabert.training.deepspeed.cpu_adam import build_cpu_adam
+from megabert.training.deepspeed.engine import initialize, reduce_gradients
+from megabert.training.grads import grad_norm, sync_tied_embedding_grads
+from megabert.training.strategy import SequentialRunner, StepResult, Strategy, Task, _detached
+
+
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed's engine applies the update (ZeRO 1/2/3 over the data-parallel group).
+    Without pipelining the engine runs forward, backward and its accumulation boundary;
+    with it, our schedule runs the micro-batches and ZeRO-1 takes the gradients after."""
+
+    def __init__(self, engine, ps, runner, *, zero_stage: int, fp16: bool, bf16: bool):
+        super().__init__(engine.module, engine.optimizer, ps, runner)
+        self.engine = engine
+        self.zero_stage, self.fp16, self.bf16 = zero_stage, fp16, bf16
+
+    @property
+    def lr_optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    def train_step(self, batches: list[dict]) -> StepResult:
+        engine = self.engine
+        skipped_before = getattr(engine, "skipped_steps", 0)
+        own_norm = None
+        if self.ps.pp_size > 1:
+            # The schedule runs backward itself; DeepSpeed reduces and steps afterwards.
+            scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if self.fp16 else 1.0
+            metrics = self.runner.forward_backward(batches, scale)
+            sync_tied_embedding_grads(self.params, self.ps)
+            reduce_gradients(engine, self.zero_stage)
+            engine.step()
+        else:
+            metrics = []
+            task = self.runner.task
+            for i, batch in enumerate(batches):
+                loss, m = task.loss(engine, batch)
+                engine.backward(loss)  # scaled by 1/gradient_accumulation_steps inside
+                if i == len(batches) - 1 and self.zero_stage == 0 and not (self.fp16 or self.bf16):
+                    # DeepSpeed without ZeRO in fp32 clips but does not report the norm; the
+                    # reduced gradients are still in .grad after the boundary backward.
+                    own_norm = grad_norm(self.params, self.ps).item()
+                engine.step()  # a real step only at the accumulation boundary
+                metrics.append(_detached(m))
+        norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else (own_norm if own_norm is not None else float("nan"))
+        scale = float(getattr(engine.optimizer, "loss_scale", float("nan"))) if self.fp16 else None
+        return StepResult(metrics, norm, skipped=getattr(engine, "skipped_steps", 0) > skipped_before, loss_scale=scale)
+
+    # ------------------------------------------------------------ checkpoint hooks
+
+    def cpu_state_dict(self, keep: bool) -> dict:
+        """ZeRO-3 leaves each rank a partition of every parameter (an empty tensor in
+        state_dict()), so our rank files, and with them export, resharding and weights-only
+        starts, need them gathered: one parameter at a time over the data-parallel group
+        (every rank takes part), kept where `keep`."""
+        if self.zero_stage != 3:
+            return super().cpu_state_dict(keep)
+        import deepspeed
+
+        params = dict(self.model.named_parameters())
+        out = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if name in params:
+                with deepspeed.zero.GatheredParameters([params[name]]):
+                    if keep:
+                        out[name] = params[name].detach().cpu().clone()
+            elif keep:
+                out[name] = value.detach().cpu()
+        return out
+
+    def optimizer_state(self) -> Optional[dict]:
+        return None  # ZeRO-partitioned: DeepSpeed's own files (save_own_files)
+
+    def save_own_files(self, root: str, state: TrainingState) -> None:
+        self.engine.save_checkpoint(os.path.join(root, DEEPSPEED_SUBDIR), tag=f"iter_{state.iteration:07d}",
+                                    client_state={"iteration": state.iteration,
+                                                  "consumed_samples": state.consumed_samples})
+
+    def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
+        # NOTE: DeepSpeed reads its ZeRO files with torch.load(weights_only=False), which
+        # unpickles: resume only checkpoints you trust (README, "Checkpoints").
+        ds_dir = os.path.join(path, DEEPSPEED_SUBDIR)
+        if not os.path.isdir(ds_dir):
+            raise CheckpointError(f"{path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
+                                  f"drop --deepspeed or load the weights only with --finetune")
+        _, client = self.engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}",
+                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        if client is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint for iteration {state.iteration} in {ds_dir}")
+
+    def weights_loaded(self) -> None:
+        """New weights in the engine's module do not reach its fp32 master copies (ZeRO
+        partitions, fp16/bf16 wrappers): its first step would write the old weights back.
+        DeepSpeed's own module-only load refreshes them the same way."""
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()
+
+    def close(self) -> None:
+        """Releases the engine (its hooks, ZeRO-3 partition state and comm buffers) before
+        the process groups go away, so the process exits cleanly."""
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+
+
+def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim: OptimConfig, train: TrainConfig,
+                             runner, task: Task, amp) -> DeepSpeedStrategy:
+    """DeepSpeed's engine around `model` with our optimizer (an AdamW, or for
+    ZeRO-Offload DeepSpeed's vectorised CPU Adam) and the strategy that drives it.
+    `runner`: the pipeline schedule with PP > 1, else None (micro-batches through the engine)."""
+    if offloads_optimizer(ds_config):
+        optimizer = build_cpu_adam(param_groups(model, optim.weight_decay), optim)
+    else:
+        optimizer = build_optimizer(model, optim, ps.tp_group)
+    engine = initialize(model, optimizer, ds_config, ps)
+    runner = runner or SequentialRunner(engine, task, amp)
+    # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
+    return DeepSpeedStrategy(engine, ps, runner, zero_stage=ds_config["zero_optimization"].get("stage", 0),
+                             fp16=train.fp16, bf16=train.bf16)
