@@ -61,8 +61,29 @@ def test_wikipedia_dump_to_jsonl(tmp_path):
     assert rows[0]["id"] == "1"
     assert rows[0]["text"] == ("Ada Lovelace (1815 – 1852) was an English mathematician. She is known for the "
                                "Analytical Engine.\nShe died in London. Her work was published in 1843.")
+    assert "wrote 7 of 8 articles" in r.stdout and "(1 shorter than --min-chars, 0 unparsable)" in r.stdout
     r = run_tool("wikipedia_to_jsonl.py", "--input", tmp_path / "w.jsonl", "--output", tmp_path / "x.jsonl")
     assert r.returncode == 2 and "cannot read Wikipedia dump" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unparsable_wikitext_is_counted_and_a_bug_is_not_swallowed(monkeypatch):
+    from mwparserfromhell.parser import ParserError
+
+    from megabert.corpus import wikipedia
+
+    def clean(text):
+        if text == "broken":
+            raise ParserError("unbalanced markup")
+        if text == "bug":
+            raise TypeError("a bug in our cleaning code")
+        return text
+
+    monkeypatch.setattr(wikipedia, "clean_wikitext", clean)
+    out = wikipedia.clean_pages([("1", "Good", "x" * 60), ("2", "Broken", "broken"), ("3", "Short", "x")], 50)
+    assert [(p.title, p.article is not None, p.error) for p in out] == [
+        ("Good", True, None), ("Broken", False, "ParserError: unbalanced markup"), ("Short", False, None)]
+    with pytest.raises(TypeError, match="a bug"):
+        wikipedia.clean_pages([("4", "Bug", "bug")], 50)
 
 
 def test_demo_corpus_and_tokenizer_training_tools(tmp_path):

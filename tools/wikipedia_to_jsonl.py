@@ -43,7 +43,7 @@ def main(argv=None):
     if args.max_articles:
         pages = islice(pages, args.max_articles)
     batches = _batches(pages, 64)  # one message per 64 articles keeps IPC off the critical path
-    start, seen, kept = time.time(), 0, 0
+    start, seen, kept, broken = time.time(), 0, 0, []
     pool = mp.get_context("fork").Pool(args.workers) if args.workers > 1 else None
     try:
         results = (ordered_pool_map(pool, clean_pages, ((b, args.min_chars) for b in batches), 2 * args.workers,
@@ -51,11 +51,13 @@ def main(argv=None):
                    if pool else (clean_pages(b, args.min_chars) for b in batches))
         with open(args.output, "w", encoding="utf-8") as out:
             for cleaned in results:
-                for article in cleaned:
+                for page in cleaned:
                     seen += 1
-                    if article is not None:
-                        out.write(json.dumps(article, ensure_ascii=False) + "\n")
+                    if page.article is not None:
+                        out.write(json.dumps(page.article, ensure_ascii=False) + "\n")
                         kept += 1
+                    elif page.error is not None:
+                        broken.append(page)
                     if args.log_interval and seen % args.log_interval == 0:
                         print(f"{seen} articles ({seen / (time.time() - start):.1f}/s), {kept} kept",
                               file=sys.stderr, flush=True)
@@ -65,7 +67,12 @@ def main(argv=None):
             pool.join()
     if seen == 0:
         raise DataError(f"{args.input} holds no article page (namespace 0, not a redirect)")
-    print(f"wrote {kept} of {seen} articles to {args.output} in {time.time() - start:.1f} s")
+    short = seen - kept - len(broken)
+    print(f"wrote {kept} of {seen} articles to {args.output} in {time.time() - start:.1f} s ({short} shorter than "
+          f"--min-chars, {len(broken)} unparsable)")
+    if broken:
+        print(f"unparsable wikitext, skipped: {len(broken)} articles, first {broken[0].title!r} "
+              f"({broken[0].error})", file=sys.stderr)
 
 
 if __name__ == "__main__":

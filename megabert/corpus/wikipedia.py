@@ -8,6 +8,8 @@ interlanguage links, lists, headings, and the reference-like sections at the end
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import bz2
 import re
 import xml.etree.ElementTree as ET
@@ -89,13 +91,31 @@ def _remove(code, node) -> None:
         pass
 
 
-def clean_pages(pages: list[tuple[str, str, str]], min_chars: int) -> list[Optional[dict]]:
-    """Worker task: cleans a batch of pages; None for an article too short to keep."""
+@dataclass(frozen=True)
+class CleanedPage:
+    """One page's outcome: `article` ({"id", "title", "text"}) when kept; else `error` (the
+    parser's reason) for wikitext that cannot be parsed, or neither for text shorter than
+    --min-chars."""
+
+    title: str
+    article: Optional[dict] = None
+    error: Optional[str] = None
+
+
+def clean_pages(pages: list[tuple[str, str, str]], min_chars: int) -> list[CleanedPage]:
+    """Worker task: cleans a batch of pages. Wikitext the parser cannot read (its
+    ParserError, or nesting deeper than Python's recursion limit) is counted and reported by
+    the caller, so one broken article does not stop a dump of millions; any other exception
+    is a bug and propagates."""
+    from mwparserfromhell.parser import ParserError
+
     out = []
     for page_id, title, text in pages:
         try:
             prose = clean_wikitext(text)
-        except Exception:  # noqa: BLE001 - one unparsable article must not stop a dump of millions
-            prose = ""
-        out.append({"id": page_id, "title": title, "text": prose} if len(prose) >= min_chars else None)
+        except (ParserError, RecursionError) as e:
+            out.append(CleanedPage(title, error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        out.append(CleanedPage(title, {"id": page_id, "title": title, "text": prose} if len(prose) >= min_chars
+                               else None))
     return out
