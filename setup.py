@@ -5,8 +5,9 @@ compiling on every node, racing on a shared cache), so everything is compiled
 here, at install time. `make install` runs this with --no-build-isolation so the
 extensions link against the torch that is already in the environment.
 """
+import importlib.util
 import os
-import shutil
+import sys
 
 from setuptools import setup
 from torch.utils import cpp_extension
@@ -22,17 +23,33 @@ def _openmp_flags():
     return (["-fopenmp"], ["-fopenmp"]) if os.name == "posix" else ([], [])
 
 
-def _cuda_buildable() -> bool:
-    """CUDA extensions need both a CUDA torch and nvcc; a CPU torch skips them."""
-    if os.environ.get("MEGABERT_NO_CUDA_EXT") == "1":
-        return False
-    has_nvcc = shutil.which("nvcc") is not None or (
-        cpp_extension.CUDA_HOME is not None
-        and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
-    )
+def _load_toolkit_module():
+    """megabert/fused_kernels/cuda_toolkit.py by path: the package itself is not built yet."""
+    spec = importlib.util.spec_from_file_location(
+        "_megabert_cuda_toolkit", os.path.join(ROOT, "megabert", "fused_kernels", "cuda_toolkit.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cuda_plan():
     import torch
 
-    return torch.version.cuda is not None and has_nvcc
+    toolkit = _load_toolkit_module()
+    cuda = torch.version.cuda
+    return toolkit.plan_cuda_build(os.environ, cuda, cpp_extension.CUDA_HOME, toolkit.which_nvcc(),
+                                   toolkit.standard_homes(cuda))
+
+
+def _require_cuda() -> bool:
+    return os.environ.get("MEGABERT_CUDA") == "require"
+
+
+def _say(message: str) -> None:
+    # One line on stderr: pip shows it with -v, and `make install` prints the outcome
+    # (fused kernels: cpu / cpu+cuda) after the build.
+    sys.stderr.write(f"megabert: {message}\n")
 
 
 def _src(*parts):
@@ -60,9 +77,16 @@ def kernel_extensions():
                                                               "-fno-math-errno"]},
         extra_link_args=omp_link,
     )
-    if not _cuda_buildable():
-        print("megabert: building the CPU kernels only (torch has no CUDA or nvcc was not found)")
+    plan = _cuda_plan()
+    if not plan.build:
+        if _require_cuda():
+            raise SystemExit(f"megabert: MEGABERT_CUDA=require, but the CUDA kernels cannot be built: {plan.reason}")
+        _say(f"CPU kernels only: {plan.reason}")
         return [cpu]
+    # torch read CUDA_HOME when cpp_extension was imported: set both to the toolkit found.
+    os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = plan.cuda_home
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", plan.arch_list)
+    _say(f"building the CUDA kernels with {plan.reason} for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     cuda = cpp_extension.CUDAExtension(
         "megabert.fused_kernels._cuda",
         sources=[_src(*KERNELS, "cuda", f) for f in ("bindings.cpp", "softmax.cu", "layer_norm.cu")],
@@ -87,7 +111,29 @@ def data_extensions():
                       extra_compile_args=CXX_FLAGS + ["-fvisibility=hidden"])]
 
 
+class BuildExtension(cpp_extension.BuildExtension):
+    """Builds the CUDA extension last, and a failure there costs only the CUDA kernels:
+    the CPU kernels and the data helpers are already built and install either way
+    (MEGABERT_CUDA=require makes it an error)."""
+
+    def build_extensions(self):
+        self.extensions.sort(key=lambda ext: ext.name.endswith("._cuda"))
+        super().build_extensions()
+
+    def build_extension(self, ext):
+        if not ext.name.endswith("._cuda"):
+            return super().build_extension(ext)
+        try:
+            return super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001 - any compiler or toolkit failure: keep the CPU build
+            if _require_cuda():
+                raise
+            first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            _say(f"CUDA kernels not built ({first}); the CPU kernels are installed. MEGABERT_CUDA=require makes "
+                 f"this an error; see README, GPU")
+
+
 setup(
     ext_modules=kernel_extensions() + data_extensions(),
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )
