@@ -114,12 +114,17 @@ class Strategy:
     def train_step(self, batches: list[dict]) -> StepResult:
         raise NotImplementedError
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """What the runner calls: the model, or the wrapper a strategy puts around it."""
+        return self.model
+
     def forward_only(self, batches: list[dict], output_fn: Callable[[Any], T]) -> list[T]:
-        self.model.eval()
+        self.module.eval()
         try:
             return self.runner.forward_only(batches, output_fn)
         finally:
-            self.model.train()
+            self.module.train()
 
     def save(self, root: str, state: TrainingState, *, extra: dict, keep_last: Optional[int]) -> None:
         save_checkpoint(root, state, self, extra=extra, keep_last=keep_last)

@@ -32,6 +32,10 @@ class DeepSpeedStrategy(Strategy):
     def lr_optimizer(self) -> torch.optim.Optimizer:
         return self.engine.optimizer
 
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine
+
     def train_step(self, batches: list[dict]) -> StepResult:
         engine = self.engine
         skipped_before = getattr(engine, "skipped_steps", 0)
