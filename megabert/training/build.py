@@ -60,21 +60,21 @@ def build_runner(model: torch.nn.Module, ps: ParallelState, task: Task, *, seq_l
 
 def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> Strategy:
     t, ds_cfg = run.train, run.deepspeed_config
-    amp = lambda: autocast(ps.device, t.bf16, t.fp16)  # noqa: E731
-    runner = None
-    if ps.pp_size > 1:
-        runner = build_runner(model, ps, run.task, seq_length=run.seq_length, micro_batch_size=t.micro_batch_size,
-                              num_micro_batches=run.batch.num_micro_batches, bf16=t.bf16, fp16=t.fp16)
+
+    def runner():
+        return build_runner(model, ps, run.task, seq_length=run.seq_length, micro_batch_size=t.micro_batch_size,
+                            num_micro_batches=run.batch.num_micro_batches, bf16=t.bf16, fp16=t.fp16)
+
     if ds_cfg is not None:
         # The one door to DeepSpeed: its strategy builds its engine (and, for ZeRO-Offload,
-        # its CPU optimizer) around the model.
+        # its CPU optimizer) around the model, and at PP=1 the runner through that engine.
         from megabert.training.deepspeed.strategy import build_deepspeed_strategy
 
-        return build_deepspeed_strategy(model, ps, ds_cfg, run.optim, t, runner, run.task, amp)
+        return build_deepspeed_strategy(model, ps, ds_cfg, run.optim, t, runner() if ps.pp_size > 1 else None,
+                                        run.task)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
-    runner = runner or SequentialRunner(model, run.task, amp)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
-    return LocalStrategy(model, optimizer, ps, runner, scaler=scaler, clip_grad=run.optim.clip_grad)
+    return LocalStrategy(model, optimizer, ps, runner(), scaler=scaler, clip_grad=run.optim.clip_grad)
 
 
 def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,

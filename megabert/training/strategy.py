@@ -61,20 +61,30 @@ def _detached(metrics: Metrics) -> Metrics:
     return {k: v.detach() for k, v in metrics.items()}
 
 
-class SequentialRunner:
-    """PP=1: micro-batches one after another through the whole model; .grad accumulates."""
+# backward(loss, is_last): what one micro-batch's loss goes through after its forward.
+Backward = Callable[[torch.Tensor, bool], None]
 
-    def __init__(self, module, task: Task, autocast: Callable[[], AbstractContextManager] = nullcontext):
-        self.module, self.task, self.autocast = module, task, autocast
+
+class SequentialRunner:
+    """PP=1: micro-batches one after another through the whole model. By default each
+    loss goes through autograd and .grad accumulates; a strategy whose update happens per
+    micro-batch hands its own `backward` (DeepSpeed: the engine's backward and step)."""
+
+    def __init__(self, module, task: Task, autocast: Callable[[], AbstractContextManager] = nullcontext,
+                 backward: Optional[Backward] = None):
+        self.module, self.task, self.autocast, self.backward = module, task, autocast, backward
 
     def forward_backward(self, batches: list[dict], loss_scale: float = 1.0) -> list[Metrics]:
         metrics = []
-        for batch in batches:
+        for i, batch in enumerate(batches):
             with self.autocast():
                 loss, m = self.task.loss(self.module, batch)
-            # Each micro-batch loss is a mean; dividing by their number makes the
-            # accumulated gradient the mean over the global batch.
-            (loss * (loss_scale / len(batches))).backward()
+            if self.backward is not None:
+                self.backward(loss, i == len(batches) - 1)
+            else:
+                # Each micro-batch loss is a mean; dividing by their number makes the
+                # accumulated gradient the mean over the global batch.
+                (loss * (loss_scale / len(batches))).backward()
             metrics.append(_detached(m))
         return metrics
 

@@ -15,18 +15,24 @@ from megabert.training.deepspeed.config import offloads_optimizer
 from megabert.training.deepspeed.cpu_adam import build_cpu_adam
 from megabert.training.deepspeed.engine import initialize, reduce_gradients
 from megabert.training.grads import grad_norm, sync_tied_embedding_grads
-from megabert.training.strategy import SequentialRunner, StepResult, Strategy, Task, _detached
+from megabert.training.strategy import SequentialRunner, StepResult, Strategy, Task
 
 
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine applies the update (ZeRO 1/2/3 over the data-parallel group).
-    Without pipelining the engine runs forward, backward and its accumulation boundary;
-    with it, our schedule runs the micro-batches and ZeRO-1 takes the gradients after."""
+    Without pipelining our SequentialRunner takes the micro-batches through the engine and
+    hands each loss to `engine.backward` and `engine.step` (a real step at the accumulation
+    boundary only); with it, our schedule runs the micro-batches and ZeRO-1 takes the
+    gradients after. `runner`: the pipeline schedule with PP > 1, else None."""
 
-    def __init__(self, engine, ps, runner, *, zero_stage: int, fp16: bool, bf16: bool):
+    def __init__(self, engine, ps, runner, task: Task, *, zero_stage: int, fp16: bool, bf16: bool):
+        # NOTE: at PP=1 no autocast of ours: DeepSpeed's bf16/fp16 modes cast the module
+        # itself, and its forward (training and evaluation alike) is the engine's.
+        runner = runner or SequentialRunner(engine, task, backward=self._micro_batch_backward)
         super().__init__(engine.module, engine.optimizer, ps, runner)
         self.engine = engine
         self.zero_stage, self.fp16, self.bf16 = zero_stage, fp16, bf16
+        self._own_norm: Optional[float] = None
 
     @property
     def lr_optimizer(self) -> torch.optim.Optimizer:
@@ -36,10 +42,20 @@ class DeepSpeedStrategy(Strategy):
     def module(self) -> torch.nn.Module:
         return self.engine
 
+    def _micro_batch_backward(self, loss: torch.Tensor, is_last: bool) -> None:
+        """The SequentialRunner's backward at PP=1: DeepSpeed scales the loss by
+        1/gradient_accumulation_steps, reduces (ZeRO) and steps at the boundary."""
+        self.engine.backward(loss)
+        if is_last and self.zero_stage == 0 and not (self.fp16 or self.bf16):
+            # DeepSpeed without ZeRO in fp32 clips but does not report the norm; the
+            # reduced gradients are still in .grad after the boundary backward.
+            self._own_norm = grad_norm(self.params, self.ps).item()
+        self.engine.step()  # a real step only at the accumulation boundary
+
     def train_step(self, batches: list[dict]) -> StepResult:
         engine = self.engine
         skipped_before = getattr(engine, "skipped_steps", 0)
-        own_norm = None
+        self._own_norm = None
         if self.ps.pp_size > 1:
             # The schedule runs backward itself; DeepSpeed reduces and steps afterwards.
             scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if self.fp16 else 1.0
@@ -48,19 +64,9 @@ class DeepSpeedStrategy(Strategy):
             reduce_gradients(engine, self.zero_stage)
             engine.step()
         else:
-            metrics = []
-            task = self.runner.task
-            for i, batch in enumerate(batches):
-                loss, m = task.loss(engine, batch)
-                engine.backward(loss)  # scaled by 1/gradient_accumulation_steps inside
-                if i == len(batches) - 1 and self.zero_stage == 0 and not (self.fp16 or self.bf16):
-                    # DeepSpeed without ZeRO in fp32 clips but does not report the norm; the
-                    # reduced gradients are still in .grad after the boundary backward.
-                    own_norm = grad_norm(self.params, self.ps).item()
-                engine.step()  # a real step only at the accumulation boundary
-                metrics.append(_detached(m))
+            metrics = self.runner.forward_backward(batches)  # engine.backward + step per micro-batch
         norm = engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else (own_norm if own_norm is not None else float("nan"))
+        norm = float(norm) if norm is not None else (self._own_norm if self._own_norm is not None else float("nan"))
         scale = float(getattr(engine.optimizer, "loss_scale", float("nan"))) if self.fp16 else None
         return StepResult(metrics, norm, skipped=getattr(engine, "skipped_steps", 0) > skipped_before, loss_scale=scale)
 
@@ -123,16 +129,15 @@ class DeepSpeedStrategy(Strategy):
 
 
 def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim: OptimConfig, train: TrainConfig,
-                             runner, task: Task, amp) -> DeepSpeedStrategy:
+                             runner, task: Task) -> DeepSpeedStrategy:
     """DeepSpeed's engine around `model` with our optimizer (an AdamW, or for
     ZeRO-Offload DeepSpeed's vectorised CPU Adam) and the strategy that drives it.
-    `runner`: the pipeline schedule with PP > 1, else None (micro-batches through the engine)."""
+    `runner`: the pipeline schedule with PP > 1, else None (a SequentialRunner through the engine)."""
     if offloads_optimizer(ds_config):
         optimizer = build_cpu_adam(param_groups(model, optim.weight_decay), optim)
     else:
         optimizer = build_optimizer(model, optim, ps.tp_group)
     engine = initialize(model, optimizer, ds_config, ps)
-    runner = runner or SequentialRunner(engine, task, amp)
     # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
-    return DeepSpeedStrategy(engine, ps, runner, zero_stage=ds_config["zero_optimization"].get("stage", 0),
+    return DeepSpeedStrategy(engine, ps, runner, task, zero_stage=ds_config["zero_optimization"].get("stage", 0),
                              fp16=train.fp16, bf16=train.bf16)
