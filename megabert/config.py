@@ -232,7 +232,7 @@ class TrainConfig:
     log_interval: int = arg(10, "Log every this many iterations.")
     metrics_file: Optional[str] = arg(None, "Append one JSON object per logged iteration to this file.")
     tensorboard_dir: Optional[str] = arg(None, "Write TensorBoard scalars here.")
-    deepspeed: bool = arg(False, "Train through a DeepSpeed engine (ZeRO).")
+    deepspeed: bool = arg(False, "Train with DeepSpeed (ZeRO over the data-parallel group).")
     deepspeed_config: Optional[str] = arg(None, "DeepSpeed JSON; default built from these flags.",
                                           flag="--deepspeed_config")
     zero_stage: int = arg(0, "ZeRO stage with --deepspeed.", choices=(0, 1, 2, 3))

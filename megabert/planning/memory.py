@@ -61,7 +61,7 @@ GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
 #   (~0.5 GB outside PyTorch's count) but fragmentation, cuBLAS workspaces and NCCL buffers
 #   take a few hundred MB inside it.
 FRAMEWORK_OVERHEAD_GB = {"cpu": 0.55, "cuda": 1.0}
-# DeepSpeed's import and engine on a CPU run. On a GPU it lives in host memory.
+# DeepSpeed's import and its wrapper's state on a CPU run. On a GPU it lives in host memory.
 DEEPSPEED_OVERHEAD_GB = {"cpu": 0.1, "cuda": 0.0}
 # glibc's heap high-water on the CPU, bytes per parameter element of the rank's model
 # (calibrated; see the module docstring): ZeRO-2's per-parameter gradients waiting for

@@ -1,5 +1,5 @@
 """Model + configs -> a ready Trainer: optimizer, micro-batch runner (sequential or
-pipeline schedule), update strategy (ours or DeepSpeed's engine), checkpoint state and
+pipeline schedule), update strategy (ours or DeepSpeed's), checkpoint state and
 data position. Shared by pre-training and fine-tuning."""
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> S
                             num_micro_batches=run.batch.num_micro_batches, bf16=t.bf16, fp16=t.fp16)
 
     if ds_cfg is not None:
-        # The one door to DeepSpeed: its strategy builds its engine (and, for ZeRO-Offload,
-        # its CPU optimizer) around the model, and at PP=1 the runner through that engine.
+        # The one door to DeepSpeed: megabert.training.deepspeed wraps the model (and, for
+        # ZeRO-Offload, builds its CPU optimizer) and, at PP=1, its own SequentialRunner.
         from megabert.training.deepspeed.strategy import build_deepspeed_strategy
 
         return build_deepspeed_strategy(model, ps, ds_cfg, run.optim, t, runner() if ps.pp_size > 1 else None,

@@ -68,7 +68,7 @@ Backward = Callable[[torch.Tensor, bool], None]
 class SequentialRunner:
     """PP=1: micro-batches one after another through the whole model. By default each
     loss goes through autograd and .grad accumulates; a strategy whose update happens per
-    micro-batch hands its own `backward` (DeepSpeed: the engine's backward and step)."""
+    micro-batch hands its own `backward` (megabert.training.deepspeed's)."""
 
     def __init__(self, module, task: Task, autocast: Callable[[], AbstractContextManager] = nullcontext,
                  backward: Optional[Backward] = None):

@@ -77,8 +77,8 @@ def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> It
 def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                       train_batches: Callable[[int], Iterator[dict]],
                       valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
-    """This rank's BertForPreTraining (its pipeline stage), optimizer, DeepSpeed engine and
-    checkpoint state -> a ready Trainer, all from the resolved run."""
+    """This rank's BertForPreTraining (its pipeline stage), optimizer, update strategy
+    (ours or DeepSpeed's) and checkpoint state -> a ready Trainer, all from the resolved run."""
     model_cfg = dataclasses.replace(run.model, vocab_size=vocab_size)
     seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
     model = BertForPreTraining(model_cfg, ps, seed=run.train.seed,
