@@ -58,6 +58,16 @@ def build_runner(model: torch.nn.Module, ps: ParallelState, task: Task, *, seq_l
     return SequentialRunner(model, task, amp)
 
 
+def build_predictor(model: torch.nn.Module, ps: ParallelState, task: Task, *, seq_length: int,
+                    micro_batch_size: int, bf16: bool = False, fp16: bool = False) -> Strategy:
+    """A strategy without an optimizer, for forward-only use (prediction, trained here or
+    loaded with --load): its `forward_only` takes groups of `ps.pp_size` micro-batches of
+    `micro_batch_size` through the runner, the model in eval mode."""
+    return Strategy(model, None, ps, build_runner(model, ps, task, seq_length=seq_length,
+                                                  micro_batch_size=micro_batch_size, num_micro_batches=ps.pp_size,
+                                                  bf16=bf16, fp16=fp16))
+
+
 def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> Strategy:
     t, ds_cfg = run.train, run.deepspeed_config
 

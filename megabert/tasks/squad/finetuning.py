@@ -18,7 +18,7 @@ from megabert.errors import ConfigError, DataError
 from megabert.tasks.squad import BertForQuestionAnswering
 from megabert.parallel import ParallelState
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import apply_compile, build_runner
+from megabert.training.build import apply_compile, build_predictor
 from megabert.training.strategy import Task
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,6 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
     DP rank r takes the r-th contiguous shard (all TP ranks and pipeline stages of a DP rank
     run the same batches together); the shards are gathered over the data-parallel group.
     Batches are padded to `batch_size` (stages exchange fixed shapes) and trimmed after."""
-    model.eval()
     n, seq = tensors["input_ids"].shape
     shard = np.array_split(np.arange(n), ps.dp_size)[ps.dp_rank]
     batches, sizes = [], []
@@ -109,13 +108,13 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
         index = torch.cat([index, index[:1].repeat(batch_size - len(index))]) if ps.pp_size > 1 else index
         batches.append({key: tensors[key][index].to(ps.device)
                         for key in ("input_ids", "token_type_ids", "attention_mask")})
-    # The one forward-only path (training.build.build_runner): the pipeline schedule with
-    # PP > 1, whose last stage shares the logits with the other stages of its pipeline.
-    runner = build_runner(model, ps, qa_task(), seq_length=seq, micro_batch_size=batch_size,
-                          num_micro_batches=ps.pp_size, bf16=bf16, fp16=fp16)
+    # The one forward-only path: Strategy.forward_only through the runner (the pipeline
+    # schedule with PP > 1, whose last stage alone returns outputs).
+    predictor = build_predictor(model, ps, qa_task(), seq_length=seq, micro_batch_size=batch_size, bf16=bf16,
+                                fp16=fp16)
     outputs = []
     for k in range(0, len(batches), ps.pp_size):
-        outputs += runner.forward_only(batches[k:k + ps.pp_size], _logits)
+        outputs += predictor.forward_only(batches[k:k + ps.pp_size], _logits)
     if ps.pp_size > 1:
         box = [outputs]
         dist.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
@@ -129,5 +128,4 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
         dist.all_gather_object(gathered, (start, end), group=ps.dp_group)
         start = np.concatenate([g[0] for g in gathered])
         end = np.concatenate([g[1] for g in gathered])
-    model.train()
     return start, end
