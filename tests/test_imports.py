@@ -21,7 +21,7 @@ FACADE_LAZY = {"megabert.model", "megabert.tasks.pretraining", "megabert.tasks.s
 FORBIDDEN = [
     ("checkpoint", "model"), ("checkpoint", "tasks"), ("checkpoint", "training"),
     ("planning", "training"), ("planning", "tasks"), ("planning", "model"),
-    ("model", "tasks"), ("model", "training"), ("model", "checkpoint.reshard"),
+    ("model", "tasks"), ("model", "training"),
     ("data", "tasks"), ("data", "corpus"), ("data", "training"),
     ("parallel", "model"), ("tensor_parallel", "model"), ("ops", "model"),
     ("training", "tasks"),

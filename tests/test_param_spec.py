@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import megabert
 from megabert.checkpoint import hf as hf_io
-from megabert.checkpoint.layout import load_full_model, save_full_model
-from megabert.checkpoint.reshard import reshard_payloads
-from megabert.checkpoint.sharding import shard_state, unshard_states
+from megabert.checkpoint import reader
+from megabert.checkpoint.layout import save_full_model
+from megabert.checkpoint.sharding import repad_vocab, shard_state, unshard_states
 from megabert.parallel.param_spec import reference_table
 from megabert.model import transformer
 from megabert.parallel import ParallelState
@@ -62,8 +62,9 @@ def test_renaming_an_attribute_keeps_init_resharding_and_export(renamed_model, t
         assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in full)
     save_full_model(str(tmp_path / "ck"), full, renamed.config, table, tp_size=2, pp_size=2,
                     model_class="BertForPreTraining")
-    payloads = reshard_payloads(str(tmp_path / "ck" / "release"), 1, 1)
-    assert all(torch.equal(payloads[(0, 0)]["model"][k], full[k]) for k in full)
+    merged = reader.read_rank(str(tmp_path / "ck" / "release"), tp_rank=0, tp_size=1, stage=StageLayout(4))
+    assert merged.resharded and merged.payload["model"].keys() == full.keys()
+    assert all(torch.equal(merged.payload["model"][k], full[k]) for k in full)
     # Export finds the Hugging Face names through the specs, not through our names.
     hf_renamed = hf_io.megabert_to_hf(full, table)
     hf_stock = hf_io.megabert_to_hf({n: p.detach() for n, p in a.items()}, spec_table(stock))
@@ -98,8 +99,8 @@ def test_a_module_that_lost_a_mapped_parameter_is_caught_at_construction(monkeyp
 def test_each_stage_builds_exactly_what_the_specs_place_on_it(model_class, pp, per_chunk):
     """What offline sharding puts on a stage (from the table) is what the model builds there."""
     cfg = _cfg()
+    cls = getattr(megabert, model_class)  # imports the class, which registers its reference table
     table = reference_table(cfg, model_class)
-    cls = getattr(megabert, model_class)
     for rank in range(pp):
         stage_model = cls(cfg, ParallelState.offline(pp_size=pp, pp_rank=rank), device="meta",
                           num_layers_per_virtual_stage=per_chunk)
@@ -120,8 +121,34 @@ def test_checkpoints_written_before_spec_tables_still_load(tmp_path):
         payload = torch.load(f, weights_only=True)
         del payload["param_specs"]
         torch.save(payload, f)
-    loaded, _, table = load_full_model(root)
+    loaded, _, table = reader.read_full(root)
     rows = {k: table[k].valid_rows for k in full}  # vocab tensors come back padded for TP=2
     assert all(torch.equal(loaded[k][:rows[k]], full[k][:rows[k]]) for k in full)
     again = megabert.BertForPreTraining.from_pretrained(root, ps)
     assert all(torch.equal(p, full[n]) for n, p in again.named_parameters())
+
+
+@pytest.mark.parametrize("tp, pp, rank", [(1, 2, (0, 1)), (2, 4, (1, 0)), (4, 1, (3, 0))])
+def test_a_rank_reshards_only_the_tensors_it_holds(tmp_path, monkeypatch, tp, pp, rank):
+    """Reading a tp2 x pp2 checkpoint at another layout merges only this rank's tensors,
+    and gives exactly the slice offline sharding of the full model gives."""
+    ps = megabert.init_parallel()
+    model = megabert.BertForPreTraining(_cfg(), ps)
+    full, table = {n: p.detach().clone() for n, p in model.named_parameters()}, spec_table(model)
+    save_full_model(str(tmp_path / "ck"), full, model.config, table, tp_size=2, pp_size=2,
+                    model_class="BertForPreTraining")
+    merged = []
+    real = reader.unshard_states
+    monkeypatch.setattr(reader, "unshard_states", lambda *a, **kw: merged.append(real(*a, **kw)) or merged[-1])
+    t, p = rank
+    stage = StageLayout(4, pp, p)
+    ckpt = reader.read_rank(str(tmp_path / "ck"), tp_rank=t, tp_size=tp, stage=stage)
+    held = {n for n, s in table.items() if stage.holds(s)}
+    assert ckpt.resharded and (ckpt.saved_tp, ckpt.saved_pp) == (2, 2)
+    assert len(merged) == 1 and set(merged[0]) == held and (pp == 1 or len(held) < len(full))
+    padded = repad_vocab(full, table, model.config.padded_vocab_size(tp))
+    expected = shard_state(padded, table, tp_rank=t, tp_size=tp, stage=stage)
+    assert ckpt.payload["model"].keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(ckpt.payload["model"][name], tensor), name
+    assert ckpt.payload["parallel"]["tensor_model_parallel_size"] == tp and ckpt.payload["rng"] is None

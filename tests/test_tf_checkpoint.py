@@ -16,7 +16,8 @@ import megabert
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint import tf as tf_io
 from megabert.checkpoint import tf_bundle
-from megabert.checkpoint.layout import load_full_model
+from megabert.checkpoint.layout import resolve_checkpoint_dir, saved_layout
+from megabert.checkpoint.reader import read_full
 from megabert.errors import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,8 +202,9 @@ def test_convert_tf_checkpoint_at_tp2_then_export_gives_the_twin(tmp_path):
     assert r.returncode == 0, r.stderr
     assert os.path.isfile(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
     assert (tmp_path / "ckpt" / "vocab.txt").read_text() == open(os.path.join(PRETRAINING, "vocab.txt")).read()
-    full, meta, _ = load_full_model(str(tmp_path / "ckpt"))
-    assert meta["model_class"] == "BertForPreTraining" and meta["parallel"]["tensor_model_parallel_size"] == 2
+    assert saved_layout(resolve_checkpoint_dir(str(tmp_path / "ckpt"))).tp_size == 2
+    full, meta, _ = read_full(str(tmp_path / "ckpt"))
+    assert meta["model_class"] == "BertForPreTraining"
     r = convert("export", "--load", tmp_path / "ckpt", "--hf-dir", tmp_path / "out")
     assert r.returncode == 0, r.stderr
     exported, expected = load_file(str(tmp_path / "out" / "model.safetensors")), twin(PRETRAINING)
@@ -215,7 +217,7 @@ def test_convert_tf_squad_checkpoint_prefix(tmp_path):
     r = convert("import", "--tf-checkpoint", os.path.join(SQUAD, "model.ckpt-2"), "--output", tmp_path / "ckpt",
                 "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2)
     assert r.returncode == 0, r.stderr
-    full, meta, _ = load_full_model(str(tmp_path / "ckpt"))
+    full, meta, _ = read_full(str(tmp_path / "ckpt"))
     assert meta["model_class"] == "BertForQuestionAnswering"
     assert torch.equal(full["qa_outputs.weight"], twin(SQUAD)["qa_outputs.weight"])
     assert (tmp_path / "ckpt" / "vocab.txt").is_file()

@@ -2,12 +2,8 @@
 
 `--load` and `from_pretrained` take a Hugging Face BERT directory or a Google TensorFlow BERT
 directory besides a megabert checkpoint. Both become (Hugging Face config dict, state dict in
-Hugging Face names) here, so callers have one branch for "made elsewhere":
-
-    if external.is_external(path):
-        hf_config, hf_state = external.read_external(path)
-        model = cls(hf_io.model_config_from_hf(hf_config, ...), ps)
-        full = hf_io.hf_to_megabert(hf_state, spec_table(model))
+Hugging Face names) here, which megabert.checkpoint.reader turns into a rank's weights like any
+other checkpoint.
 """
 from __future__ import annotations
 
@@ -21,6 +17,11 @@ from megabert.checkpoint import tf as tf_io
 def is_external(path: str) -> bool:
     """A Hugging Face BERT directory or a Google TF BERT directory (or checkpoint prefix)."""
     return hf_io.is_hf_dir(path) or tf_io.is_tf_dir(path)
+
+
+def read_external_config(path: str) -> dict:
+    """The Hugging Face config dict of either kind, without reading a tensor."""
+    return hf_io.read_hf_config(path) if hf_io.is_hf_dir(path) else tf_io.read_tf_config(path)
 
 
 def read_external(path: str) -> tuple[dict, dict]:

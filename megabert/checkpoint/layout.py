@@ -19,8 +19,11 @@ from typing import Optional, Union
 
 import torch
 
+from megabert.checkpoint.sharding import repad_vocab, shard_state
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
+from megabert.parallel.layout import StageLayout
+from megabert.parallel.param_spec import table_to_dict
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
@@ -91,9 +94,6 @@ class SavedLayout:
     tp_size: int
     pp_size: int
 
-    def load_all(self) -> dict[tuple[int, int], dict]:
-        return {k: load_file(f) for k, f in self.files.items()}
-
     def grid(self, payloads: dict) -> list[list[dict]]:
         """payloads by (tp, pp) -> [pp][tp]."""
         return [[payloads[(t, p)] for t in range(self.tp_size)] for p in range(self.pp_size)]
@@ -117,9 +117,10 @@ def saved_layout(ckpt_dir: str) -> SavedLayout:
     return SavedLayout(found, tp, pp)
 
 
-def load_file(path: str) -> dict:
+def load_file(path: str, mmap: bool = False) -> dict:
+    """`mmap`: map the file instead of reading it; a tensor's bytes are read when it is used."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated or foreign file: say which one
         raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from e
 
@@ -192,10 +193,6 @@ def model_payload(state: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, 
 def save_full_model(root: str, full: dict, cfg: ModelConfig, table: dict, *, tp_size: int, pp_size: int,
                     model_class: str, tag: Union[int, str] = "release") -> str:
     """Writes every rank's shard of a full state dict from one process (conversion, resharding)."""
-    from megabert.checkpoint.sharding import repad_vocab, shard_state
-    from megabert.parallel.layout import StageLayout
-    from megabert.parallel.param_spec import table_to_dict
-
     os.makedirs(root, exist_ok=True)
     stage = staging_dir(root, tag)
     shutil.rmtree(stage, ignore_errors=True)
@@ -210,15 +207,3 @@ def save_full_model(root: str, full: dict, cfg: ModelConfig, table: dict, *, tp_
                                                                   iteration=0 if tag == "release" else int(tag)))
     return commit(root, tag)
 
-
-def load_full_model(path: str) -> tuple[dict, dict, dict]:
-    """(full state dict, metadata of rank 0's file, spec table) from any TP x PP layout."""
-    from megabert.checkpoint.sharding import checkpoint_table, unshard_states
-
-    layout = saved_layout(resolve_checkpoint_dir(path))
-    payloads = layout.load_all()
-    first = payloads[(0, 0)]
-    table = checkpoint_table(list(payloads.values()), ModelConfig(**first["model_config"]))
-    full = unshard_states([[r["model"] for r in row] for row in layout.grid(payloads)], table)
-    meta = {k: v for k, v in first.items() if k != "model"}
-    return full, meta, table

@@ -6,6 +6,8 @@ names survive a change of layout, so resharding can split and merge the moments
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megabert.parallel.param_spec import ParamSpec
@@ -34,6 +36,11 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _copied(v):
+    """Counters and unsplit moments leave the file they were read from (it may be mapped)."""
+    return v.clone() if torch.is_tensor(v) else v
+
+
 def _split(spec: ParamSpec, v) -> bool:
     """Moments have their parameter's shape and sharding; step counters are scalars."""
     return spec.is_tensor_parallel and torch.is_tensor(v) and v.dim() > 0
@@ -53,18 +60,20 @@ def shard_optimizer_state(full: dict, table: dict[str, ParamSpec], local_params:
     return {"state": state, "param_groups": groups}
 
 
-def unshard_optimizer_states(local: list[list[dict]], table: dict[str, ParamSpec]) -> dict:
-    """local[pp][tp] by-name states -> one full by-name state (param groups merged)."""
+def unshard_optimizer_states(local: list[list[dict]], table: dict[str, ParamSpec], names: Optional[set] = None
+                             ) -> dict:
+    """local[pp][tp] by-name states -> one full by-name state (of `names` only, when given;
+    the param groups are merged whole)."""
     state: dict = {}
     groups: list[dict] = []
     for stage in local:
         for name in stage[0]["state"]:
-            if name in state:
+            if name in state or (names is not None and name not in names):
                 continue
             spec = table[name]
             per_rank = [r["state"][name] for r in stage]
             state[name] = {k: unshard([r[k] for r in per_rank], spec.partition_dim, spec.partition_stride)
-                           if _split(spec, v) else v for k, v in per_rank[0].items()}
+                           if _split(spec, v) else _copied(v) for k, v in per_rank[0].items()}
         for i, g in enumerate(stage[0]["param_groups"]):
             if i == len(groups):
                 groups.append({**g, "params": []})

@@ -49,12 +49,12 @@ def shard_state(full: dict, table: dict[str, ParamSpec], *, tp_rank: int, tp_siz
     return out
 
 
-def unshard_states(local: list[list[dict]], table: dict[str, ParamSpec]) -> dict:
-    """local[pp_rank][tp_rank] -> the full state dict."""
+def unshard_states(local: list[list[dict]], table: dict[str, ParamSpec], names: Optional[set] = None) -> dict:
+    """local[pp_rank][tp_rank] -> the full state dict (of `names` only, when given)."""
     full: dict[str, torch.Tensor] = {}
     for stage in local:
         for name in stage[0]:
-            if name in full:
+            if name in full or (names is not None and name not in names):
                 continue  # the tied word embeddings come from the first stage
             spec = _spec(table, name)
             parts = [shard_dict[name] for shard_dict in stage]

@@ -1,5 +1,5 @@
-"""`from_pretrained` (Hugging Face dir or megabert checkpoint of any layout), loading
-full or local state dicts into this rank's slice of a model, and full-state gathering."""
+"""`from_pretrained` (Hugging Face dir or megabert checkpoint of any layout), loading a
+rank's state dict into its slice of a model, full-state gathering and Hugging Face export."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megabert.checkpoint import hf as hf_io
-from megabert.checkpoint.layout import load_file, load_full_model, resolve_checkpoint_dir, saved_layout, \
-    saved_virtual_stage_layers
-from megabert.checkpoint.sharding import repad_vocab, shard_state
-from megabert.checkpoint import external
+from megabert.checkpoint.reader import RankCheckpoint, read_model_config, read_rank
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError, ConfigError
 from megabert.parallel import ParallelState, get_parallel_state
@@ -43,41 +40,22 @@ class PretrainedMixin:
                         device=None, params_dtype: torch.dtype = torch.float32,
                         num_layers_per_virtual_stage: Optional[int] = None, **config_overrides):
         """Loads a Hugging Face BERT directory (config.json + safetensors or pytorch_model.bin),
-        a Google TF BERT directory (bert_config.json + bert_model.ckpt.*), or a megabert checkpoint of any TP x PP layout; each rank
-        keeps only its own shard. `config_overrides` replace ModelConfig fields (e.g.
+        a Google TF BERT directory (bert_config.json + bert_model.ckpt.*), or a megabert
+        checkpoint of any TP x PP layout; each rank reads and keeps only its own shard. `config_overrides` replace ModelConfig fields (e.g.
         hidden_dropout=0.0). pretrain_bert.py's speed choices saved in a checkpoint
         (RUN_TIME_CHOICES) go back to the library's defaults unless overridden."""
         ps = parallel_state or get_parallel_state()
-        build = dict(seed=seed, device=device, params_dtype=params_dtype,
-                     num_layers_per_virtual_stage=num_layers_per_virtual_stage)
-        if external.is_external(path):  # a Hugging Face or Google TF BERT directory
-            hf_config, hf_state = external.read_external(path)
-            model = cls(hf_io.model_config_from_hf(hf_config, **config_overrides), ps, **build)
-            model.load_full_state_dict(hf_io.hf_to_megabert(hf_state, spec_table(model)), source=path)
-            return model
-        layout = saved_layout(resolve_checkpoint_dir(path))
-        if (layout.tp_size, layout.pp_size) == (ps.tp_size, ps.pp_size):
-            payload = load_file(layout.files[(ps.tp_rank, ps.pp_rank)])  # this rank's shard only
-            model = cls(_library_config(payload["model_config"], config_overrides), ps, **build)
-            if saved_virtual_stage_layers(payload) == model.virtual_stage_layers:
-                model.load_local_state_dict(payload["model"], source=path)
-                return model
-        # Another layout: merge and re-split in memory.
-        full, meta, _ = load_full_model(path)
-        model = cls(_library_config(meta["model_config"], config_overrides), ps, **build)
-        model.load_full_state_dict(full, source=path)
+        model = cls(_library_config(read_model_config(path), config_overrides), ps, seed=seed, device=device,
+                    params_dtype=params_dtype, num_layers_per_virtual_stage=num_layers_per_virtual_stage)
+        model.load_local_state_dict(model.read_checkpoint(path, optimizer=False).payload["model"], source=path)
         return model
 
-    def load_full_state_dict(self, full: dict, source: str = "state dict") -> None:
-        """Loads this rank's slices of a full (unsharded) state dict."""
-        table = spec_table(self)
-        unused = sorted(k for k in full if k not in table)
-        if unused and self.parallel_state.rank == 0:
-            logger.info("%s: not used by %s: %s", source, type(self).__name__, ", ".join(unused))
-        full = repad_vocab({k: v for k, v in full.items() if k in table}, table, self.padded_vocab_size)
+    def read_checkpoint(self, path: str, optimizer: bool = True) -> RankCheckpoint:
+        """This rank's view of any checkpoint (megabert at any layout, Hugging Face, TF), in
+        this model's shapes (megabert.checkpoint.reader)."""
         ps = self.parallel_state
-        self.load_local_state_dict(shard_state(full, table, tp_rank=ps.tp_rank, tp_size=ps.tp_size, stage=self.stage),
-                                   source=source)
+        return read_rank(path, tp_rank=ps.tp_rank, tp_size=ps.tp_size, stage=self.stage,
+                         padded_vocab_size=self.padded_vocab_size, table=spec_table(self), optimizer=optimizer)
 
     def load_local_state_dict(self, local: dict, source: str = "state dict") -> None:
         """Loads a state dict of this rank's shapes. Missing backbone tensors are an error;

@@ -21,12 +21,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megabert.checkpoint import hf as hf_io
-from megabert.checkpoint.layout import (TRACKER, commit, has_checkpoint, load_file, model_payload, read_tracker,
-                                        resolve_checkpoint_dir, saved_layout, saved_virtual_stage_layers, staging_dir,
-                                        write_rank_file)
-from megabert.checkpoint.reshard import reshard_payloads
 from megabert.checkpoint import external
+from megabert.checkpoint.layout import (TRACKER, commit, has_checkpoint, model_payload, read_tracker, staging_dir,
+                                        write_rank_file)
 from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
@@ -167,24 +164,17 @@ def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_
     weights are already in the model (loaded before DeepSpeed partitioned it); only the
     rest is restored."""
     weights_loaded = strategy.weights_loaded if strategy is not None else (lambda: None)
-    if external.is_external(path):  # a Hugging Face or Google TF directory: weights only
-        model.load_full_state_dict(hf_io.hf_to_megabert(external.read_external(path)[1], spec_table(model)),
-                                   source=path)
+    ckpt = model.read_checkpoint(path, optimizer=load_optimizer and strategy is not None)
+    payload = ckpt.payload
+    if ckpt.external:  # a Hugging Face or Google TF directory: weights only
+        model.load_local_state_dict(payload["model"], source=path)
         weights_loaded()
         return LoadedCheckpoint(TrainingState(), {})
-    ckpt_dir = resolve_checkpoint_dir(path)
-    layout = saved_layout(ckpt_dir)
-    vpp = model.virtual_stage_layers
-    same_layout = (layout.tp_size, layout.pp_size) == (ps.tp_size, ps.pp_size)
-    if same_layout:
-        payload = load_file(layout.files[(ps.tp_rank, ps.pp_rank)])
-        same_layout = saved_virtual_stage_layers(payload) == vpp
-    if not same_layout:
-        payload = reshard_payloads(ckpt_dir, ps.tp_size, ps.pp_size, vpp)[(ps.tp_rank, ps.pp_rank)]
-        if ps.rank == 0:
-            logger.warning("%s was saved at tp=%d pp=%d; resharded in memory to tp=%d pp=%d%s "
-                           "(RNG streams restart from the seed)", path, layout.tp_size, layout.pp_size, ps.tp_size,
-                           ps.pp_size, f" ({vpp} layers per virtual stage)" if vpp else "")
+    if ckpt.resharded and ps.rank == 0:
+        vpp = model.virtual_stage_layers
+        logger.warning("%s was saved at tp=%d pp=%d; resharded in memory to tp=%d pp=%d%s "
+                       "(RNG streams restart from the seed)", path, ckpt.saved_tp, ckpt.saved_pp, ps.tp_size,
+                       ps.pp_size, f" ({vpp} layers per virtual stage)" if vpp else "")
     if load_model:
         model.load_local_state_dict(payload["model"], source=path)
     state = TrainingState(int(payload.get("iteration", 0)), int(payload.get("consumed_samples", 0)),
@@ -199,6 +189,6 @@ def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_
         strategy.load_optimizer_state(path, payload, state)
     if strategy is not None and strategy.scaler is not None and payload.get("loss_scaler") is not None:
         strategy.scaler.load_state_dict(payload["loss_scaler"])
-    if same_layout and payload.get("rng") is not None:
+    if payload.get("rng") is not None:  # None when resharded: the streams were another layout's
         _set_rng_state(model, payload["rng"])
     return LoadedCheckpoint(state, saved_args)

@@ -23,7 +23,8 @@ from typing import Optional
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint import tf as tf_io
 from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, export_tokenizer
-from megabert.checkpoint.layout import load_full_model, save_full_model
+from megabert.checkpoint.layout import save_full_model
+from megabert.checkpoint.reader import read_full
 from megabert.parallel.param_spec import reference_table
 from megabert.tasks import model_classes
 from megabert.config import ModelConfig, ParallelConfig
@@ -66,7 +67,7 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
 
 
 def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenizer_type: Optional[str] = None) -> None:
-    full, meta, table = load_full_model(load)
+    full, meta, table = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
     arch = meta.get("model_class", "BertForPreTraining")
     if arch == "BertForPreTraining" and not cfg.bert_binary_head:

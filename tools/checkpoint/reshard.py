@@ -12,9 +12,11 @@ import os
 import shutil
 import sys
 
-from megabert.checkpoint.layout import commit, read_tracker, resolve_checkpoint_dir, staging_dir, write_rank_file
-from megabert.checkpoint.reshard import reshard_payloads
+from megabert.checkpoint.layout import commit, read_tracker, staging_dir, write_rank_file
+from megabert.checkpoint.reader import read_model_config, read_rank
 from megabert.errors import ConfigError, cli_main
+from megabert.parallel.layout import StageLayout
+from megabert.tasks import model_classes
 
 
 @cli_main
@@ -29,17 +31,20 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if os.path.abspath(args.load) == os.path.abspath(args.save):
         raise ConfigError("--save must differ from --load: resharding writes a new checkpoint")
-    src = resolve_checkpoint_dir(args.load)
-    payloads = reshard_payloads(src, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                args.num_layers_per_virtual_pipeline_stage)
+    model_classes()  # a checkpoint saved before spec tables is read with its class's reference table
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    num_layers = read_model_config(args.load)["num_layers"]
     tag = read_tracker(args.load) or "release"
     tag = tag if tag == "release" else int(tag)
     os.makedirs(args.save, exist_ok=True)
     shutil.rmtree(staging_dir(args.save, tag), ignore_errors=True)
-    for (t, pp), payload in payloads.items():
-        write_rank_file(staging_dir(args.save, tag), t, pp, args.pipeline_model_parallel_size, payload)
-    print(f"wrote {commit(args.save, tag)} (tp={args.tensor_model_parallel_size}, "
-          f"pp={args.pipeline_model_parallel_size})")
+    # One new rank at a time, as the ranks of a run at the new layout would read it.
+    for p in range(pp):
+        stage = StageLayout(num_layers, pp, p, args.num_layers_per_virtual_pipeline_stage)
+        for t in range(tp):
+            ckpt = read_rank(args.load, tp_rank=t, tp_size=tp, stage=stage)
+            write_rank_file(staging_dir(args.save, tag), t, p, pp, ckpt.payload)
+    print(f"wrote {commit(args.save, tag)} (tp={tp}, pp={pp})")
 
 
 if __name__ == "__main__":
