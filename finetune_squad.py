@@ -29,7 +29,7 @@ from megabert.tasks.squad.evaluate import evaluate
 from megabert.tasks.squad.features import convert_examples_to_features, features_to_tensors
 from megabert.tasks.squad.postprocess import postprocess_predictions
 from megabert.errors import cli_main
-from megabert.training.build import RunSpec, build_trainer
+from megabert.training.build import build_trainer
 from megabert.tasks.squad.finetuning import (feature_batches, load_qa_model, num_train_steps, predict_logits, qa_task,
                                           resolve_vocab_file)
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
@@ -58,10 +58,8 @@ def train(run, ps, model, tokenizer):
     logger.info("fine-tuning for %d steps of %d features (%.2f epochs)", train_cfg.train_iters,
                 batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / len(feats))
     tensors = features_to_tensors(feats)
-    spec = RunSpec(optim=run.optim, train=train_cfg, batch=batch, task=qa_task(), seq_length=ft.max_seq_length,
-                   deepspeed_config=run.deepspeed_config)
     trainer = build_trainer(
-        model, ps, spec,
+        model, ps, dataclasses.replace(run, train=train_cfg), qa_task(),
         lambda consumed: feature_batches(tensors, global_batch=batch.global_batch_size,
                                          micro_batch=t.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
                                          seed=t.seed),

@@ -24,8 +24,8 @@ import megabert  # noqa: E402
 from _timing import compare  # noqa: E402
 from megabert.arguments import parse_finetune_args  # noqa: E402
 from megabert.config import ModelConfig  # noqa: E402
-from megabert.parallel.layout import BatchLayout  # noqa: E402
-from megabert.training.build import RunSpec, build_trainer  # noqa: E402
+from megabert.training.build import build_trainer  # noqa: E402
+from megabert.training.resolve import resolve_run  # noqa: E402
 from megabert.tasks.squad.finetuning import qa_task  # noqa: E402
 
 
@@ -50,10 +50,9 @@ def ours(args, ps, batches):
     model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                             vocab_size=args.vocab, max_position_embeddings=512)
     model = megabert.BertForQuestionAnswering(model_cfg, ps)
-    run = RunSpec(optim=cfg.optim, train=dataclasses.replace(cfg.train, load=None, train_iters=1_000_000),
-                  batch=BatchLayout.of(args.batch, args.batch, ps.dp_size), task=qa_task(), seq_length=args.seq,
-                  deepspeed_config=None)
-    trainer = build_trainer(model, ps, run, lambda consumed: itertools.cycle(batches))
+    run = resolve_run(cfg, ps, model=model_cfg)
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, load=None, train_iters=1_000_000))
+    trainer = build_trainer(model, ps, run, qa_task(), lambda consumed: itertools.cycle(batches))
     trainer.strategy.model.train()
     return trainer.train_step, f"{model.ctx.attention_backend}/{model.ctx.layernorm_backend}"
 

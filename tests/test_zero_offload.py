@@ -38,7 +38,7 @@ def test_zero3_offload_trains_like_zero3(tmp_path):
 
 def _optimizer_type_worker(rank, world):
     from megabert.tasks.pretraining.task import pretraining_task
-    from megabert.training.build import RunSpec, build_strategy
+    from megabert.training.build import build_strategy
     from megabert.training.resolve import resolve_run
 
     cfg = parse_args(TINY + ["--deepspeed", "--zero-stage", "2", "--zero-offload-optimizer", "cpu"])
@@ -46,9 +46,8 @@ def _optimizer_type_worker(rank, world):
     model = megabert.BertForPreTraining(dataclasses.replace(cfg.model, vocab_size=VOCAB), ps, seed=cfg.train.seed)
     resolved = resolve_run(cfg, ps)
     ds_cfg = resolved.deepspeed_config
-    run = RunSpec(optim=resolved.optim, train=resolved.train, batch=BatchLayout.of(2, 4, 1),
-                  task=pretraining_task("sop"), seq_length=16, deepspeed_config=ds_cfg)
-    strategy = build_strategy(model, ps, run)
+    run = dataclasses.replace(resolved, batch=BatchLayout.of(2, 4, 1))
+    strategy = build_strategy(model, ps, run, pretraining_task("sop"))
     try:
         assert type(strategy.engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"
         assert ds_cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

@@ -4,35 +4,24 @@ data position. Shared by pre-training and fine-tuning."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
-from megabert.config import OptimConfig, TrainConfig
+from megabert.config import TrainConfig
 from megabert.model.transformer import compile_layers
 from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
-from megabert.parallel.layout import BatchLayout
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.training.checkpointing import StartPoint, TrainingState, load_checkpoint, resolve_start
 from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, Task
 from megabert.training.trainer import Batches, Trainer
 
+if TYPE_CHECKING:
+    from megabert.training.resolve import ResolvedRun
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunSpec:
-    """What a run needs besides the model: its configs, layout and task."""
-
-    optim: OptimConfig
-    train: TrainConfig
-    batch: BatchLayout
-    task: Task
-    seq_length: int
-    deepspeed_config: Optional[dict] = None  # the final DeepSpeed JSON with --deepspeed
 
 
 def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig) -> None:
@@ -68,11 +57,12 @@ def build_predictor(model: torch.nn.Module, ps: ParallelState, task: Task, *, se
                                                   bf16=bf16, fp16=fp16))
 
 
-def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> Strategy:
+def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: Task) -> Strategy:
+    """How `run` updates `model`: DeepSpeed's strategy with --deepspeed, else ours."""
     t, ds_cfg = run.train, run.deepspeed_config
 
     def runner():
-        return build_runner(model, ps, run.task, seq_length=run.seq_length, micro_batch_size=t.micro_batch_size,
+        return build_runner(model, ps, task, seq_length=run.seq_length, micro_batch_size=t.micro_batch_size,
                             num_micro_batches=run.batch.num_micro_batches, bf16=t.bf16, fp16=t.fp16)
 
     if ds_cfg is not None:
@@ -81,17 +71,18 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: RunSpec) -> S
         from megabert.training.deepspeed.strategy import build_deepspeed_strategy
 
         return build_deepspeed_strategy(model, ps, ds_cfg, run.optim, t, runner() if ps.pp_size > 1 else None,
-                                        run.task)
+                                        task)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     return LocalStrategy(model, optimizer, ps, runner(), scaler=scaler, clip_grad=run.optim.clip_grad)
 
 
-def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
+def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: Task,
                   train_batches: Callable[[int], Iterator[dict]],
                   valid_batches: Optional[Callable[[], Iterator[dict]]] = None, *,
                   flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None) -> Trainer:
-    """`train_batches(consumed_samples)` gives the training batches from that point on, so a
+    """`run` trains `model` on `task` (its loss and metrics) at `run.seq_length`.
+    `train_batches(consumed_samples)` gives the training batches from that point on, so a
     resumed run sees exactly the samples the interrupted one would have."""
     start = resolve_start(run.train)
     if ps.is_logging_rank and start.note:
@@ -104,7 +95,7 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: RunSpec,
         # here (fresh optimizer and loss scale); a resume restores the rest below. A plain
         # resume reads its rank file once, below.
         loaded = load_checkpoint(start.path, model, ps, load_optimizer=False)
-    strategy = build_strategy(model, ps, run)
+    strategy = build_strategy(model, ps, run, task)
     state = TrainingState()
     if start.path:
         if not start.weights_only:

@@ -14,7 +14,7 @@ from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
 from megabert.parallel import ParallelState
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import RunSpec, apply_compile, build_trainer
+from megabert.training.build import apply_compile, build_trainer
 from megabert.training.metrics import bert_flops_per_sample
 from megabert.training.resolve import ResolvedRun
 from megabert.training.strategy import Counts, Task
@@ -84,10 +84,8 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
     model = BertForPreTraining(model_cfg, ps, seed=run.train.seed,
                                num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
     apply_compile(model, ps, run.train)
-    spec = RunSpec(optim=run.optim, train=run.train, task=pretraining_task(run.binary_head_task), batch=run.batch,
-                   seq_length=run.seq_length, deepspeed_config=run.deepspeed_config)
     masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
-    return build_trainer(model, ps, spec, train_batches, valid_batches,
+    return build_trainer(model, ps, run, pretraining_task(run.binary_head_task), train_batches, valid_batches,
                          flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
                          checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
                                            "data": dataclasses.asdict(run.data)})
