@@ -101,6 +101,3 @@ class StageLayout:
         if spec.placement == "last":
             return self.is_last_stage
         return self.is_first_stage or self.is_last_stage  # tied word embeddings
-
-    def for_rank(self, pp_rank: int) -> "StageLayout":
-        return StageLayout(self.num_layers, self.pp_size, pp_rank, self.layers_per_chunk)

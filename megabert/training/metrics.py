@@ -109,11 +109,6 @@ class MetricsLogger:
         else:
             print(f"iteration {iteration} | {text}", flush=True)
 
-    def tick(self, n: int = 1) -> None:
-        """Advance the bar on iterations that are not logged."""
-        if self._bar is not None:
-            self._bar.update(n)
-
     def event(self, iteration: int, message: str, scalars: Optional[dict] = None,
               record: Optional[dict] = None) -> None:
         """A message (evaluation, save, stop); `record` also goes to the JSONL file."""
