@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megabert.errors import ConfigError
+from megabert.parallel.buckets import BUCKET_ELEMENTS
 from megabert.rules import check_zero
 
 
@@ -105,6 +106,11 @@ class ParallelConfig:
                                              choices=(None, "nccl", "gloo"))
     distributed_timeout_minutes: float = arg(10.0, "A collective that waits longer than this ends the job "
                                              "instead of hanging it.")
+    overlap_grad_reduce: bool = arg(True, "Average data-parallel gradients bucket by bucket while backward still "
+                                    "runs (--no-overlap-grad-reduce: all at once after it). DeepSpeed runs use "
+                                    "DeepSpeed's own overlap_comm.")
+    ddp_bucket_size: int = arg(BUCKET_ELEMENTS, "Elements per data-parallel gradient bucket: smaller buckets start "
+                               "reducing earlier in backward, larger ones send fewer messages.")
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1:
@@ -113,6 +119,8 @@ class ParallelConfig:
             raise ConfigError("--pipeline-model-parallel-size must be >= 1")
         if self.distributed_timeout_minutes <= 0:
             raise ConfigError("--distributed-timeout-minutes must be positive")
+        if self.ddp_bucket_size < 1:
+            raise ConfigError(f"--ddp-bucket-size {self.ddp_bucket_size} must be >= 1 (elements per bucket)")
 
 
 @dataclass(kw_only=True)

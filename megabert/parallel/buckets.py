@@ -5,7 +5,11 @@ read them from here, below either.
 """
 from __future__ import annotations
 
-BUCKET_ELEMENTS = 32 * 1024 * 1024  # fewer, larger all-reduces; bounded extra memory
+# --ddp-bucket-size's default: 16 MB of fp32 gradients (PyTorch DDP: 25 MB). Backward
+# issues a bucket's all-reduce once all its gradients are in, so smaller buckets start
+# sooner and leave less unhidden after backward; below a few MB each message's latency
+# starts to show. A 12M-parameter BERT makes 3 buckets, BERT-large 81.
+BUCKET_ELEMENTS = 4 * 1024 * 1024
 
 
 def zero_sizing(hidden_size: int) -> dict:

@@ -116,6 +116,8 @@ class _States:
     """After backward: the gradients and the flat copies the reduction and the step make."""
     heap: float = 0.0
     """CPU only: glibc's heap high-water beyond the live tensors."""
+    forward: float = 0.0
+    """Besides activations, during forward: a gradient buffer that lives across steps."""
     host: float = 0.0
     """Offloaded states (host memory)."""
 
@@ -126,13 +128,16 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
     cpu = run.device == "cpu"
     if layout.zero_stage == 0:
         grads = 4.0 * P
-        dp_bucket = 4.0 * min(BUCKET_ELEMENTS, P) if layout.dp > 1 else 0.0  # one flat copy per bucket
+        overlapped = layout.dp > 1 and run.overlap_grad_reduce
+        # Overlapped: the gradient buffer is reduced in place and stays for the whole run
+        # (forward included); else one flat copy per bucket, gradients freed each step.
+        dp_bucket = 4.0 * min(BUCKET_ELEMENTS, P) if layout.dp > 1 and not overlapped else 0.0
         tied = 0.0
         if sp.tied_embedding or (layout.pp > 1 and sp.stage == 0):
             tied = 4.0 * min(BUCKET_ELEMENTS, model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size)
         # torch's fused AdamW (build_optimizer's default) steps in place: no temporaries.
         return _States(parameters=4.0 * P, optimizer=8.0 * P, gradients=grads, backward=grads + dp_bucket,
-                       step=grads + tied)
+                       step=grads + tied, forward=grads if overlapped else 0.0)
     sizing = zero_sizing(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
     # AdamW's two moments and the fp32 master, partitioned; in fp32 the master shares the
@@ -184,7 +189,7 @@ def estimate_stage(model: ModelConfig, run: Workload, layout: Layout, stage: int
                 + (DEEPSPEED_OVERHEAD_GB[run.device] if layout.zero_stage else 0.0))
     resident = states.parameters + states.optimizer
     if layout.zero_stage == 0 and run.device == "cuda":
-        transient = max(activations, states.step)
+        transient = max(activations + states.forward, states.step)
     else:
         transient = max(activations + states.backward, states.step)
     # What the peak phase holds besides activations and gradients.

@@ -41,6 +41,10 @@ class Workload:
     device: str = "cuda"
     """cuda: the budget is GPU memory (torch.cuda.max_memory_allocated); cpu: process RSS,
     where offloaded states live in the same memory and count too."""
+    overlap_grad_reduce: bool = True
+    """DP > 1 without ZeRO (--overlap-grad-reduce): gradients live in one buffer for the
+    whole run, reduced in place bucket by bucket (no flat copy); off, they exist from
+    backward to the step and each bucket is copied flat to be reduced."""
     overhead_gb: Optional[float] = None
     """Fixed per-process memory outside the model's tensors; None: the calibrated default
     of `device` (megabert.planning.memory.FRAMEWORK_OVERHEAD_GB)."""

@@ -14,6 +14,7 @@ from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.training.checkpointing import StartPoint, TrainingState, load_checkpoint, resolve_start
+from megabert.training.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, Task
 from megabert.training.trainer import Batches, Trainer
@@ -74,7 +75,12 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
                                         task)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
-    return LocalStrategy(model, optimizer, ps, runner(), scaler=scaler, clip_grad=run.optim.clip_grad)
+    reducer = None
+    if ps.dp_size > 1 and run.parallel.overlap_grad_reduce:
+        params = [p for p in model.parameters() if p.requires_grad]
+        reducer = OverlappedGradReducer(params, ps, run.parallel.ddp_bucket_size)
+    return LocalStrategy(model, optimizer, ps, runner(), scaler=scaler, clip_grad=run.optim.clip_grad,
+                         reducer=reducer)
 
 
 def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: Task,
@@ -86,7 +92,7 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun",
     resumed run sees exactly the samples the interrupted one would have."""
     start = resolve_start(run.train)
     if ps.is_logging_rank and start.note:
-        logger.info(start.note)
+        (logger.warning if start.warn else logger.info)(start.note)
     loaded = None
     preload = start.path and (start.weights_only or run.deepspeed_config is not None)
     if preload:

@@ -23,6 +23,7 @@ from megabert.errors import CheckpointError
 from megabert.training.checkpointing import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from megabert.training.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
@@ -178,18 +179,26 @@ class LocalStrategy(Strategy):
     scaling with overflow skips, global-norm clipping, then the optimizer. One host sync
     per step (the norm), however many parameters."""
 
-    def __init__(self, model, optimizer, ps, runner, *, scaler: Optional[DynamicLossScaler], clip_grad: float):
+    def __init__(self, model, optimizer, ps, runner, *, scaler: Optional[DynamicLossScaler], clip_grad: float,
+                 reducer: Optional[OverlappedGradReducer] = None):
         super().__init__(model, optimizer, ps, runner, scaler=scaler)
         self.clip_grad = clip_grad
+        self.reducer = reducer  # None: DP gradients averaged after backward (DP = 1, --no-overlap-grad-reduce)
 
     def train_step(self, batches: list[dict]) -> StepResult:
-        self.optimizer.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler else 1.0
-        metrics = self.runner.forward_backward(batches, scale)
-        # Gradient sync is explicit: once per global batch, after all micro-batches.
+        if self.reducer is not None:
+            self.reducer.start(len(batches))
+            metrics = self.runner.forward_backward(batches, scale)
+            self.reducer.finish()  # the DP average, issued during the last micro-batch's backward
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = self.runner.forward_backward(batches, scale)
+            average_data_parallel_grads(self.params, self.ps)
+        # Sums over TP and over the embedding group, once per global batch; they commute
+        # with the DP average.
         sync_sequence_parallel_grads(self.params, self.ps)
         sync_tied_embedding_grads(self.params, self.ps)
-        average_data_parallel_grads(self.params, self.ps)
         if self.scaler is not None:
             if self.scaler.found_overflow(self.params, self.ps.device):
                 self.scaler.update(overflow=True)
@@ -208,3 +217,7 @@ class LocalStrategy(Strategy):
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
