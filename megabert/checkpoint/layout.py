@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
@@ -115,6 +116,43 @@ def saved_layout(ckpt_dir: str) -> SavedLayout:
     if len(found) != tp * pp:
         raise CheckpointError(f"{ckpt_dir} holds {len(found)} rank directories, expected tp {tp} x pp {pp}")
     return SavedLayout(found, tp, pp)
+
+
+def checkpoint_root(path: str) -> str:
+    """ROOT, for ROOT itself or one of its iteration directories (ROOT/iter_0000100)."""
+    if read_tracker(path) is None and re.fullmatch(r"iter_\d{7}|release", os.path.basename(os.path.normpath(path))):
+        return os.path.dirname(os.path.normpath(path))
+    return path
+
+
+def damaged_file(ckpt_dir: str) -> Optional[str]:
+    """'FILE (why)' for the first rank file of an iteration directory that cannot be read
+    (missing, or truncated: torch's zip format keeps its index at the end of the file),
+    else None. Reads each file's index only, not its tensors."""
+    try:
+        files = saved_layout(ckpt_dir).files
+    except CheckpointError as e:
+        return str(e)
+    for f in sorted(files.values()):
+        try:
+            with zipfile.ZipFile(f) as z:
+                if not any(n.endswith("data.pkl") for n in z.namelist()):
+                    return f"{f} (no data.pkl: not a torch.save file)"
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{f} ({e})"
+    return None
+
+
+def newest_intact(root: str) -> Optional[tuple[str, int]]:
+    """(iteration directory, iteration) of the newest iteration under ROOT whose rank files
+    all read (see damaged_file), or None."""
+    iterations = sorted((int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"iter_(\d{7})", n))),
+                        reverse=True)
+    for it in iterations:
+        d = os.path.join(root, tag_dir_name(it))
+        if damaged_file(d) is None:
+            return d, it
+    return None
 
 
 def load_file(path: str, mmap: bool = False) -> dict:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megabert.errors import ConfigError
-from megabert.parallel.launch import LaunchInfo, discover_launch, mpi_rendezvous
+from megabert.parallel.launch import LaunchInfo, discover_launch, mpi_rendezvous, rendezvous_store
 from megabert.parallel.state import ParallelState, rank_of
 
 __all__ = ["ParallelState", "LaunchInfo", "init_parallel", "get_parallel_state", "destroy_parallel",
@@ -54,8 +54,8 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
             if not info.master_addr or not info.master_port:
                 raise ConfigError(f"launched by {info.launcher} but MASTER_ADDR/MASTER_PORT are not set; "
                                   f"export them (the address and a free port of rank 0's host)")
-            dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                                    rank=info.rank, world_size=info.world_size, timeout=timeout)
+            dist.init_process_group(backend, store=rendezvous_store(info, timeout), rank=info.rank,
+                                    world_size=info.world_size, timeout=timeout)
     state = ParallelState.build(tensor_parallel_size, pipeline_model_parallel_size, device=device,
                                 backend=dist.get_backend(), local_rank=info.local_rank, launcher=info.launcher)
     if state.rank == 0:

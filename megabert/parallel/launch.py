@@ -113,3 +113,18 @@ def mpi_rendezvous(info: LaunchInfo) -> LaunchInfo:
         endpoint = (info.master_addr or addr, info.master_port or _free_port())
     addr, port = comm.bcast(endpoint, root=0)
     return LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank, addr, port)
+
+
+def rendezvous_store(info: LaunchInfo, timeout, env: Mapping[str, str] = os.environ):
+    """The key-value store the process group meets in. torchrun's agent hosts one store for
+    the whole job (TORCHELASTIC_USE_AGENT_STORE) and keeps it across `--max-restarts`, so
+    the keys of the failed attempt (rank 0's old gloo address) would still be there and
+    the restarted ranks would dial a dead process: each attempt gets its own key prefix
+    (TORCHELASTIC_RESTART_COUNT). Elsewhere rank 0 hosts the store at MASTER_ADDR:PORT."""
+    import torch.distributed as dist
+
+    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                          is_master=info.rank == 0 and not agent_hosts, timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    return dist.PrefixStore(f"megabert/attempt_{attempt}", store) if attempt else store

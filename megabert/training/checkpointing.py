@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megabert.checkpoint import external
-from megabert.checkpoint.layout import (TRACKER, commit, has_checkpoint, model_payload, read_tracker, staging_dir,
-                                        write_rank_file)
+from megabert.checkpoint.layout import (TRACKER, checkpoint_root, commit, damaged_file, has_checkpoint,
+                                        model_payload, newest_intact, read_tracker, resolve_checkpoint_dir,
+                                        staging_dir, write_rank_file)
 from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
@@ -58,6 +59,7 @@ class StartPoint:
     weights_only: bool = False
     flag: str = "--load"
     note: Optional[str] = None
+    warn: bool = False  # the note is a warning (a damaged checkpoint passed over)
 
 
 def holds_checkpoint(path: str) -> bool:
@@ -70,6 +72,40 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 def resolve_start(train: TrainConfig) -> StartPoint:
+    """`_choose_start`, then a check that its newest checkpoint reads (see _intact)."""
+    return _intact(_choose_start(train), train)
+
+
+def _intact(start: StartPoint, train: TrainConfig) -> StartPoint:
+    """A truncated or missing rank file in the newest checkpoint (a job killed mid-write on
+    a file system without atomic rename, a full disk) stops the run in one line naming the
+    file and the newest intact iteration. Under the restart pattern (--save X --load X) the
+    run resumes that intact iteration after a warning instead: the same command re-run by
+    torchrun or SLURM keeps going. Nothing is deleted either way."""
+    if start.path is None or external.is_external(start.path) or read_tracker(start.path) == "release":
+        return start
+    try:
+        damaged = damaged_file(resolve_checkpoint_dir(start.path))
+    except CheckpointError as e:  # the pointer names an iteration directory that is not there
+        damaged = str(e)
+    if damaged is None:
+        return start
+    root = checkpoint_root(start.path)
+    intact = newest_intact(root) if os.path.isdir(root) else None
+    if intact is None:
+        raise CheckpointError(f"{start.flag} {start.path}: {damaged}; no intact iteration under {root}: start "
+                              f"from the seed with another --save directory")
+    ckpt_dir, iteration = intact
+    if train.save and _same_dir(root, train.save) and not start.weights_only:
+        return StartPoint(ckpt_dir, False, start.flag, warn=True,
+                          note=f"{damaged} cannot be read: resuming the newest intact checkpoint, {ckpt_dir} "
+                               f"(iteration {iteration}); the damaged files are left in place")
+    raise CheckpointError(f"{damaged} cannot be read; the newest intact checkpoint is {ckpt_dir} (iteration "
+                          f"{iteration}): pass {start.flag} {ckpt_dir}, or --save and --load the same directory to "
+                          f"resume it on its own")
+
+
+def _choose_start(train: TrainConfig) -> StartPoint:
     """--load (with --finetune: weights only), or Megatron-LM's --pretrained-checkpoint rule:
     the run's own checkpoint (--load, else --save) as soon as it holds one, so the same
     command re-run after an interruption resumes instead of starting over; until then the

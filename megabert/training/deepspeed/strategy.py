@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from megabert.checkpoint.layout import checkpoint_root
 from megabert.errors import CheckpointError
 from megabert.training.checkpointing import DEEPSPEED_SUBDIR, TrainingState
 from megabert.config import OptimConfig, TrainConfig
@@ -103,7 +104,7 @@ class DeepSpeedStrategy(Strategy):
     def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
         # NOTE: DeepSpeed reads its ZeRO files with torch.load(weights_only=False), which
         # unpickles: resume only checkpoints you trust (README, "Checkpoints").
-        ds_dir = os.path.join(path, DEEPSPEED_SUBDIR)
+        ds_dir = os.path.join(checkpoint_root(path), DEEPSPEED_SUBDIR)
         if not os.path.isdir(ds_dir):
             raise CheckpointError(f"{path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
                                   f"drop --deepspeed or load the weights only with --finetune")
