@@ -64,7 +64,7 @@ def test_launchers_train(dataset, tmp_path, launcher):
     metrics = tmp_path / "m.jsonl"
     args = pretrain_args(dataset, metrics, "--tensor-model-parallel-size", "2")
     if launcher == "torchrun":
-        cmd = [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", *args]
+        cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", *args]
     elif launcher == "deepspeed":
         cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", "29611", *args]
     else:
@@ -89,7 +89,7 @@ def test_pipeline_under_torchrun(dataset, tmp_path):
     """Interleaved pipeline on real data: two stages with two chunks each, evaluation
     through the forward-only schedule, losses logged by rank 0 (the first stage)."""
     metrics = tmp_path / "m.jsonl"
-    r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
+    r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
               *pretrain_args(dataset, metrics, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                              "--num-layers-per-virtual-pipeline-stage", "1", "--save", str(tmp_path / "ck"))])
     assert r.returncode == 0, r.stderr[-4000:]
@@ -101,7 +101,7 @@ def test_pipeline_under_torchrun(dataset, tmp_path):
 
 def test_deepspeed_zero2_under_torchrun(dataset, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
+    r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
               *pretrain_args(dataset, metrics, "--deepspeed", "--zero-stage", "2", "--save", str(tmp_path / "ck"))])
     assert r.returncode == 0, r.stderr[-4000:]
     assert len([x for x in rows(metrics) if "lm_loss" in x]) == 3
@@ -186,7 +186,7 @@ def test_memory_budget_fit_is_one_info_line(dataset, tmp_path):
     """The same budget with TP=2, which the planner says fits: one info line, and it trains."""
     budget = _budget_between_one_process_and_tp2(dataset)
     metrics = tmp_path / "m.jsonl"
-    r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
+    r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
               *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--tensor-model-parallel-size", "2",
                              "--memory-budget-gb", str(budget))])
     assert r.returncode == 0, r.stderr[-4000:]

@@ -10,7 +10,7 @@ LOSSES = ("lm_loss", "sop_loss", "grad_norm")
 
 
 def _launch(nproc, args):
-    r = _run([os.path.join(BIN, "torchrun"), "--nproc-per-node", str(nproc), *args])
+    r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(nproc), *args])
     assert r.returncode == 0, r.stderr[-4000:]
 
 

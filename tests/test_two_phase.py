@@ -9,6 +9,7 @@ import pytest
 from test_pretrain_e2e import BIN, _one_line_error, _run, dataset, pretrain_args, rows  # noqa: F401 (fixture)
 from test_resume_dataloader import _curve
 
+from megabert.checkpoint.layout import commit, staging_dir, write_rank_file
 from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
 from megabert.training.checkpointing import resolve_start
@@ -20,16 +21,22 @@ def _launch(cmd):
     return r.stderr
 
 
+def _checkpoint(root, iteration):
+    """A committed checkpoint of one rank file (what resolve_start reads: the pointer and
+    each rank file's zip index, no tensor)."""
+    write_rank_file(staging_dir(str(root), iteration), 0, 0, 1, {"iteration": iteration})
+    commit(str(root), iteration)
+
+
 def test_start_point_prefers_the_runs_own_checkpoint(tmp_path):
     p1, own = tmp_path / "p1", tmp_path / "p2"
-    (p1 / "iter_0000003" / "mp_rank_00").mkdir(parents=True)
-    (p1 / "latest_checkpointed_iteration.txt").write_text("3")
+    _checkpoint(p1, 3)
     own.mkdir()
     (own / "metrics.jsonl").write_text("")  # metrics alone are no checkpoint
     for kw in ({"load": str(own)}, {"save": str(own)}, {}):
         start = resolve_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
         assert (start.path, start.weights_only) == (str(p1), True)
-    (own / "latest_checkpointed_iteration.txt").write_text("2")
+    _checkpoint(own, 2)
     for kw, flag in (({"load": str(own)}, "--load"), ({"save": str(own)}, "--save")):
         start = resolve_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
         assert (start.path, start.weights_only, start.flag) == (str(own), False, flag)
@@ -40,7 +47,7 @@ def test_start_point_prefers_the_runs_own_checkpoint(tmp_path):
 def test_interrupted_phase2_continues_from_its_own_checkpoint(dataset, tmp_path):
     p1, p2, ref = (str(tmp_path / n) for n in ("p1", "p2", "ref"))
     # Phase 1 at seq 32 and TP 2; phase 2 at seq 64 and TP 1 (P1 is resharded on load).
-    _launch([os.path.join(BIN, "torchrun"), "--nproc-per-node", "2",
+    _launch([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
              *pretrain_args(dataset, tmp_path / "p1.jsonl", "--tensor-model-parallel-size", "2", "--save", p1)])
     phase2 = ["--seq-length", "64", "--train-iters", "4", "--pretrained-checkpoint", p1]
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
