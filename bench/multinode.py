@@ -1,0 +1,179 @@
+"""Two "nodes" on one machine: how much of the data-parallel all-reduce a step hides.
+
+Two network namespaces joined by a veth pair whose bandwidth `tc ... tbf` limits; one
+`torchrun --nnodes 2` agent in each, rendezvous and gloo over the veth
+(GLOO_SOCKET_IFNAME). For each bandwidth: pretrain_bert.py at DP=2 with the overlapped
+reduction on and off, and transformers' BERT of the same shape under PyTorch DDP, each
+across the link and on loopback, plus the gradient all-reduce timed alone across the link:
+
+    hidden = 1 - (step across the link - step on loopback) / all-reduce alone across the link
+
+Needs root (namespaces, tc); elsewhere it says so and exits 0. Everything it creates is
+removed on exit, also on Ctrl-C or an error; every run has a timeout.
+
+    sudo .venv/bin/python bench/multinode.py [--bandwidths 1,10] [--steps 12]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NS = ("megabert-n0", "megabert-n1")
+DEV = ("mbveth0", "mbveth1")
+ADDR = ("10.213.7.1", "10.213.7.2")
+PORT = 29811
+# About 12M parameters: the model the issue measured (hidden 384, 6 layers, vocab 2000).
+SHAPE = dict(layers=6, hidden=384, heads=6, vocab=2000, seq=128, micro=4)
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=60)
+
+
+def make_link(gbit: float) -> None:
+    remove_link()
+    for ns in NS:
+        sh("ip", "netns", "add", ns)
+    sh("ip", "link", "add", DEV[0], "type", "veth", "peer", "name", DEV[1])
+    for ns, dev, addr in zip(NS, DEV, ADDR):
+        sh("ip", "link", "set", dev, "netns", ns)
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        # tbf needs a bucket of at least rate / HZ bytes to reach its rate.
+        burst = max(int(gbit * 1e9 / 8 / 100), 256 * 1024)
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{gbit}gbit",
+           "burst", str(burst), "latency", "50ms")
+
+
+def remove_link() -> None:
+    for ns in NS:
+        sh("ip", "netns", "del", ns, check=False)  # takes its end of the veth pair with it
+    sh("ip", "link", "del", DEV[0], check=False)
+
+
+def launch(worker: list[str], link: bool, timeout: int = 900) -> list[str]:
+    """Runs `worker` under torchrun on both nodes; returns node 0's stdout lines."""
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": DEV[rank] if link else "lo"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", "1", "--master-addr", ADDR[0] if link else "127.0.0.1",
+               "--master-port", str(PORT), *worker]
+        if link:
+            cmd = ["ip", "netns", "exec", NS[rank], *cmd]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode:
+                raise RuntimeError(f"{' '.join(worker[:2])} failed:\n{err[-3000:]}")
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs[0].splitlines()
+
+
+def make_data(work: str) -> str:
+    """A small corpus, its WordPiece vocab and indexed dataset (as tests/test_pretrain_e2e)."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(1500)]
+    with open(os.path.join(work, "corpus.jsonl"), "w") as f:
+        for _ in range(400):
+            sents = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 30))).capitalize() + "."
+                     for _ in range(12)]
+            f.write(json.dumps({"text": " ".join(sents)}) + "\n")
+    tools = os.path.join(ROOT, "tools")
+    subprocess.run([sys.executable, os.path.join(tools, "train_tokenizer.py"), "--input", f"{work}/corpus.jsonl",
+                    "--output", f"{work}/vocab.txt", "--vocab-size", str(SHAPE["vocab"]), "--min-frequency", "1"],
+                   check=True, capture_output=True)
+    subprocess.run([sys.executable, os.path.join(tools, "preprocess_data.py"), "--input", f"{work}/corpus.jsonl",
+                    "--output-prefix", f"{work}/c", "--json-keys", "text", "--tokenizer-type",
+                    "BertWordPieceLowerCase", "--vocab-file", f"{work}/vocab.txt", "--split-sentences",
+                    "--workers", "1"], check=True, capture_output=True)
+    return work
+
+
+def megabert_step(work: str, steps: int, link: bool, overlap: bool) -> float:
+    metrics = os.path.join(work, f"m-{link}-{overlap}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    s = SHAPE
+    launch([os.path.join(ROOT, "pretrain_bert.py"), "--num-layers", str(s["layers"]), "--hidden-size",
+            str(s["hidden"]), "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]),
+            "--max-position-embeddings", "512", "--micro-batch-size", str(s["micro"]), "--train-iters", str(steps),
+            "--data-path", f"{work}/c_text_sentence", "--vocab-file", f"{work}/vocab.txt", "--split", "100,0,0",
+            "--log-interval", "1", "--eval-interval", "0", "--num-workers", "0", "--metrics-file", metrics,
+            *([] if overlap else ["--no-overlap-grad-reduce"])], link)
+    times = [json.loads(line)["iteration_time_s"] for line in open(metrics) if "iteration_time_s" in line]
+    return statistics.median(times[2:])
+
+
+def peer(args: list[str], link: bool) -> float:
+    lines = launch([os.path.join(ROOT, "bench", "_multinode_peer.py"), *args], link)
+    return json.loads([line for line in lines if line.startswith("{")][-1])["median_s"]
+
+
+def param_count() -> int:
+    sys.path.insert(0, ROOT)
+    import megabert
+    from megabert.parallel import ParallelState
+
+    s = SHAPE
+    cfg = megabert.ModelConfig(num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+                               vocab_size=s["vocab"], max_position_embeddings=512)
+    model = megabert.BertForPreTraining(cfg, ParallelState.offline(), device="meta")
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bandwidths", default="1,10", help="Gbit/s of the link, comma-separated")
+    p.add_argument("--steps", type=int, default=12, help="training steps per run (the first two are not timed)")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        print("bench/multinode.py needs root (network namespaces and tc); skipped")
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a kill too
+    n = param_count()
+    s = SHAPE
+    ddp_args = ["ddp", *(str(s[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "micro")), str(args.steps)]
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        make_data(work)
+        loop = {"megabert overlap": megabert_step(work, args.steps, False, True),
+                "megabert no-overlap": megabert_step(work, args.steps, False, False),
+                "PyTorch DDP": peer(ddp_args, False)}
+        try:
+            for gbit in (float(b) for b in args.bandwidths.split(",")):
+                make_link(gbit)
+                alone = peer(["allreduce", str(n)], True)
+                link = {"megabert overlap": megabert_step(work, args.steps, True, True),
+                        "megabert no-overlap": megabert_step(work, args.steps, True, False),
+                        "PyTorch DDP": peer(ddp_args, True)}
+                for side in link:
+                    hidden = 1 - (link[side] - loop[side]) / alone
+                    rows.append((gbit, side, loop[side], link[side], alone, hidden))
+        finally:
+            remove_link()
+    print(f"BERT {s['layers']} layers, hidden {s['hidden']}, {n / 1e6:.1f}M parameters, seq {s['seq']}, micro-batch "
+          f"{s['micro']}, DP=2 over two network namespaces (veth + tc tbf), 1 thread per rank, gloo")
+    print(f"{'Gbit/s':>6} {'side':20} {'loopback s':>10} {'link s':>8} {'all-reduce s':>12} {'hidden':>7}")
+    for gbit, side, lo, li, alone, hidden in rows:
+        print(f"{gbit:6g} {side:20} {lo:10.3f} {li:8.3f} {alone:12.3f} {hidden:7.0%}")
+
+
+if __name__ == "__main__":
+    main()
