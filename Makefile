@@ -13,7 +13,7 @@ EXTRAS ?= deepspeed,mpi,test
 SOURCES := Makefile setup.py pyproject.toml $(shell find megabert -name '*.cpp' -o -name '*.cu' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-gpu clean
+.PHONY: install test demo bench bench-gpu cuda-check clean
 
 install: $(STAMP)
 
@@ -49,6 +49,21 @@ bench-gpu: install
 	$(VPY) -m pytest -q tests/test_fused_kernels.py
 	$(VPY) bench/kernels.py
 	$(VPY) bench/gpu/bert_large.py
+
+# Builds the CUDA kernels for sm_80/sm_90 on a machine without a GPU (warnings as errors) and
+# prints registers and spills per kernel; fails on an error, a warning or a spill. The
+# CUDA torch lives in a side venv so that .venv's CPU torch and extensions stay as they are.
+CUDA_VENV       := .venv-cuda
+CUDA_VPY        := $(CUDA_VENV)/bin/python
+CUDA_TORCH_SPEC ?= torch==2.14.1
+
+$(CUDA_VENV)/.ready:
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VPY) -m pip install -q "$(CUDA_TORCH_SPEC)" ninja numpy "pybind11>=2.12" setuptools wheel
+	@touch $@
+
+cuda-check: $(CUDA_VENV)/.ready
+	$(CUDA_VPY) tools/gpu/cuda_check.py
 
 clean:
 	rm -rf build *.egg-info demo_out

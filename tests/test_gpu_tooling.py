@@ -1,0 +1,64 @@
+"""The GPU tooling that runs without a GPU: the ptxas report of `make cuda-check`
+(tools/gpu/ptxas_report.py) on captured nvcc 13.0 output."""
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", "gpu", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+ptxas_report = _tool("ptxas_report")
+
+# `nvcc -Xptxas -v` (CUDA 13.0) on softmax.cu and layer_norm.cu before the sm_80 spill fix;
+# names shortened to two kernels, lines as ptxas printed them.
+SOFTMAX_BWD = "_ZN8megabert4cuda43_GLOBAL__N__3c379ac9_10_softmax_cu_2cfc26d118softmax_bwd_kernelIfLi12ELi1EEEvPKT_S5_PS3_lif"
+LN_FWD = ("_ZN8megabert4cuda46_GLOBAL__N__6a7d62f9_13_layer_norm_cu_8aa0196a21layer_norm_fwd_kernelIN3c108BFloat16E"
+          "Li8ELi2EEEvPKT_S7_S7_PS5_PfS9_if")
+SAMPLE = f"""\
+ptxas info    : 28 bytes gmem, 224 bytes cmem[4]
+ptxas info    : Compiling entry function '{SOFTMAX_BWD}' for 'sm_80'
+ptxas info    : Function properties for {SOFTMAX_BWD}
+    104 bytes stack frame, 104 bytes spill stores, 104 bytes spill loads
+ptxas info    : Used 255 registers, used 0 barriers, 104 bytes cumulative stack size, 392 bytes cmem[0]
+ptxas info    : Compile time = 350.517 ms
+ptxas info    : Compiling entry function '{LN_FWD}' for 'sm_80'
+ptxas info    : Function properties for {LN_FWD}
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 39 registers, used 1 barriers, 384 bytes smem, 412 bytes cmem[0]
+ptxas info    : Compiling entry function '{SOFTMAX_BWD}' for 'sm_90'
+ptxas info    : Function properties for {SOFTMAX_BWD}
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 190 registers, used 0 barriers
+"""
+
+
+def test_ptxas_output_gives_registers_and_spills_per_kernel_and_arch():
+    usages = ptxas_report.parse_ptxas(SAMPLE.splitlines())
+    got = {(u.mangled, u.arch): (u.registers, u.spill_stores, u.spill_loads) for u in usages}
+    assert got == {(SOFTMAX_BWD, "sm_80"): (255, 104, 104), (LN_FWD, "sm_80"): (39, 0, 0),
+                   (SOFTMAX_BWD, "sm_90"): (190, 0, 0)}
+    assert [u.spills for u in usages] == [True, False, False]
+
+
+def test_the_table_names_kernels_by_template_and_shows_each_arch():
+    rows = ptxas_report.table(ptxas_report.parse_ptxas(SAMPLE.splitlines())).splitlines()
+    assert "sm_80 regs" in rows[0] and "sm_90 regs" in rows[0]
+    softmax = next(r for r in rows if "softmax" in r)
+    if ptxas_report.shutil.which("c++filt"):  # demangled, namespaces dropped
+        assert softmax.split("|")[0].strip() == "softmax_bwd_kernel<float, 12, 1>"
+        assert any(r.startswith("layer_norm_fwd_kernel<bf16, 8, 2>") for r in rows)
+    assert softmax.split("|")[1].split() == ["255", "104/104"]
+    assert softmax.split("|")[2].split() == ["190", "0/0"]
+
+
+def test_short_names_drop_namespaces_and_parameters():
+    name = "megabert::cuda::(anonymous namespace)::softmax_fwd_kernel<c10::Half, 7, 4>(c10::Half const*, float)"
+    assert ptxas_report.short_name(name) == "softmax_fwd_kernel<fp16, 7, 4>"
