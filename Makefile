@@ -17,17 +17,23 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
+# WHEELHOUSE=DIR: install from that folder of wheels alone, no index (a GPU image with no
+# registry; tools/gpu/make_wheelhouse.sh fills it). Empty: the configured index, as usual.
+WHEELHOUSE ?=
+PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
+
 $(VPY):
-	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade "pip>=24" setuptools wheel
+	# A $(PYTHON) that already imports a CUDA torch (a GPU image's) lends it to the venv.
+	$(PYTHON) tools/gpu/make_venv.py $(VENV)
+	$(if $(WHEELHOUSE),,$(VPY) -m pip install -q --upgrade "pip>=24" setuptools wheel)
 
 $(STAMP): $(VPY) $(SOURCES)
 	@$(VPY) -c "import torch" 2>/dev/null \
 	  && echo "keeping torch $$($(VPY) -c 'import torch; print(torch.__version__)')" \
-	  || $(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPY) -m pip install -q ninja numpy "pybind11>=2.12"
+	  || $(VPY) -m pip install -q $(PIP_SOURCE) "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q $(PIP_SOURCE) ninja numpy "pybind11>=2.12"
 	# --no-build-isolation: the extensions must link against the torch in the venv.
-	$(VPY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	$(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation -e ".[$(EXTRAS)]"
 	$(VPY) -c "import megabert, megabert.fused_kernels as fk; print('megabert', megabert.__version__, '| fused kernels:', fk.is_available())"
 	@touch $(STAMP)
 

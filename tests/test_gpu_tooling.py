@@ -1,5 +1,6 @@
 """The GPU tooling that runs without a GPU: the ptxas report of `make cuda-check`
-(tools/gpu/ptxas_report.py) on captured nvcc 13.0 output."""
+(tools/gpu/ptxas_report.py) on captured nvcc 13.0 output, and how `make install` makes its
+venv on a GPU image (tools/gpu/make_venv.py)."""
 import importlib.util
 import os
 import sys
@@ -16,6 +17,7 @@ def _tool(name):
 
 
 ptxas_report = _tool("ptxas_report")
+make_venv = _tool("make_venv")
 
 # `nvcc -Xptxas -v` (CUDA 13.0) on softmax.cu and layer_norm.cu before the sm_80 spill fix;
 # names shortened to two kernels, lines as ptxas printed them.
@@ -62,3 +64,31 @@ def test_the_table_names_kernels_by_template_and_shows_each_arch():
 def test_short_names_drop_namespaces_and_parameters():
     name = "megabert::cuda::(anonymous namespace)::softmax_fwd_kernel<c10::Half, 7, 4>(c10::Half const*, float)"
     assert ptxas_report.short_name(name) == "softmax_fwd_kernel<fp16, 7, 4>"
+
+
+def test_a_cuda_torch_is_lent_to_the_venv_and_a_cpu_one_is_not():
+    plain = make_venv.plan_venv("2.13.0+cpu", None, False, ("/usr/lib/site",), True)
+    assert not plain.system_site and not plain.parent_site and plain.with_pip
+    assert make_venv.plan_venv(None, None, False, (), True).system_site is False
+    # The GPU image: python3 is itself a venv holding torch, so its site-packages must be
+    # named (--system-site-packages alone would show the base interpreter's only).
+    image = make_venv.plan_venv("2.11.0+cu130", "13.0", True, ("/opt/torch/.venv/lib/python3.12/site-packages",),
+                                False)
+    assert image.system_site and image.parent_site == ("/opt/torch/.venv/lib/python3.12/site-packages",)
+    assert not image.with_pip and "torch 2.11.0+cu130" in image.reason
+    system = make_venv.plan_venv("2.11.0+cu130", "13.0", False, ("/usr/lib/python3/dist-packages",), True)
+    assert system.system_site and system.parent_site == ()
+
+
+def test_a_venv_made_from_a_venv_sees_the_parent_packages(tmp_path):
+    parent_site = tmp_path / "parent-site"
+    parent_site.mkdir()
+    (parent_site / "lent_pkg.py").write_text("WHERE = 'parent'\n")
+    plan = make_venv.VenvPlan(True, (str(parent_site),), False, "test")
+    make_venv.create(str(tmp_path / "venv"), plan)
+    import subprocess
+
+    out = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", "import lent_pkg; print(lent_pkg.WHERE)"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "parent"
+
