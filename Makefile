@@ -46,15 +46,12 @@ demo: install
 bench: install
 	$(VPY) bench/run_all.py
 
-# On a GPU machine with a CUDA torch in the venv (make install keeps it): builds the CUDA
-# kernels, runs their tests against PyTorch, then BERT-large bf16 phase 1/2 throughput and
-# MFU next to transformers (docs/performance.md records the figures).
-bench-gpu: install
-	$(VPY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make bench-gpu needs a CUDA GPU and a CUDA torch in $(VENV)')"
-	$(VPY) -c "import megabert.fused_kernels as fk; import sys; sys.exit(0 if fk.is_available('cuda') else 'CUDA kernels not built: ' + str(fk.load_error('cuda')))"
-	$(VPY) -m pytest -q tests/test_fused_kernels.py
-	$(VPY) bench/kernels.py
-	$(VPY) bench/gpu/bert_large.py
+# On a GPU machine (make install reuses its CUDA torch; WHEELHOUSE, default wheelhouse/ when
+# it exists, stands in for a registry): builds the CUDA kernels, runs their tests against
+# PyTorch, the kernel, BERT-large and memory benches; logs and summary.json under OUT
+# (default bench_out/). Without a GPU it stops, in one line, at the first step that needs one.
+bench-gpu:
+	$(PYTHON) tools/gpu/bench_gpu.py
 
 # Builds the CUDA kernels for sm_80/sm_90 on a machine without a GPU (warnings as errors) and
 # prints registers and spills per kernel; fails on an error, a warning or a spill. The

@@ -1,6 +1,7 @@
 """The GPU tooling that runs without a GPU: the ptxas report of `make cuda-check`
-(tools/gpu/ptxas_report.py) on captured nvcc 13.0 output, and how `make install` makes its
-venv on a GPU image (tools/gpu/make_venv.py)."""
+(tools/gpu/ptxas_report.py) on captured nvcc 13.0 output, how `make install` makes its
+venv on a GPU image (tools/gpu/make_venv.py), and `make bench-gpu`'s stopping line and
+figure parsers (tools/gpu/bench_gpu.py, bench_figures.py)."""
 import importlib.util
 import os
 import sys
@@ -92,3 +93,40 @@ def test_a_venv_made_from_a_venv_sees_the_parent_packages(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "parent"
 
+
+bench_figures = _tool("bench_figures")
+bench_gpu = _tool("bench_gpu")
+
+
+def test_bench_gpu_stops_at_the_first_gpu_step_with_one_line():
+    cpu = {"torch": "2.13.0+cpu", "torch_cuda": None, "cuda_available": False, "cuda_kernels": False}
+    problem = bench_gpu.gpu_problem(cpu)
+    line = bench_gpu.stop_line(problem, ["install", "versions"], "bench_out")
+    assert line.startswith("bench-gpu: no CUDA GPU visible (torch.cuda.is_available() is False")
+    assert "everything before this step passed: install, versions" in line and "\n" not in line
+    no_gpu = dict(cpu, torch="2.11.0+cu130", torch_cuda="13.0")
+    assert "torch 2.11.0+cu130" in bench_gpu.gpu_problem(no_gpu)
+    gpu = dict(no_gpu, cuda_available=True, cuda_kernels_error="ImportError: no _cuda")
+    assert bench_gpu.gpu_problem(gpu) is None
+    assert "ImportError: no _cuda" in bench_gpu.kernels_problem(gpu)
+    assert bench_gpu.kernels_problem(dict(gpu, cuda_kernels=True)) is None
+
+
+def test_bench_figures_read_each_benchmarks_lines():
+    assert bench_figures.pytest_counts(["SKIPPED [2] tests/x.py:9: no GPU", "31 passed, 2 skipped in 12.3s"]) == \
+        {"passed": 31, "skipped": 2}
+    kernels = bench_figures.kernel_times([
+        "op        shape               dtype       ours ms        reference ms     softmax(masked_fill) ms",
+        "softmax   [8,12,128,128]      bfloat16       0.05 (1.00x)        0.21 ( 4.20x)",
+        "                                        fwd    1800 GB/s ( 54%)  bwd    2100 GB/s ( 63%)  of 3350 GB/s peak"])
+    assert kernels == [{"op": "softmax", "shape": "[8,12,128,128]", "dtype": "bfloat16", "ours_ms": 0.05,
+                        "bandwidth": "fwd    1800 GB/s ( 54%)  bwd    2100 GB/s ( 63%)  of 3350 GB/s peak"}]
+    bert = bench_figures.bert_large(["1        megabert          812.3     201.1   20.3%            1.25x",
+                                     "2        transformers      100.0      90.0     n/a            1.00x"])
+    assert bert[0] == {"phase": 1, "side": "megabert", "seq_per_s": 812.3, "tflops": 201.1, "mfu": 0.203,
+                       "vs_transformers": 1.25}
+    assert bert[1]["mfu"] is None
+    mem = bench_figures.memory(["bert-base  single             1        3.21          3.05      1.05      1.00",
+                                "bert-base  tp2                2      not run          3.05   not run: needs 2 GPUs"])
+    assert mem == [{"model": "bert-base", "layout": "single", "world": 1, "measured_gb": 3.21, "predicted_gb": 3.05,
+                    "measured_over_predicted": 1.05}]
