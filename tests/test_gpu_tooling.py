@@ -130,3 +130,12 @@ def test_bench_figures_read_each_benchmarks_lines():
                                 "bert-base  tp2                2      not run          3.05   not run: needs 2 GPUs"])
     assert mem == [{"model": "bert-base", "layout": "single", "world": 1, "measured_gb": 3.21, "predicted_gb": 3.05,
                     "measured_over_predicted": 1.05}]
+
+
+def test_cuda_check_shows_diagnostics_not_the_compile_commands():
+    cuda_check = _tool("cuda_check")
+    log = ["[2/3] /usr/local/cuda-13.0/bin/nvcc -c softmax.cu -Werror all-warnings -Xcompiler -Werror",
+           "softmax.cu(101): error: identifier \"kHeld\" is undefined",
+           "layer_norm.cu(7): warning #177-D: variable \"x\" was declared but never referenced",
+           "bindings.cpp:3:5: error: expected ';'", "FAILED: softmax.o", "ninja: build stopped"]
+    assert cuda_check.first_errors(log) == log[1:5]

@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
+from typing import Iterable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -68,10 +70,14 @@ def build(src: str, log_path: str, env: dict[str, str]) -> int:
                               stdout=log, stderr=subprocess.STDOUT, check=False).returncode
 
 
-def first_errors(log_path: str, limit: int = 15) -> list[str]:
-    with open(log_path, errors="replace") as f:
-        lines = [line.rstrip() for line in f if "error" in line.lower() or "warning" in line.lower()]
-    return lines[:limit]
+# gcc `f.cpp:3:5: error: ...`, nvcc `f.cu(3): warning #177-D: ...`, ptxas `ptxas error   : ...`,
+# ninja `FAILED: ...`; not the compile commands, which all carry `-Werror`.
+DIAGNOSTIC = re.compile(r"\b(error|warning)( #\d+-D)?\s*:|^FAILED:", re.IGNORECASE)
+
+
+def first_errors(lines: Iterable[str], limit: int = 15) -> list[str]:
+    """The first compiler diagnostics of a build log."""
+    return [line.rstrip() for line in lines if DIAGNOSTIC.search(line)][:limit]
 
 
 def import_check(src: str) -> str:
@@ -102,8 +108,9 @@ def main() -> None:
           f"{env['TORCH_CUDA_ARCH_LIST']}, warnings as errors; building in {src} (log: {log_path})", flush=True)
     rc = build(src, log_path, env)
     if rc != 0:
-        for line in first_errors(log_path):
-            print(f"  {line}")
+        with open(log_path, errors="replace") as f:
+            for line in first_errors(f):
+                print(f"  {line}")
         fail(f"the CUDA build failed (exit code {rc}, a compile error or a warning under "
              f"MEGABERT_CUDA_WERROR=1); the lines above are from {log_path}, fix them and run it again")
     error = import_check(src)
