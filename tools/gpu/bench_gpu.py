@@ -3,6 +3,7 @@
 Steps, each with its log under OUT (default bench_out/):
   install        `make install` (from WHEELHOUSE when that folder exists: the GPU image has
                  no registry), which builds the CUDA kernels against the machine's torch
+                 (MEGABERT_CUDA=require when this python has a CUDA torch)
   versions       torch, CUDA, GPU, driver, nvcc and whether the CUDA kernels loaded
   gpu            a CUDA GPU is visible                  } the run stops here when not,
   cuda-kernels   megabert's CUDA extension loaded      } with one line saying why
@@ -33,26 +34,6 @@ sys.path.insert(0, HERE)
 import bench_figures  # noqa: E402
 
 VPY = os.path.join(ROOT, ".venv", "bin", "python")  # the Makefile's VENV
-VERSIONS = r"""
-import json, shutil, subprocess, torch
-import megabert.fused_kernels as fk
-def first_line(cmd):
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[-1] if out else None
-gpu = torch.cuda.is_available()
-print(json.dumps({
-    "torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": gpu,
-    "gpu": torch.cuda.get_device_name(0) if gpu else None,
-    "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if gpu else None,
-    "driver": first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-              if shutil.which("nvidia-smi") else None,
-    "nvcc": first_line(["nvcc", "--version"]) if shutil.which("nvcc") else None,
-    "cuda_kernels": fk.is_available("cuda"), "cuda_kernels_error": fk.load_error("cuda"),
-}))
-"""
 
 
 def gpu_problem(versions: dict) -> Optional[str]:
@@ -126,9 +107,14 @@ def main() -> None:
     if wheelhouse and os.path.isdir(os.path.join(ROOT, wheelhouse)):
         make.append(f"WHEELHOUSE={wheelhouse}")
     run.summary["wheelhouse"] = make[-1].split("=", 1)[1] if make[-1].startswith("WHEELHOUSE=") else None
-    if run.step("install", make) != 0:
+    # Where the venv will reuse a CUDA torch, a CUDA build that fails must stop the run with
+    # its error in install.log, not fall back to the CPU kernels (pip -q hides that line).
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
+                           capture_output=True, text=True, check=False)
+    install_env = dict(os.environ, MEGABERT_CUDA="require") if probe.stdout.strip() else None
+    if run.step("install", make, env=install_env) != 0:
         run.stop(f"`{' '.join(make)}` failed; the end of install.log says why")
-    rc = run.step("versions", [VPY, "-c", VERSIONS])
+    rc = run.step("versions", [VPY, os.path.join(HERE, "versions.py")])
     with open(os.path.join(out, "versions.log"), errors="replace") as f:
         report = f.read().strip().splitlines()
     try:
