@@ -13,21 +13,27 @@ EXTRAS ?= deepspeed,mpi,test
 SOURCES := Makefile setup.py pyproject.toml $(shell find megabert -name '*.cpp' -o -name '*.cu' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-gpu clean
+.PHONY: install test demo bench bench-gpu cuda-check clean
 
 install: $(STAMP)
 
+# WHEELHOUSE=DIR: install from that folder of wheels alone, no index (a GPU image with no
+# registry; tools/gpu/make_wheelhouse.sh fills it). Empty: the configured index, as usual.
+WHEELHOUSE ?=
+PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
+
 $(VPY):
-	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade "pip>=24" setuptools wheel
+	# A $(PYTHON) that already imports a CUDA torch (a GPU image's) lends it to the venv.
+	$(PYTHON) tools/gpu/make_venv.py $(VENV)
+	$(if $(WHEELHOUSE),,$(VPY) -m pip install -q --upgrade "pip>=24" setuptools wheel)
 
 $(STAMP): $(VPY) $(SOURCES)
 	@$(VPY) -c "import torch" 2>/dev/null \
 	  && echo "keeping torch $$($(VPY) -c 'import torch; print(torch.__version__)')" \
-	  || $(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPY) -m pip install -q ninja numpy "pybind11>=2.12"
+	  || $(VPY) -m pip install -q $(PIP_SOURCE) "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q $(PIP_SOURCE) ninja numpy "pybind11>=2.12"
 	# --no-build-isolation: the extensions must link against the torch in the venv.
-	$(VPY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	$(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation -e ".[$(EXTRAS)]"
 	$(VPY) -c "import megabert, megabert.fused_kernels as fk; print('megabert', megabert.__version__, '| fused kernels:', fk.is_available())"
 	@touch $(STAMP)
 
@@ -40,15 +46,27 @@ demo: install
 bench: install
 	$(VPY) bench/run_all.py
 
-# On a GPU machine with a CUDA torch in the venv (make install keeps it): builds the CUDA
-# kernels, runs their tests against PyTorch, then BERT-large bf16 phase 1/2 throughput and
-# MFU next to transformers (docs/performance.md records the figures).
-bench-gpu: install
-	$(VPY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make bench-gpu needs a CUDA GPU and a CUDA torch in $(VENV)')"
-	$(VPY) -c "import megabert.fused_kernels as fk; import sys; sys.exit(0 if fk.is_available('cuda') else 'CUDA kernels not built: ' + str(fk.load_error('cuda')))"
-	$(VPY) -m pytest -q tests/test_fused_kernels.py
-	$(VPY) bench/kernels.py
-	$(VPY) bench/gpu/bert_large.py
+# On a GPU machine (make install reuses its CUDA torch; WHEELHOUSE, default wheelhouse/ when
+# it exists, stands in for a registry): builds the CUDA kernels, runs their tests against
+# PyTorch, the kernel, BERT-large and memory benches; logs and summary.json under OUT
+# (default bench_out/). Without a GPU it stops, in one line, at the first step that needs one.
+bench-gpu:
+	$(PYTHON) tools/gpu/bench_gpu.py
+
+# Builds the CUDA kernels for sm_80/sm_90 on a machine without a GPU (warnings as errors) and
+# prints registers and spills per kernel; fails on an error, a warning or a spill. The
+# CUDA torch lives in a side venv so that .venv's CPU torch and extensions stay as they are.
+CUDA_VENV       := .venv-cuda
+CUDA_VPY        := $(CUDA_VENV)/bin/python
+CUDA_TORCH_SPEC ?= torch==2.14.1
+
+$(CUDA_VENV)/.ready:
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VPY) -m pip install -q "$(CUDA_TORCH_SPEC)" ninja numpy "pybind11>=2.12" setuptools wheel
+	@touch $@
+
+cuda-check: $(CUDA_VENV)/.ready
+	$(CUDA_VPY) tools/gpu/cuda_check.py
 
 clean:
 	rm -rf build *.egg-info demo_out

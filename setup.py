@@ -87,12 +87,18 @@ def kernel_extensions():
     os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = plan.cuda_home
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", plan.arch_list)
     _say(f"building the CUDA kernels with {plan.reason} for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
+    cxx, nvcc = list(CXX_FLAGS), ["-O3", "--use_fast_math", "-lineinfo"]
+    if os.environ.get("MEGABERT_CUDA_WERROR") == "1":
+        # `make cuda-check` (tools/gpu/cuda_check.py): a warning in our kernels, device or
+        # host side, fails the build there instead of scrolling past in a GPU job's log.
+        cxx += ["-Werror"]
+        nvcc += ["-Werror", "all-warnings", "-Xcompiler", "-Werror"]
     cuda = cpp_extension.CUDAExtension(
         "megabert.fused_kernels._cuda",
         sources=[_src(*KERNELS, "cuda", f) for f in ("bindings.cpp", "softmax.cu", "layer_norm.cu")],
         # --use_fast_math: __expf in the softmax (as Megatron's kernels); the LayerNorm
         # uses rsqrtf either way. Architectures come from TORCH_CUDA_ARCH_LIST or the GPU.
-        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
     )
     return [cpu, cuda]
 

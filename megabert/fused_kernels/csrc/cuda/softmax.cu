@@ -93,12 +93,18 @@ __global__ void __launch_bounds__(kWarpSize* kRowsPerBlock)
 // grad_x = scale * y * (grad_y - sum(grad_y * y)); masked keys have y = 0.
 // Up to 2048 keys a thread keeps both rows in registers; at 4096 that is 256 floats,
 // which spills, so grad_y is read again (an L1/L2 hit: this warp just read it).
+// Unpacked at 4096 (VEC 1: a row length that is no multiple of the pack, or unaligned
+// rows), even y's 128 floats spilled on sm_80 (255 registers, ~100 bytes of local memory:
+// one load, address and bounds check per element where packs share them), so there only
+// the first half of y stays and the second half is read again as grad_y is. A value read
+// again is the same load converted the same way: the results are bitwise unchanged.
 template <typename T, int LOG2_KEYS, int VEC>
 __global__ void __launch_bounds__(kWarpSize* kRowsPerBlock)
     softmax_bwd_kernel(const T* __restrict__ grad_y, const T* __restrict__ y, T* __restrict__ grad_x, int64_t rows,
                        int sk, float scale) {
   using L = RowLayout<LOG2_KEYS, VEC>;
   constexpr bool kHoldGrad = L::kPerThread <= 64;
+  constexpr int kHeldY = kHoldGrad || VEC > 1 ? L::kIters : L::kIters / 2;  // iterations whose y stays
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.y;
   if (row >= rows) return;
   const int lane = threadIdx.x;
@@ -126,6 +132,7 @@ __global__ void __launch_bounds__(kWarpSize* kRowsPerBlock)
     if (c < sk) {
       float(&g)[VEC] = g_held[kHoldGrad ? it : 0];
       if (!kHoldGrad) load_pack<T, VEC>(grad_y + c, g);
+      if (it >= kHeldY) load_pack<T, VEC>(y + c, p[it]);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) p[it][i] = scale * p[it][i] * (g[i] - dot);
       store_pack<T, VEC>(grad_x + c, p[it]);

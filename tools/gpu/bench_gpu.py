@@ -1,0 +1,148 @@
+"""`make bench-gpu`: everything a GPU machine should tell us, in one call.
+
+Steps, each with its log under OUT (default bench_out/):
+  install        `make install` (from WHEELHOUSE when that folder exists: the GPU image has
+                 no registry), which builds the CUDA kernels against the machine's torch
+                 (MEGABERT_CUDA=require when this python has a CUDA torch)
+  versions       torch, CUDA, GPU, driver, nvcc and whether the CUDA kernels loaded
+  gpu            a CUDA GPU is visible                  } the run stops here when not,
+  cuda-kernels   megabert's CUDA extension loaded      } with one line saying why
+  tests          tests/test_fused_kernels.py (the CUDA kernels against PyTorch)
+  kernels        bench/kernels.py --device cuda (fp32, bf16, fp16)
+  bert-large     bench/gpu/bert_large.py (BERT-large bf16 phase 1/2 vs transformers)
+  memory         bench/memory.py --layouts single (BERT-base and -large, one GPU)
+and summary.json: what ran, exit codes, seconds, key figures (tools/gpu/bench_figures.py)
+and the versions. The measuring steps run even when one of them fails; the exit code is
+non-zero when any step failed. A machine without a GPU goes through install and versions
+and stops at `gpu`.
+
+    python3 tools/gpu/bench_gpu.py        # OUT, WHEELHOUSE from the environment
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import bench_figures  # noqa: E402
+
+VPY = os.path.join(ROOT, ".venv", "bin", "python")  # the Makefile's VENV
+
+
+def gpu_problem(versions: dict) -> Optional[str]:
+    """Why the GPU steps cannot run (None when they can), from the versions step's report."""
+    if not versions.get("torch_cuda"):
+        return (f"no CUDA GPU visible (torch.cuda.is_available() is False: torch {versions.get('torch')} has no "
+                f"CUDA; on a GPU machine keep its CUDA torch: make install reuses a CUDA torch of PYTHON)")
+    if not versions.get("cuda_available"):
+        return f"no CUDA GPU visible (torch.cuda.is_available() is False, torch {versions.get('torch')})"
+    return None
+
+
+def kernels_problem(versions: dict) -> Optional[str]:
+    if versions.get("cuda_kernels"):
+        return None
+    return (f"megabert's CUDA kernels did not load ({versions.get('cuda_kernels_error')}); see install.log, or "
+            f"build with MEGABERT_CUDA=require for the error")
+
+
+def stop_line(problem: str, passed: list[str], out: str) -> str:
+    """The one line a stopped run ends with."""
+    before = ", ".join(passed) if passed else "nothing"
+    return f"bench-gpu: {problem}; everything before this step passed: {before}; logs and summary.json in {out}"
+
+
+class Run:
+    """Runs the steps, logs each under `out` and keeps summary.json current after every step,
+    so that a run killed at its time limit still leaves what it did."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.summary: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "root": ROOT, "steps": [],
+                              "versions": None, "stopped": None, "ok": None}
+        os.makedirs(out, exist_ok=True)
+
+    def step(self, name: str, cmd: list[str], figures: Optional[Callable] = None, env: Optional[dict] = None) -> int:
+        log = os.path.join(self.out, f"{name}.log")
+        print(f"bench-gpu: {name}: {' '.join(cmd)} (log: {log})", flush=True)
+        t0 = time.time()
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        entry = {"name": name, "command": cmd, "exit_code": rc, "seconds": round(time.time() - t0, 1),
+                 "log": os.path.basename(log)}
+        if figures is not None:
+            with open(log, errors="replace") as f:
+                entry["figures"] = figures(f.read().splitlines())
+        self.summary["steps"].append(entry)
+        self.write()
+        print(f"bench-gpu: {name}: exit code {rc} in {entry['seconds']} s", flush=True)
+        return rc
+
+    def passed(self) -> list[str]:
+        return [s["name"] for s in self.summary["steps"] if s["exit_code"] == 0]
+
+    def stop(self, problem: str) -> None:
+        line = stop_line(problem, self.passed(), self.out)
+        self.summary["stopped"], self.summary["ok"] = line, False
+        self.write()
+        sys.exit(line)
+
+    def write(self) -> None:
+        with open(os.path.join(self.out, "summary.json"), "w") as f:
+            json.dump(self.summary, f, indent=1)
+
+
+def main() -> None:
+    out = os.path.abspath(os.environ.get("OUT") or os.path.join(ROOT, "bench_out"))
+    wheelhouse = os.environ.get("WHEELHOUSE", "wheelhouse")
+    run = Run(out)
+    make = ["make", "-C", ROOT, "install"]
+    if wheelhouse and os.path.isdir(os.path.join(ROOT, wheelhouse)):
+        make.append(f"WHEELHOUSE={wheelhouse}")
+    run.summary["wheelhouse"] = make[-1].split("=", 1)[1] if make[-1].startswith("WHEELHOUSE=") else None
+    # Where the venv will reuse a CUDA torch, a CUDA build that fails must stop the run with
+    # its error in install.log, not fall back to the CPU kernels (pip -q hides that line).
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
+                           capture_output=True, text=True, check=False)
+    install_env = dict(os.environ, MEGABERT_CUDA="require") if probe.stdout.strip() else None
+    if run.step("install", make, env=install_env) != 0:
+        run.stop(f"`{' '.join(make)}` failed; the end of install.log says why")
+    rc = run.step("versions", [VPY, os.path.join(HERE, "versions.py")])
+    with open(os.path.join(out, "versions.log"), errors="replace") as f:
+        report = f.read().strip().splitlines()
+    try:
+        versions = json.loads(report[-1]) if rc == 0 and report else None
+    except json.JSONDecodeError:
+        versions = None
+    if versions is None:
+        run.stop("the versions step failed (importing torch or megabert in .venv); see versions.log")
+    run.summary["versions"] = versions
+    run.write()
+    for problem in (gpu_problem(versions), kernels_problem(versions)):
+        if problem:
+            run.stop(problem)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    failed = [name for name, cmd, figures in (
+        ("tests", [VPY, "-m", "pytest", "-q", "tests/test_fused_kernels.py"], bench_figures.pytest_counts),
+        ("kernels", [VPY, "bench/kernels.py", "--device", "cuda", "--dtype", "float32", "bfloat16", "float16"],
+         bench_figures.kernel_times),
+        ("bert-large", [VPY, "bench/gpu/bert_large.py"], bench_figures.bert_large),
+        ("memory", [VPY, "bench/memory.py", "--sizes", "bert-base", "bert-large", "--layouts", "single"],
+         bench_figures.memory),
+    ) if run.step(name, cmd, figures, env) != 0]
+    run.summary["ok"] = not failed
+    run.write()
+    if failed:
+        sys.exit(f"bench-gpu: {', '.join(failed)} failed (exit codes in {out}/summary.json, logs beside it)")
+    print(f"bench-gpu: all steps passed; logs and summary.json in {out}")
+
+
+if __name__ == "__main__":
+    main()
