@@ -1,6 +1,7 @@
 """The communication ledger (megabert.parallel.comm): each primitive counts the bytes a
-rank sends under the ring algorithms, the per-step totals of tiny TP2, DP2 and PP2 runs
-match the layout planner's prediction, DeepSpeed's backend is counted as `zero`.
+rank sends under the ring algorithms; the per-group totals of tiny TP2 (+SP), DP2 (overlapped
+reducer or not), PP2 (1F1B, interleaved) and ZeRO-2 steps match the layout planner's
+prediction; DeepSpeed's backend is counted as `zero`.
 
 One spawned world of two serves every multi-process check (module fixture)."""
 import json
@@ -13,7 +14,7 @@ from dist_utils import run_distributed
 from megabert.parallel import comm
 from megabert.parallel.comm import CommLedger, sent_bytes
 
-ITERS = ["--train-iters", "2", "--no-unpad-input"]  # padded encoder: [s, b, h] as the planner counts
+ITERS = ["--train-iters", "2", "--global-batch-size", "8", "--no-unpad-input"]  # padded encoder: [s, b, h] as the planner counts
 # planner field -> the ledger's labels it covers
 FIELDS = {"tensor_parallel": ("tp", "sp"), "pipeline_parallel": ("pp",), "data_parallel": ("dp", "zero"),
           "embedding_sync": ("embedding",)}
@@ -120,7 +121,8 @@ def _worker(rank, world, out_dir):
                            ("tp2-sp", ["--sequence-parallel"], 2),
                            ("pp2", ["--pipeline-model-parallel-size", "2"], 1),
                            ("pp2-interleaved", ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                                                "--num-layers-per-virtual-pipeline-stage", "1"], 1)):
+                                                "--num-layers-per-virtual-pipeline-stage", "1"], 1),
+                           ("zero2", ["--deepspeed", "--zero-stage", "2"], 1)):
         metrics = os.path.join(out_dir, f"{name}.jsonl")
         predicted = _layout_step(argv + ["--metrics-file", metrics], tp)
         results["layouts"][name] = predicted
@@ -149,7 +151,7 @@ def test_each_primitive_counts_what_the_rank_sends(world2):
         assert p["outside"] == {}
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2-sp", "dp2", "dp2-no-overlap", "pp2", "pp2-interleaved"])
+@pytest.mark.parametrize("name", ["tp2", "tp2-sp", "dp2", "dp2-no-overlap", "pp2", "pp2-interleaved", "zero2"])
 def test_step_bytes_match_the_planner(world2, name):
     ranks, rows = world2
     predicted = ranks[0]["layouts"][name]
