@@ -43,8 +43,9 @@ import torch.distributed as dist
 ReduceOp = dist.ReduceOp
 
 # Group labels, as the planner's breakdown names traffic. "sp": the sequence-parallel
-# collectives and gradient sums, on the TP group; "mp": the grad norm over TP x PP.
-LABELS = ("tp", "sp", "pp", "dp", "embedding", "mp", "zero", "world")
+# collectives and gradient sums, on the TP group; "mp": the grad norm over TP x PP; "world":
+# the default group (fp16's overflow flag); "other": a group the ParallelState does not name.
+LABELS = ("tp", "sp", "pp", "dp", "embedding", "mp", "zero", "world", "other")
 
 
 def sent_bytes(op: str, nbytes: int, n: int) -> float:
@@ -63,12 +64,11 @@ def sent_bytes(op: str, nbytes: int, n: int) -> float:
 
 
 class CommLedger:
-    """Bytes this rank sent, by group label and by op, since the last `take()`."""
+    """Bytes this rank sent, by group label, since the last `take()`."""
 
     def __init__(self, labels: Optional[dict] = None):
         self._labels = dict(labels or {})  # ProcessGroup -> label
         self.bytes: dict[str, float] = defaultdict(float)
-        self.ops: dict[tuple[str, str], int] = defaultdict(int)  # (label, op) -> calls
 
     @classmethod
     def for_state(cls, ps) -> "CommLedger":
@@ -86,17 +86,11 @@ class CommLedger:
         sent = sent_bytes(op, nbytes, n)
         if sent:
             self.bytes[label] += sent
-        self.ops[(label, op)] += 1
-
-    @property
-    def total(self) -> float:
-        return sum(self.bytes.values())
 
     def take(self) -> dict[str, float]:
         """{label: bytes} since the last take, and starts again from zero."""
         out = dict(self.bytes)
         self.bytes.clear()
-        self.ops.clear()
         return out
 
     @contextmanager
