@@ -15,6 +15,7 @@ from dist_utils import run_distributed
 from megabert.config import ModelConfig, bert_base, bert_large, bert_tiny
 from megabert.errors import ConfigError
 from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan
+from megabert.planning.communication import _stage_comm
 from megabert.planning.activations import layer_activation_bytes
 from megabert.planning.memory import estimate_stage
 from megabert.planning.params import stage_params, total_params
@@ -138,11 +139,27 @@ def test_communication_hand_checked():
     n = math.ceil(0.15 * 128) * 2
     assert tp.tensor_parallel == pytest.approx((12 * 4 + 1) * act * 2 * 1 / 2 + n * 768 * 2 * 2 * 1 / 2)
     sp = communication(cfg, run, Layout(tp=2, sequence_parallel=True))
-    assert sp.tensor_parallel == tp.tensor_parallel  # reduce-scatter + all-gather move what an all-reduce does
+    # Reduce-scatter + all-gather move what an all-reduce does; SP adds an all-gather at each
+    # end of the model and the TP sum of its LayerNorm and row-parallel bias gradients (fp32).
+    assert sp.tensor_parallel == pytest.approx(tp.tensor_parallel + 2 * act / 2 + 2 * 1 / 2 * 4 * 12 * 6 * 768)
+    # Pipeline: per micro-batch each stage sends its output on and its input's gradient back,
+    # but the model's output and the model's input's gradient; fp32 and fp16 exchange fp32.
+    act32 = 128 * 2 * 768 * 4
+    work = Workload(seq_length=128, micro_batch_size=2, global_batch_size=16, precision="fp16")  # 8 micro-batches
+    assert communication(cfg, work, Layout(pp=2)).pipeline_parallel == pytest.approx(8 * act32)
+    middle = _stage_comm(cfg, work, Layout(pp=4), 1)  # (the busiest by total is an end: it syncs the embeddings)
+    assert middle.pipeline_parallel == pytest.approx(8 * 2 * act32)
+    assert communication(cfg, work, Layout(pp=2, virtual_stages=2)).pipeline_parallel == pytest.approx(8 * 3 * act32)
     z3 = communication(cfg, run, Layout(dp=4, zero_stage=3))
     z1 = communication(cfg, run, Layout(dp=4, zero_stage=1))
-    assert z1.data_parallel == pytest.approx(2 * 3 / 4 * 2 * P)
-    assert 1.4 * z1.data_parallel < z3.data_parallel <= 1.5 * z1.data_parallel  # ZeRO-3: 1.5x (parameters re-gathered)
+    # DeepSpeed 0.19's ZeRO-1 all-reduces bf16 gradients, then all-gathers the parameters.
+    assert z1.data_parallel == pytest.approx(2 * 3 / 4 * 2 * P + 3 / 4 * 2 * P)
+    # ZeRO-3: reduce-scatter, gather for forward, again for backward but the embedding tables
+    # and the MLM bias, the small unpartitioned parameters after the step.
+    small = stage_params(cfg, 1, 1, 0).below(10 * 768)
+    vocab = cfg.padded_vocab_size(1)
+    unread = vocab * 768 + 512 * 768 + vocab  # word, position embeddings, MLM bias (token types are small)
+    assert z3.data_parallel == pytest.approx(3 / 4 * 2 * (P + (P - small) + (P - small - unread) + small))
 
 
 def test_plan_ranks_by_communication_then_model_parallel_size():

@@ -95,6 +95,7 @@ def test_pipeline_under_torchrun(dataset, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     train = [x for x in rows(metrics) if "lm_loss" in x]
     assert [x["iteration"] for x in train] == [1, 2, 3] and all(x["lm_loss"] > 0 for x in train)
+    assert all({"pp", "embedding"} <= set(x["comm_gb_by_group"]) for x in train), train  # p2p and tied embeddings
     _check_eval_row(rows(metrics))  # computed on the last stage, logged by rank 0
     assert sorted(os.listdir(tmp_path / "ck" / "iter_0000003")) == ["mp_rank_00_000", "mp_rank_00_001"]
 
@@ -104,7 +105,10 @@ def test_deepspeed_zero2_under_torchrun(dataset, tmp_path):
     r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
               *pretrain_args(dataset, metrics, "--deepspeed", "--zero-stage", "2", "--save", str(tmp_path / "ck"))])
     assert r.returncode == 0, r.stderr[-4000:]
-    assert len([x for x in rows(metrics) if "lm_loss" in x]) == 3
+    train = [x for x in rows(metrics) if "lm_loss" in x]
+    assert len(train) == 3
+    # The communication ledger: the busiest rank's bytes per step, DeepSpeed's counted as zero.
+    assert all(x["comm_gb"] > 0 and x["comm_gb_by_group"]["zero"] > 0 for x in train), train
     assert os.path.isdir(tmp_path / "ck" / "deepspeed" / "iter_0000003")
 
 

@@ -8,13 +8,12 @@ import logging
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint.reader import RankCheckpoint, read_model_config, read_rank
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError, ConfigError
-from megabert.parallel import ParallelState, get_parallel_state
+from megabert.parallel import ParallelState, comm, get_parallel_state
 from megabert.parallel.param_spec import ParamSpec, spec_table
 from megabert.tensor_parallel.layers import unshard
 
@@ -111,6 +110,6 @@ def gather_full(named: dict, ps: ParallelState, table: dict[str, ParamSpec]) -> 
             out[name] = t.cpu().clone()
             continue
         parts = [torch.empty_like(t) for _ in range(ps.tp_size)]
-        dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
+        comm.all_gather(parts, t.contiguous(), group=ps.tp_group)
         out[name] = unshard([p.cpu() for p in parts], spec.partition_dim, spec.partition_stride)
     return out

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megabert.parallel import comm
+
 
 class Lamb(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
@@ -60,7 +62,7 @@ class Lamb(torch.optim.Optimizer):
         if split and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             # Only split tensors' norms are partial: their squares are summed, in one call.
             squares = torch.stack([w[i] for i in split] + [u[i] for i in split]).square()
-            dist.all_reduce(squares, group=self.tp_group)
+            comm.all_reduce(squares, group=self.tp_group)
             whole = squares.sqrt()
             for j, i in enumerate(split):
                 w[i], u[i] = whole[j], whole[len(split) + j]

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megabert.parallel import ParallelState
+from megabert.parallel import ParallelState, comm
 
 
 def pipeline_dtype(bf16: bool) -> torch.dtype:
@@ -53,11 +53,11 @@ class PipeComm:
             raise RuntimeError(f"pipeline stage produced a tensor of shape {tuple(t.shape)}, the receiving stage "
                                f"expects {self.shape}: every micro-batch must have --seq-length and "
                                f"--micro-batch-size")
-        self._pending.append((dist.isend(t, dst, group=group, tag=self._tag(tag)), t))
+        self._pending.append((comm.isend(t, dst, group=group, tag=self._tag(tag)), t))
 
     def _recv(self, src: int, group, tag: int) -> torch.Tensor:
         t = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
-        dist.irecv(t, src, group=group, tag=self._tag(tag)).wait()
+        comm.irecv(t, src, group=group, tag=self._tag(tag)).wait()
         return t
 
     def send_forward(self, activation: torch.Tensor, tag: int) -> None:

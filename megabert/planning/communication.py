@@ -7,15 +7,36 @@ collectives on [s, b, h] activations: the f/g pairs of the Megatron paper, an al
 after attention and after the MLP in forward, and one before each in backward; with
 sequence parallelism each all-reduce becomes a reduce-scatter plus an all-gather (same
 volume). Full recompute repeats the forward's two. The first stage adds the vocab-parallel
-embedding's all-reduce, the last the MLM head's backward all-reduce.
+embedding's all-reduce, the last the MLM head's backward all-reduce. Sequence parallelism
+adds, per micro-batch, an all-gather of [s, b, h] on each end of the model (the split
+embeddings' gradient on the first stage, the encoder's output gathered for the heads on the
+last) and, per step, the sum over TP of the gradients of the parameters it splits the work
+of (LayerNorms and row-parallel biases, 6h per layer). The planner had left both out:
+13% of TP2+SP's traffic on the 2-layer model of tests/test_comm_ledger.py.
 
 Pipeline stages send the activation forward and its gradient back for every micro-batch
-and model chunk. Data parallelism all-reduces fp32 gradients once per step (megabert's
-trainer); ZeRO-1 reduce-scatters gradients and all-gathers updated parameters once per
-step; ZeRO-2 reduce-scatters in each micro-batch's backward; ZeRO-3 also all-gathers the
-parameters in every forward and backward, 1.5x a DP all-reduce's volume per micro-batch
-(the ZeRO paper's 3 Psi against 2 Psi). Offload adds host <-> device copies (PCIe, not
-network), reported apart and counted in the total because they take step time too.
+and model chunk, except the model's output (last stage, last chunk: it goes to the loss)
+and its input's gradient (first stage, first chunk: the embeddings); a receive sends
+nothing. So with two stages each sends one [s, b, h] per micro-batch, not two (the
+communication ledger, megabert.parallel.comm, measured half of what the planner had said:
+it counted both directions on every stage). Stages exchange bf16 under bf16 and fp32
+otherwise, fp16 included (megabert.pipeline_parallel.p2p).
+
+Data parallelism all-reduces fp32 gradients once per step (megabert's trainer). DeepSpeed
+(0.19) reduces ZeRO-1/2 gradients with an all-reduce of each bucket, not the
+reduce-scatter of the ZeRO paper (its `use_multi_rank_bucket_allreduce`, on by default:
+one all-reduce instead of a reduce per owning rank), then all-gathers the updated
+parameters: ZeRO-1 once per step, ZeRO-2 reducing in each micro-batch's backward. The
+planner had counted reduce-scatters: bench/comm.py measured 1.5x (ZeRO-1) and 1.67x
+(ZeRO-2, two micro-batches) its figures. ZeRO-3 reduce-scatters gradients in every
+backward and all-gathers the partitioned parameters for every forward and again for every
+backward, but for what backward does not read (the embedding tables and the MLM bias:
+_not_read_by_backward), then all-gathers its unpartitioned small parameters after the
+step. The planner had counted two full gathers per micro-batch (the ZeRO paper's 3 Psi):
+1.37x the measured on a small BERT whose word embeddings are most of the model.
+
+Offload adds host <-> device copies (PCIe, not network), reported apart and counted in the
+total because they take step time too.
 """
 from __future__ import annotations
 
@@ -23,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 from megabert.config import ModelConfig
-from megabert.planning.params import stage_params
+from megabert.planning.params import embedding_tensors, stage_params
 from megabert.planning.spec import Layout, Workload
 from megabert.parallel.buckets import zero_sizing
 
@@ -67,6 +88,16 @@ def communication(model: ModelConfig, run: Workload, layout: Layout) -> CommEsti
     return max((_stage_comm(model, run, layout, k) for k in range(layout.pp)), key=lambda c: c.total)
 
 
+def _not_read_by_backward(model: ModelConfig, tp: int, pp: int, stage: int) -> list[int]:
+    """Partitionable tensors that ZeRO-3 does not gather again for backward: the embedding
+    tables (an embedding's gradient is a scatter-add of its output's; the table is not read)
+    and the MLM output bias (a bias's gradient is a sum; the only vocab-sized one)."""
+    out = embedding_tensors(model, tp)[:3] if stage == 0 else []  # word, position, token type
+    if stage == pp - 1:
+        out.append(model.padded_vocab_size(tp) // tp)
+    return out
+
+
 def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -> CommEstimate:
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     m = run.microbatches(dp)
@@ -83,13 +114,21 @@ def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -
     if stage == pp - 1:
         n = math.ceil(run.mask_prob * s) * b if run.mlm_logits_at_masked_only else s * b
         tp_bytes += m * all_reduce_bytes(n * h * e, tp)  # MLM head input's gradient (copy_to_tp backward)
+    if layout.sequence_parallel:
+        ends = (stage == 0) + (stage == pp - 1)
+        tp_bytes += m * ends * gather_bytes(act, tp)
+        sp_params = layers * 6 * h + (2 * h if stage == pp - 1 and model.layernorm_position == "pre" else 0)
+        tp_bytes += all_reduce_bytes(4.0 * sp_params, tp)  # fp32 gradients, once per step (training.grads)
 
     pp_bytes = 0.0
     if pp > 1:
-        boundary = act / (tp if layout.sequence_parallel else 1)
-        # Each chunk sends its output forward and (but the first) its input gradient back;
-        # stages in the middle do both for every chunk: count that, the busiest.
-        pp_bytes = 2.0 * m * layout.virtual_stages * boundary
+        p2p_bytes = 2 if run.precision == "bf16" else 4  # megabert.pipeline_parallel.pipeline_dtype
+        boundary = s * b * h * p2p_bytes / (tp if layout.sequence_parallel else 1)
+        # Every chunk sends its output forward and its input gradient back, but for the
+        # model's last output (last stage) and the model's input (first stage).
+        v = layout.virtual_stages
+        sends = 2 * v - (stage == 0) - (stage == pp - 1)
+        pp_bytes = m * sends * boundary
 
     sp = stage_params(model, tp, pp, stage)
     P = sp.total
@@ -97,12 +136,16 @@ def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -
     if layout.zero_stage == 0:
         dp_bytes = all_reduce_bytes(4.0 * P, dp)
     elif layout.zero_stage == 1:
-        dp_bytes = gather_bytes(p * P, dp) * 2  # reduce-scatter grads, all-gather params, once per step
+        dp_bytes = all_reduce_bytes(p * P, dp) + gather_bytes(p * P, dp)  # once per step (see the docstring)
     elif layout.zero_stage == 2:
-        dp_bytes = m * gather_bytes(p * P, dp) + gather_bytes(p * P, dp)
+        dp_bytes = m * all_reduce_bytes(p * P, dp) + gather_bytes(p * P, dp)
     else:
-        partitioned = P - sp.below(zero_sizing(h)["stage3_param_persistence_threshold"])
-        dp_bytes = m * (gather_bytes(p * P, dp) + 2 * gather_bytes(p * partitioned, dp))
+        threshold = zero_sizing(h)["stage3_param_persistence_threshold"]
+        persistent = sp.below(threshold)
+        partitioned = P - persistent
+        unread = sum(n for n in _not_read_by_backward(model, tp, pp, stage) if n >= threshold)
+        dp_bytes = m * (gather_bytes(p * P, dp) + gather_bytes(p * partitioned, dp)
+                        + gather_bytes(p * (partitioned - unread), dp)) + gather_bytes(p * persistent, dp)
 
     emb = all_reduce_bytes(4.0 * sp.tied_embedding, 2) if sp.tied_embedding else 0.0
     if pp > 1 and stage == 0:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megabert.parallel import comm
 from megabert.tensor_parallel.mappings import Group, group_rank, group_size
 
 
@@ -38,9 +39,9 @@ def vocab_parallel_argmax(logits: torch.Tensor, group: Group, vocab_size: Option
     # fp32 holds half and bf16 values exactly, and every backend reduces it.
     local_max = logits.gather(-1, local_index.unsqueeze(-1)).squeeze(-1).float()
     global_max = local_max.clone()
-    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     # Ranks whose slice reaches the global max offer their index; the lowest one wins.
     no_offer = torch.iinfo(torch.int64).max
     index = torch.where(local_max == global_max, local_index + start, torch.full_like(local_index, no_offer))
-    dist.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
+    comm.all_reduce(index, op=dist.ReduceOp.MIN, group=group)
     return index

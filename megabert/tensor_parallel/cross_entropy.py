@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megabert.parallel import comm
 from megabert.tensor_parallel.mappings import Group, group_rank, group_size
 
 
@@ -28,7 +29,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
         logits_max = logits.max(dim=-1)[0]
         if tp > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)
 
         ignored = target == ignore_index
@@ -42,7 +43,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if tp > 1:
             both = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(both, group=group)
+            comm.all_reduce(both, group=group)
             target_logit, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megabert.parallel import comm
+
 Group = Optional[dist.ProcessGroup]
 
 
@@ -31,7 +33,7 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    comm.all_reduce(x, group=group)
     return x
 
 
@@ -49,7 +51,8 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    # dim 0 is the sequence: sequence parallelism's traffic, counted apart from TP's.
+    comm.all_gather(parts, x.contiguous(), group=group, label="sp" if dim == 0 else None)
     return torch.cat(parts, dim=dim)
 
 
@@ -59,10 +62,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     if dist.get_backend(group) == "gloo":
         # NOTE: gloo has no reduce_scatter; all-reduce then keep our slice (same result).
-        return _split(_all_reduce(x.clone(), group), dim, group)
+        return _split(comm.reduce_scatter_by_all_reduce(x.clone(), group, label="sp"), dim, group)
     chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
     out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group)
+    comm.reduce_scatter(out, chunks, group=group, label="sp")
     return out
 
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megabert.parallel import ParallelState
+from megabert.parallel import ParallelState, comm
 from megabert.parallel.buckets import BUCKET_ELEMENTS
 from megabert.parallel.param_spec import ParamSpec, spec_of
 
@@ -33,25 +32,26 @@ def _buckets(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
         yield bucket
 
 
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0, label=None) -> None:
     for bucket in _buckets(tensors):
         flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
+        comm.all_reduce(flat, group=group, label=label)
         if scale != 1.0:
             flat.mul_(scale)
         for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             t.copy_(reduced)
 
 
-def _sum_grads(params: Iterable[torch.nn.Parameter], wanted: Callable[[ParamSpec], bool], group) -> None:
+def _sum_grads(params: Iterable[torch.nn.Parameter], wanted: Callable[[ParamSpec], bool], group,
+               label=None) -> None:
     grads = [p.grad for p in params if p.grad is not None and wanted(spec_of(p))]
     if grads:
-        _all_reduce_coalesced(grads, group)
+        _all_reduce_coalesced(grads, group, label=label)
 
 
 def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
     if ps.tp_size > 1:
-        _sum_grads(params, lambda s: s.sequence_parallel, ps.tp_group)
+        _sum_grads(params, lambda s: s.sequence_parallel, ps.tp_group, label="sp")
 
 
 def sync_tied_embedding_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
@@ -90,7 +90,7 @@ def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> torch.
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
         total = torch.stack(norms).double().pow(2).sum()
     if ps.tp_size * ps.pp_size > 1:
-        dist.all_reduce(total, group=ps.mp_group)
+        comm.all_reduce(total, group=ps.mp_group)
     return total.sqrt()
 
 

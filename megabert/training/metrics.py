@@ -93,11 +93,12 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(tensorboard_dir)
 
-    def log(self, iteration: int, metrics: dict, *, advance: int = 1) -> None:
+    def log(self, iteration: int, metrics: dict, *, advance: int = 1, record: Optional[dict] = None) -> None:
+        """`record`: more fields for the JSONL line only (breakdowns too long for the console)."""
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+            self._jsonl.write(json.dumps({"iteration": iteration, **metrics, **(record or {})}) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megabert.parallel import ParallelState
+from megabert.parallel import ParallelState, comm
 
 
 class _Bucket:
@@ -105,7 +105,7 @@ class OverlappedGradReducer:
     def _issue_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            bucket.handle = dist.all_reduce(bucket.flat, group=self.ps.dp_group, async_op=True)
+            bucket.handle = comm.all_reduce(bucket.flat, group=self.ps.dp_group, async_op=True)
             self._next += 1
 
     def finish(self) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megabert.config import OptimConfig
+from megabert.parallel import comm
 
 
 def autocast(device: torch.device, bf16: bool, fp16: bool):
@@ -39,7 +40,7 @@ class DynamicLossScaler:
         if grads:
             flag = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float().reshape(1)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
     def unscale_(self, params) -> None:

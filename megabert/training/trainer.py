@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from megabert.config import TrainConfig
 from megabert.optim import LRSchedule
+from megabert.parallel import comm
+from megabert.parallel.comm import LABELS, CommLedger
 from megabert.parallel.layout import BatchLayout
 from megabert.training.checkpointing import TrainingState
 from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
@@ -44,6 +46,8 @@ class Trainer:
         self.flops_per_sample, self.peak = flops_per_sample, device_peak_tflops(self.ps.device)
         self.checkpoint_extra = checkpoint_extra or {}
         self.stop_requested = False
+        # Bytes each rank sends per training step, by group (megabert.parallel.comm).
+        self.ledger = CommLedger.for_state(self.ps)
         self.log = MetricsLogger(enabled=self.ps.is_logging_rank, train_iters=cfg.train_iters,
                                  start_iteration=self.state.iteration, metrics_file=cfg.metrics_file,
                                  tensorboard_dir=cfg.tensorboard_dir)
@@ -65,8 +69,9 @@ class Trainer:
                 if logging_step:
                     now = time.perf_counter()
                     metrics.update(self._throughput((now - last_log_time) / (it - last_log_iter)))
-                    metrics["mem_peak_gb"] = self._peak_memory_gb()
-                    self.log.log(it, metrics, advance=it - last_log_iter)
+                    largest, by_group = self._largest_rank(steps=it - last_log_iter)
+                    metrics.update(largest)
+                    self.log.log(it, metrics, advance=it - last_log_iter, record={"comm_gb_by_group": by_group})
                     last_log_time, last_log_iter = now, it
                 if self.data.valid is not None and self.cfg.eval_interval and it % self.cfg.eval_interval == 0:
                     self._report_eval(it)
@@ -92,8 +97,9 @@ class Trainer:
         # Steps skipped for fp16 overflow do not advance the LR schedule (as Megatron).
         lr = self.schedule.apply(self.strategy.lr_optimizer, self.state.iteration - self.state.skipped_iterations + 1)
         batches = [self._to_device(next(self.data.train)) for _ in range(self.batch.num_micro_batches)]
-        result = self.strategy.train_step(batches)
-        out = {**self._reduce(result.metrics), "lr": lr, "grad_norm": result.grad_norm}
+        with self.ledger.recording():  # counts every collective of the step, loss averaging included
+            result = self.strategy.train_step(batches)
+            out = {**self._reduce(result.metrics), "lr": lr, "grad_norm": result.grad_norm}
         if result.loss_scale is not None:
             out["loss_scale"] = result.loss_scale
         if result.skipped:
@@ -145,7 +151,7 @@ class Trainer:
     def _should_stop(self) -> bool:
         flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.ps.device)
         if self.ps.world_size > 1:  # every rank must stop at the same iteration
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _to_device(self, batch: dict) -> dict:
@@ -160,7 +166,7 @@ class Trainer:
         if keys:
             values = torch.stack([torch.stack([m[k].float() for m in metrics]).mean() for k in keys])
             if self.ps.dp_size > 1:
-                dist.all_reduce(values, group=self.ps.dp_group)
+                comm.all_reduce(values, group=self.ps.dp_group)
                 values /= self.ps.dp_size
             result = dict(zip(keys, values.tolist()))
         else:
@@ -168,7 +174,7 @@ class Trainer:
         result.update(self._ratios(counts or []))
         if self.ps.pp_size > 1:
             box = [result]
-            dist.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
+            comm.broadcast_object_list(box, src=self.ps.last_stage_rank, group=self.ps.pp_group)
             result = box[0]
         return result
 
@@ -181,16 +187,29 @@ class Trainer:
             return {}
         sums = torch.stack([torch.stack([c[k] for c in counts]).sum(dim=0) for k in keys]).long()  # [keys, 2]
         if self.ps.dp_size > 1:
-            dist.all_reduce(sums, group=self.ps.dp_group)
+            comm.all_reduce(sums, group=self.ps.dp_group)
         return {k: hits / total for k, (hits, total) in zip(keys, sums.tolist()) if total > 0}
 
-    def _peak_memory_gb(self) -> float:
-        """The largest per-rank peak (GPU allocated, or CPU RSS) over all ranks: the rank that
-        runs out of memory first is the one a layout has to fit."""
-        peak = torch.tensor([peak_memory_gb(self.ps.device)], dtype=torch.float64, device=self.ps.device)
+    def _largest_rank(self, steps: int) -> tuple[dict, dict]:
+        """({mem_peak_gb, comm_gb}, {group: GB}) of the largest ranks, on logging steps.
+
+        mem_peak_gb: the largest per-rank peak (GPU allocated, or CPU RSS): the rank that runs
+        out of memory first is the one a layout has to fit. comm_gb: the bytes (1e9) the
+        busiest rank sent per training step since the last logging step, in the ledger's
+        unit (megabert.parallel.comm), with that rank's split by group. One all-gather of
+        a few float64 per rank, on logging steps only, outside the ledger."""
+        sent = self.ledger.take()
+        row = [peak_memory_gb(self.ps.device), sum(sent.values())] + [sent.get(k, 0.0) for k in LABELS]
+        local = torch.tensor(row, dtype=torch.float64, device=self.ps.device)
+        rows = [local]
         if self.ps.world_size > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return peak.item()
+            rows = [torch.empty_like(local) for _ in range(self.ps.world_size)]
+            comm.all_gather(rows, local)
+        table = torch.stack(rows).tolist()
+        busiest = max(table, key=lambda r: r[1])
+        per_step = 1e9 * max(steps, 1)
+        by_group = {k: v / per_step for k, v in zip(LABELS, busiest[2:]) if v}
+        return {"mem_peak_gb": max(r[0] for r in table), "comm_gb": busiest[1] / per_step}, by_group
 
     def _throughput(self, seconds_per_iter: float) -> dict:
         out = {"samples_per_sec": self.batch.global_batch_size / seconds_per_iter, "iteration_time_s": seconds_per_iter}

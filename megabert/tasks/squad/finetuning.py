@@ -10,13 +10,12 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megabert.config import FinetuneConfigs
 from megabert.checkpoint import external
 from megabert.errors import ConfigError, DataError
 from megabert.tasks.squad import BertForQuestionAnswering
-from megabert.parallel import ParallelState
+from megabert.parallel import ParallelState, comm
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_predictor
 from megabert.training.strategy import Task
@@ -117,7 +116,7 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
         outputs += predictor.forward_only(batches[k:k + ps.pp_size], _logits)
     if ps.pp_size > 1:
         box = [outputs]
-        dist.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
+        comm.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
         outputs = box[0]
     start = np.concatenate([o[0][:m].numpy() for o, m in zip(outputs, sizes)]) if outputs \
         else np.zeros((0, seq), np.float32)
@@ -125,7 +124,7 @@ def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps:
         else np.zeros((0, seq), np.float32)
     if ps.dp_size > 1:
         gathered: list[Optional[tuple]] = [None] * ps.dp_size
-        dist.all_gather_object(gathered, (start, end), group=ps.dp_group)
+        comm.all_gather_object(gathered, (start, end), group=ps.dp_group)
         start = np.concatenate([g[0] for g in gathered])
         end = np.concatenate([g[1] for g in gathered])
     return start, end

@@ -12,6 +12,7 @@ import torch
 
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
+from megabert.training.deepspeed.comm import count_deepspeed_comm
 from megabert.training.deepspeed.cpu_adam import note_jit_build
 from megabert.training.deepspeed.zero_masters import share_fp32_masters
 from megabert.training.deepspeed.version import private_patches_allowed
@@ -38,6 +39,8 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     # Always our optimizer: a JSON's optimizer section was translated, not merged.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
                                            dist_init_required=False)
+    # ZeRO's collectives bypass megabert's door: count them where DeepSpeed sends them.
+    count_deepspeed_comm()
     stage = config["zero_optimization"].get("stage", 0)
     freed = share_fp32_masters(engine.optimizer, stage) if private_patches_allowed() else 0
     if freed and ps.is_logging_rank:
