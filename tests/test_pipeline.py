@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import patched, run_distributed
 from train_utils import read_metrics, train_worker
 
 from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
@@ -108,9 +108,9 @@ def _fp16_overflow_on_first_stage(rank, world, metrics):
         assert all(torch.equal(a, p) for a, p in zip(before, self.strategy.params)), f"stage {self.ps.pp_rank} stepped"
         return out
 
-    trainer_mod.Trainer.train_step = step
-    train_worker(rank, world, COMMON + PP2 + ["--fp16", "--metrics-file", metrics, "--hysteresis", "1",
-                                             "--initial-loss-scale", "1024"])
+    with patched(trainer_mod.Trainer, "train_step", step):
+        train_worker(rank, world, COMMON + PP2 + ["--fp16", "--metrics-file", metrics, "--hysteresis", "1",
+                                                 "--initial-loss-scale", "1024"])
 
 
 def test_fp16_overflow_on_one_stage_skips_on_all(tmp_path):
