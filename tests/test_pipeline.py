@@ -158,3 +158,27 @@ def _bf16_worker(rank, world, argv):
     p2p.PipeComm._send = send
     train_worker(rank, world, argv)
     assert sent and set(sent) == {torch.bfloat16}
+
+
+def test_a_released_stage_output_still_roots_backward():
+    """release_storage frees a sent output's buffer; backward from it with the received
+    gradient gives the gradients of the untouched output (what the node saved for itself,
+    here LayerNorm's input, stays)."""
+    from megabert.pipeline_parallel.schedules import release_storage
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 16, generator=g)
+    grad = torch.randn(8, 2, 16, generator=g)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    grads = []
+    for release in (False, True):
+        layer.zero_grad()
+        inp = x.clone().requires_grad_()
+        out = layer(inp)
+        if release:
+            release_storage(out)
+            assert out.shape == (8, 2, 16) and out.untyped_storage().nbytes() == out.element_size()
+        torch.autograd.backward(out, grad)
+        grads.append([inp.grad] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
