@@ -136,3 +136,38 @@ def test_compile_with_zero3_is_one_line_naming_both_flags(tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve_deepspeed_config(cfg, SimpleNamespace(dp_size=2, pp_size=1, device=torch.device("cpu")), 64)
     assert "\n" not in str(e.value) and "--compile" in str(e.value) and "zero_optimization.stage=3" in str(e.value)
+
+
+def test_compile_hints_set_what_torchs_decorator_sets():
+    """megabert marks use_fused_kernel itself (compile_hints) so that eager runs never import
+    dynamo; the mark must stay the one torch's own decorator sets."""
+    from megabert.ops import compile_hints, dispatch
+
+    def ours():
+        pass
+
+    def theirs():
+        pass
+
+    compile_hints.assume_constant_result(ours)
+    torch.compiler.assume_constant_result(theirs)
+    assert vars(ours) == vars(theirs) == vars(dispatch.use_fused_kernel)
+
+
+def test_an_eager_training_step_does_not_import_dynamo():
+    """`import torch._dynamo` costs about as much as `import torch`: every process of an
+    eager run (each torchrun worker, each test launch) would pay it at start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from megabert.config import ModelConfig; "
+            "from megabert.tasks.pretraining import BertForPreTraining\n"
+            "for unpad in (False, True):\n"
+            "  m = BertForPreTraining(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, "
+            "max_position_embeddings=16, unpad_input=unpad)); ids = torch.randint(5, 64, (2, 8)); "
+            "am = torch.ones(2, 8, dtype=torch.long); am[0, 5:] = 0\n"
+            "  m(ids, attention_mask=am, labels=ids, next_sentence_label=torch.tensor([0, 1])).loss.backward()\n"
+            "print(sorted(k for k in sys.modules if k.startswith('torch._dynamo'))[:1])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]", r.stdout

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import patched, run_distributed
 from train_utils import read_metrics, train_worker
 
 from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
@@ -108,9 +108,9 @@ def _fp16_overflow_on_first_stage(rank, world, metrics):
         assert all(torch.equal(a, p) for a, p in zip(before, self.strategy.params)), f"stage {self.ps.pp_rank} stepped"
         return out
 
-    trainer_mod.Trainer.train_step = step
-    train_worker(rank, world, COMMON + PP2 + ["--fp16", "--metrics-file", metrics, "--hysteresis", "1",
-                                             "--initial-loss-scale", "1024"])
+    with patched(trainer_mod.Trainer, "train_step", step):
+        train_worker(rank, world, COMMON + PP2 + ["--fp16", "--metrics-file", metrics, "--hysteresis", "1",
+                                                 "--initial-loss-scale", "1024"])
 
 
 def test_fp16_overflow_on_one_stage_skips_on_all(tmp_path):
@@ -158,3 +158,27 @@ def _bf16_worker(rank, world, argv):
     p2p.PipeComm._send = send
     train_worker(rank, world, argv)
     assert sent and set(sent) == {torch.bfloat16}
+
+
+def test_a_released_stage_output_still_roots_backward():
+    """release_storage frees a sent output's buffer; backward from it with the received
+    gradient gives the gradients of the untouched output (what the node saved for itself,
+    here LayerNorm's input, stays)."""
+    from megabert.pipeline_parallel.schedules import release_storage
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 16, generator=g)
+    grad = torch.randn(8, 2, 16, generator=g)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    grads = []
+    for release in (False, True):
+        layer.zero_grad()
+        inp = x.clone().requires_grad_()
+        out = layer(inp)
+        if release:
+            release_storage(out)
+            assert out.shape == (8, 2, 16) and out.untyped_storage().nbytes() == out.element_size()
+        torch.autograd.backward(out, grad)
+        grads.append([inp.grad] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -303,15 +303,22 @@ def finetune_losses(tmp_path, hf_dir, vocab, name, procs, *extra, predict=False)
     return [json.loads(line)["qa_loss"] for line in open(metrics)]
 
 
-def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, tmp_path):
+@pytest.fixture(scope="module")
+def plain_dp2_losses(tmp_path_factory, no_dropout_qa, demo_vocab):
+    """Plain DP=2 fine-tuning losses: one layout of the comparison below and the reference
+    of every ZeRO stage (launched once for all of them)."""
+    return finetune_losses(tmp_path_factory.mktemp("dp2"), no_dropout_qa, demo_vocab, "dp2", 2)
+
+
+def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, plain_dp2_losses, tmp_path):
     """Without dropout, fine-tuning losses over 6 steps at TP=2, DP=2, PP=2 and TP=2 x PP=2
     equal one process (gradient accumulation over the same global batch): the same
     features reach the same step, through the same model definition at every layout.
     Predictions through pipeline stages equal one process's."""
     one = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, "one", 1, predict=True)
     assert len(one) == 6 and one[-1] < one[0]
-    layouts = {"tp2": (2, ["--tensor-model-parallel-size", 2]), "dp2": (2, []),
-               "pp2": (2, ["--pipeline-model-parallel-size", 2]),
+    assert plain_dp2_losses == pytest.approx(one, abs=1e-4), "dp2"
+    layouts = {"tp2": (2, ["--tensor-model-parallel-size", 2]), "pp2": (2, ["--pipeline-model-parallel-size", 2]),
                "tp2pp2": (4, ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2])}
     for name, (procs, extra) in layouts.items():
         losses = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, name, procs, *extra, predict=name == "pp2")
@@ -321,15 +328,15 @@ def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, tmp_pat
 
 @pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (3, True)],
                          ids=["zero1", "zero2", "zero3", "zero3-offload"])
-def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab, tmp_path, stage, offload):
+def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab, plain_dp2_losses, tmp_path, stage,
+                                                      offload):
     """BingBertSquad's workflow: SQuAD under DeepSpeed ZeRO at DP=2 follows plain DP=2;
     with optimizer and parameter offload (DeepSpeedCPUAdam: the same AdamW update) too."""
     pytest.importorskip("deepspeed")
     flags = ["--zero-offload-optimizer", "cpu", "--zero-offload-params", "cpu"] if offload else []
-    plain = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, "plain", 2)
     zero = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, f"zero{stage}", 2, "--deepspeed", "--zero-stage", stage,
                            *flags, predict=True)
-    assert zero == pytest.approx(plain, abs=1e-4)
+    assert zero == pytest.approx(plain_dp2_losses, abs=1e-4)
     assert set(json.load(open(tmp_path / f"zero{stage}" / "predictions.json"))) == dev_ids()
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import patched, run_distributed
 from train_utils import batches, build_trainer, read_metrics, train_worker, valid_sample
 
 from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
@@ -77,8 +77,8 @@ def _kill_during_save(rank, world, ckpt, metrics):
             os.kill(os.getpid(), signal.SIGKILL)
         return real_write(stage, *args, **kwargs)
 
-    ckpt_mod.write_rank_file = dying_write
-    train_worker(rank, world, ITERS + ["--save", ckpt, "--save-interval", "2", "--metrics-file", metrics])
+    with patched(ckpt_mod, "write_rank_file", dying_write):
+        train_worker(rank, world, ITERS + ["--save", ckpt, "--save-interval", "2", "--metrics-file", metrics])
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -126,9 +126,9 @@ def _fp16_overflow(rank, world, metrics):
             return out
         return real_step(self)
 
-    trainer_mod.Trainer.train_step = step_with_overflow
-    train_worker(rank, world, ITERS + ["--fp16", "--metrics-file", metrics, "--hysteresis", "1",
-                                       "--initial-loss-scale", "1024"])
+    with patched(trainer_mod.Trainer, "train_step", step_with_overflow):
+        train_worker(rank, world, ITERS + ["--fp16", "--metrics-file", metrics, "--hysteresis", "1",
+                                           "--initial-loss-scale", "1024"])
 
 
 def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
@@ -186,8 +186,8 @@ def _sigterm_at_iteration_2(rank, world, ckpt, metrics):
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(self)
 
-    trainer_mod.Trainer.train_step = step
-    train_worker(rank, world, ITERS + ["--save", ckpt, "--metrics-file", metrics])
+    with patched(trainer_mod.Trainer, "train_step", step):
+        train_worker(rank, world, ITERS + ["--save", ckpt, "--metrics-file", metrics])
 
 
 def test_sigterm_saves_and_exits(tmp_path):

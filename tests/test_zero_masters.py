@@ -28,9 +28,11 @@ def _masters_worker(rank, world, argv, stage, out):
         pairs = _pairs(optimizer, stage)
         after = [m.data_ptr() == p.data_ptr() for m, p in pairs]
         equal = all(bool((m.float() == p.float()).all()) for m, p in pairs)
+        from deepspeed.comm import comm
+
         if rank == 0:
             with open(out, "w") as f:
-                json.dump({"before": before, "after": after, "equal": equal,
+                json.dump({"before": before, "after": after, "equal": equal, "shm": comm.cdb.shm_comm_op is not None,
                            "dtypes": sorted({str(m.dtype) + "/" + str(p.dtype) for m, p in pairs})}, f)
     finally:
         trainer.close()
@@ -43,6 +45,7 @@ def test_fp32_master_shares_the_parameter_partition(tmp_path, stage):
     r = json.loads(out.read_text())
     assert r["before"] and len(r["after"]) == len(r["before"]) and all(r["before"]) and all(r["after"]), r
     assert r["equal"] and r["dtypes"] == ["torch.float32/torch.float32"]
+    assert not r["shm"]  # DeepSpeed's inference-only shared-memory op is neither built nor loaded
 
 
 def test_bf16_keeps_a_separate_fp32_master(tmp_path):

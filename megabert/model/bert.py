@@ -31,6 +31,7 @@ from megabert.model.registry import register_model
 from megabert.model.transformer import TransformerBlock
 from megabert.model.unpad import TokenLayout
 from megabert.ops import resolve_attention_backend, resolve_dropout_add_backend, resolve_layernorm_backend
+from megabert.ops.compile_hints import maybe_mark_dynamic
 from megabert.parallel import ParallelState, get_parallel_state
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import spec_table
@@ -98,7 +99,7 @@ class BertBackbone(nn.Module):
             and attention_mask.dim() == 2 else None
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
-            torch._dynamo.maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
+            maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
         x = self.encoder(hidden, attention_mask_to_bool(attention_mask), self.stage.chunk_layers(v),
                          apply_final_layernorm=last, tokens=tokens)
         if tokens is not None:

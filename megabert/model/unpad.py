@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from megabert.ops.compile_hints import maybe_mark_dynamic
+
 
 class TokenLayout:
     """Where the real tokens of an [s, b] batch are: `indices` into the flattened [s * b]
@@ -33,7 +35,7 @@ class TokenLayout:
         # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
         # torch.compile'd layers compile one graph for any T, not one for the first batch's T
         # and another once it changes. A no-op in eager mode.
-        torch._dynamo.maybe_mark_dynamic(self.indices, 0)
+        maybe_mark_dynamic(self.indices, 0)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, ...] -> [T, ...]; the gradient flows back to the real positions."""

@@ -15,6 +15,7 @@ import torch
 
 from megabert import fused_kernels
 from megabert.errors import ConfigError
+from megabert.ops.compile_hints import assume_constant_result
 
 logger = logging.getLogger("megabert.ops")
 _said: set[tuple] = set()
@@ -32,7 +33,7 @@ def say_once(key: tuple, level: int, msg: str, *args) -> None:
 # real, and dynamo neither breaks the graph at the logger nor guards on `_said` (which
 # would recompile once the first line was said). The answer depends only on the
 # arguments and on which extensions loaded at import.
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def use_fused_kernel(op: str, device_type: str, outside_limits: Optional[str]) -> bool:
     """Whether `op` on a `device_type` tensor runs the compiled kernel (else the PyTorch
     reference). `outside_limits` is the caller's reason why this call is beyond the

@@ -1,6 +1,6 @@
 """Point-to-point transfers between neighbouring pipeline stages.
 
-Sends are asynchronous (isend; the handle and the tensor are kept until `wait_sends`),
+Sends are asynchronous (isend; the handle and the tensor are kept until the send completes),
 receives block until the tensor is there. A schedule that is a valid order of the
 pipeline's forward/backward DAG therefore cannot deadlock: a rank only ever waits for
 something its neighbour produces without waiting on this rank first.
@@ -53,6 +53,8 @@ class PipeComm:
             raise RuntimeError(f"pipeline stage produced a tensor of shape {tuple(t.shape)}, the receiving stage "
                                f"expects {self.shape}: every micro-batch must have --seq-length and "
                                f"--micro-batch-size")
+        # Completed sends let go of their buffers (a sent stage output is freed then).
+        self._pending = [(work, buf) for work, buf in self._pending if not work.is_completed()]
         self._pending.append((comm.isend(t, dst, group=group, tag=self._tag(tag)), t))
 
     def _recv(self, src: int, group, tag: int) -> torch.Tensor:

@@ -40,6 +40,19 @@ class _Step:
     output: torch.Tensor
 
 
+def release_storage(out: torch.Tensor) -> None:
+    """Frees a sent stage output's [s, b, h] buffer, keeping the tensor as backward's root.
+
+    Backward needs only the output's autograd node (and its shape); what the node's
+    functions saved for themselves stays with them. The data is the next stage's input from
+    now on, so keeping it here would hold one extra activation per micro-batch in flight
+    (Megatron-LM's deallocate_output_tensor). The buffer goes once the asynchronous send
+    has let go of it (PipeComm drops completed sends). A zero-stride view of one element
+    keeps the tensor's shape, so `torch.autograd.backward(out, grad)` still checks the
+    gradient's shape against it."""
+    out.data = torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
+
+
 def check_interleaving(num_micro: int, ps: ParallelState, num_chunks: int) -> None:
     if num_chunks > 1 and num_micro % ps.pp_size:
         raise ConfigError(f"the interleaved schedule needs the number of micro-batches per step ({num_micro} = "
@@ -92,6 +105,8 @@ class PipelineSchedule:
             metrics.append({k: t.detach() for k, t in m.items()})
             return _Step(x, loss * scale)
         self.comm.send_forward(out, self._tag(g + 1, micro))
+        if out.requires_grad:
+            release_storage(out)
         return _Step(x, out)
 
     def _backward(self, v: int, micro: int, step: _Step) -> None:

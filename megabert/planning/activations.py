@@ -18,7 +18,9 @@ activations are rebuilt at a time in backward.
 Pipelining: with 1F1B, stage k holds min(pp - k, m) micro-batches in flight (m per
 step), so stage 0 holds activations of as many layers as the whole model; the
 interleaved schedule multiplies this by 1 + (pp - 1)/(pp V) (Megatron-LM's
-theoretical_memory_usage.py uses the same factors).
+theoretical_memory_usage.py uses the same factors). A stage's output is not counted on the
+stage that made it: the schedule frees it once sent (schedules.release_storage), and it is
+the receiving stage's first layer's input, counted there.
 """
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     os.environ.setdefault("RANK", str(ps.rank))
     os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
     if ps.device.type == "cpu":
-        # DeepSpeed's CPU backend compiles its shared-memory collectives on first use.
-        note_jit_build("ShareMemCommBuilder", "DeepSpeed's shared-memory collectives on CPU")
+        _skip_shm_comm_build()
     # Always our optimizer: a JSON's optimizer section was translated, not merged.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
                                            dist_init_required=False)
@@ -47,6 +46,21 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
         logger.info("ZeRO-%d in fp32: DeepSpeed's fp32 master partition shares the parameter partition's memory "
                     "(%.2f GB per rank not duplicated)", stage, freed / 1e9)
     return engine
+
+
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce when it starts (1.5-4
+    minutes on 2 cores the first time, a ninja check in every process after) that only
+    `deepspeed.comm.inference_all_reduce` (DeepSpeed-Inference) uses; training never calls
+    it. Marking the op incompatible makes DeepSpeed's `build_shm_op` return None, as on a
+    machine where it cannot build. Unknown DeepSpeed version: its own behaviour, with a
+    one-line note that the first run compiles."""
+    import deepspeed.ops
+
+    if private_patches_allowed():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        note_jit_build("ShareMemCommBuilder", "DeepSpeed's shared-memory collectives on CPU")
 
 
 def reduce_gradients(engine, zero_stage: int) -> None:

@@ -3,7 +3,8 @@
 Two places reach inside DeepSpeed: zero_masters (the fp32 master partition shares the
 parameter partition's storage: DeepSpeed's `single_partition_of_fp32_groups`,
 `fp32_partitioned_groups_flat` and the hp-param views) and DeepSpeedStrategy's pipeline
-path (ZeRO-1's `reduce_gradients(pipeline_parallel=True)`). They are checked against the
+path (ZeRO-1's `reduce_gradients(pipeline_parallel=True)`); on CPU the engine also marks
+DeepSpeed's shared-memory comm op incompatible so it is not JIT-compiled (`__compatible_ops__`). They are checked against the
 versions below (pyproject.toml pins the same range). On another version training still
 runs, with DeepSpeed's own fp32 copies (4 bytes per parameter and rank more in fp32 ZeRO
 runs), and one warning says so; MEGABERT_DEEPSPEED_PATCHES=1 forces the patch on.

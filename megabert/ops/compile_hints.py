@@ -1,0 +1,30 @@
+"""Hints for torch.compile that cost nothing in eager mode.
+
+`import torch._dynamo` takes about as long as `import torch` itself, and the public hint
+functions (`torch.compiler.assume_constant_result`, `torch._dynamo.maybe_mark_dynamic`)
+import it. Every process would pay that at start-up, although only a run that compiles
+needs dynamo, and such a run has imported it before anything is traced (`torch.compile`
+does). So the hints below wait for dynamo instead of loading it.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def assume_constant_result(fn):
+    """`torch.compiler.assume_constant_result` without importing dynamo: the decorator only
+    marks the function with the attribute dynamo reads when it traces a call
+    (torch/_dynamo/decorators.py; tests/test_compile.py checks the mark is still the one
+    torch sets and that a fullgraph compile goes through a marked function)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """`torch._dynamo.maybe_mark_dynamic` when dynamo is loaded; without it nothing can be
+    compiling, and the mark is a no-op in eager mode."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.maybe_mark_dynamic(t, dim)
