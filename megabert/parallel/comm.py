@@ -28,7 +28,8 @@ on GPUs backward runs them on autograd's device threads, where a thread-local or
 ContextVar set by the training loop is not seen. The Trainer owns one CommLedger per run
 (labels from its ParallelState) and installs it around each training step; outside a
 step (evaluation, checkpoints, the Python API) nothing is counted, and the cost of the
-door is one `is None` test. Counting reads sizes only: no sync, no extra collective.
+door is one `is None` test. With --compile the collectives inside compiled layers run in
+the graph, not through this Python, and are not counted (see _record). Counting reads sizes only: no sync, no extra collective.
 """
 from __future__ import annotations
 
@@ -118,7 +119,11 @@ def _size(group) -> int:
 
 def _record(group, op: str, nbytes: int, label: Optional[str]) -> None:
     ledger = _active
-    if ledger is not None:
+    # NOTE: under torch.compile this Python runs once, while dynamo traces the call, and
+    # the collective then runs inside the compiled graph: counting here would count the
+    # trace, not the steps (and dynamo cannot trace the ledger's dict of floats). So the
+    # collectives inside --compile'd layers (TP/SP's) are not in the ledger.
+    if ledger is not None and not torch.compiler.is_compiling():
         ledger.add(label or ledger.label(group), op, nbytes, _size(group))
 
 
