@@ -1,4 +1,7 @@
+import json
 import os
+import random
+import subprocess
 import sys
 
 import pytest
@@ -15,3 +18,35 @@ def _fresh_parallel_state():
     from megabert.parallel import destroy_parallel
 
     destroy_parallel()
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("the model reads every sentence and predicts masked words from context while a second head "
+         "decides whether two segments appear in their original order data parallel ranks share "
+         "gradients tensor parallel ranks split matrices pipeline stages pass activations").split()
+
+
+def _corpus(path, docs=120, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(docs):
+            sents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 14))).capitalize() + "."
+                     for _ in range(rng.randint(3, 8))]
+            f.write(json.dumps({"text": " ".join(sents)}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """A small corpus through the user's tools (train_tokenizer.py, preprocess_data.py):
+    vocab.txt and c_text_sentence.bin/.idx, made once for every end-to-end module. Tests
+    only read it."""
+    d = tmp_path_factory.mktemp("data")
+    _corpus(d / "corpus.jsonl")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input",
+                    str(d / "corpus.jsonl"), "--output", str(d / "vocab.txt"), "--vocab-size", "200",
+                    "--min-frequency", "1"], check=True, capture_output=True)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
+                    str(d / "corpus.jsonl"), "--output-prefix", str(d / "c"), "--json-keys", "text",
+                    "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(d / "vocab.txt"),
+                    "--split-sentences", "--workers", "1"], check=True, capture_output=True)
+    return d

@@ -1,10 +1,11 @@
 """pretrain_bert.py under torchrun with the DeepSpeed BERT tutorial's JSON (fp16 left out:
-CPU): it trains with the JSON's own lr and clipping; a typed --lr that disagrees stops
-with one line naming both values; ZeRO-3 with CPU offload trains and saves."""
+CPU): it trains (ZeRO-2) with the JSON's own lr and clipping and saves DeepSpeed's
+checkpoint; a typed --lr that disagrees stops with one line naming both values; ZeRO-3
+with CPU offload trains and saves."""
 import json
 import os
 
-from test_pretrain_e2e import BIN, _run, dataset, pretrain_args, rows  # noqa: F401 (dataset is a fixture)
+from test_pretrain_e2e import BIN, _run, pretrain_args, rows
 
 # bing_bert's deepspeed_bsz4096_adam_config.json, batch sizes cut to the tiny run's.
 TUTORIAL = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
@@ -22,12 +23,15 @@ def test_tutorial_json_trains_with_its_lr(dataset, tmp_path):
     ds.write_text(json.dumps({**TUTORIAL, "zero_optimization": {"stage": 2}}))
     metrics = tmp_path / "m.jsonl"
     args = without_lr(pretrain_args(dataset, metrics, "--deepspeed", "--deepspeed_config", str(ds),
-                                    "--lr-decay-style", "constant"))
+                                    "--lr-decay-style", "constant", "--save", str(tmp_path / "ck")))
     r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", *args])
     assert r.returncode == 0, r.stderr[-4000:]
     train = [x for x in rows(metrics) if "lm_loss" in x]
     assert [x["iteration"] for x in train] == [1, 2, 3]
     assert all(x["lr"] == 2e-4 for x in train)
+    # The communication ledger: the busiest rank's bytes per step, DeepSpeed's counted as zero.
+    assert all(x["comm_gb"] > 0 and x["comm_gb_by_group"]["zero"] > 0 for x in train), train
+    assert os.path.isdir(tmp_path / "ck" / "deepspeed" / "iter_0000003")
 
 
 def test_typed_lr_that_disagrees_stops_with_one_line(dataset, tmp_path):

@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 import pytest
-from test_pretrain_e2e import dataset  # noqa: F401  (fixture)
+from test_pretrain_e2e import _check_eval_row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
-def _script_env(dataset, tmp_path, **overrides):  # noqa: F811
+def _script_env(dataset, tmp_path, **overrides):
     return {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
             "DATA_PATH": str(dataset / "c_text_sentence"), "VOCAB_FILE": str(dataset / "vocab.txt"),
             "SIZE": "tiny", "PHASE": "1", "GLOBAL_BATCH": "4", "MICRO_BATCH": "2", "TRAIN_ITERS": "2",
@@ -36,13 +36,19 @@ def _train_iterations(path):
 @pytest.mark.parametrize("script,layout", [("pretrain_torchrun.sh", {}), ("pretrain_deepspeed.sh", {}),
                                            ("pretrain_mpirun.sh", {}),
                                            ("pretrain_torchrun.sh", {"TP": "1", "PP": "2"})])
-def test_example_scripts(dataset, tmp_path, script, layout):  # noqa: F811
+def test_example_scripts(dataset, tmp_path, script, layout):
+    """Each launcher (torchrun, the deepspeed launcher, mpirun) starts pretrain_bert.py at
+    TP=2 (PP=2) through its script: it trains, evaluates and saves."""
+    if script == "pretrain_mpirun.sh" and shutil.which("mpirun", path=BIN) is None:
+        pytest.fail("mpirun is not in the venv: `make install` installs mpi4py and the mpich wheel")
     _run_script(script, _script_env(dataset, tmp_path, **layout))
-    assert _train_iterations(tmp_path / "bert-phase1" / "metrics.jsonl") == [1, 2]
+    metrics = tmp_path / "bert-phase1" / "metrics.jsonl"
+    assert _train_iterations(metrics) == [1, 2]
+    _check_eval_row([json.loads(line) for line in open(metrics)])
     assert open(tmp_path / "bert-phase1" / "latest_checkpointed_iteration.txt").read() == "2"
 
 
-def test_interrupted_phase2_script_continues_from_its_own_checkpoint(dataset, tmp_path):  # noqa: F811
+def test_interrupted_phase2_script_continues_from_its_own_checkpoint(dataset, tmp_path):
     """PHASE=2 starts from phase 1's weights; after an interruption the same script, re-run,
     continues phase 2 from its own checkpoint instead of starting over from phase 1."""
     _run_script("pretrain_torchrun.sh", _script_env(dataset, tmp_path, EVAL_INTERVAL="100"))

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from test_pretrain_e2e import BIN, _run, dataset, pretrain_args, rows  # noqa: F401  (dataset: a fixture)
+from test_pretrain_e2e import BIN, _run, pretrain_args, rows
 
 ITERS = 60
 

@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from test_pretrain_e2e import BIN, _one_line_error, _run, dataset, pretrain_args, rows  # noqa: F401 (fixture)
+from test_pretrain_e2e import BIN, _one_line_error, _run, pretrain_args, rows
 from test_resume_dataloader import _curve
 
 from megabert.checkpoint.layout import commit, staging_dir, write_rank_file
