@@ -4,7 +4,8 @@ Each layout runs a few iterations (fp32, AdamW, seq 128, micro-batch 2 by defaul
 small corpus made here, with a 30522-entry vocab so the embeddings have BERT's real size.
 On the CPU the peak is the largest resident set size of any process the run started (every
 rank; `resource.getrusage(RUSAGE_CHILDREN)` of a wrapper process, so runs never mix); the
-training log's `mem_peak_gb` is shown too where the trainer writes it. On GPUs the measured
+training log's `mem_peak_gb` is shown too where the trainer writes it, and each rank's own peak
+(its VmHWM, sampled from /proc) after the table's columns: pipeline stages differ. On GPUs the measured
 figure is `mem_peak_gb` (torch.cuda.max_memory_allocated, max over ranks) and a layout needs
 one GPU per rank. The prediction is megabert.planning.estimate for the same model, batch,
 layout and device. Each run gets the flags a user types (`--deepspeed --zero-stage 3
@@ -16,6 +17,7 @@ pretrain_bert.py's preflight logged before building the model (warned or fits).
     python bench/memory.py                               # BERT-base, every layout
     python bench/memory.py --sizes bert-large --layouts single zero3 zero3-offload --budget-gb 7
     python bench/memory.py --list                        # the layouts and their flags
+    python bench/memory.py --layouts pp2 pp4 --seq 512 --micro-batch 4 --micro-batches 4   # 1F1B in flight
 
 Memory on a shared machine: BERT-large takes 7-9 GB per process; runs go one at a time.
 A layout that cannot run here prints "not run: <reason>", never a figure.
@@ -51,6 +53,7 @@ LAYOUTS = {
     "single": BenchLayout("single", Layout()),
     "tp2": BenchLayout("tp2", Layout(tp=2)),
     "pp2": BenchLayout("pp2", Layout(pp=2)),
+    "pp4": BenchLayout("pp4", Layout(pp=4)),
     "tp2pp2": BenchLayout("tp2pp2", Layout(tp=2, pp=2)),
     "dp2": BenchLayout("dp2", Layout(dp=2)),
     "zero1": BenchLayout("zero1", Layout(dp=2, zero_stage=1)),
@@ -108,7 +111,7 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
            "--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
            "--num-attention-heads", str(model.num_attention_heads), "--seq-length", str(args.seq),
            "--max-position-embeddings", "512", "--micro-batch-size", str(args.micro_batch),
-           "--global-batch-size", str(args.micro_batch * lay.dp), "--train-iters", str(args.iters),
+           "--global-batch-size", str(args.micro_batch * args.micro_batches * lay.dp), "--train-iters", str(args.iters),
            "--lr", "1e-4", "--data-path", data, "--vocab-file", vocab, "--split", "100,0,0",
            "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0",
            "--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp),
@@ -129,16 +132,44 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
     return cmd
 
 
-def measure(cmd: list[str], nproc: int, log_path: str) -> tuple[int, float]:
-    """(exit code, peak RSS in GB of the largest process)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
-    with open(log_path, "w") as log:
-        r = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], stdout=subprocess.PIPE, stderr=log, text=True,
-                           env=env, cwd=ROOT)
-        log.write(r.stdout)
-    line = [x for x in r.stdout.splitlines() if x.startswith("BENCH_RSS ")][-1]
+def measure(cmd: list[str], nproc: int, log_path: str) -> tuple[int, float, dict[int, float]]:
+    """(exit code, peak RSS in GB of the largest process, {rank: peak RSS in GB}). The
+    per-rank peaks are the ranks' VmHWM (Linux's peak RSS), read from /proc every 0.2 s
+    while they run: it only grows, so the last reading is the peak of every step but a
+    spike in the final 0.2 s."""
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)), "MEGABERT_BENCH_RUN": tag}
+    ranks: dict[int, float] = {}
+    with open(log_path, "w") as log, tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, *cmd], stdout=out, stderr=log, text=True, env=env,
+                                cwd=ROOT)
+        while proc.poll() is None:
+            ranks.update(_rank_peaks(tag, ranks))
+            time.sleep(0.2)
+        out.seek(0)
+        stdout = out.read()
+        log.write(stdout)
+    line = [x for x in stdout.splitlines() if x.startswith("BENCH_RSS ")][-1]
     info = json.loads(line[len("BENCH_RSS "):])
-    return info["rc"], info["maxrss_kib"] * 1024 / 1e9
+    return info["rc"], info["maxrss_kib"] * 1024 / 1e9, ranks
+
+
+def _rank_peaks(tag: str, seen: dict[int, float]) -> dict[int, float]:
+    """{rank: VmHWM in GB} of this run's training processes alive now (never below `seen`)."""
+    peaks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if env.get(b"MEGABERT_BENCH_RUN") != tag.encode() or b"RANK" not in env:
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                hwm = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+        except (OSError, StopIteration, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        rank = int(env[b"RANK"])
+        peaks[rank] = max(seen.get(rank, 0.0), hwm * 1024 / 1e9)
+    return peaks
 
 
 def logged_peak(path: str) -> float | None:
@@ -166,6 +197,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3, help="training iterations per run")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per step and data-parallel rank (pipelines keep up to PP in flight)")
     p.add_argument("--budget-gb", type=float, default=None,
                    help="pass --memory-budget-gb GB to every run and show whether the planner warned")
     p.add_argument("--workdir", default=None, help="keep data, logs and metrics here (default: a temp dir)")
@@ -184,10 +217,11 @@ def main() -> None:
     os.makedirs(workdir, exist_ok=True)
     data, vocab = (None, None) if args.predict_only else make_dataset(workdir)
     budget = f" | --memory-budget-gb {args.budget_gb:g}" if args.budget_gb else ""
-    print(f"fp32 AdamW | seq {args.seq} micro-batch {args.micro_batch} | {args.iters} iterations | "
+    print(f"fp32 AdamW | seq {args.seq} micro-batch {args.micro_batch} x {args.micro_batches} per step and DP rank | "
+          f"{args.iters} iterations | "
           f"peak RSS of the largest rank (GB = 1e9 bytes){budget} | workdir {workdir}")
     print(f"{'model':10} {'layout':14} {'world':>5} {'measured GB':>12} {'predicted GB':>13} {'meas/pred':>9} "
-          f"{'vs single':>9} {'planner':>7} {'mem_peak_gb':>11} {'time s':>7}")
+          f"{'vs single':>9} {'planner':>7} {'mem_peak_gb':>11} {'time s':>7}  per-rank peak GB (CPU: rank 0, 1, ..)")
     import torch
 
     gpus = torch.cuda.device_count()
@@ -198,7 +232,8 @@ def main() -> None:
         single = None
         for name in args.layouts:
             bl = LAYOUTS[name]
-            run = Workload(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device=device)
+            run = Workload(seq_length=args.seq, micro_batch_size=args.micro_batch, precision="fp32", device=device,
+                           global_batch_size=args.micro_batch * args.micro_batches * bl.layout.dp)
             predicted = estimate(model, run, bl.layout).total_gb
             head = f"{size:10} {name:14} {bl.layout.world_size:5d}"
             blank = f"{'':>9} {'':>9} {'':>7} {'':>11}"
@@ -214,7 +249,7 @@ def main() -> None:
                 cmd += ["--memory-budget-gb", f"{args.budget_gb:g}"]
             log_path = os.path.join(workdir, f"{size}-{name}.log")
             t0 = time.time()
-            rc, measured = measure(cmd, bl.layout.world_size, log_path)
+            rc, measured, per_rank = measure(cmd, bl.layout.world_size, log_path)
             elapsed = time.time() - t0
             if rc != 0:
                 print(f"{head} {'failed':>12} {predicted:13.2f} {blank} {elapsed:7.0f}  not run: exit code "
@@ -230,8 +265,9 @@ def main() -> None:
                 measured = logged
             single = measured if name == "single" else single
             vs_single = f"{measured / single:9.2f}" if single else f"{'-':>9}"
+            ranks = " ".join(f"{per_rank[r]:.2f}" for r in sorted(per_rank)) if device == "cpu" else ""
             print(f"{head} {measured:12.2f} {predicted:13.2f} {measured / predicted:9.2f} {vs_single} "
-                  f"{planner_said(log_path):>7} {logged_s} {elapsed:7.0f}", flush=True)
+                  f"{planner_said(log_path):>7} {logged_s} {elapsed:7.0f}  {ranks}", flush=True)
 
 
 if __name__ == "__main__":
