@@ -1,17 +1,11 @@
 """pretrain_bert.py: bad flags and files are one-line errors, never tracebacks."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from cli_utils import run_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(*args, env=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_bert.py"), *args], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+def run(*args):
+    return run_main("pretrain_bert.py", *args)
 
 
 def last_line(r):
