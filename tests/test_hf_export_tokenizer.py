@@ -4,23 +4,23 @@ with real words, every file is 0644, and a missing vocab is a one-line error."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_utils import run_main
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert_hf.py")
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tf_bert_tiny")
 VOCAB = os.path.join(FIXTURE, "vocab.txt")
 SENTENCES = ["The CAT sat on the Mat!", "a big red dog ran, and they sat in the park.", "Paris, France: music"]
 
 
 def convert(*args):
-    return subprocess.run([sys.executable, CONVERT, *map(str, args)], capture_output=True, text=True)
+    """convert_hf.py's main() in process (cli_utils): its errors, exit codes and files as on
+    the command line; test_hf_roundtrip runs the real command line."""
+    return run_main("tools/checkpoint/convert_hf.py", *map(str, args))
 
 
 def make_checkpoint(tmp_path, favourite="cat", tp=1):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import cli_utils
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +53,11 @@ def test_pipeline_under_torchrun(dataset, tmp_path):
     assert sorted(os.listdir(tmp_path / "ck" / "iter_0000003")) == ["mp_rank_00_000", "mp_rank_00_001"]
 
 
+def run_main(script, *argv):
+    """An entry script's main() in process: its one-line errors without a new interpreter."""
+    return cli_utils.run_main(os.path.relpath(script, ROOT), *argv)
+
+
 def _one_line_error(r, fragment):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -61,7 +67,7 @@ def _one_line_error(r, fragment):
 def test_missing_data_is_a_clear_error(dataset, tmp_path):
     args = pretrain_args(dataset, tmp_path / "m.jsonl")
     args[args.index("--data-path") + 1] = str(tmp_path / "nothing_text_sentence")
-    _one_line_error(_run([sys.executable, *args]), "nothing_text_sentence")
+    _one_line_error(run_main(*args), "nothing_text_sentence")
 
 
 def test_truncated_data_is_a_clear_error(dataset, tmp_path):
@@ -71,7 +77,7 @@ def test_truncated_data_is_a_clear_error(dataset, tmp_path):
         f.truncate(os.path.getsize(str(tmp_path / "t_text_sentence.bin")) // 2)
     args = pretrain_args(dataset, tmp_path / "m.jsonl")
     args[args.index("--data-path") + 1] = str(tmp_path / "t_text_sentence")
-    _one_line_error(_run([sys.executable, *args]), "t_text_sentence.bin")
+    _one_line_error(run_main(*args), "t_text_sentence.bin")
 
 
 def test_vocab_smaller_than_data_is_a_clear_error(dataset, tmp_path):
@@ -79,7 +85,7 @@ def test_vocab_smaller_than_data_is_a_clear_error(dataset, tmp_path):
     (tmp_path / "small.txt").write_text("\n".join(lines[:60]) + "\n")
     args = pretrain_args(dataset, tmp_path / "m.jsonl")
     args[args.index("--vocab-file") + 1] = str(tmp_path / "small.txt")
-    _one_line_error(_run([sys.executable, *args]), "preprocessed with another vocab")
+    _one_line_error(run_main(*args), "preprocessed with another vocab")
 
 
 # Big enough that model states, not the fixed per-process overhead, set TP=2 apart from one process.

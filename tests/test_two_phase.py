@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from test_pretrain_e2e import BIN, _one_line_error, _run, pretrain_args, rows
+from test_pretrain_e2e import BIN, _one_line_error, _run, pretrain_args, rows, run_main
 from test_resume_dataloader import _curve
 
 from megabert.checkpoint.layout import commit, staging_dir, write_rank_file
@@ -73,5 +73,5 @@ def test_pretrained_checkpoint_without_checkpoint_is_a_clear_error(dataset, tmp_
     (tmp_path / "empty").mkdir()
     args = pretrain_args(dataset, tmp_path / "m.jsonl", "--pretrained-checkpoint", str(tmp_path / "empty"),
                          "--save", str(tmp_path / "p2"))
-    _one_line_error(_run([sys.executable, *args]), f"--pretrained-checkpoint {tmp_path / 'empty'} holds no checkpoint")
+    _one_line_error(run_main(*args), f"--pretrained-checkpoint {tmp_path / 'empty'} holds no checkpoint")
 
