@@ -86,7 +86,11 @@ class _Pool:
         with tempfile.TemporaryDirectory() as tmp:
             for q in self.jobs:
                 q.put((fn, os.path.join(tmp, "store"), args))
-            errors = self._collect()
+            try:
+                errors = self._collect()
+            except BaseException:  # a test timeout or Ctrl-C while the workers run: they may never finish
+                self.kill()
+                raise
         if errors:
             raise RuntimeError("\n".join(f"worker {r} of {self.world_size} failed:\n{e}" for r, e in errors))
 
