@@ -154,9 +154,10 @@ def test_compile_hints_set_what_torchs_decorator_sets():
     assert vars(ours) == vars(theirs) == vars(dispatch.use_fused_kernel)
 
 
-def test_an_eager_training_step_does_not_import_dynamo():
-    """`import torch._dynamo` costs about as much as `import torch`: every process of an
-    eager run (each torchrun worker, each test launch) would pay it at start-up."""
+def test_the_model_forward_and_backward_do_not_import_dynamo():
+    """`import torch._dynamo` costs about as much as `import torch`: a process that only
+    builds and runs the model (the Python API, prediction, the conversion tools) does not
+    pay it (an optimizer still imports it: torch.optim's own @_disable_dynamo)."""
     import subprocess
     import sys
 
