@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from cli_utils import run_main
 
 from megabert.data import build_tokenizer
 from megabert.tasks.squad.examples import SquadExample, read_squad_examples
@@ -231,6 +232,12 @@ def finetune(procs, *args):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def finetune_in_process(*args):
+    """finetune_squad.py's main() in this process (cli_utils): its one-line errors without
+    a new interpreter."""
+    return run_main("finetune_squad.py", *map(str, args))
+
+
 def common(ckpt, vocab, out):
     return ["--load", ckpt, "--vocab-file", vocab, "--output-dir", out, "--max-seq-length", 64, "--doc-stride", 16,
             "--max-query-length", 24, "--micro-batch-size", 4, "--seed", 7, "--log-interval", 1]
@@ -386,7 +393,7 @@ def test_finetune_bad_file_is_one_line_error(tiny_checkpoint, demo_vocab, tmp_pa
     path = tmp_path / "train.json"
     if case == "malformed":
         path.write_text('{"version": "1.1", "data": [{"title": "x", ')
-    r = finetune(1, *common(tiny_checkpoint, demo_vocab, tmp_path / "out"), "--train-file", path)
+    r = finetune_in_process(*common(tiny_checkpoint, demo_vocab, tmp_path / "out"), "--train-file", path)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(path) in lines[0], r.stderr
@@ -394,10 +401,10 @@ def test_finetune_bad_file_is_one_line_error(tiny_checkpoint, demo_vocab, tmp_pa
 
 
 def test_finetune_flag_errors(tiny_checkpoint, demo_vocab, tmp_path):
-    r = finetune(1, "--load", tiny_checkpoint, "--vocab-file", demo_vocab)
+    r = finetune_in_process("--load", tiny_checkpoint, "--vocab-file", demo_vocab)
     assert r.returncode == 2 and "give --train-file, --predict-file or both" in r.stderr
-    r = finetune(1, *common(tiny_checkpoint, demo_vocab, tmp_path), "--predict-file", os.path.join(DEMO, "dev.json"),
-                 "--max-seq-length", 256)
+    r = finetune_in_process(*common(tiny_checkpoint, demo_vocab, tmp_path), "--predict-file",
+                            os.path.join(DEMO, "dev.json"), "--max-seq-length", 256)
     assert r.returncode == 2 and "--max-seq-length 256 exceeds the model's 128 position embeddings" in r.stderr
 
 
