@@ -9,6 +9,7 @@ import sys
 import json
 
 import pytest
+from cli_utils import run_main
 import torch
 from dist_utils import run_distributed
 
@@ -310,7 +311,7 @@ def test_cli_one_layout_with_warning():
     (["--preset", "bert-large", "--recompute-granularity", "half"], "--recompute-granularity must be one of"),
 ])
 def test_cli_bad_input_is_a_clear_error(args, message):
-    r = _cli(*args)
+    r = run_main("tools/plan_layout.py", *args)  # in process (cli_utils); the tests above run the command line
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("error: ") and message in r.stderr and "Traceback" not in r.stderr
 
