@@ -65,6 +65,10 @@ class ModelConfig:
                                                "selective (attention core only).", choices=(None, "full", "selective"))
     sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence over the "
                                   "tensor-parallel group (needs --tensor-model-parallel-size > 1 to matter).")
+    # Sequence classification heads (GLUE), as transformers' BertConfig keeps them: set by the
+    # task from its label set, saved with the checkpoint, exported to config.json.
+    num_labels: int = arg(2, "Outputs of a sequence classification head; 1 is regression (STS-B).", cli=False)
+    id2label: Optional[dict] = arg(None, "Class id -> label name of a sequence classification head.", cli=False)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -79,6 +83,13 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.num_labels < 1:
+            raise ConfigError(f"num_labels must be >= 1 (1: regression), got {self.num_labels}")
+        if self.id2label is not None:
+            # Keys as ints whatever wrote them (JSON, a Hugging Face config.json, has strings).
+            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
+            if sorted(self.id2label) != list(range(self.num_labels)):
+                raise ConfigError(f"id2label {self.id2label} does not name classes 0..{self.num_labels - 1}")
         if self.unpad_input and self.sequence_parallel:
             raise ConfigError("--unpad-input cannot combine with --sequence-parallel (the sequence is split over "
                               "tensor-parallel ranks, the real tokens are not); use --no-unpad-input")

@@ -75,11 +75,13 @@ def num_train_steps(num_features: int, finetune, global_batch: int) -> int:
 
 
 def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micro_batch: int, dp_rank: int,
-                    dp_size: int, seed: int) -> Iterator[dict]:
+                    dp_size: int, seed: int, consumed: int = 0) -> Iterator[dict]:
     """Micro-batches for this DP rank, endless: every epoch is a fresh permutation of all
     features seeded by (seed, epoch), identical on every rank; each global batch of
     indices is cut into dp_size equal slices and this rank's slice into micro-batches.
-    A global batch may span two epochs, so no feature is dropped."""
+    A global batch may span two epochs, so no feature is dropped. `consumed`: samples the
+    run has already trained on (a resume), skipped from the front of the same stream, so
+    the resumed run sees exactly the batches the interrupted one would have."""
     n = len(tensors["input_ids"])
     per_rank = global_batch // dp_size
     pending: list[int] = []
@@ -88,6 +90,8 @@ def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micr
         g = torch.Generator().manual_seed(seed * 1000 + epoch)
         pending += torch.randperm(n, generator=g).tolist()
         epoch += 1
+        skip = min(consumed, len(pending))
+        pending, consumed = pending[skip:], consumed - skip
         while len(pending) >= global_batch:
             step, pending = pending[:global_batch], pending[global_batch:]
             mine = step[dp_rank * per_rank:(dp_rank + 1) * per_rank]
