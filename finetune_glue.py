@@ -103,7 +103,9 @@ def main(argv=None) -> None:
                                 backend=cfg.parallel.distributed_backend,
                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     configure_process_logging(ps.is_logging_rank)
-    tokenizer = build_tokenizer(cfg.finetune.tokenizer_type, resolve_vocab_file(cfg))
+    # The vocab in use is recorded with the checkpoint (--save), where convert_hf.py export finds it.
+    cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, vocab_file=resolve_vocab_file(cfg)))
+    tokenizer = build_tokenizer(cfg.finetune.tokenizer_type, cfg.finetune.vocab_file)
     files = glue_files(cfg)
     task = TASKS[cfg.finetune.task_name]
     for path in [files.train] + [p for p, _ in files.dev]:

@@ -215,3 +215,137 @@ def test_model_equals_transformers_tp1_and_tp2(tmp_path):
     _check_classifier(0, 1, dirs)
     megabert.destroy_parallel()
     run_distributed(_check_classifier, 2, dirs)
+
+
+# ---------------------------------------------------------------- finetune_glue.py end to end
+
+MNLI_LABELS = ("contradiction", "entailment", "neutral")
+
+
+def mnli_rows(rng, n, words=60):
+    """Premise and hypothesis of random words; the class is cued by the hypothesis' first word."""
+    rows = []
+    for _ in range(n):
+        y = int(rng.integers(0, 3))
+        premise = " ".join(f"w{int(i)}" for i in rng.integers(3, words, rng.integers(3, 9)))
+        hypothesis = " ".join([f"w{y}"] + [f"w{int(i)}" for i in rng.integers(3, words, rng.integers(1, 5))])
+        rows.append((premise, hypothesis, MNLI_LABELS[y]))
+    return rows
+
+
+def write_mnli(path, rng):
+    """An MNLI folder as GLUE ships it: 12-column train, 16-column dev sets, 10-column tests."""
+    path.mkdir()
+    head = "index\tpromptID\tpairID\tgenre\tp1\tp2\tp3\tp4\tsentence1\tsentence2"
+    for name, n, dev in (("train.tsv", 48, False), ("dev_matched.tsv", 20, True), ("dev_mismatched.tsv", 12, True)):
+        extra = "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label" if dev else "\tlabel1\tgold_label"
+        labels = (lambda y: "\t".join([y] * 6)) if dev else (lambda y: f"{y}\t{y}")
+        write(path / name, [head + extra] + [f"{i}\t0\t0n\tfiction\t(\t(\t(\t(\t{p}\t{h}\t{labels(y)}"
+                                              for i, (p, h, y) in enumerate(mnli_rows(rng, n))])
+    for name, n in (("test_matched.tsv", 7), ("test_mismatched.tsv", 5)):
+        write(path / name, [head] + [f"{i}\t0\t0n\tfiction\t(\t(\t(\t(\t{p}\t{h}" for i, (p, h, _) in
+                                     enumerate(mnli_rows(rng, n))])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def glue_setup(tmp_path_factory, vocab):
+    """A tiny random BertForPreTraining from transformers with its vocab.txt (one with
+    dropout, one without for exact layout comparisons) and an MNLI folder."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("glue")
+    dirs = {}
+    for name, p in (("dropout", 0.1), ("plain", 0.0)):
+        torch.manual_seed(0)
+        cfg = transformers.BertConfig(vocab_size=len(open(vocab).read().split()), hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                      hidden_dropout_prob=p, attention_probs_dropout_prob=p)
+        transformers.BertForPreTraining(cfg).save_pretrained(d / name)
+        shutil.copyfile(vocab, d / name / "vocab.txt")
+        dirs[name] = str(d / name)
+    return dirs, write_mnli(d / "MNLI", np.random.default_rng(0))
+
+
+def run_main(*args):
+    """finetune_glue.py's main in this process (a single rank): no interpreter start-up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_glue", os.path.join(ROOT, "finetune_glue.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main([str(a) for a in args])
+
+
+def common(load, data, out, *extra):
+    return ["--task-name", "mnli", "--data-dir", data, "--load", load, "--output-dir", out, "--max-seq-length", 32,
+            "--micro-batch-size", 4, "--global-batch-size", 8, "--seed", 3, "--lr", 1e-3, "--log-interval", 1, *extra]
+
+
+def losses(path):
+    return [json.loads(line)["glue_loss"] for line in open(path)]
+
+
+def test_finetune_mnli_outputs_resume_and_export(glue_setup, tmp_path, capsys):
+    """MNLI end to end in one process: eval_results.json with run_glue.py's keys for both dev
+    sets, the submission files in words; a run stopped after 2 steps and re-run resumes to
+    the losses and results of the uninterrupted one (dropout on: RNG and data position
+    restored); its checkpoint exports to a transformers BertForSequenceClassification that
+    predicts the same and names the labels."""
+    dirs, data = glue_setup
+    schedule = ["--lr-decay-iters", 4, "--lr-warmup-fraction", 0.25]  # the same schedule for 2 and 4 steps
+    full = common(dirs["dropout"], data, tmp_path / "full", "--train-iters", 4, "--metrics-file", tmp_path / "f.jsonl",
+                  *schedule)
+    assert run_main(*full) == 0
+    results = json.load(open(tmp_path / "full" / "eval_results.json"))
+    assert set(results) == {"eval_loss", "eval_accuracy", "eval_samples", "eval_loss_mm", "eval_accuracy_mm",
+                            "eval_samples_mm"}
+    assert (results["eval_samples"], results["eval_samples_mm"]) == (20, 12) and 0 <= results["eval_accuracy"] <= 1
+    for name, n in (("MNLI-m.tsv", 7), ("MNLI-mm.tsv", 5)):
+        lines = open(tmp_path / "full" / name).read().splitlines()
+        assert lines[0] == "index\tprediction" and len(lines) == n + 1
+        assert all(line.split("\t")[1] in MNLI_LABELS for line in lines[1:])
+    assert "mnli dev: eval_loss" in capsys.readouterr().out
+
+    ckpt = tmp_path / "ckpt"
+    first = common(dirs["dropout"], data, tmp_path / "part", "--metrics-file", tmp_path / "p.jsonl", "--save", ckpt,
+                   *schedule)
+    assert run_main(*first, "--train-iters", 2, "--no-do-eval", "--no-do-predict") == 0
+    assert run_main(*first, "--train-iters", 4) == 0  # finds its checkpoint under --save: resumes at step 2
+    assert losses(tmp_path / "p.jsonl") == losses(tmp_path / "f.jsonl")
+    assert json.load(open(tmp_path / "part" / "eval_results.json")) == pytest.approx(results)
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(ROOT, "tools", "checkpoint", "convert_hf.py"))
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    assert convert.main(["export", "--load", str(ckpt), "--hf-dir", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "BertForSequenceClassification"
+    assert hf.config.id2label == dict(enumerate(MNLI_LABELS)) and hf.config.problem_type == "single_label_classification"
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    rows = [line.split("\t") for line in open(os.path.join(data, "test_matched.tsv")).read().splitlines()[1:]]
+    enc = tok([r[8] for r in rows], [r[9] for r in rows], padding="max_length", max_length=32, return_tensors="pt")
+    with torch.no_grad():
+        words = [hf.config.id2label[int(i)] for i in hf(**enc).logits.argmax(-1)]
+    assert words == [line.split("\t")[1] for line in open(tmp_path / "part" / "MNLI-m.tsv").read().splitlines()[1:]]
+    # ... and back: the imported classifier predicts as before (no head initialised from the seed).
+    assert convert.main(["import", "--hf-dir", str(tmp_path / "hf"), "--output", str(tmp_path / "back")]) == 0
+    assert run_main(*common(tmp_path / "back", data, tmp_path / "again", "--no-do-train")) == 0
+    assert json.load(open(tmp_path / "again" / "eval_results.json")) == pytest.approx(results, abs=1e-5)
+
+
+def test_cli_errors_are_one_line(glue_setup, tmp_path, capsys):
+    dirs, data = glue_setup
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("index\tsentence1\tsentence2\tlabel\n0\tA\tB\tperhaps\n")
+    assert run_main("--task-name", "rte", "--train-file", bad, "--validation-file", bad, "--load", dirs["plain"],
+                    "--output-dir", tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "bad.tsv:2: label 'perhaps' is not one of rte's labels" in err
+    assert "\n" not in err
+    with pytest.raises(ConfigError, match="--task-name is required"):
+        from megabert.tasks.glue.config import GlueConfig
+
+        GlueConfig(data_dir="x", output_dir="o")
