@@ -445,3 +445,16 @@ def test_dev_accuracy_equals_a_transformers_loop(vocab, tmp_path):
         theirs = (hf(**enc).logits.argmax(-1) == enc["labels"]).float().mean().item()
     print(f"dev accuracy: megabert {ours:.4f}, transformers loop {theirs:.4f}")
     assert abs(ours - theirs) <= 0.01 and theirs > 0.6  # the task was learnt, not both at chance
+
+
+def test_google_run_classifier_head_names():
+    """run_classifier.py keeps its classifier as top-level output_weights [num_labels, hidden]
+    and output_bias: read as transformers' classifier, which makes the checkpoint a
+    BertForSequenceClassification of that many labels."""
+    from megabert.checkpoint.tf import _architecture, hf_name
+
+    assert hf_name("output_weights") == ("classifier.weight", False)
+    assert hf_name("output_bias") == ("classifier.bias", False)
+    assert hf_name("output_weights/adam_m") is None
+    assert _architecture({"classifier.weight": torch.zeros(3, 8)}) == "BertForSequenceClassification"
+    assert _architecture({"qa_outputs.weight": torch.zeros(2, 8)}) == "BertForQuestionAnswering"
