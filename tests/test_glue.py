@@ -458,3 +458,25 @@ def test_google_run_classifier_head_names():
     assert hf_name("output_weights/adam_m") is None
     assert _architecture({"classifier.weight": torch.zeros(3, 8)}) == "BertForSequenceClassification"
     assert _architecture({"qa_outputs.weight": torch.zeros(2, 8)}) == "BertForQuestionAnswering"
+
+
+def test_eval_results_keys_and_submission_formats(tmp_path):
+    """run_glue.py's keys (eval_combined_score where a task has two metrics) and GLUE's
+    submission lines: label words, 0/1, STS-B scores with three decimals."""
+    from megabert.tasks.glue.finetuning import eval_results, write_submission
+
+    logits = np.array([[2.0, -1.0], [0.0, 1.0], [0.5, 0.1]], np.float32)
+    mrpc = eval_results(TASKS["mrpc"], logits, np.array([0, 1, 1]))
+    assert set(mrpc) == {"eval_loss", "eval_accuracy", "eval_f1", "eval_combined_score", "eval_samples"}
+    assert mrpc["eval_accuracy"] == pytest.approx(2 / 3) and mrpc["eval_f1"] == pytest.approx(2 / 3)
+    scores = np.array([[4.25], [0.5], [2.0]], np.float32)
+    sts = eval_results(TASKS["sts-b"], scores, np.array([5.0, 1.0, 2.5]))
+    assert sts["eval_pearson"] > 0.9 and sts["eval_spearmanr"] == pytest.approx(1.0)
+    assert sts["eval_loss"] == pytest.approx(np.mean([0.75 ** 2, 0.5 ** 2, 0.5 ** 2]))
+    write_submission(tmp_path / "STS-B.tsv", TASKS["sts-b"], scores)
+    assert open(tmp_path / "STS-B.tsv").read() == "index\tprediction\n0\t4.250\n1\t0.500\n2\t2.000\n"
+    write_submission(tmp_path / "RTE.tsv", TASKS["rte"], logits)
+    assert open(tmp_path / "RTE.tsv").read().splitlines()[1:] == ["0\tentailment", "1\tnot_entailment",
+                                                                    "2\tentailment"]
+    write_submission(tmp_path / "CoLA.tsv", TASKS["cola"], logits)
+    assert open(tmp_path / "CoLA.tsv").read().splitlines()[1:] == ["0\t0", "1\t1", "2\t0"]
