@@ -480,3 +480,21 @@ def test_eval_results_keys_and_submission_formats(tmp_path):
                                                                     "2\tentailment"]
     write_submission(tmp_path / "CoLA.tsv", TASKS["cola"], logits)
     assert open(tmp_path / "CoLA.tsv").read().splitlines()[1:] == ["0\t0", "1\t1", "2\t0"]
+
+
+def test_regression_model_saves_as_transformers_regression(tmp_path, vocab):
+    """STS-B's one-output model: save_hf writes problem_type regression, and transformers'
+    model from that directory gives the same scores."""
+    from megabert.config import ModelConfig
+
+    megabert.init_parallel()
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=70, num_labels=1,
+                      max_position_embeddings=64)
+    model = megabert.BertForSequenceClassification(cfg).eval()
+    model.save_hf(str(tmp_path / "hf"), vocab)
+    megabert.destroy_parallel()
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.problem_type == "regression" and hf.config.num_labels == 1
+    ids = torch.randint(1, 70, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
