@@ -42,6 +42,9 @@ class GlueConfig:
     train_iters: Optional[int] = arg(None, "Optimizer steps; default --epochs over the training examples.")
     predict_batch_size: Optional[int] = arg(None, "Examples per forward pass when evaluating and predicting; "
                                             "default --micro-batch-size.")
+    recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or selective "
+                                               "(attention core only); the losses are unchanged.",
+                                               choices=(None, "full", "selective"))
     do_train: bool = arg(True, "Fine-tune on the training data (--no-do-train: evaluate / predict --load as it is).")
     do_eval: bool = arg(True, "Score the dev set(s) into eval_results.json.")
     do_predict: bool = arg(True, "Write GLUE submission files for the test set(s) that exist.")

@@ -69,7 +69,8 @@ def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) ->
     task = TASKS[cfg.finetune.task_name]
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     return load_task_model(BertForSequenceClassification, cfg, ps, vocab_size, num_labels=task.num_labels,
-                           id2label=id2label, unpad_input=True)
+                           id2label=id2label, unpad_input=True,
+                           recompute_granularity=cfg.finetune.recompute_granularity)
 
 
 def tensors_of(path: str, task: GlueTask, tokenizer, max_seq_length: int, *, test: bool = False
