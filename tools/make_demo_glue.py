@@ -57,9 +57,13 @@ def main(argv=None) -> int:
     if n < 20:
         sys.exit(f"error: {args.corpus} has only {min(len(returns), len(raises))} sentences of one class; "
                  f"build a larger corpus (tools/make_demo_corpus.py --max-documents)")
-    # Every split keeps the classes balanced; a small corpus shrinks train first.
-    dev, test = min(args.dev_per_class, n // 4), min(args.test_per_class, n // 8)
-    train = n - dev - test
+    # Every split keeps the classes balanced; a corpus too small for the sizes asked for
+    # gives a quarter to dev, an eighth to test and the rest to train.
+    if n == need:
+        train, dev, test = args.train_per_class, args.dev_per_class, args.test_per_class
+    else:
+        dev, test = n // 4, n // 8
+        train = n - dev - test
     splits = {"train": (0, train), "dev": (train, train + dev), "test": (train + dev, n)}
     os.makedirs(args.output, exist_ok=True)
     for name, (lo, hi) in splits.items():
