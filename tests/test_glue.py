@@ -500,3 +500,12 @@ def test_regression_model_saves_as_transformers_regression(tmp_path, vocab):
     ids = torch.randint(1, 70, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_finetune_from_google_tf_dir(glue_setup, tmp_path):
+    """--load takes a Google TF BERT directory (its vocab.txt when --vocab-file is left out)."""
+    _, data = glue_setup
+    tf_dir = os.path.join(ROOT, "tests", "fixtures", "tf_bert_tiny")
+    assert run_main("--task-name", "mnli", "--data-dir", data, "--load", tf_dir, "--output-dir", tmp_path,
+                    "--max-seq-length", 32, "--micro-batch-size", 8, "--train-iters", 2, "--no-do-predict") == 0
+    assert json.load(open(tmp_path / "eval_results.json"))["eval_samples"] == 20
