@@ -347,6 +347,11 @@ def test_cli_errors_are_one_line(glue_setup, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "bad.tsv:2: label 'perhaps' is not one of rte's labels" in err
     assert "\n" not in err
+    three = make_hf_classifier(tmp_path / "mnli_model", 3)
+    good = write(tmp_path / "good.tsv", ["sentence\tlabel", "w1 good\t1"])
+    assert run_main("--task-name", "sst-2", "--train-file", good, "--no-do-eval", "--no-do-predict", "--load", three,
+                    "--vocab-file", glue_setup[0]["plain"] + "/vocab.txt") == 2
+    assert "holds a classifier for another number of labels than sst-2's 2" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--task-name is required"):
         from megabert.tasks.glue.config import GlueConfig
 

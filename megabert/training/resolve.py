@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
-
-from typing import Any
+from typing import Any, Optional
 
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
     TrainConfig

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from megabert.config import FinetuneConfigs
+from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.tasks.glue.data import GlueExample, read_examples
 from megabert.tasks.glue.features import examples_to_tensors
@@ -68,9 +69,17 @@ def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) ->
     sentences leave most of max_seq_length to padding."""
     task = TASKS[cfg.finetune.task_name]
     id2label = None if task.is_regression else dict(enumerate(task.labels))
-    return load_task_model(BertForSequenceClassification, cfg, ps, vocab_size, num_labels=task.num_labels,
-                           id2label=id2label, unpad_input=True,
-                           recompute_granularity=cfg.finetune.recompute_granularity)
+    try:
+        return load_task_model(BertForSequenceClassification, cfg, ps, vocab_size, num_labels=task.num_labels,
+                               id2label=id2label, unpad_input=True,
+                               recompute_granularity=cfg.finetune.recompute_granularity)
+    except CheckpointError as e:
+        if "classifier.weight has shape" not in str(e):
+            raise
+        # A model fine-tuned on another task: the shape error alone would not say so.
+        raise CheckpointError(f"--load {cfg.train.load} holds a classifier for another number of labels than "
+                              f"{task.name}'s {task.num_labels}: start from the pre-trained model, or from one "
+                              f"fine-tuned on a task with the same labels") from None
 
 
 def tensors_of(path: str, task: GlueTask, tokenizer, max_seq_length: int, *, test: bool = False
