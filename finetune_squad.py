@@ -24,6 +24,7 @@ import sys
 import megabert
 from megabert.arguments import parse_finetune_args
 from megabert.data import build_tokenizer
+from megabert.tasks.squad.config import SquadConfig
 from megabert.tasks.squad.examples import load_squad_json, read_squad_examples
 from megabert.tasks.squad.evaluate import evaluate
 from megabert.tasks.squad.features import convert_examples_to_features, features_to_tensors
@@ -99,7 +100,7 @@ def predict(cfg, ps, model, tokenizer) -> None:
 
 @cli_main
 def main(argv=None) -> None:
-    cfg = parse_finetune_args(argv, description=__doc__)
+    cfg = parse_finetune_args(argv, description=__doc__, task_config=SquadConfig)
     ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                                 backend=cfg.parallel.distributed_backend,
                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)

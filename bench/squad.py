@@ -26,6 +26,7 @@ from megabert.arguments import parse_finetune_args  # noqa: E402
 from megabert.config import ModelConfig  # noqa: E402
 from megabert.training.build import build_trainer  # noqa: E402
 from megabert.training.resolve import resolve_run  # noqa: E402
+from megabert.tasks.squad.config import SquadConfig  # noqa: E402
 from megabert.tasks.squad.finetuning import qa_task  # noqa: E402
 
 
@@ -46,7 +47,8 @@ def squad_batches(args, count: int) -> list[dict]:
 def ours(args, ps, batches):
     cfg = parse_finetune_args(["--load", "unused", "--vocab-file", "unused", "--train-file", "unused",
                                "--max-seq-length", str(args.seq), "--micro-batch-size", str(args.batch),
-                               "--global-batch-size", str(args.batch), "--log-interval", "1000000"])
+                               "--global-batch-size", str(args.batch), "--log-interval", "1000000"],
+                              task_config=SquadConfig)
     model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                             vocab_size=args.vocab, max_position_embeddings=512)
     model = megabert.BertForQuestionAnswering(model_cfg, ps)

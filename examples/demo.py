@@ -7,6 +7,9 @@
 5. the loss curve as a PNG, and the checkpoint exported to a Hugging Face directory
 6. SQuAD fine-tuning of that checkpoint on data/squad_demo (TP 2 on two CPU processes),
    predictions on its dev set and the official EM/F1
+7. GLUE fine-tuning of that checkpoint on a small SST-2-format task built from the corpus
+   (docstring sentences: "says what it returns" or "what it raises"), its dev accuracy and
+   the GLUE submission file of its test set
 """
 from __future__ import annotations
 
@@ -38,25 +41,26 @@ def main() -> int:
     p.add_argument("--train-iters", type=int, default=300)
     p.add_argument("--max-documents", type=int, default=4000, help="corpus size (documents)")
     p.add_argument("--squad-epochs", type=float, default=10, help="SQuAD fine-tuning epochs")
+    p.add_argument("--glue-epochs", type=float, default=5, help="GLUE fine-tuning epochs")
     args = p.parse_args()
     w = os.path.abspath(args.workdir)
     os.makedirs(w, exist_ok=True)
     tool = lambda *parts: os.path.join(ROOT, "tools", *parts)  # noqa: E731
 
-    step("1/6 corpus from the standard library's docstrings",
+    step("1/7 corpus from the standard library's docstrings",
          [PY, tool("make_demo_corpus.py"), "--output", f"{w}/corpus.jsonl", "--max-documents",
           str(args.max_documents)])
-    step("2/6 WordPiece vocab",
+    step("2/7 WordPiece vocab",
          [PY, tool("train_tokenizer.py"), "--input", f"{w}/corpus.jsonl", "--output", f"{w}/vocab.txt",
           "--vocab-size", "8000"])
-    step("3/6 preprocess into a Megatron mmap dataset",
+    step("3/7 preprocess into a Megatron mmap dataset",
          [PY, tool("preprocess_data.py"), "--input", f"{w}/corpus.jsonl", "--json-keys", "text",
           "--output-prefix", f"{w}/demo", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
           f"{w}/vocab.txt", "--split-sentences", "--workers", "2", "--log-interval", "1000"])
     metrics = f"{w}/metrics.jsonl"
     if os.path.exists(metrics):
         os.remove(metrics)
-    step("4/6 pre-train a tiny BERT, tensor parallel over 2 CPU processes",
+    step("4/7 pre-train a tiny BERT, tensor parallel over 2 CPU processes",
          [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_bert.py"),
           "--preset", "bert-tiny", "--tensor-model-parallel-size", "2", "--data-path", f"{w}/demo_text_sentence",
           "--vocab-file", f"{w}/vocab.txt", "--seq-length", "128", "--micro-batch-size", "16",
@@ -64,20 +68,31 @@ def main() -> int:
           "--lr-warmup-iters", "30", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--split", "95,5,0",
           "--eval-interval", "100", "--eval-iters", "4", "--log-interval", "20", "--mlm-logits-at-masked-only",
           "--metrics-file", metrics, "--save", f"{w}/checkpoint", "--num-workers", "1"])
-    step("5/6 loss curve and Hugging Face export",
+    step("5/7 loss curve and Hugging Face export",
          [PY, tool("plot_metrics.py"), metrics, "--output", f"{w}/loss_curve.png"])
     step("    export", [PY, tool("checkpoint", "convert_hf.py"), "export", "--load", f"{w}/checkpoint",
                         "--hf-dir", f"{w}/hf_export"])
     # 120 questions, contexts of about 80 tokens: one window each at 128 tokens. A tiny
     # model needs a higher learning rate than BERT-base's 3e-5.
     squad = os.path.join(ROOT, "data", "squad_demo")
-    step("6/6 fine-tune on SQuAD-format data, tensor parallel over 2 CPU processes",
+    step("6/7 fine-tune on SQuAD-format data, tensor parallel over 2 CPU processes",
          [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", os.path.join(ROOT, "finetune_squad.py"),
           "--tensor-model-parallel-size", "2", "--load", f"{w}/checkpoint", "--vocab-file", f"{w}/vocab.txt",
           "--train-file", f"{squad}/train.json", "--predict-file", f"{squad}/dev.json", "--output-dir", f"{w}/squad",
           "--max-seq-length", "128", "--doc-stride", "32", "--max-query-length", "32", "--epochs",
           str(args.squad_epochs), "--lr", "1e-3", "--micro-batch-size", "16", "--global-batch-size", "16",
           "--seed", "1234", "--log-interval", "25"])
+
+    # 400 sentences, about 20 tokens each: one epoch is 13 steps of 32. A tiny model takes a
+    # higher learning rate than BERT-base's 2e-5.
+    step("7/7 fine-tune on a GLUE task (SST-2 format) built from the corpus",
+         [PY, tool("make_demo_glue.py"), "--corpus", f"{w}/corpus.jsonl", "--output", f"{w}/glue/SST-2",
+          "--train-per-class", "200", "--dev-per-class", "100", "--test-per-class", "25"])
+    step("    fine-tune", [PY, os.path.join(ROOT, "finetune_glue.py"), "--task-name", "sst-2", "--data-dir",
+                          f"{w}/glue/SST-2", "--load", f"{w}/checkpoint", "--vocab-file", f"{w}/vocab.txt",
+                          "--output-dir", f"{w}/glue/out", "--max-seq-length", "64", "--epochs",
+                          str(args.glue_epochs), "--lr", "2e-3", "--micro-batch-size", "32", "--seed", "1234",
+                          "--log-interval", "10"])
 
     rows = [json.loads(line) for line in open(metrics)]
     train = [r for r in rows if "lm_loss" in r]
@@ -94,6 +109,9 @@ def main() -> int:
           f"F1 {squad_results['f1']:.1f} (a tiny BERT pre-trained for {args.train_iters} iterations and fine-tuned "
           f"on 120 questions: expect low figures)")
     print(f"predictions: {w}/squad/predictions.json")
+    glue = json.load(open(f"{w}/glue/out/eval_results.json"))
+    print(f"GLUE task in SST-2 format ({w}/glue/SST-2, {glue['eval_samples']} dev sentences, half of each class): "
+          f"accuracy {glue['eval_accuracy']:.3f} (chance 0.5) | submission file: {w}/glue/out/SST-2.tsv")
     return 0
 
 

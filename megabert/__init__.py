@@ -1,4 +1,4 @@
-"""megabert: BERT pre-training and SQuAD fine-tuning with tensor, pipeline and ZeRO
+"""megabert: BERT pre-training and SQuAD / GLUE fine-tuning with tensor, pipeline and ZeRO
 data parallelism, from one CPU to many GPU nodes."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = [
     "__version__", "ModelConfig", "ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig",
     "bert_tiny", "bert_base", "bert_large", "ConfigError", "MegabertError", "ParallelState",
     "init_parallel", "get_parallel_state", "destroy_parallel",
-    "BertForPreTraining", "BertForQuestionAnswering", "BertModel",
+    "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
 ]
 
 
@@ -31,4 +31,8 @@ def __getattr__(name: str):
         from megabert.tasks.squad import BertForQuestionAnswering
 
         return BertForQuestionAnswering
+    if name == "BertForSequenceClassification":
+        from megabert.tasks.glue import BertForSequenceClassification
+
+        return BertForSequenceClassification
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")

@@ -10,25 +10,27 @@ import dataclasses
 import typing
 from typing import Optional, Sequence
 
-from megabert.config import (PRESETS, Configs, DataConfig, FinetuneConfig, FinetuneConfigs, ModelConfig,
-                             OptimConfig, ParallelConfig, TrainConfig)
+from megabert.config import (PRESETS, Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig,
+                             ParallelConfig, TrainConfig)
 from megabert.errors import ConfigError
 from megabert.rules import check_flags
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
-            "optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig}
+            "optim": OptimConfig, "train": TrainConfig}
 PRETRAIN_SECTIONS = ("model", "parallel", "data", "optim", "train")
 FINETUNE_SECTIONS = ("parallel", "optim", "train", "finetune")
-# Flags of the shared sections that mean nothing for SQuAD fine-tuning (no validation
+# The "finetune" section is the task's own config dataclass, handed to parse_finetune_args.
+# Flags of the shared sections that mean nothing for fine-tuning (no validation
 # split, steps from --epochs, --load is the pre-trained model): left out of its CLI.
 # --memory-budget-gb too: the planner's preflight needs the model's shape before the model
 # is built, which fine-tuning only learns by loading --load, and it models pre-training's
-# heads and activations (MLM logits), not the QA head at --max-seq-length.
+# heads and activations (MLM logits), not a task head at --max-seq-length.
 FINETUNE_EXCLUDED = {"train.train_iters", "train.eval_interval", "train.eval_iters", "train.finetune",
                      "train.exit_interval", "train.pretrained_checkpoint", "train.memory_budget_gb"}
-# BERT's SQuAD recipe (Devlin et al. 2019; Google's run_squad.py): AdamW at 3e-5 with 10%
-# linear warmup, then linear decay to 0, weight decay 0.01.
+# BERT's fine-tuning recipe (Devlin et al. 2019; Google's run_squad.py and run_classifier.py):
+# AdamW at 3e-5 with 10% linear warmup, then linear decay to 0, weight decay 0.01. A task may
+# hand its own (parse_finetune_args' `defaults`).
 # pretrain_bert.py's defaults where they differ from the library's: the trainer always has
 # labels, so the [tokens, vocab] MLM GEMM runs only at the ~15% masked positions (the loss
 # is the same; the Python API keeps transformers' full logits unless asked).
@@ -78,13 +80,16 @@ def _base_type(tp) -> type:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] = PRETRAIN_SECTIONS,
-                         exclude: frozenset | set = frozenset(), defaults: Optional[dict] = None) -> None:
+                         exclude: frozenset | set = frozenset(), defaults: Optional[dict] = None,
+                         classes: Optional[dict] = None) -> None:
     """One flag per field of each section (`exclude`: "section.field" names to leave out;
     `defaults`: the script's own defaults where they differ from the dataclasses', shown
-    in --help). Flags default to SUPPRESS so the namespace holds only what was typed."""
+    in --help; `classes`: sections beyond SECTIONS, e.g. {"finetune": a task's config}).
+    Flags default to SUPPRESS so the namespace holds only what was typed."""
     defaults = defaults or {}
+    classes = {**SECTIONS, **(classes or {})}
     for section in sections:
-        cls = SECTIONS[section]
+        cls = classes[section]
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
             if not f.metadata.get("cli", True) or f"{section}.{f.name}" in exclude:
@@ -116,8 +121,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str
                                                                 "the head is trained).")
 
 
-def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRETRAIN_SECTIONS) -> dict:
+def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRETRAIN_SECTIONS,
+                           classes: Optional[dict] = None) -> dict:
     """Builds each section's dataclass from the parsed flags (raises ConfigError)."""
+    classes = {**SECTIONS, **(classes or {})}
     values: dict[str, dict] = {s: {} for s in sections}
     for key, value in vars(ns).items():
         if "." in key:
@@ -129,7 +136,7 @@ def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRE
         if section == "model" and getattr(ns, "preset", None):
             out[section] = PRESETS[ns.preset](**values[section])
         else:
-            out[section] = SECTIONS[section](**values[section])
+            out[section] = classes[section](**values[section])
     return out
 
 
@@ -167,16 +174,21 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     return cfg
 
 
-def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str = "") -> FinetuneConfigs:
-    """finetune_squad.py's CLI: the parallel, optimizer and training flags shared with
-    pre-training (BERT's fine-tuning defaults for the optimizer) plus FinetuneConfig's."""
+def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str = "", *, task_config: type,
+                        defaults: Optional[dict] = None) -> FinetuneConfigs:
+    """A fine-tuning entry script's CLI: the parallel, optimizer and training flags shared
+    with pre-training plus the task's own (`task_config`: its config dataclass, the
+    "finetune" section). `defaults`: the task's recipe where it differs from the
+    dataclasses' (default FINETUNE_DEFAULTS, BERT's fine-tuning recipe)."""
+    defaults = FINETUNE_DEFAULTS if defaults is None else defaults
+    classes = {"finetune": task_config}
     parser = ArgumentParser(description=description, formatter_class=_DefaultsHelpFormatter)
-    add_config_arguments(parser, FINETUNE_SECTIONS, exclude=FINETUNE_EXCLUDED, defaults=FINETUNE_DEFAULTS)
+    add_config_arguments(parser, FINETUNE_SECTIONS, exclude=FINETUNE_EXCLUDED, defaults=defaults, classes=classes)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     typed = explicit_flags(parser.parse_known_args(argv)[0])  # before the fine-tuning defaults fill in
-    parser.set_defaults(**FINETUNE_DEFAULTS)
+    parser.set_defaults(**defaults)
     ns = parser.parse_args(argv)
-    cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS), explicit=typed)
+    cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS, classes), explicit=typed)
     if not cfg.train.load:
         raise ConfigError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
     check_combinations(cfg)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megabert.arguments import parse_args
-from megabert.config import FinetuneConfig, FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
+from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
+from megabert.tasks.squad.config import SquadConfig
 from megabert.errors import ConfigError
 from megabert.parallel.buckets import zero_sizing
 from megabert.training.deepspeed.config import build_config, offloads_optimizer, resolve_deepspeed_config
@@ -202,7 +203,7 @@ def test_finetune_configs_resolve_too(tmp_path):
     cfg = FinetuneConfigs(parallel=ParallelConfig(), optim=OptimConfig(lr=3e-5),
                           train=TrainConfig(deepspeed=True, deepspeed_config=str(path), micro_batch_size=2,
                                             global_batch_size=4, zero_stage=2),
-                          finetune=FinetuneConfig(train_file="t.json"), explicit=frozenset())
+                          finetune=SquadConfig(train_file="t.json"), explicit=frozenset())
     ds, optim = resolve_deepspeed_config(cfg, CPU, 128)
     assert optim.lr == 2e-4 and not optim.bias_correction
     assert ds["zero_optimization"]["reduce_bucket_size"] == 128 * 128

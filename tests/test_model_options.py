@@ -163,7 +163,8 @@ def test_layers_use_the_fused_dropout_add_on_cpu():
 
 
 def _qa_from_unpadded_pretraining(rank, world, root):
-    from megabert.config import FinetuneConfig, FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
+    from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
+    from megabert.tasks.squad.config import SquadConfig
     from megabert.tasks.squad.finetuning import load_qa_model
     from megabert.training.checkpointing import TrainingState, save_checkpoint
     from megabert.training.strategy import Strategy
@@ -172,7 +173,7 @@ def _qa_from_unpadded_pretraining(rank, world, root):
     model = megabert.BertForPreTraining(_cfg(unpad_input=True), ps)
     save_checkpoint(root, TrainingState(), Strategy(model, None, ps, runner=None))  # weights, no optimizer
     cfg = FinetuneConfigs(parallel=ParallelConfig(), optim=OptimConfig(), train=TrainConfig(load=root),
-                          finetune=FinetuneConfig(train_file="t.json", max_seq_length=32,
+                          finetune=SquadConfig(train_file="t.json", max_seq_length=32,
                                                                    max_query_length=8, doc_stride=8))
     assert not load_qa_model(cfg, ps, 99).config.unpad_input
 

@@ -391,6 +391,8 @@ def test_finetuning_has_no_budget_flag():
     """finetune_squad.py learns the model's shape only by loading it, and the planner models
     pre-training's heads: the flag is not offered there rather than silently ignored."""
     from megabert.arguments import parse_finetune_args
+    from megabert.tasks.squad.config import SquadConfig
 
     with pytest.raises(SystemExit):
-        parse_finetune_args(["--load", "x", "--train-file", "t.json", "--memory-budget-gb", "4"])
+        parse_finetune_args(["--load", "x", "--train-file", "t.json", "--memory-budget-gb", "4"],
+                            task_config=SquadConfig)

@@ -410,21 +410,21 @@ def test_finetune_flag_errors(tiny_checkpoint, demo_vocab, tmp_path):
 
 def test_finetune_flags_parse_with_bert_recipe_defaults():
     from megabert.arguments import parse_finetune_args
-    from megabert.config import FinetuneConfig
+    from megabert.tasks.squad.config import SquadConfig
 
     argv = ("--train-file t.json --predict-file d.json --vocab-file v.txt --load ckpt --max-seq-length 256 "
             "--doc-stride 64 --max-query-length 32 --epochs 3 --lr 5e-5 --micro-batch-size 4 "
             "--global-batch-size 32 --seed 42 --output-dir out --version-2-with-negative "
             "--null-score-diff-threshold -1.5 --tokenizer-type BertWordPieceCase --tensor-model-parallel-size 2")
-    cfg = parse_finetune_args(argv.split())
+    cfg = parse_finetune_args(argv.split(), task_config=SquadConfig)
     ft = cfg.finetune
     assert (ft.max_seq_length, ft.doc_stride, ft.max_query_length, ft.epochs) == (256, 64, 32, 3.0)
     assert ft.version_2_with_negative and ft.null_score_diff_threshold == -1.5 and cfg.train.seed == 42
     assert cfg.optim.lr == 5e-5 and cfg.train.global_batch_size == 32 and cfg.parallel.tensor_model_parallel_size == 2
-    recipe = parse_finetune_args(["--train-file", "t.json", "--load", "ckpt"])
+    recipe = parse_finetune_args(["--train-file", "t.json", "--load", "ckpt"], task_config=SquadConfig)
     assert (recipe.optim.lr, recipe.optim.lr_warmup_fraction, recipe.optim.lr_decay_style) == (3e-5, 0.1, "linear")
     assert recipe.optim.optimizer == "adam" and recipe.optim.weight_decay == 0.01
     with pytest.raises(ConfigError, match="--doc-stride 317 must be in"):
-        FinetuneConfig(train_file="t.json", doc_stride=317)
+        SquadConfig(train_file="t.json", doc_stride=317)
     with pytest.raises(ConfigError, match="--predict-file needs --output-dir"):
-        FinetuneConfig(predict_file="d.json")
+        SquadConfig(predict_file="d.json")

@@ -38,6 +38,9 @@ _SPECIAL = {
     "cls/seq_relationship/output_bias": "cls.seq_relationship.bias",
     "cls/squad/output_weights": "qa_outputs.weight",  # run_squad.py: [2, hidden], start then end
     "cls/squad/output_bias": "qa_outputs.bias",
+    # run_classifier.py (GLUE): top-level variables, [num_labels, hidden] already.
+    "output_weights": "classifier.weight",
+    "output_bias": "classifier.bias",
 }
 _OPTIMIZER_SLOTS = ("adam_m", "adam_v")  # AdamWeightDecayOptimizer's PARAM/adam_m, PARAM/adam_v
 _TRAINING_STATE = ("global_step",)
@@ -150,8 +153,8 @@ def hf_name(tf_name: str) -> Optional[tuple[str, bool]]:
 
 
 def read_tf_as_hf(path: str) -> tuple[dict, dict]:
-    """(Hugging Face config dict, state dict in BertForPreTraining / BertForQuestionAnswering
-    names) of a Google BERT directory, so it loads exactly like a Hugging Face directory."""
+    """(Hugging Face config dict, state dict in BertForPreTraining / BertForQuestionAnswering /
+    BertForSequenceClassification names) of a Google BERT directory, so it loads exactly like a Hugging Face directory."""
     prefix, _ = _resolve(path)
     config = read_tf_config(path)
     _, entries = tf_bundle.read_index(prefix + ".index")
@@ -168,9 +171,20 @@ def read_tf_as_hf(path: str) -> tuple[dict, dict]:
     if "vocab_size" in config and words.size(0) != config["vocab_size"]:
         raise CheckpointError(f"{CONFIG_FILE} says vocab_size {config['vocab_size']} but {prefix} has "
                               f"{words.size(0)} word embeddings; the config and checkpoint do not belong together")
-    squad = "qa_outputs.weight" in state
-    config.setdefault("architectures", ["BertForQuestionAnswering" if squad else "BertForPreTraining"])
+    config.setdefault("architectures", [_architecture(state)])
+    if "classifier.weight" in state:
+        config.setdefault("num_labels", state["classifier.weight"].size(0))
     return config, state
+
+
+def _architecture(state: dict) -> str:
+    """The transformers class of a Google checkpoint's heads: run_squad.py's span head,
+    run_classifier.py's classifier, else pre-training's."""
+    if "qa_outputs.weight" in state:
+        return "BertForQuestionAnswering"
+    if "classifier.weight" in state:
+        return "BertForSequenceClassification"
+    return "BertForPreTraining"
 
 
 def _log_skipped(prefix: str, skipped: list) -> None:

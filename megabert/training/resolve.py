@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from megabert.config import Configs, DataConfig, FinetuneConfig, FinetuneConfigs, ModelConfig, OptimConfig, \
-    ParallelConfig, TrainConfig
+from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
+    TrainConfig
 from megabert.parallel.layout import BatchLayout
 from megabert.rules import validate_layout
 from megabert.training.checkpointing import resolve_start
@@ -29,7 +29,8 @@ class ResolvedRun:
     batch: BatchLayout
     world_size: int
     data: Optional[DataConfig] = None
-    finetune: Optional[FinetuneConfig] = None
+    finetune: Any = None
+    """The task's config dataclass when fine-tuning (it has max_seq_length), else None."""
     deepspeed_config: Optional[dict] = None
     """DeepSpeed's final config (built from the flags, merged with --deepspeed_config); None without --deepspeed."""
     explicit: frozenset = frozenset()

@@ -1,0 +1,135 @@
+"""GLUE pieces handed to the generic fine-tuning code: the task for the Trainer, the data
+files of a run, the model from --load with the task's labels, and evaluation and test
+predictions (eval_results.json with run_glue.py's keys, the GLUE submission files)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megabert.config import FinetuneConfigs
+from megabert.errors import CheckpointError
+from megabert.parallel import ParallelState
+from megabert.tasks.glue.data import GlueExample, read_examples
+from megabert.tasks.glue.features import examples_to_tensors
+from megabert.tasks.glue.metrics import glue_metrics
+from megabert.tasks.glue.model import BertForSequenceClassification
+from megabert.tasks.glue.tasks import TASKS, GlueTask
+from megabert.training.finetune import load_task_model, predict_outputs
+from megabert.training.strategy import Task
+
+logger = logging.getLogger(__name__)
+
+
+def glue_task() -> Task:
+    """SequenceClassifierOutput -> (cross entropy, or MSE for regression; {"glue_loss"})."""
+    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "labels"),
+                output_loss=lambda out: (out.loss, {"glue_loss": out.loss}))
+
+
+@dataclass(frozen=True)
+class GlueFiles:
+    """The files a run reads: train (or None), [(dev file, metric key suffix)],
+    [(test file, submission name)]."""
+
+    train: Optional[str]
+    dev: list[tuple[str, str]]
+    test: list[tuple[str, str]]
+
+
+def glue_files(cfg: FinetuneConfigs) -> GlueFiles:
+    """--train-file / --validation-file / --test-file, else the task's files in --data-dir
+    (test files only where they exist: a custom data dir may have none)."""
+    ft, task = cfg.finetune, TASKS[cfg.finetune.task_name]
+
+    def in_dir(name: str) -> str:
+        return os.path.join(ft.data_dir, name)
+
+    train = (ft.train_file or in_dir("train.tsv")) if ft.do_train else None
+    dev = ([(ft.validation_file, "")] if ft.validation_file else [(in_dir(f), s) for f, s in task.dev_files]) \
+        if ft.do_eval else []
+    test = []
+    if ft.do_predict:
+        if ft.test_file:
+            test = [(ft.test_file, task.submission)]
+        elif ft.data_dir:
+            test = [(in_dir(f), name or task.submission) for f, name in task.test_files if os.path.isfile(in_dir(f))]
+    return GlueFiles(train, dev, test)
+
+
+def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> BertForSequenceClassification:
+    """BertForSequenceClassification from --load with the task's labels. The classifier is
+    new unless --load is a model fine-tuned on a task with as many labels. The encoder runs
+    unpadded: the head reads [CLS] alone, so padding changes no output, and GLUE's
+    sentences leave most of max_seq_length to padding."""
+    task = TASKS[cfg.finetune.task_name]
+    id2label = None if task.is_regression else dict(enumerate(task.labels))
+    try:
+        return load_task_model(BertForSequenceClassification, cfg, ps, vocab_size, num_labels=task.num_labels,
+                               id2label=id2label, unpad_input=True,
+                               recompute_granularity=cfg.finetune.recompute_granularity)
+    except CheckpointError as e:
+        if "classifier.weight has shape" not in str(e):
+            raise
+        # A model fine-tuned on another task: the shape error alone would not say so.
+        raise CheckpointError(f"--load {cfg.train.load} holds a classifier for another number of labels than "
+                              f"{task.name}'s {task.num_labels}: start from the pre-trained model, or from one "
+                              f"fine-tuned on a task with the same labels") from None
+
+
+def tensors_of(path: str, task: GlueTask, tokenizer, max_seq_length: int, *, test: bool = False
+               ) -> tuple[list[GlueExample], dict[str, torch.Tensor]]:
+    examples = read_examples(path, task, test=test)
+    logger.info("%s: %d examples", path, len(examples))
+    return examples, examples_to_tensors(examples, tokenizer, max_seq_length, task.is_regression)
+
+
+def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps: ParallelState, batch_size: int,
+                   bf16: bool = False, fp16: bool = False) -> np.ndarray:
+    """Logits [n, num_labels] of every example, on every rank."""
+    arrays = predict_outputs(model, tensors, ps, batch_size, glue_task(), lambda out: (out.logits,), bf16=bf16,
+                             fp16=fp16)
+    return arrays[0] if arrays is not None else np.zeros((0, model.config.num_labels), np.float32)
+
+
+def predictions_of(task: GlueTask, logits: np.ndarray) -> np.ndarray:
+    """Class ids (argmax), or STS-B's scores."""
+    return logits[:, 0] if task.is_regression else logits.argmax(axis=-1)
+
+
+def eval_results(task: GlueTask, logits: np.ndarray, labels: np.ndarray, suffix: str = "") -> dict[str, float]:
+    """run_glue.py's eval_results.json fields for one dev set: eval_loss, eval_{metric}
+    (eval_combined_score, their mean, where a task has two), eval_samples; MNLI's
+    mismatched set adds them again with the suffix "_mm"."""
+    preds = predictions_of(task, logits)
+    result = glue_metrics(task.metrics, preds, labels)
+    if len(result) > 1:
+        result["combined_score"] = float(np.mean(list(result.values())))
+    t = torch.from_numpy(logits).double()
+    if task.is_regression:
+        loss = torch.nn.functional.mse_loss(t[:, 0], torch.from_numpy(labels).double())
+    else:
+        loss = torch.nn.functional.cross_entropy(t, torch.from_numpy(labels).long())
+    result = {"loss": float(loss), **result, "samples": len(labels)}
+    return {f"eval_{k}{suffix}": v for k, v in result.items()}
+
+
+def write_submission(path: str, task: GlueTask, logits: np.ndarray) -> None:
+    """GLUE's submission format: a header, then index<TAB>prediction per test row in order;
+    classes as the task's label words (MNLI, QNLI, RTE: entailment...; 0/1 elsewhere),
+    STS-B's scores with three decimals (run_glue.py's format)."""
+    preds = predictions_of(task, logits)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("index\tprediction\n")
+        for i, p in enumerate(preds):
+            f.write(f"{i}\t{p:3.3f}\n" if task.is_regression else f"{i}\t{task.labels[int(p)]}\n")
+
+
+def write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
