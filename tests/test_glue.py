@@ -388,6 +388,33 @@ def test_layouts_follow_one_process(glue_setup, tmp_path):
         assert json.load(open(tmp_path / name / "eval_results.json")) == pytest.approx(one_results, abs=1e-4), name
 
 
+def test_bf16_fp16_and_zero3_offload_follow_fp32(glue_setup, tmp_path):
+    """The same Strategy as pre-training and SQuAD carries GLUE's other set-ups: bf16 and
+    fp16 (dynamic loss scaling) follow fp32 to their precision, and ZeRO-3 with optimizer
+    and parameter offload (DeepSpeedCPUAdam, one process) gives fp32's losses."""
+    dirs, data = glue_setup
+    curves = {}
+    environ = dict(os.environ)  # DeepSpeed's launch variables (RANK, ...) must not outlive the test
+    try:
+        _precision_and_offload_runs(dirs, data, tmp_path, curves)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    assert len(curves["fp32"]) == 4
+    assert curves["offload"] == pytest.approx(curves["fp32"], abs=1e-4)
+    for half in ("bf16", "fp16"):
+        assert curves[half] == pytest.approx(curves["fp32"], abs=3e-2) and curves[half] != curves["fp32"], half
+
+
+def _precision_and_offload_runs(dirs, data, tmp_path, curves):
+    for name, extra in (("fp32", []), ("bf16", ["--bf16"]), ("fp16", ["--fp16"]),
+                        ("offload", ["--deepspeed", "--zero-stage", 3, "--zero-offload-optimizer", "cpu",
+                                     "--zero-offload-params", "cpu"])):
+        assert run_main(*common(dirs["plain"], data, tmp_path / name, "--train-iters", 4, "--no-do-predict",
+                                "--metrics-file", tmp_path / f"{name}.jsonl", *extra)) == 0
+        curves[name] = losses(tmp_path / f"{name}.jsonl")
+
+
 def sst2_rows(rng, n):
     """A sentence of random words holding "good" (label 1) or "bad" (label 0) somewhere."""
     rows = []
