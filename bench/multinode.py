@@ -1,17 +1,27 @@
-"""Two "nodes" on one machine: how much of the data-parallel all-reduce a step hides.
+"""Two "nodes" on one machine: step time of DP=2, TP=2 and PP=2 across a shaped link,
+next to loopback and to the planner's prediction, and how much of the data-parallel
+all-reduce a step hides.
 
 Two network namespaces joined by a veth pair whose bandwidth `tc ... tbf` limits; one
 `torchrun --nnodes 2` agent in each, rendezvous and gloo over the veth
-(GLOO_SOCKET_IFNAME). For each bandwidth: pretrain_bert.py at DP=2 with the overlapped
-reduction on and off, and transformers' BERT of the same shape under PyTorch DDP, each
-across the link and on loopback, plus the gradient all-reduce timed alone across the link:
+(GLOO_SOCKET_IFNAME). For each bandwidth and layout, pretrain_bert.py across the link and
+on loopback, one right after the other (so the machine's noise falls on both alike); at
+DP=2 with the overlapped reduction on and off, and transformers' BERT of the same shape
+under PyTorch DDP, plus the gradient all-reduce timed alone across the link:
 
     hidden = 1 - (step across the link - step on loopback) / all-reduce alone across the link
+
+The planner's prediction (megabert.planning.step_time): the layout's compute is its
+loopback step less the communication the model exposes at loopback's bandwidth (the
+all-reduce timed alone on loopback), then its communication at the link's bandwidth is
+added, less what the overlap hides. Every layout runs the same global batch (8 samples of
+128 tokens: DP=2 one micro-batch of 4 per rank, TP=2 and PP=2 two micro-batches of 4), so
+step times rank the layouts as throughput does.
 
 Needs root (namespaces, tc); elsewhere it says so and exits 0. Everything it creates is
 removed on exit, also on Ctrl-C or an error; every run has a timeout.
 
-    sudo .venv/bin/python bench/multinode.py [--bandwidths 1,10] [--steps 12]
+    sudo .venv/bin/python bench/multinode.py [--bandwidths 1,10] [--layouts dp2,tp2,pp2] [--steps 10]
 """
 from __future__ import annotations
 
@@ -106,14 +116,21 @@ def make_data(work: str) -> str:
     return work
 
 
-def megabert_step(work: str, steps: int, link: bool, overlap: bool) -> float:
-    metrics = os.path.join(work, f"m-{link}-{overlap}.jsonl")
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # (TP, PP) of two ranks
+GLOBAL_BATCH = 8
+
+
+def megabert_step(work: str, steps: int, link: bool, layout: str, overlap: bool = True) -> float:
+    metrics = os.path.join(work, f"m-{link}-{layout}-{overlap}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     s = SHAPE
+    tp, pp = LAYOUTS[layout]
     launch([os.path.join(ROOT, "pretrain_bert.py"), "--num-layers", str(s["layers"]), "--hidden-size",
             str(s["hidden"]), "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]),
-            "--max-position-embeddings", "512", "--micro-batch-size", str(s["micro"]), "--train-iters", str(steps),
+            "--max-position-embeddings", "512", "--micro-batch-size", str(s["micro"]),
+            "--global-batch-size", str(GLOBAL_BATCH), "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--train-iters", str(steps),
             "--data-path", f"{work}/c_text_sentence", "--vocab-file", f"{work}/vocab.txt", "--split", "100,0,0",
             "--log-interval", "1", "--eval-interval", "0", "--num-workers", "0", "--metrics-file", metrics,
             *([] if overlap else ["--no-overlap-grad-reduce"])], link)
@@ -126,53 +143,97 @@ def peer(args: list[str], link: bool) -> float:
     return json.loads([line for line in lines if line.startswith("{")][-1])["median_s"]
 
 
-def param_count() -> int:
+def model_config():
     sys.path.insert(0, ROOT)
+    import megabert
+
+    s = SHAPE
+    return megabert.ModelConfig(num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+                                vocab_size=s["vocab"], max_position_embeddings=512)
+
+
+def param_count() -> int:
     import megabert
     from megabert.parallel import ParallelState
 
-    s = SHAPE
-    cfg = megabert.ModelConfig(num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
-                               vocab_size=s["vocab"], max_position_embeddings=512)
-    model = megabert.BertForPreTraining(cfg, ParallelState.offline(), device="meta")
+    model = megabert.BertForPreTraining(model_config(), ParallelState.offline(), device="meta")
     return sum(p.numel() for p in model.parameters())
+
+
+def predict(layout: str, overlap: bool, loop_s: float, loop_gbit: float, link_gbit: float) -> float:
+    """The planner's step across the link: the loopback step less what the model exposes at
+    loopback's bandwidth (its compute), plus what it exposes at the link's."""
+    from megabert.planning import Layout, Workload
+    from megabert.planning.step_time import Links, step_time
+
+    model, (tp, pp) = model_config(), LAYOUTS[layout]
+    run = Workload(seq_length=SHAPE["seq"], micro_batch_size=SHAPE["micro"], global_batch_size=GLOBAL_BATCH,
+                   device="cpu", overlap_grad_reduce=overlap)
+    lay = Layout(tp=tp, pp=pp, dp=2 // (tp * pp))
+    exposed = lambda gbit, compute: step_time(  # noqa: E731  one rank per "node": every group crosses
+        model, run, lay, Links(gpus_per_node=1, intra_gbit=gbit, inter_gbit=gbit), compute).exposed_s
+    # The exposed DP share depends on the compute (the backward window): two fixed-point passes.
+    compute = loop_s - exposed(loop_gbit, loop_s)
+    compute = loop_s - exposed(loop_gbit, compute)
+    return compute + exposed(link_gbit, compute)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bandwidths", default="1,10", help="Gbit/s of the link, comma-separated")
-    p.add_argument("--steps", type=int, default=12, help="training steps per run (the first two are not timed)")
+    p.add_argument("--layouts", default="dp2,tp2,pp2", help="of dp2, tp2, pp2, comma-separated")
+    p.add_argument("--steps", type=int, default=10, help="training steps per run (the first two are not timed)")
     args = p.parse_args()
     if os.geteuid() != 0:
         print("bench/multinode.py needs root (network namespaces and tc); skipped")
         return
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= set(LAYOUTS):
+        p.error(f"--layouts takes {', '.join(LAYOUTS)}, got {args.layouts}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a kill too
     n = param_count()
     s = SHAPE
     ddp_args = ["ddp", *(str(s[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "micro")), str(args.steps)]
+    # (name, layout, overlap or None for PyTorch DDP)
+    sides = [("megabert overlap", "dp2", True), ("megabert no-overlap", "dp2", False), ("PyTorch DDP", "dp2", None)]
+    sides = [x for x in sides if "dp2" in layouts] + [(f"megabert {x}", x, True) for x in layouts if x != "dp2"]
     rows = []
     with tempfile.TemporaryDirectory() as work:
         make_data(work)
-        loop = {"megabert overlap": megabert_step(work, args.steps, False, True),
-                "megabert no-overlap": megabert_step(work, args.steps, False, False),
-                "PyTorch DDP": peer(ddp_args, False)}
+        # Loopback's bandwidth, from the same all-reduce alone: ring all-reduce sends 2(n-1)/n x 4n bytes.
+        wire_gbit = lambda secs: 4.0 * n * 8 / secs / 1e9  # noqa: E731  (two ranks: 2(n-1)/n = 1)
+        loop_gbit = wire_gbit(peer(["allreduce", str(n)], False))
         try:
             for gbit in (float(b) for b in args.bandwidths.split(",")):
                 make_link(gbit)
                 alone = peer(["allreduce", str(n)], True)
-                link = {"megabert overlap": megabert_step(work, args.steps, True, True),
-                        "megabert no-overlap": megabert_step(work, args.steps, True, False),
-                        "PyTorch DDP": peer(ddp_args, True)}
-                for side in link:
-                    hidden = 1 - (link[side] - loop[side]) / alone
-                    rows.append((gbit, side, loop[side], link[side], alone, hidden))
+                for name, layout, overlap in sides:
+                    run = (lambda link: peer(ddp_args, link)) if overlap is None else \
+                        (lambda link: megabert_step(work, args.steps, link, layout, overlap))
+                    loop, link = run(False), run(True)
+                    pred = predict(layout, overlap, loop, loop_gbit, gbit) if overlap is not None else None
+                    hidden = 1 - (link - loop) / alone if layout == "dp2" else None
+                    rows.append((gbit, name, loop, link, pred, alone, hidden))
+                    print(f"  {gbit:g} Gbit/s {name}: loopback {loop:.3f} s, link {link:.3f} s", file=sys.stderr,
+                          flush=True)
         finally:
             remove_link()
     print(f"BERT {s['layers']} layers, hidden {s['hidden']}, {n / 1e6:.1f}M parameters, seq {s['seq']}, micro-batch "
-          f"{s['micro']}, DP=2 over two network namespaces (veth + tc tbf), 1 thread per rank, gloo")
-    print(f"{'Gbit/s':>6} {'side':20} {'loopback s':>10} {'link s':>8} {'all-reduce s':>12} {'hidden':>7}")
-    for gbit, side, lo, li, alone, hidden in rows:
-        print(f"{gbit:6g} {side:20} {lo:10.3f} {li:8.3f} {alone:12.3f} {hidden:7.0%}")
+          f"{s['micro']}, {GLOBAL_BATCH} samples per step, two ranks in two network namespaces (veth + tc tbf), "
+          f"1 thread per rank, gloo; loopback all-reduce {loop_gbit:.1f} Gbit/s")
+    print(f"{'Gbit/s':>6} {'side':22} {'loopback s':>10} {'link s':>8} {'samples/s':>9} {'planner s':>9} "
+          f"{'planner/link':>12} {'all-reduce s':>12} {'hidden':>7}")
+    for gbit, name, lo, li, pred, alone, hidden in rows:
+        print(f"{gbit:6g} {name:22} {lo:10.3f} {li:8.3f} {GLOBAL_BATCH / li:9.2f} "
+              f"{f'{pred:.3f}' if pred else '-':>9} {f'{pred / li:.2f}' if pred else '-':>12} {alone:12.3f} "
+              f"{f'{hidden:.0%}' if hidden is not None else '-':>7}")
+    for gbit in sorted({r[0] for r in rows}):
+        ranked = {"megabert overlap": "dp2", "megabert tp2": "tp2", "megabert pp2": "pp2"}
+        mine = [r for r in rows if r[0] == gbit and r[1] in ranked]
+        measured = [ranked[r[1]] for r in sorted(mine, key=lambda r: r[3])]
+        planned = [ranked[r[1]] for r in sorted(mine, key=lambda r: r[4])]
+        print(f"{gbit:g} Gbit/s, fastest first: measured {measured}, planner {planned}"
+              f"{' (same)' if measured == planned else ' (DIFFERENT)'}")
 
 
 if __name__ == "__main__":

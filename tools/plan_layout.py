@@ -8,6 +8,13 @@ Every layout of N devices that fits a per-device budget, least communication fir
 
     python tools/plan_layout.py --preset bert-large --devices 8 --memory-gb 80 --global-batch-size 1024 --bf16
 
+Given the machines (--tflops sustained per device, the links within and between nodes),
+each layout also gets its predicted step time, the data-parallel reduction overlapped with
+backward, and the list is ranked by it:
+
+    python tools/plan_layout.py --preset bert-large --devices 64 --memory-gb 80 --global-batch-size 4096 \
+        --bf16 --tflops 150 --gpus-per-node 8 --intra-node-gbit 2400 --inter-node-gbit 200
+
 All figures are predictions (megabert.planning); bench/memory.py sets them against
 measured peaks on the CPU.
 """
@@ -23,6 +30,7 @@ from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig  # noq
 from megabert.errors import ConfigError, cli_main  # noqa: E402
 from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan  # noqa: E402
 from megabert.planning.params import total_params  # noqa: E402
+from megabert.planning.step_time import Links, StepTime, compute_time, step_time  # noqa: E402
 
 
 def _default(config_class, name: str):
@@ -52,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--recompute-granularity", default="none", help="none, selective or full")
     r.add_argument("--device", default="cuda", help="cuda (GPU memory) or cpu (process RSS)")
     r.add_argument("--overhead-gb", type=float, help="fixed per-process overhead (default: calibrated per device)")
+    r.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="the DP reduction after backward, as pretrain_bert.py's flag (default: overlapped)")
     lay = p.add_argument_group("one layout (without --devices)")
     lay.add_argument("--tensor-model-parallel-size", type=int, default=1)
     lay.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -61,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--zero-stage", type=int, default=0, help="0: megabert's trainer; 1-3: DeepSpeed ZeRO")
     lay.add_argument("--zero-offload-optimizer", choices=("none", "cpu"), default="none")
     lay.add_argument("--zero-offload-params", choices=("none", "cpu"), default="none")
+    t = p.add_argument_group("step time (with --tflops)")
+    t.add_argument("--tflops", type=float, help="sustained TFLOP/s of one device on this model (e.g. 150 for an "
+                   "A100 in bf16 at half its peak); predicts step times and ranks layouts by them")
+    t.add_argument("--gpus-per-node", type=int, default=8, help="consecutive ranks per node (default %(default)s)")
+    t.add_argument("--intra-node-gbit", type=float, default=2400.0,
+                   help="Gbit/s from a device to one of its node (default %(default)g: A100 NVLink)")
+    t.add_argument("--inter-node-gbit", type=float, default=200.0,
+                   help="Gbit/s from a device to another node (default %(default)g: one HDR InfiniBand NIC per GPU)")
     s = p.add_argument_group("search")
     s.add_argument("--devices", type=int, help="list the layouts of this many devices that fit --memory-gb")
     s.add_argument("--memory-gb", type=float, help="memory per device, GB (1e9 bytes)")
@@ -86,7 +104,14 @@ def run_from_args(args) -> Workload:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return Workload(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                     global_batch_size=args.global_batch_size, precision=precision,
-                    recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb)
+                    recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb,
+                    overlap_grad_reduce=args.overlap_grad_reduce)
+
+
+def links_from_args(args) -> Links | None:
+    if args.tflops is None:
+        return None
+    return Links(gpus_per_node=args.gpus_per_node, intra_gbit=args.intra_node_gbit, inter_gbit=args.inter_node_gbit)
 
 
 def layout_from_args(args, model: ModelConfig) -> Layout:
@@ -118,7 +143,19 @@ def gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
 
 
-def print_one(model: ModelConfig, run: Workload, layout: Layout, budget: float | None) -> None:
+def print_step(step: StepTime, run: Workload, links: Links) -> None:
+    samples = run.micro_batch_size * run.microbatches(step.layout.dp) * step.layout.dp
+    print(f"predicted step: {step.total_s:.3f} s, {samples / step.total_s:,.0f} samples/s ({links.gpus_per_node} "
+          f"per node, {links.intra_gbit:g} / {links.inter_gbit:g} Gbit/s within / between nodes)")
+    print(f"  {'compute (bubble incl.)':22} {step.compute_s:8.3f} s")
+    for k, v in (("tensor parallel", step.tp_s), ("data parallel", step.dp_s), ("pipeline", step.pp_s),
+                 ("tied embeddings", step.embedding_s)):
+        print(f"  {k:22} {v:8.3f} s alone")
+    print(f"  {'exposed communication':22} {step.exposed_s:8.3f} s ({step.hidden_s:.3f} s hidden by overlap)")
+
+
+def print_one(model: ModelConfig, run: Workload, layout: Layout, budget: float | None, links: Links | None,
+              tflops: float | None) -> None:
     est = estimate(model, run, layout)
     comm = communication(model, run, layout)
     print(describe(model, run))
@@ -131,14 +168,18 @@ def print_one(model: ModelConfig, run: Workload, layout: Layout, budget: float |
     print(f"predicted communication per step and rank: {gb(comm.total)} GB")
     for k, v in comm.breakdown().items():
         print(f"  {k:22} {gb(v):>8} GB")
+    if links is not None:
+        print_step(step_time(model, run, layout, links, compute_time(model, run, layout, tflops * 1e12), comm=comm),
+                   run, links)
     if budget is not None:
         warning = fit_warning(est, budget)
         print(f"fits {budget:g} GB" if warning is None else f"warning: {warning}")
 
 
 def print_plan(model: ModelConfig, run: Workload, devices: int, budget: float, max_tp: int, allow_offload: bool,
-               top: int) -> int:
-    fits = plan(model, run, devices, budget, max_tp=max_tp, allow_offload=allow_offload)
+               top: int, links: Links | None, tflops: float | None) -> int:
+    fits = plan(model, run, devices, budget, max_tp=max_tp, allow_offload=allow_offload, links=links,
+                flops_per_s=tflops * 1e12 if tflops else None)
     print(describe(model, run))
     print(f"{devices} devices x {budget:g} GB: {len(fits)} layouts fit (predicted, not measured; memory: the "
           f"fullest rank's peak; communication: GB one rank sends per step, TP / PP / DP+ZeRO)")
@@ -146,11 +187,19 @@ def print_plan(model: ModelConfig, run: Workload, devices: int, budget: float, m
         print("no layout fits: raise --devices, use --recompute-granularity full, --bf16, a smaller "
               "--micro-batch-size, or --allow-offload")
         return 1
-    print(f"{'#':>3} {'layout':22} {'mem GB':>7} {'comm GB':>8} {'TP':>7} {'PP':>7} {'DP/ZeRO':>8}  flags")
+    if links is not None:
+        print(f"step time: {tflops:g} TFLOP/s per device, {links.gpus_per_node} per node, {links.intra_gbit:g} / "
+              f"{links.inter_gbit:g} Gbit/s within / between nodes; shortest first")
+    timed = f" {'step s':>7} {'samples/s':>9} {'exposed':>7}" if links is not None else ""
+    print(f"{'#':>3} {'layout':22} {'mem GB':>7} {'comm GB':>8} {'TP':>7} {'PP':>7} {'DP/ZeRO':>8}{timed}  flags")
     for i, c in enumerate(fits[: top or None], 1):
         cm = c.comm
+        timed = ""
+        if c.step is not None:
+            samples = run.micro_batch_size * run.microbatches(c.layout.dp) * c.layout.dp
+            timed = f" {c.step.total_s:7.3f} {samples / c.step.total_s:9,.0f} {c.step.comm_share:7.0%}"
         print(f"{i:3d} {c.layout.short():22} {c.memory.total_gb:7.2f} {gb(cm.total):>8} {gb(cm.tensor_parallel):>7} "
-              f"{gb(cm.pipeline_parallel):>7} {gb(cm.data_parallel + cm.embedding_sync + cm.offload):>8}  "
+              f"{gb(cm.pipeline_parallel):>7} {gb(cm.data_parallel + cm.embedding_sync + cm.offload):>8}{timed}  "
               f"{c.layout.flags(model)}")
     if top and len(fits) > top:
         print(f"... {len(fits) - top} more (--top 0 lists all)")
@@ -162,12 +211,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
     run = run_from_args(args)
+    links = links_from_args(args)
     if args.devices is not None:
         if args.memory_gb is None:
             raise ConfigError("--devices needs --memory-gb (the memory of one device)")
-        return print_plan(model, run, args.devices, args.memory_gb, args.max_tp, args.allow_offload, args.top)
+        return print_plan(model, run, args.devices, args.memory_gb, args.max_tp, args.allow_offload, args.top,
+                          links, args.tflops)
     layout = layout_from_args(args, model)
-    print_one(model, run, layout, args.memory_gb)
+    print_one(model, run, layout, args.memory_gb, links, args.tflops)
     return 0
 
 

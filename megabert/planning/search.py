@@ -1,7 +1,9 @@
-"""Every layout of a device count that fits a memory budget, ranked by communication.
+"""Every layout of a device count that fits a memory budget, ranked by communication or,
+given the machines (links and a sustained FLOP rate), by predicted step time.
 
-Ranking: predicted bytes per rank per step (less first); ties go to fewer model-parallel
-ranks (tp x pp: less that can go wrong, larger DP), then to less memory.
+Ranking: predicted step time when known, else bytes per rank per step (less first); ties
+go to fewer model-parallel ranks (tp x pp: less that can go wrong, larger DP), then to
+less memory.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from megabert.errors import ConfigError
 from megabert.planning.communication import CommEstimate, communication
 from megabert.planning.memory import MemoryEstimate, estimate
 from megabert.planning.spec import Layout, Workload
+from megabert.planning.step_time import Links, StepTime, compute_time, step_time
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class Candidate:
     layout: Layout
     memory: MemoryEstimate
     comm: CommEstimate
+    step: Optional[StepTime] = None
+    """Predicted step time; None when plan() was given no machines."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -64,17 +69,27 @@ def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp
 
 
 def plan(model: ModelConfig, run: Workload, devices: int, budget_gb: float, *, max_tp: int = 8,
-         allow_offload: bool = False) -> list[Candidate]:
+         allow_offload: bool = False, links: Optional[Links] = None,
+         flops_per_s: Optional[float] = None) -> list[Candidate]:
     """The layouts of `devices` ranks whose predicted peak fits `budget_gb` per device,
-    best first (least communication; then fewer model-parallel ranks; then less memory)."""
+    best first: the shortest predicted step when `links` and `flops_per_s` (sustained per
+    device) are given, else the least communication; then fewer model-parallel ranks; then
+    less memory."""
     if budget_gb <= 0:
         raise ConfigError(f"--memory-gb must be positive, got {budget_gb}")
+    if (links is None) != (flops_per_s is None):
+        raise ConfigError("a step-time plan needs both the links and the FLOP rate (--tflops)")
     fits = []
     for layout in candidate_layouts(model, run, devices, max_tp=max_tp, allow_offload=allow_offload):
         mem = estimate(model, run, layout)
         if mem.total_gb <= budget_gb:
-            fits.append(Candidate(layout, mem, communication(model, run, layout)))
-    fits.sort(key=lambda c: (c.comm.total, c.layout.model_parallel_size, c.memory.total_gb, c.layout.pp))
+            comm = communication(model, run, layout)
+            step = None
+            if links is not None:
+                step = step_time(model, run, layout, links, compute_time(model, run, layout, flops_per_s), comm=comm)
+            fits.append(Candidate(layout, mem, comm, step))
+    fits.sort(key=lambda c: (c.step.total_s if c.step else 0.0, c.comm.total, c.layout.model_parallel_size,
+                             c.memory.total_gb, c.layout.pp))
     return fits
 
 
