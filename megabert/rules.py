@@ -50,6 +50,12 @@ def check_zero(stage: int, *, pp: int = 1, offload_optimizer: bool = False, offl
                           f"stage 1 or drop --deepspeed")
 
 
+def check_sequence_parallel(sequence_parallel: bool, *, deepspeed: bool) -> None:
+    if sequence_parallel and deepspeed:
+        raise ConfigError("--sequence-parallel with --deepspeed is not supported: DeepSpeed reduces gradients "
+                          "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
+
+
 def check_flags(*, train: TrainConfig, pp: int, optimizer: str, sequence_parallel: bool = False,
                 seq_length: Optional[int] = None, max_position_embeddings: Optional[int] = None) -> None:
     """The rules that need no process group and no DeepSpeed JSON (run at parsing)."""
@@ -63,9 +69,7 @@ def check_flags(*, train: TrainConfig, pp: int, optimizer: str, sequence_paralle
         raise ConfigError("--optimizer lamb with --deepspeed is not supported: ZeRO and DeepSpeed's precision "
                           "wrappers hand the optimizer flattened buffers, so LAMB's per-tensor trust ratio would "
                           "be wrong; train LAMB without --deepspeed, or use --optimizer adam with ZeRO")
-    if sequence_parallel:
-        raise ConfigError("--sequence-parallel with --deepspeed is not supported: DeepSpeed reduces gradients "
-                          "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
+    check_sequence_parallel(sequence_parallel, deepspeed=True)
     if train.deepspeed_config:
         return  # the JSON may choose the stage and offload: checked once merged
     check_zero(train.zero_stage, pp=pp, offload_optimizer=train.zero_offload_optimizer == "cpu",

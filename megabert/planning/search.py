@@ -55,16 +55,19 @@ def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp
             for v in vs:
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for z in zero_stages:
-                        if (pp > 1 and z > 1) or (dp == 1 and z > 0):
-                            continue  # ZeRO-2/3 do not combine with pipelining; ZeRO needs DP > 1
+                        if dp == 1 and z > 0:
+                            continue  # ZeRO partitions over DP: nothing to gain on one rank
                         offloads = [(False, False)]
                         if allow_offload and z >= 1:
                             offloads.append((True, False))
                             if z == 3:
                                 offloads.append((True, True))
                         for oo, op in offloads:
-                            out.append(Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp,
-                                              zero_stage=z, offload_optimizer=oo, offload_params=op))
+                            try:  # megabert.rules decides what combines (ZeRO-2/3 with PP, SP with ZeRO)
+                                out.append(Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp,
+                                                  zero_stage=z, offload_optimizer=oo, offload_params=op))
+                            except ConfigError:
+                                continue
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from megabert.config import ModelConfig
 from megabert.errors import ConfigError
-from megabert.rules import check_model_split, check_zero
+from megabert.rules import check_model_split, check_sequence_parallel, check_zero
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
@@ -118,6 +118,7 @@ class Layout:
                    offload_params=self.offload_params, deepspeed=self.zero_stage > 0)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        check_sequence_parallel(self.sequence_parallel, deepspeed=self.zero_stage > 0)
 
     @property
     def world_size(self) -> int:
