@@ -1,7 +1,8 @@
 """Workers that bench/multinode.py launches with torchrun next to pretrain_bert.py:
 
     allreduce N   times dist.all_reduce of N fp32 elements (what one step's DP reduction sends)
-    ddp           transformers' BertForPreTraining of the bench's shape under PyTorch DDP
+    ddp           transformers' BertForPreTraining of the bench's shape under PyTorch DDP, its
+                  buckets of the size megabert's run gets (bucket_cap_mb)
 
 Each prints one JSON line (rank 0): {"median_s": ..., "times": [...]}.
 """
@@ -34,7 +35,8 @@ def allreduce(n: int, rounds: int = 7) -> None:
     _report(times)
 
 
-def ddp(layers: int, hidden: int, heads: int, vocab: int, seq: int, micro: int, steps: int) -> None:
+def ddp(layers: int, hidden: int, heads: int, vocab: int, seq: int, micro: int, steps: int,
+        bucket_elements: int) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -43,7 +45,7 @@ def ddp(layers: int, hidden: int, heads: int, vocab: int, seq: int, micro: int, 
                                      num_attention_heads=heads, intermediate_size=4 * hidden,
                                      max_position_embeddings=max(512, seq))
     model = transformers.BertForPreTraining(config, ).train()
-    model = torch.nn.parallel.DistributedDataParallel(model)
+    model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_elements * 4 / 2**20)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(dist.get_rank())
     batch = {"input_ids": torch.randint(5, vocab, (micro, seq), generator=g),
@@ -68,7 +70,7 @@ def main() -> None:
         if sys.argv[1] == "allreduce":
             allreduce(int(sys.argv[2]))
         else:
-            ddp(*map(int, sys.argv[2:9]))
+            ddp(*map(int, sys.argv[2:10]))
     finally:
         dist.destroy_process_group()
 

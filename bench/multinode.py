@@ -36,6 +36,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from megabert.parallel.buckets import BUCKET_ELEMENTS  # noqa: E402
 NS = ("megabert-n0", "megabert-n1")
 DEV = ("mbveth0", "mbveth1")
 ADDR = ("10.213.7.1", "10.213.7.2")
@@ -72,14 +74,20 @@ def remove_link() -> None:
     sh("ip", "link", "del", DEV[0], check=False)
 
 
+_launches = 0
+
+
 def launch(worker: list[str], link: bool, timeout: int = 900) -> list[str]:
     """Runs `worker` under torchrun on both nodes; returns node 0's stdout lines."""
+    global _launches
+    _launches += 1
+    port = PORT + _launches % 100  # a fresh port: the last run's may still be in TIME_WAIT
     procs = []
     for rank in range(2):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": DEV[rank] if link else "lo"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
                "--nproc-per-node", "1", "--master-addr", ADDR[0] if link else "127.0.0.1",
-               "--master-port", str(PORT), *worker]
+               "--master-port", str(port), *worker]
         if link:
             cmd = ["ip", "netns", "exec", NS[rank], *cmd]
         # A session of its own: the cleanup below takes the agent's workers down with it.
@@ -125,6 +133,7 @@ def make_data(work: str) -> str:
 
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # (TP, PP) of two ranks
 GLOBAL_BATCH = 8
+BUCKET = BUCKET_ELEMENTS  # --bucket-elements: megabert's --ddp-bucket-size and DDP's bucket_cap_mb
 
 
 def megabert_step(work: str, steps: int, link: bool, layout: str, overlap: bool = True) -> float:
@@ -140,7 +149,7 @@ def megabert_step(work: str, steps: int, link: bool, layout: str, overlap: bool 
             "--pipeline-model-parallel-size", str(pp), "--train-iters", str(steps),
             "--data-path", f"{work}/c_text_sentence", "--vocab-file", f"{work}/vocab.txt", "--split", "100,0,0",
             "--log-interval", "1", "--eval-interval", "0", "--num-workers", "0", "--metrics-file", metrics,
-            *([] if overlap else ["--no-overlap-grad-reduce"])], link)
+            "--ddp-bucket-size", str(BUCKET), *([] if overlap else ["--no-overlap-grad-reduce"])], link)
     times = [json.loads(line)["iteration_time_s"] for line in open(metrics) if "iteration_time_s" in line]
     return statistics.median(times[2:])
 
@@ -151,7 +160,6 @@ def peer(args: list[str], link: bool) -> float:
 
 
 def model_config():
-    sys.path.insert(0, ROOT)
     import megabert
 
     s = SHAPE
@@ -178,7 +186,8 @@ def predict(layout: str, overlap: bool, loop_s: float, loop_gbit: float, link_gb
                    device="cpu", overlap_grad_reduce=overlap)
     lay = Layout(tp=tp, pp=pp, dp=2 // (tp * pp))
     exposed = lambda gbit, compute: step_time(  # noqa: E731  one rank per "node": every group crosses
-        model, run, lay, Links(gpus_per_node=1, intra_gbit=gbit, inter_gbit=gbit), compute).exposed_s
+        model, run, lay, Links(gpus_per_node=1, intra_gbit=gbit, inter_gbit=gbit), compute,
+        bucket_elements=BUCKET).exposed_s
     # The exposed DP share depends on the compute (the backward window): two fixed-point passes.
     compute = loop_s - exposed(loop_gbit, loop_s)
     compute = loop_s - exposed(loop_gbit, compute)
@@ -190,6 +199,8 @@ def main() -> None:
     p.add_argument("--bandwidths", default="1,10", help="Gbit/s of the link, comma-separated")
     p.add_argument("--layouts", default="dp2,tp2,pp2", help="of dp2, tp2, pp2, comma-separated")
     p.add_argument("--steps", type=int, default=16, help="training steps per run (the first two are not timed)")
+    p.add_argument("--bucket-elements", type=int, default=BUCKET_ELEMENTS,
+                   help="DP bucket of both megabert (--ddp-bucket-size) and DDP (bucket_cap_mb); default megabert's")
     p.add_argument("--repeats", type=int, default=2, help="loopback/link pairs per side (the fastest of each kept)")
     args = p.parse_args()
     if args.repeats < 1 or args.steps < 4:
@@ -200,10 +211,13 @@ def main() -> None:
     layouts = args.layouts.split(",")
     if not set(layouts) <= set(LAYOUTS):
         p.error(f"--layouts takes {', '.join(LAYOUTS)}, got {args.layouts}")
+    global BUCKET
+    BUCKET = args.bucket_elements
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a kill too
     n = param_count()
     s = SHAPE
-    ddp_args = ["ddp", *(str(s[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "micro")), str(args.steps)]
+    ddp_args = ["ddp", *(str(s[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "micro")), str(args.steps),
+                str(BUCKET)]
     # (name, layout, overlap or None for PyTorch DDP)
     sides = [("megabert overlap", "dp2", True), ("megabert no-overlap", "dp2", False), ("PyTorch DDP", "dp2", None)]
     sides = [x for x in sides if "dp2" in layouts] + [(f"megabert {x}", x, True) for x in layouts if x != "dp2"]

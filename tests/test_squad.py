@@ -227,7 +227,7 @@ def tiny_checkpoint(tmp_path_factory, demo_vocab):
 def finetune(procs, *args):
     cmd = [sys.executable, os.path.join(ROOT, "finetune_squad.py")]
     if procs > 1:
-        cmd = [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(procs), "--master-port", "29657", cmd[1]]
+        cmd = [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(procs), "--standalone", cmd[1]]
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
