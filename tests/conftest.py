@@ -11,36 +11,6 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/dist_utils.py for spawned
 torch.set_num_threads(2)
 
 
-_cpu_adam_build = None
-
-
-def pytest_collection_finish(session):
-    """DeepSpeed compiles its CPU Adam op (ZeRO-Offload) on first use: about a minute of two
-    cores on a fresh machine, which the first `cpu_adam` test would spend waiting. When such
-    a test was collected, the build starts now, beside the tests before it (which leave a
-    core idle much of the time); a test that loads the op meanwhile waits on DeepSpeed's own
-    build lock, and a failed build fails that test with the compiler's message. Built
-    already, this only loads it (a few seconds in the background)."""
-    global _cpu_adam_build
-    import importlib.util
-
-    wanted = any(item.get_closest_marker("cpu_adam") for item in session.items)
-    if wanted and importlib.util.find_spec("deepspeed") is not None:
-        _cpu_adam_build = subprocess.Popen(
-            [sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def pytest_sessionfinish(session):
-    # Waited for, never killed: a build killed midway leaves DeepSpeed's lock file, on which
-    # every later load would wait forever.
-    if _cpu_adam_build is not None:
-        try:
-            _cpu_adam_build.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 @pytest.fixture(autouse=True)
 def _fresh_parallel_state():
     """Each test starts without a process group left over from another."""

@@ -5,8 +5,6 @@ with CPU offload trains and saves."""
 import json
 import os
 
-import pytest
-
 from test_pretrain_e2e import BIN, _run, pretrain_args, rows
 
 # bing_bert's deepspeed_bsz4096_adam_config.json, batch sizes cut to the tiny run's.
@@ -51,7 +49,6 @@ def test_typed_lr_that_disagrees_stops_with_one_line(dataset, tmp_path):
                       f"make them agree, or drop one of them"}
 
 
-@pytest.mark.cpu_adam
 def test_zero3_with_cpu_offload_trains_and_saves(dataset, tmp_path):
     metrics = tmp_path / "m.jsonl"
     r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",

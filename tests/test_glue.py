@@ -388,7 +388,6 @@ def test_layouts_follow_one_process(glue_setup, tmp_path):
         assert json.load(open(tmp_path / name / "eval_results.json")) == pytest.approx(one_results, abs=1e-4), name
 
 
-@pytest.mark.cpu_adam
 def test_bf16_fp16_and_zero3_offload_follow_fp32(glue_setup, tmp_path):
     """The same Strategy as pre-training and SQuAD carries GLUE's other set-ups: bf16 and
     fp16 (dynamic loss scaling) follow fp32 to their precision, and ZeRO-3 with optimizer

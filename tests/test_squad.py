@@ -333,8 +333,7 @@ def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, plain_d
     assert json.load(open(tmp_path / "pp2" / "predictions.json")) == json.load(open(tmp_path / "one" / "predictions.json"))
 
 
-@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False),
-                                          pytest.param(3, True, marks=pytest.mark.cpu_adam)],
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (3, True)],
                          ids=["zero1", "zero2", "zero3", "zero3-offload"])
 def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab, plain_dp2_losses, tmp_path, stage,
                                                       offload):

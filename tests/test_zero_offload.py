@@ -22,7 +22,6 @@ def _zero3_worker(rank, world, argv, out):
             json.dump(read_metrics(argv[argv.index("--metrics-file") + 1]), f)
 
 
-@pytest.mark.cpu_adam
 @pytest.mark.timeout(900)  # a cold cpu_adam build adds about 90 s
 def test_zero3_offload_trains_like_zero3(tmp_path):
     zero3 = ["--train-iters", str(STEPS), "--deepspeed", "--zero-stage", "3"]
@@ -56,7 +55,6 @@ def _optimizer_type_worker(rank, world):
         strategy.close()
 
 
-@pytest.mark.cpu_adam
 def test_offload_flag_builds_deepspeed_cpu_adam():
     # The path pretrain_bert.py and finetune_squad.py take from the flags to the engine.
     run_distributed(_optimizer_type_worker, 1)
