@@ -15,10 +15,11 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 99  # not a multiple of 128: exercises vocab padding
 
 
-def make_hf_dir(path, arch="BertForPreTraining"):
+def make_hf_dir(path, arch="BertForPreTraining", dropout=0.0, **config):
+    """A tiny transformers model of `arch` saved at `path`; `config` adds BertConfig keys (num_labels)."""
     cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                                  attention_probs_dropout_prob=dropout, **config)
     torch.manual_seed(0)
     model = getattr(transformers, arch)(cfg)
     with torch.no_grad():  # non-trivial biases and LayerNorms, so a swapped name would show
