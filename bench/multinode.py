@@ -15,14 +15,15 @@ under PyTorch DDP, plus the gradient all-reduce timed alone across the link:
 The planner's prediction (megabert.planning.step_time): the layout's compute is its
 loopback step less the communication the model exposes at loopback's bandwidth (the
 all-reduce timed alone on loopback), then its communication at the link's bandwidth is
-added, less what the overlap hides. Every layout runs the same global batch (8 samples of
-128 tokens: DP=2 one micro-batch of 4 per rank, TP=2 and PP=2 two micro-batches of 4), so
+added, less what the overlap hides. Every layout runs the same global batch (2 x
+--micro-batch samples of 128 tokens: DP=2 one micro-batch per rank, TP=2 and PP=2 two), so
 step times rank the layouts as throughput does.
 
 Needs root (namespaces, tc); elsewhere it says so and exits 0. Everything it creates is
 removed on exit, also on Ctrl-C or an error; every run has a timeout.
 
     sudo .venv/bin/python bench/multinode.py [--bandwidths 1,10] [--layouts dp2,tp2,pp2] [--steps 16] [--repeats 2]
+        [--micro-batch 8] [--bucket-elements 1048576]
 """
 from __future__ import annotations
 
@@ -43,7 +44,13 @@ DEV = ("mbveth0", "mbveth1")
 ADDR = ("10.213.7.1", "10.213.7.2")
 PORT = 29811
 # About 12M parameters: the model the issue measured (hidden 384, 6 layers, vocab 2000).
-SHAPE = dict(layers=6, hidden=384, heads=6, vocab=2000, seq=128, micro=4)
+# Micro-batch 8 puts the gradient all-reduce across 1 Gbit/s (0.40 s) at half the loopback
+# step (0.80 s), the share the issue measured (0.42 s against 0.95 s) on a machine half as
+# fast; at 4 the backward (0.28 s) is shorter than the all-reduce it should hide.
+SHAPE = dict(layers=6, hidden=384, heads=6, vocab=2000, seq=128, micro=8)
+# Twelve buckets for this model, for both megabert and DDP: the trainer's default (4M
+# elements) makes three, and the first, a third of the model, leaves backward only 35% in.
+BENCH_BUCKET = 1024 * 1024
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -64,6 +71,13 @@ def make_link(gbit: float) -> None:
         # rate / HZ (10 ms) would pass a tensor-parallel all-reduce of a few hundred KB at the
         # veth's own speed and shape only the average, which a real link does not do.
         burst = max(int(gbit * 1e9 / 8 * 0.25e-3), 64 * 1024)
+        # TCP hands the veth 64 KB GSO packets; tbf splits any packet larger than its bucket
+        # into MTU-sized ones in software, 40x the packets, and their softirq work overflows
+        # into ksoftirqd, which competes with the ranks for the two cores: across 1 Gbit/s
+        # the gradient all-reduce then reached 78% of the rate, and overlapping it stretched
+        # a 0.66 s backward-sized compute to 1.01 s. A NIC segments in hardware, so packets
+        # are kept to half the bucket: 96% of the rate and 0.07 s of stretch (loopback's).
+        sh("ip", "-n", ns, "link", "set", dev, "gso_max_size", str(min(65536, burst // 2)))
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{gbit}gbit",
            "burst", str(burst), "latency", "50ms")
 
@@ -132,8 +146,8 @@ def make_data(work: str) -> str:
 
 
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # (TP, PP) of two ranks
-GLOBAL_BATCH = 8
-BUCKET = BUCKET_ELEMENTS  # --bucket-elements: megabert's --ddp-bucket-size and DDP's bucket_cap_mb
+GLOBAL_BATCH = 2 * SHAPE["micro"]  # one micro-batch per rank at DP=2, two at TP=2 and PP=2
+BUCKET = BENCH_BUCKET  # --bucket-elements: megabert's --ddp-bucket-size and DDP's bucket_cap_mb
 
 
 def megabert_step(work: str, steps: int, link: bool, layout: str, overlap: bool = True) -> float:
@@ -199,27 +213,32 @@ def main() -> None:
     p.add_argument("--bandwidths", default="1,10", help="Gbit/s of the link, comma-separated")
     p.add_argument("--layouts", default="dp2,tp2,pp2", help="of dp2, tp2, pp2, comma-separated")
     p.add_argument("--steps", type=int, default=16, help="training steps per run (the first two are not timed)")
-    p.add_argument("--bucket-elements", type=int, default=BUCKET_ELEMENTS,
-                   help="DP bucket of both megabert (--ddp-bucket-size) and DDP (bucket_cap_mb); default megabert's")
+    p.add_argument("--bucket-elements", type=int, default=BENCH_BUCKET,
+                   help="DP bucket of both megabert (--ddp-bucket-size) and DDP (bucket_cap_mb); the trainer's "
+                        f"default is {BUCKET_ELEMENTS}")
+    p.add_argument("--micro-batch", type=int, default=SHAPE["micro"],
+                   help="sequences per micro-batch (the step's compute; the all-reduce does not change)")
     p.add_argument("--repeats", type=int, default=2, help="loopback/link pairs per side (the fastest of each kept)")
     args = p.parse_args()
-    if args.repeats < 1 or args.steps < 4:
-        p.error(f"--repeats must be >= 1 and --steps >= 4, got {args.repeats} and {args.steps}")
+    if args.repeats < 1 or args.steps < 4 or args.micro_batch < 1:
+        p.error(f"--repeats and --micro-batch must be >= 1 and --steps >= 4, got {args.repeats}, "
+                f"{args.micro_batch} and {args.steps}")
     if os.geteuid() != 0:
         print("bench/multinode.py needs root (network namespaces and tc); skipped")
         return
     layouts = args.layouts.split(",")
     if not set(layouts) <= set(LAYOUTS):
         p.error(f"--layouts takes {', '.join(LAYOUTS)}, got {args.layouts}")
-    global BUCKET
+    global BUCKET, GLOBAL_BATCH
     BUCKET = args.bucket_elements
+    SHAPE["micro"], GLOBAL_BATCH = args.micro_batch, 2 * args.micro_batch
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a kill too
     n = param_count()
     s = SHAPE
-    ddp_args = ["ddp", *(str(s[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "micro")), str(args.steps),
-                str(BUCKET)]
-    # (name, layout, overlap or None for PyTorch DDP)
-    sides = [("megabert overlap", "dp2", True), ("megabert no-overlap", "dp2", False), ("PyTorch DDP", "dp2", None)]
+    shape = [str(s[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "micro")]
+    # (name, layout, overlap: True/False for megabert's trainer, else the DDP peer's model)
+    sides = [("megabert overlap", "dp2", True), ("megabert no-overlap", "dp2", False),
+             ("DDP, megabert's model", "dp2", "megabert"), ("DDP, transformers", "dp2", "transformers")]
     sides = [x for x in sides if "dp2" in layouts] + [(f"megabert {x}", x, True) for x in layouts if x != "dp2"]
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -232,13 +251,12 @@ def main() -> None:
                 make_link(gbit)
                 alone = min(peer(["allreduce", str(n)], True) for _ in range(args.repeats))
                 for name, layout, overlap in sides:
-                    run = (lambda link: peer(ddp_args, link)) if overlap is None else \
-                        (lambda link: megabert_step(work, args.steps, link, layout, overlap))
-                    # Loopback and link alternate; each keeps its fastest run's median step: a
-                    # shared machine's interference only ever slows a run down.
+                    ddp = isinstance(overlap, str)
+                    run = (lambda link: peer(["ddp", overlap, *shape, str(args.steps), str(BUCKET)], link)) if ddp \
+                        else (lambda link: megabert_step(work, args.steps, link, layout, overlap))
                     pairs = [(run(False), run(True)) for _ in range(args.repeats)]
                     loop, link = min(lo for lo, _ in pairs), min(li for _, li in pairs)
-                    pred = predict(layout, overlap, loop, loop_gbit, gbit) if overlap is not None else None
+                    pred = None if ddp else predict(layout, overlap, loop, loop_gbit, gbit)
                     hidden = 1 - (link - loop) / alone if layout == "dp2" else None
                     rows.append((gbit, name, loop, link, pred, alone, hidden))
                     print(f"  {gbit:g} Gbit/s {name}: loopback {loop:.3f} s, link {link:.3f} s", file=sys.stderr,
