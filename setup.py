@@ -72,7 +72,7 @@ def kernel_extensions():
     cpu = cpp_extension.CppExtension(
         "megabert.fused_kernels._cpu",
         sources=[_src(*KERNELS, "cpu", f) for f in
-                 ("bindings.cpp", "ops.cpp", "isa_default.cpp", "isa_avx2.cpp", "isa_avx512.cpp")],
+                 ("bindings.cpp", "ops.cpp", "attention.cpp", "isa_default.cpp", "isa_avx2.cpp", "isa_avx512.cpp")],
         extra_compile_args={"cxx": CXX_FLAGS + omp_compile + ["-ffp-contract=fast", "-fno-trapping-math",
                                                               "-fno-math-errno"]},
         extra_link_args=omp_link,

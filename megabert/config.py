@@ -53,9 +53,11 @@ class ModelConfig:
                             "loss is unchanged. On by default in pretrain_bert.py; needs a [b, s] padding mask "
                             "and no --sequence-parallel.")
     attention_backend: str = arg("auto", "Core attention: torch (unfused reference), sdpa "
-                                 "(torch scaled_dot_product_attention), fused (megabert kernels), "
-                                 "auto (fused on CPU when built, else sdpa).",
-                                 choices=("auto", "torch", "sdpa", "fused"))
+                                 "(torch scaled_dot_product_attention), fused (megabert softmax kernel), "
+                                 "varlen (real tokens only with --unpad-input: megabert's CPU kernel, "
+                                 "varlen flash or SDPA per length on CUDA), auto (varlen on CPU when "
+                                 "built, else sdpa).",
+                                 choices=("auto", "torch", "sdpa", "fused", "varlen"))
     layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused on CPU when "
                                  "built, else torch).", choices=("auto", "torch", "fused"))
     dropout_add_backend: str = arg("auto", "The layers' hidden dropout + residual add: torch (F.dropout, then "

@@ -71,6 +71,11 @@ def test_fused_kernels_compile_in_one_graph():
     ("scaled_masked_softmax_backward", lambda: (torch.randn(2, 2, 3, 5), torch.rand(2, 2, 3, 5), 0.5)),
     ("dropout_add_forward", lambda: (torch.randn(3, 8), torch.randn(3, 8), 0.3, torch.tensor([7]))),
     ("dropout_backward", lambda: (torch.randn(3, 8), torch.rand(3, 8) < 0.7, 0.3)),
+    ("varlen_attention_forward", lambda: (*torch.randn(5, 3, 2, 4).unbind(1), torch.tensor([0, 2, 5]), 0.5, 0.2,
+                                          torch.tensor([7]))),
+    ("varlen_attention_backward", lambda: (torch.randn(5, 2, 4), *torch.randn(5, 3, 2, 4).unbind(1),
+                                           torch.randn(5, 2, 4), torch.randn(2, 5), torch.tensor([0, 2, 5]), 0.5,
+                                           0.0, None)),
 ])
 def test_custom_ops_pass_opcheck(op, args):
     """torch.library's checks: schema, fake (meta) implementation against the real one."""

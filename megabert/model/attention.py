@@ -32,18 +32,33 @@ class SelfAttention(nn.Module):
                             for k in ("weight", "bias")})
         set_hf_names(self, {f"dense.{k}": f"{hf_prefix}output.dense.{k}" for k in ("weight", "bias")})
         self.selective_recompute = cfg.recompute_granularity == "selective"
+        self.varlen = ctx.attention_backend == "varlen"
+
+    def _dropout_p(self) -> float:
+        return self.ctx.config.attention_dropout if self.training else 0.0
+
+    def _varlen_core(self, qkv: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
+        return ops.varlen_attention(qkv, tokens.cu_seqlens, tokens.host_cu_seqlens, dropout_p=self._dropout_p(),
+                                    rng_fork=self.ctx.rng.fork)
 
     def _core(self, q, k, v, mask):
         return ops.core_attention(q, k, v, mask, backend=self.ctx.attention_backend,
-                                  dropout_p=self.ctx.config.attention_dropout if self.training else 0.0,
-                                  rng_fork=self.ctx.rng.fork)
+                                  dropout_p=self._dropout_p(), rng_fork=self.ctx.rng.fork)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None
                 ) -> torch.Tensor:
         """x: [s, b, h] (or [s/tp, b, h] with sequence parallelism), or [T, h] of the real
-        tokens that `tokens` places (unpadded: the GEMMs skip padding, the core pads back);
-        mask: bool [b, 1, 1|s, s]."""
+        tokens that `tokens` places (unpadded: the GEMMs skip padding; the varlen core works
+        on [T, ...] as it is, the others pad back); mask: bool [b, 1, 1|s, s]."""
         qkv = self.qkv(x)  # [s, b, 3h/tp] or [T, 3h/tp]
+        if tokens is not None and self.varlen:
+            # The stride-3 QKV weight gives each token [Q_r | K_r | V_r], each heads x d.
+            qkv = qkv.view(qkv.size(0), 3, self.heads_per_rank, self.head_dim)  # [T, 3, n/tp, d]
+            if self.selective_recompute and self.training:
+                ctx = checkpoint(self._varlen_core, self.ctx.rng, qkv, tokens)
+            else:
+                ctx = self._varlen_core(qkv, tokens)  # [T, n/tp, d]
+            return self.dense(ctx.view(ctx.size(0), self.heads_per_rank * self.head_dim))
         if tokens is not None:
             qkv = tokens.pad(qkv)  # [s, b, 3h/tp]: padded keys are masked, padded queries dropped below
         s, b = qkv.shape[:2]

@@ -4,7 +4,9 @@ In a BERT batch every token-wise operation (the QKV, projection and MLP GEMMs, G
 LayerNorm, dropout, residual adds: all of a layer's FLOPs but attention's) costs as much
 on a padding token as on a real one, and its result is thrown away. NVIDIA's BERT recipe
 packs the real tokens of a batch into one [T, h] matrix and runs those operations on it
-(its "unpadded" path); only the attention core needs sequences, so it pads back there.
+(its "unpadded" path). Attention takes the same [T, h] with `cu_seqlens` (the varlen
+backend, issue 31): each sequence's tokens are contiguous in T, so attention needs no pad
+back either; the other attention backends pad back inside the layer.
 On real pre-training data 10-40% of positions are padding (short documents, the 10% of
 short samples), so that share of the encoder's GEMM FLOPs goes.
 
@@ -15,14 +17,18 @@ draws its masks over [T, h] instead of [s, b, h], so with dropout the draws diff
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
 from megabert.ops.compile_hints import maybe_mark_dynamic
 
 
 class TokenLayout:
     """Where the real tokens of an [s, b] batch are: `indices` into the flattened [s * b]
-    positions (Megatron's sequence-first layout), in that order."""
+    positions (Megatron's sequence-first layout), sequence by sequence (batch-major), so that
+    sequence i is tokens cu_seqlens[i] .. cu_seqlens[i + 1] of the unpadded [T, h]."""
 
     def __init__(self, attention_mask: torch.Tensor):
         """attention_mask: [b, s], transformers' convention (1 = token, 0 = padding)."""
@@ -30,12 +36,21 @@ class TokenLayout:
         self.s, self.b = s, b
         # NOTE: nonzero() waits for the mask's values: one host sync per micro-batch on a
         # GPU (none when the mask is still on the CPU), whatever the number of layers.
-        self.indices = attention_mask.t().reshape(-1).nonzero().squeeze(1)  # [T]
+        flat = attention_mask.reshape(-1).nonzero().squeeze(1)  # [T] positions of [b, s], batch-major
+        self.indices = (flat % s) * b + flat // s  # the same positions in [s, b]
         self.num_tokens = self.indices.numel()
+        self.cu_seqlens = F.pad((attention_mask != 0).sum(1, dtype=torch.int64).cumsum(0), (1, 0))  # [b + 1]
+        self._host_cu_seqlens: Optional[list[int]] = None
         # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
         # torch.compile'd layers compile one graph for any T, not one for the first batch's T
         # and another once it changes. A no-op in eager mode.
         maybe_mark_dynamic(self.indices, 0)
+
+    def host_cu_seqlens(self) -> list[int]:
+        """cu_seqlens as a list (read once per micro-batch: a host sync on a GPU)."""
+        if self._host_cu_seqlens is None:
+            self._host_cu_seqlens = self.cu_seqlens.tolist()
+        return self._host_cu_seqlens
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, ...] -> [T, ...]; the gradient flows back to the real positions."""

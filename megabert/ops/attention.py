@@ -1,27 +1,54 @@
 """Core attention, softmax(Q K^T / sqrt(d)) V, with a choice of backend made once.
 
-torch: explicit scores, `scaled_masked_softmax`, dropout, matmul (the reference).
-sdpa:  torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient).
-fused: explicit scores through megabert's fused softmax kernel.
+torch:  explicit scores, `scaled_masked_softmax`, dropout, matmul (the reference).
+sdpa:   torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient).
+fused:  explicit scores through megabert's fused softmax kernel.
+varlen: attention over real tokens only (megabert.ops.varlen_attention) when the encoder is
+        unpadded; a padded batch (no --unpad-input) runs `padded_fallback`'s backend.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megabert.ops.dispatch import resolve_backend
+from megabert import fused_kernels
+from megabert.errors import ConfigError
+from megabert.ops.dispatch import resolve_backend, say_once
 from megabert.ops.reference import scaled_masked_softmax_reference
 from megabert.ops.softmax import scaled_masked_softmax
 
 
 def resolve_attention_backend(backend: str, device_type: str = "cpu") -> str:
-    """'auto' -> 'fused' on the CPU when its kernels are built, else 'sdpa' (on CUDA
-    always 'sdpa'; see dispatch.resolve_backend). Logged once per choice."""
+    """'auto' -> 'varlen' on the CPU when its kernels are built, else 'sdpa'. On CUDA 'auto'
+    stays 'sdpa' (with the padding mask) until varlen has been measured on a GPU
+    (`make bench-gpu` compares them); `--attention-backend varlen` opts in. 'fused' as
+    dispatch.resolve_backend. Logged once per choice."""
+    if backend == "auto" and device_type == "cpu" and fused_kernels.is_available("cpu"):
+        backend = "varlen"
+    if backend == "varlen":
+        if device_type not in ("cpu", "cuda"):
+            raise ConfigError(f"--attention-backend varlen: no varlen attention for {device_type}; "
+                              f"use --attention-backend sdpa")
+        say_once(("attention", backend), logging.INFO, "attention backend: %s", backend)
+        return backend
     return resolve_backend("attention", "--attention-backend", backend, "sdpa", device_type)
+
+
+def padded_fallback(backend: str, device_type: str) -> str:
+    """The backend a padded batch runs under `backend`: varlen needs the unpadded encoder
+    (--unpad-input, pretrain_bert.py's default), so padded batches take the fused softmax
+    on the CPU (when built) and SDPA elsewhere, said once."""
+    if backend != "varlen":
+        return backend
+    fallback = "fused" if device_type == "cpu" and fused_kernels.is_available("cpu") else "sdpa"
+    say_once(("attention", "padded", fallback), logging.INFO,
+             "attention backend varlen: padded batches (no --unpad-input) run %s", fallback)
+    return fallback
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *,
@@ -31,6 +58,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     per-TP-rank stream, since heads are split over TP ranks). Returns [b, heads, sq, head_dim]."""
     # No dropout, no draw: the stream stays as it is (a swap is a graph break under torch.compile).
     fork = rng_fork if rng_fork is not None and dropout_p > 0.0 else contextlib.nullcontext
+    backend = padded_fallback(backend, q.device.type)
     if backend == "sdpa":
         with fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask,

@@ -41,6 +41,21 @@ std::vector<at::Tensor> dropout_add_forward(const at::Tensor& x, const at::Tenso
                                             const at::Tensor& seed);
 // grad of dropout's input: mask * grad / (1 - p).
 at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& mask, double p);
+// Attention over real tokens: q, k, v [T, heads, d] (token stride free), sequence s is
+// tokens cu_seqlens[s] .. cu_seqlens[s + 1] (int64) -> {out [T, heads, d], lse [heads, T]};
+// dropout p > 0 draws its mask from Philox keyed by `seed` (one int64), inside the kernel.
+std::vector<at::Tensor> varlen_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& cu_seqlens, double scale, double p,
+                                                 const std::optional<at::Tensor>& seed);
+// -> grad of the packed [T, 3, heads, d] (dq, dk, dv), the dropout mask regenerated from `seed`.
+at::Tensor varlen_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                     const at::Tensor& cu_seqlens, double scale, double p,
+                                     const std::optional<at::Tensor>& seed);
+// The keep mask the kernels draw, bool [sequences, heads, max_len, max_len] (False outside
+// each sequence): for tests.
+at::Tensor varlen_attention_dropout_mask(const at::Tensor& cu_seqlens, int64_t heads, double p,
+                                         const at::Tensor& seed);
 }  // namespace cpu
 
 namespace cuda {

@@ -3,7 +3,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
-      "megabert fused softmax, LayerNorm and dropout + residual add kernels for CPU (OpenMP across rows, "
+      "megabert fused softmax, LayerNorm, dropout + residual add and varlen attention kernels for CPU (OpenMP across rows, "
       "vectorised rows)";
   megabert::def_kernel_ops(m, megabert::cpu::kernel_ops());
   m.def("dropout_add_forward", &megabert::cpu::dropout_add_forward,
@@ -11,5 +11,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("residual"), pybind11::arg("p"), pybind11::arg("seed"));
   m.def("dropout_backward", &megabert::cpu::dropout_backward, "grad of dropout's input: mask * grad / (1 - p)",
         pybind11::arg("grad"), pybind11::arg("mask"), pybind11::arg("p"));
+  m.def("varlen_attention_forward", &megabert::cpu::varlen_attention_forward,
+        "attention over real tokens -> (out, lse); dropout drawn inside from Philox keyed by seed",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("cu_seqlens"),
+        pybind11::arg("scale"), pybind11::arg("p"), pybind11::arg("seed"));
+  m.def("varlen_attention_backward", &megabert::cpu::varlen_attention_backward,
+        "-> grad of the packed [T, 3, heads, d] q, k, v", pybind11::arg("grad_out"), pybind11::arg("q"),
+        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
+        pybind11::arg("cu_seqlens"), pybind11::arg("scale"), pybind11::arg("p"), pybind11::arg("seed"));
+  m.def("varlen_attention_dropout_mask", &megabert::cpu::varlen_attention_dropout_mask,
+        "the keep mask the attention kernels draw (for tests)", pybind11::arg("cu_seqlens"),
+        pybind11::arg("heads"), pybind11::arg("p"), pybind11::arg("seed"));
   m.def("isa", &megabert::cpu::isa, "Instruction set the kernels run with: avx512, avx2 or default.");
 }

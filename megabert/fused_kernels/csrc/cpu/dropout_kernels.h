@@ -20,19 +20,9 @@ constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kTile = 4 * kLanes;
 
-// The 4 * kLanes random words of tile `tile`: u[w * kLanes + j] is word w of counter
-// tile * kLanes + j. Plain lane loops: the vectoriser turns the 32x32->64 products
-// into vpmuludq.
-inline void philox_tile(uint64_t seed, int64_t tile, uint32_t* u) {
-  uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-  const uint64_t first = static_cast<uint64_t>(tile) * kLanes;
-  for (int64_t j = 0; j < kLanes; ++j) {
-    const uint64_t ctr = first + static_cast<uint64_t>(j);
-    c0[j] = static_cast<uint32_t>(ctr);
-    c1[j] = static_cast<uint32_t>(ctr >> 32);
-    c2[j] = 0;
-    c3[j] = 0;
-  }
+// Ten Philox4x32-10 rounds on kLanes counters (c0..c3, in place) under key `seed`. Plain
+// lane loops: the vectoriser turns the 32x32->64 products into vpmuludq.
+inline void philox_rounds(uint64_t seed, uint32_t* c0, uint32_t* c1, uint32_t* c2, uint32_t* c3) {
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
 #pragma omp simd
@@ -49,6 +39,21 @@ inline void philox_tile(uint64_t seed, int64_t tile, uint32_t* u) {
     k0 += kPhiloxW0;
     k1 += kPhiloxW1;
   }
+}
+
+// The 4 * kLanes random words of tile `tile`: u[w * kLanes + j] is word w of counter
+// tile * kLanes + j.
+inline void philox_tile(uint64_t seed, int64_t tile, uint32_t* u) {
+  uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+  const uint64_t first = static_cast<uint64_t>(tile) * kLanes;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const uint64_t ctr = first + static_cast<uint64_t>(j);
+    c0[j] = static_cast<uint32_t>(ctr);
+    c1[j] = static_cast<uint32_t>(ctr >> 32);
+    c2[j] = 0;
+    c3[j] = 0;
+  }
+  philox_rounds(seed, c0, c1, c2, c3);
   for (int64_t j = 0; j < kLanes; ++j) {
     u[j] = c0[j];
     u[kLanes + j] = c1[j];

@@ -7,6 +7,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #define MEGABERT_ISA isa_avx2
+#define MEGABERT_VEC_BYTES 32
 #define MEGABERT_ISA_NAME "avx2"
 #include "row_kernels.h"
 #pragma GCC pop_options

@@ -7,6 +7,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2,prefer-vector-width=512")
 #define MEGABERT_ISA isa_avx512
+#define MEGABERT_VEC_BYTES 64
 #define MEGABERT_ISA_NAME "avx512"
 #include "row_kernels.h"
 #pragma GCC pop_options

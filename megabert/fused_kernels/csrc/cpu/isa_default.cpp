@@ -3,6 +3,7 @@
 #include "kernel_table.h"
 
 #define MEGABERT_ISA isa_default
+#define MEGABERT_VEC_BYTES 16
 #define MEGABERT_ISA_NAME "default"
 #include "row_kernels.h"
 

@@ -87,6 +87,49 @@ struct DropoutBwdArgs {
   double scale;
 };
 
+// Attention over the real tokens of a batch (attention_kernels.h). q, k, v: [T, heads, d]
+// with token strides q_stride.. (a head's d elements contiguous: views of the packed QKV
+// GEMM output); sequence s is tokens cu_seqlens[s] .. cu_seqlens[s + 1]. out: [T, heads, d]
+// contiguous; lse: [heads, T] (the math type), log of each query's softmax sum.
+// keep = (philox(seed, counter(pair, row, key)) >= threshold), scaled by keep_scale.
+struct AttnFwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_stride, k_stride, v_stride;
+  void* out;
+  void* lse;
+  const int64_t* cu_seqlens;
+  int64_t total, heads, head_dim;
+  double scale;
+  int dropout;  // 0: no dropout (seed, threshold unused)
+  uint64_t seed;
+  uint32_t threshold;
+  double keep_scale;
+};
+
+// grad_q/k/v: [T, heads, d] with token strides dq_stride.. (views of one packed grad).
+struct AttnBwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_stride, k_stride, v_stride;
+  const void* out;
+  const void* grad_out;
+  const void* lse;
+  void* grad_q;
+  void* grad_k;
+  void* grad_v;
+  int64_t dq_stride, dk_stride, dv_stride;
+  const int64_t* cu_seqlens;
+  int64_t total, heads, head_dim;
+  double scale;
+  int dropout;
+  uint64_t seed;
+  uint32_t threshold;
+  double keep_scale;
+};
+
 using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
 using SoftmaxBwdFn = void (*)(const SoftmaxBwdArgs&, int64_t row_begin, int64_t row_end);
 using LayerNormFwdFn = void (*)(const LayerNormFwdArgs&, int64_t row_begin, int64_t row_end);
@@ -97,6 +140,14 @@ using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_
 using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
 using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
+// One (sequence, head) work item (item = sequence * heads + head) with `scratch` of
+// attn_*_scratch(max_len, head_dim) math-type elements to itself.
+using AttnFwdFn = void (*)(const AttnFwdArgs&, int64_t item, void* scratch);
+using AttnBwdFn = void (*)(const AttnBwdArgs&, int64_t item, void* scratch);
+using AttnScratchFn = int64_t (*)(int64_t max_len, int64_t head_dim);
+// The keep mask of one item as uint8 [len, len] (for tests).
+using AttnMaskFn = void (*)(const AttnFwdArgs&, int64_t item, uint8_t* mask);
+
 struct KernelTable {
   const char* isa;
   SoftmaxFwdFn softmax_fwd[kNumDtypes];
@@ -106,12 +157,19 @@ struct KernelTable {
   LayerNormBwdReduceFn layer_norm_bwd_reduce[kNumDtypes];
   DropoutAddFwdFn dropout_add_fwd[kNumDtypes];
   DropoutBwdFn dropout_bwd[kNumDtypes];
+  AttnFwdFn attn_fwd[kNumDtypes];
+  AttnBwdFn attn_bwd[kNumDtypes];
+  AttnScratchFn attn_fwd_scratch[kNumDtypes];
+  AttnScratchFn attn_bwd_scratch[kNumDtypes];
+  AttnMaskFn attn_mask[kNumDtypes];
 };
 
 // One table per instruction set; nullptr where this compiler or architecture did not build it.
 const KernelTable* default_table();
 const KernelTable* avx2_table();
 const KernelTable* avx512_table();
+// The table the ops run with (ops.cpp: chosen once per process).
+const KernelTable& selected_table();
 
 }  // namespace cpu
 }  // namespace megabert

@@ -1,5 +1,5 @@
 // Row kernels for softmax and LayerNorm (and, from dropout_kernels.h, dropout + residual
-// add), compiled once per instruction set.
+// add; from attention_kernels.h, attention over real tokens), compiled once per instruction set.
 //
 // Included by isa_*.cpp after `#define MEGABERT_ISA <name>` (and, on x86, after a
 // `#pragma GCC target`), so every function here lands in its own namespace
@@ -286,6 +286,7 @@ void layer_norm_bwd_reduce(const void* partial_in, int64_t parts, int64_t h, voi
 }
 
 #include "dropout_kernels.h"
+#include "attention_kernels.h"
 
 // Indexed by Dtype: kFloat, kBFloat16, kDouble.
 const KernelTable kTable = {
@@ -297,6 +298,11 @@ const KernelTable kTable = {
     {&layer_norm_bwd_reduce<float>, &layer_norm_bwd_reduce<bf16_t>, &layer_norm_bwd_reduce<double>},
     {&dropout_add_fwd<float>, &dropout_add_fwd<bf16_t>, &dropout_add_fwd<double>},
     {&dropout_bwd<float>, &dropout_bwd<bf16_t>, &dropout_bwd<double>},
+    {&attn_fwd<float>, &attn_fwd<bf16_t>, &attn_fwd<double>},
+    {&attn_bwd<float>, &attn_bwd<bf16_t>, &attn_bwd<double>},
+    {&attn_fwd_scratch<float>, &attn_fwd_scratch<bf16_t>, &attn_fwd_scratch<double>},
+    {&attn_bwd_scratch<float>, &attn_bwd_scratch<bf16_t>, &attn_bwd_scratch<double>},
+    {&attn_mask<float>, &attn_mask<bf16_t>, &attn_mask<double>},
 };
 
 }  // namespace MEGABERT_ISA

@@ -1,0 +1,165 @@
+"""Attention over the real tokens of a batch (varlen): Q, K, V as [T, heads, d] with
+`cu_seqlens`, no padding anywhere (issue 31).
+
+Padded attention spends its scores, mask, softmax, dropout mask and second matmul on
+[b, heads, s, s], padding included; at seq 512 on real data that is most of the step. Here
+sequence i is tokens cu_seqlens[i] .. cu_seqlens[i + 1] of the unpadded encoder's [T, h]
+activations, as FlashAttention's varlen form takes them. One implementation per device:
+
+- CPU: megabert's fused kernel (fp32, bf16, fp64): per (sequence, head) an online-softmax
+  forward saving logsumexp, a backward that recomputes the probabilities from it, and the
+  attention dropout drawn inside both from Philox (no mask tensor, no bernoulli_).
+- CUDA: torch.nn.attention.varlen.varlen_attn (FlashAttention's varlen kernel) where it
+  applies (fp16/bf16, head dim a multiple of 8 up to 256, no dropout: varlen_attn has none);
+  else SDPA over the sequences grouped by length (no mask, so SDPA may pick flash, with
+  dropout).
+- Anything else (another dtype, unbuilt kernels): the same grouped SDPA.
+The choice is a function of device, dtype, head dim and dropout, logged once per outcome.
+
+The CPU kernel's dropout key is one int64 drawn per call from the generator the call runs
+under (the per-TP-rank stream inside `rng_fork()`), exactly as dropout_add draws its key:
+torch.manual_seed, TP-rank streams, activation recompute (which restores the streams) and
+checkpoints that save the generators reproduce the masks. The keep bit of (sequence, head,
+query, key) depends only on the key and those indices, never on threads.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from megabert.ops import kernel_ops
+from megabert.ops.dispatch import dtype_outside, say_once, use_fused_kernel
+from megabert.ops.dropout_add import draw_seed
+
+_CPU_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
+# torch.nn.attention.varlen.varlen_attn runs FlashAttention's kernel: half types, head dims
+# that are multiples of 8 up to 256 (FlashAttention 2's limits).
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+
+
+class FusedVarlenAttention(torch.autograd.Function):
+    """out = softmax(scale * Q K^T) with dropout, times V, per sequence and head, on the CPU
+    kernel. Forward saves Q, K, V (the packed input), the output and logsumexp [heads, T]
+    (fp32): O(T) statistics instead of O(b s^2) probabilities and a mask."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, p: float,
+                seed: Optional[torch.Tensor]) -> torch.Tensor:
+        q, k, v = qkv.unbind(1)
+        out, lse = kernel_ops.varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed)
+        ctx.scale, ctx.p = scale, p
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        qkv, out, lse, cu_seqlens, seed = ctx.saved_tensors
+        q, k, v = qkv.unbind(1)
+        grad_qkv = kernel_ops.varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.p,
+                                                        seed)
+        return grad_qkv, None, None, None, None
+
+
+def flash_varlen_available() -> bool:
+    """Whether this torch has torch.nn.attention.varlen.varlen_attn (torch >= 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int, dropout_p: float,
+                       cpu_kernel_reason: Optional[str], flash_available: bool) -> tuple[str, Optional[str]]:
+    """('fused' | 'flash' | 'grouped_sdpa', why not the device's fast path or None).
+    `cpu_kernel_reason`: why the CPU kernel does not apply (None when it does)."""
+    if device_type == "cpu":
+        return ("fused", None) if cpu_kernel_reason is None else ("grouped_sdpa", cpu_kernel_reason)
+    if device_type != "cuda":
+        return "grouped_sdpa", f"{device_type} tensors (varlen kernels exist for cpu and cuda)"
+    if not flash_available:
+        return "grouped_sdpa", f"this torch ({torch.__version__}) has no torch.nn.attention.varlen"
+    if dtype not in _FLASH_DTYPES:
+        return "grouped_sdpa", f"{str(dtype).removeprefix('torch.')} (varlen_attn takes float16 and bfloat16)"
+    if head_dim % 8 or head_dim > _FLASH_MAX_HEAD_DIM:
+        return "grouped_sdpa", f"head dim {head_dim} (varlen_attn takes multiples of 8 up to {_FLASH_MAX_HEAD_DIM})"
+    if dropout_p > 0.0:
+        return "grouped_sdpa", f"attention dropout {dropout_p} (varlen_attn has no dropout)"
+    return "flash", None
+
+
+def grouped_sdpa(qkv: torch.Tensor, cu_seqlens: list[int], dropout_p: float) -> torch.Tensor:
+    """Varlen attention as one SDPA call per distinct sequence length: the sequences of a
+    length gathered to [g, heads, L, d] with no mask (so SDPA may take its flash kernel),
+    the outputs put back in token order. qkv: [T, 3, heads, d] -> [T, heads, d]."""
+    total, _, heads, d = qkv.shape
+    by_length: dict[int, list[int]] = {}
+    for i in range(len(cu_seqlens) - 1):
+        length = cu_seqlens[i + 1] - cu_seqlens[i]
+        if length > 0:
+            by_length.setdefault(length, []).append(cu_seqlens[i])
+    outputs, order = [], []
+    for length, starts in by_length.items():
+        positions = [start + j for start in starts for j in range(length)]
+        index = torch.tensor(positions, dtype=torch.int64, device=qkv.device)
+        group = qkv.index_select(0, index).view(len(starts), length, 3, heads, d)
+        q, k, v = group.permute(2, 0, 3, 1, 4).unbind(0)  # each [g, heads, L, d]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        outputs.append(out.transpose(1, 2).reshape(len(starts) * length, heads, d))
+        order.extend(positions)
+    if not outputs:
+        return qkv.new_empty((total, heads, d))
+    # Token i of the concatenation came from position order[i]: invert that permutation.
+    inverse = torch.empty(total, dtype=torch.int64)
+    inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(total)
+    return torch.cat(outputs).index_select(0, inverse.to(qkv.device))
+
+
+def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlens: Callable[[], list[int]], *,
+                     dropout_p: float = 0.0, rng_fork=None) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d)) V over each sequence's own tokens.
+
+    qkv: [T, 3, heads, d] (Q, K, V of each token's heads; a view of the QKV GEMM's output);
+    cu_seqlens: int64 [n + 1] on qkv's device, sequence i is tokens cu_seqlens[i] ..
+    cu_seqlens[i + 1]; `host_cu_seqlens()` the same as a list (called only by the paths that
+    need it on the host: one device sync per call on a GPU unless the caller caches it).
+    `rng_fork()`: the context dropout draws in (the per-TP-rank stream). -> [T, heads, d].
+    """
+    fork = rng_fork if rng_fork is not None and dropout_p > 0.0 else contextlib.nullcontext
+    device_type, head_dim = qkv.device.type, qkv.size(-1)
+    cpu_reason = None
+    if device_type == "cpu":
+        cpu_reason = dtype_outside(qkv, _CPU_DTYPES)
+        if not use_fused_kernel("varlen_attention", device_type, cpu_reason):
+            cpu_reason = cpu_reason or "unbuilt CPU kernels"
+    impl, reason = choose_varlen_impl(device_type, qkv.dtype, head_dim, dropout_p, cpu_reason,
+                                      device_type == "cuda" and flash_varlen_available())
+    if device_type != "cpu":
+        say_once(("varlen_attention", device_type, impl, reason), logging.INFO if reason is None else logging.WARNING,
+                 "varlen attention on %s: %s%s", device_type, impl, "" if reason is None else f" ({reason})")
+    if impl == "fused":
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"varlen attention: dropout p must be in [0, 1), got {dropout_p}")
+        seed = None
+        if dropout_p > 0.0:
+            with fork():
+                seed = draw_seed()
+        return FusedVarlenAttention.apply(qkv, cu_seqlens, 1.0 / math.sqrt(head_dim), float(dropout_p), seed)
+    if impl == "flash":
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(torch.int32)
+        host = host_cu_seqlens()
+        max_len = max((b - a for a, b in zip(host, host[1:])), default=0)
+        q, k, v = qkv.unbind(1)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len)
+    with fork():
+        return grouped_sdpa(qkv, host_cu_seqlens(), dropout_p)

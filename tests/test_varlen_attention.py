@@ -1,0 +1,253 @@
+"""Attention over real tokens (varlen, issue 31): the CPU kernel against PyTorch per
+sequence (outputs and the grads of Q, K, V; dropout against the mask the kernel draws), the
+same masks at any thread count, the CUDA path's choice, and the model with the varlen core
+against the padded reference (`--attention-backend torch`) in every layout."""
+import math
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from train_utils import batches, build_trainer
+
+import megabert
+import megabert.fused_kernels as fk
+from megabert.config import ModelConfig
+from megabert.ops import resolve_attention_backend
+from megabert.ops.varlen_attention import choose_varlen_impl, grouped_sdpa, varlen_attention
+
+needs_kernels = pytest.mark.skipif(not fk.is_available(), reason="CPU kernels not built")
+LENGTHS = [5, 70, 0, 1, 130, 64]  # empty, single-token, partial and whole key tiles of 64
+
+
+def _cu(lengths):
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+
+
+def _reference(qkv, lengths, keep=None, p=0.0):
+    """Per sequence in PyTorch: softmax(Q K^T / sqrt(d)), times keep / (1 - p), times V."""
+    outs, start = [], 0
+    for i, n in enumerate(lengths):
+        q, k, v = (qkv[start:start + n, j].transpose(0, 1) for j in range(3))  # [heads, n, d]
+        probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(qkv.size(-1)), dim=-1)
+        if keep is not None:
+            probs = probs * keep[i, :, :n, :n] / (1 - p)
+        outs.append((probs @ v).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def _kernel(qkv, lengths, p=0.0, seed=None):
+    q, k, v = qkv.unbind(1)
+    return fk.kernels_for("cpu").varlen_attention_forward(q, k, v, _cu(lengths), 1 / math.sqrt(qkv.size(-1)), p, seed)
+
+
+def _fused(qkv, lengths, p, seed):
+    from megabert.ops.varlen_attention import FusedVarlenAttention
+
+    return FusedVarlenAttention.apply(qkv, _cu(lengths), 1 / math.sqrt(qkv.size(-1)), p, seed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("head_dim", [16, 64, 80])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_kernel_matches_pytorch_per_sequence(dtype, tol, head_dim, p):
+    """Outputs and grads of Q, K, V (one packed grad); with dropout, against PyTorch with the
+    kernel's own mask (varlen_attention_dropout_mask)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(sum(LENGTHS), 3, 3, head_dim, dtype=dtype, generator=gen).requires_grad_()
+    seed = torch.tensor([1234]) if p else None
+    keep = fk.kernels_for("cpu").varlen_attention_dropout_mask(_cu(LENGTHS), 3, p, seed) if p else None
+    want = _reference(qkv, LENGTHS, keep, p)
+    got = _fused(qkv, LENGTHS, p, seed)
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    grad = torch.randn(want.shape, dtype=dtype, generator=gen)
+    (want_grad,) = torch.autograd.grad(want, qkv, grad)
+    (got_grad,) = torch.autograd.grad(got, qkv, grad)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=tol)
+
+
+@needs_kernels
+def test_bfloat16_within_its_tolerance():
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(sum(LENGTHS), 3, 2, 64, generator=gen)
+    want = _reference(qkv, LENGTHS)
+    got = _fused(qkv.bfloat16(), LENGTHS, 0.0, None)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_dropout_mask_keeps_one_minus_p_and_follows_the_seed():
+    cu = _cu([200, 130])
+    masks = [fk.kernels_for("cpu").varlen_attention_dropout_mask(cu, 2, 0.1, torch.tensor([s])) for s in (1, 1, 2)]
+    assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+    real = masks[0][0].float()  # sequence 0 fills its [200, 200] block
+    assert abs(real.mean().item() - 0.9) < 0.005
+    assert not masks[0][1, :, 130:].any() and not masks[0][1, :, :, 130:].any()  # nothing outside sequence 1
+
+
+@needs_kernels
+def test_same_masks_at_one_and_two_threads():
+    """Dropout on: outputs and grads bitwise equal whatever the thread count (the Philox
+    counter is (sequence, head, row, column), never the thread)."""
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(sum(LENGTHS), 3, 4, 32, generator=gen).requires_grad_()
+    grad = torch.randn(sum(LENGTHS), 4, 32, generator=gen)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = _fused(qkv, LENGTHS, 0.2, torch.tensor([99]))
+            results.append((out, torch.autograd.grad(out, qkv, grad)[0]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@needs_kernels
+def test_front_end_draws_its_key_from_the_stream_it_runs_in():
+    """One key per call from the default generator (the TP-rank stream under rng_fork): the
+    same seed gives the same output, and the draw advances the generator by one int64."""
+    qkv = torch.randn(sum(LENGTHS), 3, 2, 16)
+    cu = _cu(LENGTHS)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outs.append(varlen_attention(qkv, cu, cu.tolist, dropout_p=0.1))
+        after = torch.randint(0, 2**62, (1,))
+    torch.manual_seed(3)
+    torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64)  # the key draw
+    assert torch.equal(outs[0], outs[1]) and torch.equal(after, torch.randint(0, 2**62, (1,)))
+    torch.testing.assert_close(varlen_attention(qkv, cu, cu.tolist, dropout_p=0.0), _reference(qkv, LENGTHS))
+
+
+def test_grouped_sdpa_matches_pytorch_per_sequence():
+    """The CUDA fallback (and any dtype the CPU kernel lacks): SDPA per length group."""
+    lengths = [7, 3, 7, 0, 3, 5]
+    qkv = torch.randn(sum(lengths), 3, 2, 8, dtype=torch.float64, requires_grad=True)
+    want = _reference(qkv, lengths)
+    got = grouped_sdpa(qkv, _cu(lengths).tolist(), 0.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(got, qkv, grad)[0], torch.autograd.grad(want, qkv, grad)[0],
+                               rtol=0, atol=1e-12)
+    # float16 on the CPU is outside the kernel: grouped SDPA, same numbers to fp16 rounding.
+    half = varlen_attention(qkv.detach().half(), _cu(lengths), _cu(lengths).tolist)
+    torch.testing.assert_close(half.double(), want.detach(), rtol=0, atol=5e-3)
+
+
+def test_cuda_choice_flash_where_it_applies_else_grouped_sdpa():
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert choose_varlen_impl("cuda", bf16, 64, 0.0, None, True) == ("flash", None)
+    assert choose_varlen_impl("cuda", torch.float16, 128, 0.0, None, True) == ("flash", None)
+    for args, why in [((bf16, 64, 0.1), "dropout"), ((f32, 64, 0.0), "float32"), ((bf16, 60, 0.0), "head dim 60"),
+                      ((bf16, 320, 0.0), "head dim 320")]:
+        impl, reason = choose_varlen_impl("cuda", *args, None, True)
+        assert impl == "grouped_sdpa" and why in reason
+    assert choose_varlen_impl("cuda", bf16, 64, 0.0, None, False)[0] == "grouped_sdpa"
+    assert choose_varlen_impl("cpu", f32, 64, 0.1, None, True) == ("fused", None)
+    assert choose_varlen_impl("cpu", torch.float16, 64, 0.0, "float16", True) == ("grouped_sdpa", "float16")
+
+
+@pytest.mark.skipif(not fk.is_available() or fk.is_available("cuda"), reason="needs a CPU-only build")
+def test_backend_resolution():
+    assert resolve_attention_backend("auto", "cpu") == "varlen"
+    assert resolve_attention_backend("auto", "cuda") == "sdpa"  # opt-in on CUDA until measured there
+    assert resolve_attention_backend("varlen", "cuda") == "varlen"
+
+
+# ---------------------------------------------------------------- the model
+
+def _cfg(**kw):
+    return ModelConfig(**{"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 99,
+                          "max_position_embeddings": 32, "hidden_dropout": 0, "attention_dropout": 0,
+                          "layernorm_backend": "torch", **kw})
+
+
+def _loss_and_grads(cfg, ps, dtype=torch.float32):
+    model = megabert.BertForPreTraining(cfg, ps, seed=5, params_dtype=dtype).train()
+    b = next(batches(0, 4, 0, 1))
+    o = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
+    o.loss.backward()
+    return o.loss.detach().float(), o.nsp_logits.detach().float(), {n: p.grad.float() for n, p in
+                                                                      model.named_parameters()}
+
+
+@needs_kernels
+@pytest.mark.parametrize("layernorm_position,recompute", [("post", None), ("pre", "full"), ("post", "selective")])
+def test_varlen_model_equals_padded_reference(layernorm_position, recompute):
+    """fp32, dropout 0: loss, sentence-pair logits and every gradient of the unpadded encoder
+    with the varlen core equal the padded encoder's with the reference attention."""
+    ps = megabert.init_parallel()
+    kw = dict(layernorm_position=layernorm_position, recompute_granularity=recompute)
+    loss0, nsp0, g0 = _loss_and_grads(_cfg(attention_backend="torch", **kw), ps)
+    loss1, nsp1, g1 = _loss_and_grads(_cfg(attention_backend="varlen", unpad_input=True, **kw), ps)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-5)
+    assert g0 and set(g1) == set(g0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=1e-5, msg=name)
+
+
+@needs_kernels
+def test_varlen_model_bf16_within_tolerance():
+    """bf16: the varlen model is as close to the fp32 reference as the padded reference
+    attention in bf16 is (the kernel's math is fp32 inside)."""
+    ps = megabert.init_parallel()
+    loss0, _, g0 = _loss_and_grads(_cfg(attention_backend="torch"), ps)
+    errors = []
+    for kw in ({"attention_backend": "torch"}, {"attention_backend": "varlen", "unpad_input": True}):
+        loss, _, g = _loss_and_grads(_cfg(**kw), ps, torch.bfloat16)
+        errors.append((abs(loss - loss0), max(((g[n] - g0[n]).norm() / g0[n].norm()).item() for n in g0)))
+    (loss_err_ref, grad_err_ref), (loss_err, grad_err) = errors
+    assert loss_err < 3e-2 and grad_err < 1.5 * grad_err_ref + 1e-2, errors
+
+
+def _losses(argv, tp=1):
+    _, _, trainer = build_trainer(["--train-iters", "3"] + argv, tp)
+    try:
+        return [float(trainer.train_step()["lm_loss"]) for _ in range(3)]
+    finally:
+        trainer.close()
+
+
+def _layouts(rank, world):
+    varlen = ["--attention-backend", "varlen"]  # pretrain_bert.py unpads by default
+    padded = ["--attention-backend", "torch", "--no-unpad-input"]
+    # TP=2: heads split over ranks, each rank's items keyed by its own heads.
+    assert _losses(varlen, 2) == pytest.approx(_losses(padded, 2), abs=1e-5, rel=0)
+    # Sequence parallelism needs the padded encoder: varlen at TP=2 against it.
+    assert _losses(varlen, 2) == pytest.approx(_losses(padded + ["--sequence-parallel"], 2), abs=1e-5, rel=0)
+    # PP=2 with full and selective recompute.
+    pp = ["--pipeline-model-parallel-size", "2"]
+    for recompute in ("full", "selective"):
+        extra = pp + ["--recompute-granularity", recompute]
+        assert _losses(varlen + extra) == pytest.approx(_losses(padded + extra), abs=1e-5, rel=0), recompute
+
+
+@needs_kernels
+def test_varlen_training_equals_padded_reference_in_parallel_layouts():
+    """Three training steps (AdamW), fp32, dropout 0: the losses of the padded reference."""
+    run_distributed(_layouts, 2)
+
+
+def _recompute_with_dropout(rank, world):
+    """Dropout on at TP=2: recompute replays the kernel's masks (the key is redrawn from the
+    restored per-TP-rank stream), so loss and grads equal those without recompute, bitwise."""
+    ps = megabert.init_parallel(tensor_parallel_size=world)
+    results = []
+    for recompute in (None, "full", "selective"):
+        torch.manual_seed(5)
+        cfg = _cfg(attention_backend="varlen", unpad_input=True, attention_dropout=0.2, hidden_dropout=0.1,
+                   recompute_granularity=recompute)
+        results.append(_loss_and_grads(cfg, ps))
+    (loss0, _, g0), *others = results
+    for loss, _, g in others:
+        assert torch.equal(loss, loss0) and all(torch.equal(g[n], g0[n]) for n in g0)
+
+
+@needs_kernels
+def test_recompute_replays_the_kernel_dropout_at_tp2():
+    run_distributed(_recompute_with_dropout, 2)
