@@ -6,14 +6,15 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from train_utils import batches, build_trainer
 
 import megabert
 import megabert.fused_kernels as fk
 from megabert.config import ModelConfig
 from megabert.ops import resolve_attention_backend
 from megabert.ops.varlen_attention import choose_varlen_impl, grouped_sdpa, varlen_attention
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import batches, build_trainer
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason="CPU kernels not built")
 LENGTHS = [5, 70, 0, 1, 130, 64]  # empty, single-token, partial and whole key tiles of 64
