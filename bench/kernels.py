@@ -1,16 +1,20 @@
-"""Forward + backward time of megabert's fused softmax, LayerNorm and dropout + add against PyTorch.
+"""Forward + backward time of megabert's fused softmax, LayerNorm, dropout + add and varlen attention against PyTorch.
 
 Prints figures and never asserts on them. For each BERT-like shape: our kernel through
 `megabert.ops` (autograd included), the unfused reference (`megabert.ops.reference`,
 what `--attention-backend torch` / `--layernorm-backend torch` run) and, for the
 softmax, plain `torch.softmax` on `masked_fill`; for dropout + residual add (CPU only, p 0.1,
-what `--dropout-add-backend fused` / `torch` run) `residual + F.dropout(x, p)`. "x" is their time over ours: above 1,
+what `--dropout-add-backend fused` / `torch` run) `residual + F.dropout(x, p)`; for attention
+(CPU only, dropout 0.1) the varlen kernel on the real tokens against the padded reference
+(`--attention-backend torch`) and the padded fused softmax (`--attention-backend fused`) on
+[b, heads, s, s]. "x" is their time over ours: above 1,
 the fused kernel is faster. On a GPU it also prints the achieved bandwidth of our
 forward and backward kernels against the device's peak DRAM bandwidth.
 
     python bench/kernels.py                      # CPU, all threads torch uses
     python bench/kernels.py --device cuda --dtype bfloat16 float16
     python bench/kernels.py --ops dropadd --dtype float32
+    MEGABERT_CPU_ISA=default python bench/kernels.py --ops attention   # another ISA's kernels
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ LAYER_NORM_SHAPES = [(128 * 8, 768), (512 * 8, 1024)]
 # [tokens, h] of the layers' hidden dropout + residual add: bench/pretrain.py's default
 # model (seq 128, batch 16, ~60% real tokens unpadded, h 256), then the two above.
 DROPOUT_ADD_SHAPES = [(1237, 256), (128 * 8, 768), (512 * 8, 1024)]
+# [b, heads, s, head_dim, real-token share] of attention: bench/pretrain.py's model at seq 128
+# (stdlib corpus) and seq 512 (long corpus), then BERT-large at seq 512 (micro-batch 8, 90% real).
+ATTENTION_SHAPES = [(16, 4, 128, 64, 0.6), (4, 4, 512, 64, 0.95), (8, 16, 512, 64, 0.9)]
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -124,6 +131,31 @@ def dropout_add_case(shape, dtype, device):
     return fns, (x, residual, grad)
 
 
+def attention_case(shape, dtype, device):
+    b, heads, s, d, real = shape
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(int(2 * real * s) - s, s + 1, (b,), generator=gen).clamp(1, s)
+    mask = torch.arange(s)[None, :] >= lengths[:, None]  # [b, s], True = padding
+    qkv = torch.randn(b, s, 3, heads, d, generator=gen).to(device, dtype)
+    q, k, v = (t.permute(0, 2, 1, 3).contiguous().requires_grad_() for t in qkv.unbind(2))  # [b, heads, s, d]
+    grad = torch.randn(b, heads, s, d, generator=gen).to(device, dtype)
+    real_qkv = qkv[~mask].contiguous().requires_grad_()  # [T, 3, heads, d]
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    real_grad = grad.permute(0, 2, 1, 3)[~mask].contiguous()
+
+    def padded(backend):
+        def core(q, k, v):
+            return ops.core_attention(q, k, v, mask[:, None, None, :], backend=backend, dropout_p=0.1)
+        return fwd_bwd(core, (q, k, v), grad)
+
+    def varlen(x):
+        return ops.varlen_attention(x, cu, cu.tolist, dropout_p=0.1)
+
+    fns = {"ours": fwd_bwd(varlen, (real_qkv,), real_grad), "reference": padded("torch"),
+           "fused softmax": padded("fused")}
+    return fns, ()
+
+
 def kernel_bandwidth(op: str, tensors, device: torch.device, reps: int) -> str:
     """Achieved GB/s of our forward and backward kernels alone (the bytes each must move
     at the least) and their share of the device's peak DRAM bandwidth."""
@@ -157,8 +189,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--ops", nargs="+", default=["softmax", "layernorm", "dropadd"],
-                        choices=["softmax", "layernorm", "dropadd"], help="which ops to time (default: all)")
+    parser.add_argument("--ops", nargs="+", default=["softmax", "layernorm", "dropadd", "attention"],
+                        choices=["softmax", "layernorm", "dropadd", "attention"],
+                        help="which ops to time (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: 15 CPU, 100 GPU)")
     args = parser.parse_args(argv)
@@ -176,19 +209,23 @@ def main(argv=None) -> None:
                  f"load average {os.getloadavg()[0]:.1f}")
     print(f"{fk.describe(device.type)} on {where}; median of >= {reps} forward+backward runs; "
           f"x = their time / ours (> 1: ours faster)")
-    header = f"{'op':<10}{'shape':<20}{'dtype':<10}{'ours ms':>9}{'reference ms':>20}{'softmax(masked_fill) ms':>28}"
-    print(header)
+    printed_for = None
     cases = [("softmax", SOFTMAX_SHAPES, softmax_case), ("layernorm", LAYER_NORM_SHAPES, layer_norm_case)]
     if device.type == "cpu":  # no CUDA kernel: PyTorch's dropout is one fused kernel there
         cases.append(("dropadd", DROPOUT_ADD_SHAPES, dropout_add_case))
+        cases.append(("attention", ATTENTION_SHAPES, attention_case))
     for op, shapes, build in (c for c in cases if c[0] in args.ops):
         for shape in shapes:
             for dtype_name in args.dtype:
                 fns, tensors = build(shape, getattr(torch, dtype_name), device)
                 times = median_times(fns, device, reps)
                 ours = times.pop("ours")
+                if printed_for != list(times):  # the peers' names head their columns
+                    printed_for = list(times)
+                    print(f"{'op':<10}{'shape':<20}{'dtype':<10}{'ours ms':>9}"
+                          + "".join(f"{n + ' ms':>20}" if i == 0 else f"{n + ' ms':>28}" for i, n in enumerate(times)))
                 cells = [f"{t * 1e3:9.2f} ({t / ours:5.2f}x)" for t in times.values()]
-                line = f"{op:<10}{str(list(shape)).replace(' ', ''):<20}{dtype_name:<10}{ours * 1e3:9.2f}"
+                line = f"{op:<10}{str(list(shape)).replace(' ', '')[:19]:<20}{dtype_name:<10}{ours * 1e3:9.2f}"
                 line += "".join(f"{c:>20}" if i == 0 else f"{c:>28}" for i, c in enumerate(cells))
                 print(line, flush=True)
                 if device.type == "cuda":

@@ -4,17 +4,22 @@ way its users do (torch AdamW, gradient clipping at 1.0), on this machine, in on
 
 Both sides get the same batches: real BERT samples (sentence-order prediction, 15% masking,
 10% short sequences) drawn by megabert's dataset from a corpus built from the Python
-standard library's docstrings (no download; cached in --workdir). Steps are interleaved
+standard library's docstrings (no download; cached in --workdir). `--corpus stdlib` keeps
+each docstring a document (short documents: at seq 512 most positions are padding);
+`--corpus long` joins consecutive docstrings into documents of at least 1,000 words, so
+that samples fill seq 512 as Wikipedia's articles do. Steps are interleaved
 (A B C ... A B C ...) so that a noisy machine slows every side alike; the figure per side is
 the median step time. tokens/s counts batch x seq-length (padding included) for every side.
 Nothing here passes or fails on time.
 
     python bench/pretrain.py [--rounds 10] [--layers 4 --hidden 256 --heads 4 --seq 128 --batch 16]
+    python bench/pretrain.py --seq 512 --batch 4 --corpus long
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import megabert  # noqa: E402
+import megabert.fused_kernels  # noqa: E402
 from _timing import compare  # noqa: E402
 from megabert.arguments import parse_args  # noqa: E402
 from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
@@ -35,6 +41,7 @@ VARIANTS = {
     "defaults": [],
     "full MLM logits": ["--no-mlm-logits-at-masked-only"],
     "padded encoder": ["--no-unpad-input"],
+    "attention fused": ["--attention-backend", "fused"],
     "attention sdpa": ["--attention-backend", "sdpa"],
     "attention torch": ["--attention-backend", "torch"],
     "layernorm torch": ["--layernorm-backend", "torch"],
@@ -42,19 +49,46 @@ VARIANTS = {
 }
 
 
-def prepare_data(workdir: str, vocab_size: int) -> tuple[str, str]:
-    """(dataset prefix, vocab file) of the standard-library corpus, built once."""
+# `--corpus long`: docstrings joined in the order the stdlib lists them (a module's after
+# one another) until a document holds this many words, about 1,300 WordPiece tokens.
+LONG_DOCUMENT_WORDS = 1000
+
+
+def write_long_corpus(path: str, max_documents: int) -> None:
+    """Documents of at least LONG_DOCUMENT_WORDS words, each a run of consecutive docstrings."""
+    from megabert.corpus.demo_corpus import stdlib_documents
+
+    written, parts, words = 0, [], 0
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in stdlib_documents():
+            parts.append(doc)
+            words += len(doc.split())
+            if words >= LONG_DOCUMENT_WORDS:
+                f.write(json.dumps({"text": "\n".join(parts)}) + "\n")
+                written, parts, words = written + 1, [], 0
+                if written == max_documents:
+                    return
+
+
+def prepare_data(workdir: str, vocab_size: int, corpus_kind: str = "stdlib") -> tuple[str, str]:
+    """(dataset prefix, vocab file) of the corpus, built once."""
+    workdir = os.path.join(workdir, corpus_kind)
     os.makedirs(workdir, exist_ok=True)
     prefix, vocab = os.path.join(workdir, "corpus_text_sentence"), os.path.join(workdir, "vocab.txt")
     if os.path.exists(prefix + ".idx"):
         return prefix, vocab
     tool = lambda name: os.path.join(ROOT, "tools", name)  # noqa: E731
     corpus = os.path.join(workdir, "corpus.jsonl")
-    for cmd in ([tool("make_demo_corpus.py"), "--output", corpus, "--max-documents", "4000"],
-                [tool("train_tokenizer.py"), "--input", corpus, "--output", vocab, "--vocab-size", str(vocab_size)],
-                [tool("preprocess_data.py"), "--input", corpus, "--json-keys", "text", "--output-prefix",
-                 os.path.join(workdir, "corpus"), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab,
-                 "--split-sentences", "--workers", "2", "--log-interval", "100000"]):
+    if corpus_kind == "long":
+        write_long_corpus(corpus, max_documents=600)
+        steps = []
+    else:
+        steps = [[tool("make_demo_corpus.py"), "--output", corpus, "--max-documents", "4000"]]
+    for cmd in steps + [
+            [tool("train_tokenizer.py"), "--input", corpus, "--output", vocab, "--vocab-size", str(vocab_size)],
+            [tool("preprocess_data.py"), "--input", corpus, "--json-keys", "text", "--output-prefix",
+             os.path.join(workdir, "corpus"), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab,
+             "--split-sentences", "--workers", "2", "--log-interval", "100000"]]:
         subprocess.run([sys.executable] + cmd, check=True, stdout=subprocess.DEVNULL)
     return prefix, vocab
 
@@ -120,13 +154,15 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--corpus", choices=("stdlib", "long"), default="stdlib",
+                   help="stdlib: a document per docstring (short); long: documents that fill seq 512")
     p.add_argument("--rounds", type=int, default=10, help="timed steps per side (after 2 warm-up steps)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench_out", "pretrain"))
     args = p.parse_args()
 
     ps = megabert.init_parallel()
-    prefix, vocab = prepare_data(args.workdir, args.vocab)
+    prefix, vocab = prepare_data(args.workdir, args.vocab, args.corpus)
     shape = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--num-attention-heads",
              str(args.heads), "--seq-length", str(args.seq), "--max-position-embeddings", "512",
              "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch), "--train-iters", "1000000",
@@ -138,8 +174,9 @@ def main() -> None:
     for name in args.variants:
         sides[name] = ours(shape + VARIANTS[name], ps, args.vocab, batches)
     compare(sides, args.rounds, args.batch * args.seq,
-            f"device {ps.device} | torch {torch.__version__} threads {torch.get_num_threads()} | {args.layers} layers, "
+            f"device {ps.device} ({megabert.fused_kernels.describe(ps.device.type)}) | torch {torch.__version__} threads {torch.get_num_threads()} | {args.layers} layers, "
             f"hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32, AdamW | "
+            f"{args.corpus} corpus, "
             f"real (non-padding) tokens {real:.1%} | median of {args.rounds} interleaved steps")
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Steps, each with its log under OUT (default bench_out/):
   tests          tests/test_fused_kernels.py (the CUDA kernels against PyTorch)
   kernels        bench/kernels.py --device cuda (fp32, bf16, fp16)
   bert-large     bench/gpu/bert_large.py (BERT-large bf16 phase 1/2 vs transformers)
+  varlen         bench/gpu/varlen_attention.py (BERT-large bf16 seq 512, padded batches:
+                 varlen attention vs SDPA with a padding mask)
   memory         bench/memory.py --layouts single (BERT-base and -large, one GPU)
 and summary.json: what ran, exit codes, seconds, key figures (tools/gpu/bench_figures.py)
 and the versions. The measuring steps run even when one of them fails; the exit code is
@@ -134,6 +136,7 @@ def main() -> None:
         ("kernels", [VPY, "bench/kernels.py", "--device", "cuda", "--dtype", "float32", "bfloat16", "float16"],
          bench_figures.kernel_times),
         ("bert-large", [VPY, "bench/gpu/bert_large.py"], bench_figures.bert_large),
+        ("varlen", [VPY, "bench/gpu/varlen_attention.py"], bench_figures.varlen_attention),
         ("memory", [VPY, "bench/memory.py", "--sizes", "bert-base", "bert-large", "--layouts", "single"],
          bench_figures.memory),
     ) if run.step(name, cmd, figures, env) != 0]
