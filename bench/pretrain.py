@@ -159,6 +159,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10, help="timed steps per side (after 2 warm-up steps)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench_out", "pretrain"))
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="instead of timing: torch.profiler over STEPS steps of each side, shares of the ops "
+                        "padding costs (bernoulli_, bmm, mm+addmm, fill_+copy_)")
     args = p.parse_args()
 
     ps = megabert.init_parallel()
@@ -173,11 +176,42 @@ def main() -> None:
     sides = {"transformers": transformers_step(args, batches, ps.device)}
     for name in args.variants:
         sides[name] = ours(shape + VARIANTS[name], ps, args.vocab, batches)
-    compare(sides, args.rounds, args.batch * args.seq,
-            f"device {ps.device} ({megabert.fused_kernels.describe(ps.device.type)}) | torch {torch.__version__} threads {torch.get_num_threads()} | {args.layers} layers, "
-            f"hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32, AdamW | "
-            f"{args.corpus} corpus, "
-            f"real (non-padding) tokens {real:.1%} | median of {args.rounds} interleaved steps")
+    header = (f"device {ps.device} ({megabert.fused_kernels.describe(ps.device.type)}) | torch {torch.__version__} "
+              f"threads {torch.get_num_threads()} | {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+              f"seq {args.seq}, batch {args.batch}, fp32, AdamW | {args.corpus} corpus, real (non-padding) tokens "
+              f"{real:.1%} | load average {os.getloadavg()[0]:.1f}")
+    if args.profile:
+        profile_shares(sides, args.profile, header)
+    else:
+        compare(sides, args.rounds, args.batch * args.seq, f"{header} | median of {args.rounds} interleaved steps")
+
+
+# The ops that padding inflates (issue 31): attention dropout's mask, the attention bmm's,
+# the token-wise GEMMs, and the zero-fill and copies of padding and unpadding.
+PROFILED = {"bernoulli_": ("aten::bernoulli_",), "bmm": ("aten::bmm",), "mm+addmm": ("aten::mm", "aten::addmm"),
+            "fill_+copy_": ("aten::fill_", "aten::copy_")}
+
+
+def profile_shares(sides: dict, steps: int, header: str) -> None:
+    """Per side: each PROFILED op's self CPU time as a share of the profiled steps' wall time
+    (one side after another, each under its own profiler)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    print(f"{header} | torch.profiler over {steps} steps, self CPU time / wall time")
+    print(f"{'side':18} {'step ms':>9} " + " ".join(f"{name:>12}" for name in PROFILED))
+    for name, (step, _) in sides.items():
+        step(), step()  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            wall_us = (time.perf_counter() - start) * 1e6
+        self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+        cells = [sum(self_us.get(op, 0.0) for op in ops) / wall_us for ops in PROFILED.values()]
+        print(f"{name:18} {wall_us / steps / 1e3:9.1f} " + " ".join(f"{c:12.1%}" for c in cells), flush=True)
+
 
 if __name__ == "__main__":
     main()
