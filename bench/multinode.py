@@ -36,9 +36,9 @@ import subprocess
 import sys
 import tempfile
 
+from megabert.parallel.buckets import BUCKET_ELEMENTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from megabert.parallel.buckets import BUCKET_ELEMENTS  # noqa: E402
 NS = ("megabert-n0", "megabert-n1")
 DEV = ("mbveth0", "mbveth1")
 ADDR = ("10.213.7.1", "10.213.7.2")
