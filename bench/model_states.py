@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, store: str, size: str, name: str, out: str) -
     dist.barrier()
     megabert.destroy_parallel()
     sys.stdout.flush()
-    os._exit(0)  # see tests/dist_utils.py: leave gloo before the interpreter's finalisation
+    os._exit(0)  # see tests/helpers/dist_utils.py: leave gloo before the interpreter's finalisation
 
 
 def measure(size: str, name: str) -> float:

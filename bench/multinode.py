@@ -124,7 +124,7 @@ def launch(worker: list[str], link: bool, timeout: int = 900) -> list[str]:
 
 
 def make_data(work: str) -> str:
-    """A small corpus, its WordPiece vocab and indexed dataset (as tests/test_pretrain_e2e)."""
+    """A small corpus, its WordPiece vocab and indexed dataset (as tests/conftest.py's dataset)."""
     import random
 
     rng = random.Random(0)
