@@ -11,28 +11,23 @@ Two settings: attention dropout 0.1 (pre-training; varlen_attn has no dropout, s
 side runs SDPA per length group) and 0 (fine-tuning-like; the varlen side runs FlashAttention's
 varlen kernel through torch.nn.attention.varlen). The first call of each logs which ran.
 
-    python bench/gpu/varlen_attention.py [--rounds 20] [--batch 16]
+    python bench/gpu_varlen_attention.py [--rounds 20] [--batch 16]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import logging
-import os
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.dirname(HERE)]
-
-import megabert  # noqa: E402
-from _timing import interleaved  # noqa: E402
-from megabert.arguments import parse_args  # noqa: E402
-from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops  # noqa: E402
-from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
-from megabert.training.resolve import resolve_run  # noqa: E402
+import megabert
+from _timing import interleaved
+from megabert.arguments import parse_args
+from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
+from megabert.tasks.pretraining.task import build_pretraining
+from megabert.training.resolve import resolve_run
 
 VOCAB = 30522
 SEQ = 512
@@ -76,7 +71,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu/varlen_attention.py needs a CUDA GPU and a CUDA build of torch (this torch: "
+        sys.exit("bench/gpu_varlen_attention.py needs a CUDA GPU and a CUDA build of torch (this torch: "
                  f"{torch.__version__})")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # which varlen path ran
     ps = megabert.init_parallel()
