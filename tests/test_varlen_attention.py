@@ -153,8 +153,12 @@ def test_cuda_choice_flash_where_it_applies_else_grouped_sdpa():
 
 
 @pytest.mark.skipif(not fk.is_available() or fk.is_available("cuda"), reason="needs a CPU-only build")
-def test_backend_resolution():
+def test_backend_resolution(monkeypatch):
+    monkeypatch.setattr(fk, "_cpu_isa", "avx2")
     assert resolve_attention_backend("auto", "cpu") == "varlen"
+    monkeypatch.setattr(fk, "_cpu_isa", "default")  # the baseline build: not measured to win at seq 512
+    assert resolve_attention_backend("auto", "cpu") == "fused"
+    assert resolve_attention_backend("varlen", "cpu") == "varlen"
     assert resolve_attention_backend("auto", "cuda") == "sdpa"  # opt-in on CUDA until measured there
     assert resolve_attention_backend("varlen", "cuda") == "varlen"
 

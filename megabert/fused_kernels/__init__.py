@@ -54,6 +54,11 @@ def kernels_for(device_type: str) -> Optional[ModuleType]:
     return {"cpu": _cpu, "cuda": _cuda}.get(device_type)
 
 
+def cpu_isa() -> Optional[str]:
+    """The instruction set the CPU kernels run with ('avx512', 'avx2' or 'default'), None unbuilt."""
+    return _cpu_isa if _cpu is not None else None
+
+
 def describe(device_type: str) -> str:
     """A short name for the kernels that run on `device_type`, for logs and benchmarks."""
     if device_type == "cpu" and _cpu is not None:

@@ -18,17 +18,22 @@ import torch.nn.functional as F
 
 from megabert import fused_kernels
 from megabert.errors import ConfigError
+from megabert.ops.compile_hints import assume_constant_result
 from megabert.ops.dispatch import resolve_backend, say_once
 from megabert.ops.reference import scaled_masked_softmax_reference
 from megabert.ops.softmax import scaled_masked_softmax
 
 
 def resolve_attention_backend(backend: str, device_type: str = "cpu") -> str:
-    """'auto' -> 'varlen' on the CPU when its kernels are built, else 'sdpa'. On CUDA 'auto'
+    """'auto' -> 'varlen' on the CPU when its kernels are built for AVX2 or AVX-512 (else as
+    dispatch.resolve_backend: 'fused' when built, else 'sdpa'). On CUDA 'auto'
     stays 'sdpa' (with the padding mask) until varlen has been measured on a GPU
     (`make bench-gpu` compares them); `--attention-backend varlen` opts in. 'fused' as
     dispatch.resolve_backend. Logged once per choice."""
-    if backend == "auto" and device_type == "cpu" and fused_kernels.is_available("cpu"):
+    # The varlen kernel is measured to beat the padded paths with AVX2 (docs/performance.md);
+    # compiled for the baseline ISA it loses to PyTorch's GEMMs at seq 512, so there `auto`
+    # keeps the padded fused softmax (`--attention-backend varlen` still selects it).
+    if backend == "auto" and device_type == "cpu" and fused_kernels.cpu_isa() in ("avx2", "avx512"):
         backend = "varlen"
     if backend == "varlen":
         if device_type not in ("cpu", "cuda"):
@@ -39,6 +44,7 @@ def resolve_attention_backend(backend: str, device_type: str = "cpu") -> str:
     return resolve_backend("attention", "--attention-backend", backend, "sdpa", device_type)
 
 
+@assume_constant_result  # as dispatch.use_fused_kernel: said for real, a constant of a compiled graph
 def padded_fallback(backend: str, device_type: str) -> str:
     """The backend a padded batch runs under `backend`: varlen needs the unpadded encoder
     (--unpad-input, pretrain_bert.py's default), so padded batches take the fused softmax

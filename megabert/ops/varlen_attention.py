@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from megabert.ops import kernel_ops
-from megabert.ops.dispatch import dtype_outside, say_once, use_fused_kernel
+from megabert.ops.compile_hints import assume_constant_result
+from megabert.ops.dispatch import say_once, use_fused_kernel
 from megabert.ops.dropout_add import draw_seed
 
 _CPU_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
@@ -96,6 +97,32 @@ def choose_varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int, drop
     return "flash", None
 
 
+# NOTE: as dispatch.use_fused_kernel: under torch.compile the answer is a constant of the
+# graph and the log line is said for real; it depends only on the arguments and on which
+# extensions loaded.
+@assume_constant_result
+def varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int, dropout_p: float) -> str:
+    """The implementation a call runs ('fused', 'flash' or 'grouped_sdpa'), said once per outcome."""
+    cpu_reason = None
+    if device_type == "cpu":
+        cpu_reason = _cpu_dtype_reason(dtype)
+        if not use_fused_kernel("varlen_attention", device_type, cpu_reason):
+            cpu_reason = cpu_reason or "unbuilt CPU kernels"
+    impl, reason = choose_varlen_impl(device_type, dtype, head_dim, dropout_p, cpu_reason,
+                                      device_type == "cuda" and flash_varlen_available())
+    if device_type != "cpu":
+        say_once(("varlen_attention", device_type, impl, reason), logging.INFO if reason is None else logging.WARNING,
+                 "varlen attention on %s: %s%s", device_type, impl, "" if reason is None else f" ({reason})")
+    return impl
+
+
+def _cpu_dtype_reason(dtype: torch.dtype) -> Optional[str]:
+    if dtype in _CPU_DTYPES["cpu"]:
+        return None
+    names = ", ".join(str(d).removeprefix("torch.") for d in _CPU_DTYPES["cpu"])
+    return f"{str(dtype).removeprefix('torch.')} on cpu (the kernel takes {names})"
+
+
 def grouped_sdpa(qkv: torch.Tensor, cu_seqlens: list[int], dropout_p: float) -> torch.Tensor:
     """Varlen attention as one SDPA call per distinct sequence length: the sequences of a
     length gathered to [g, heads, L, d] with no mask (so SDPA may take its flash kernel),
@@ -134,17 +161,8 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlen
     `rng_fork()`: the context dropout draws in (the per-TP-rank stream). -> [T, heads, d].
     """
     fork = rng_fork if rng_fork is not None and dropout_p > 0.0 else contextlib.nullcontext
-    device_type, head_dim = qkv.device.type, qkv.size(-1)
-    cpu_reason = None
-    if device_type == "cpu":
-        cpu_reason = dtype_outside(qkv, _CPU_DTYPES)
-        if not use_fused_kernel("varlen_attention", device_type, cpu_reason):
-            cpu_reason = cpu_reason or "unbuilt CPU kernels"
-    impl, reason = choose_varlen_impl(device_type, qkv.dtype, head_dim, dropout_p, cpu_reason,
-                                      device_type == "cuda" and flash_varlen_available())
-    if device_type != "cpu":
-        say_once(("varlen_attention", device_type, impl, reason), logging.INFO if reason is None else logging.WARNING,
-                 "varlen attention on %s: %s%s", device_type, impl, "" if reason is None else f" ({reason})")
+    head_dim = qkv.size(-1)
+    impl = varlen_impl(qkv.device.type, qkv.dtype, head_dim, float(dropout_p))
     if impl == "fused":
         if not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"varlen attention: dropout p must be in [0, 1), got {dropout_p}")

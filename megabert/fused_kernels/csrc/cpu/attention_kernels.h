@@ -64,22 +64,28 @@ struct Row64 {
   }
   static inline void store(A* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
 
-  // out[0:64] (+)= sum_{i < n} coef[i * coef_stride] * rows[i * row_stride + 0:64]; the 64
+  // Accumulators per pass: at most 8 vectors, so that they and the loaded row fit in 16
+  // registers (SSE2's 16-float rows take two passes of 32; AVX2 and AVX-512 one).
+  static constexpr int64_t kAcc = kN < 8 ? kN : 8;
+
+  // out[0:64] (+)= sum_{i < n} coef[i * coef_stride] * rows[i * row_stride + 0:64]; the
   // accumulators stay in vector registers across the sum.
   template <bool kAccumulate>
   static inline void axpy(A* out, const A* coef, int64_t coef_stride, const A* rows, int64_t row_stride,
                           int64_t n) {
-    V acc[kN];
-#pragma GCC unroll 16
-    for (int64_t k = 0; k < kN; ++k) acc[k] = kAccumulate ? load(out + k * kW) : V{};
-    for (int64_t i = 0; i < n; ++i) {
-      const A c = coef[i * coef_stride];
-      const A* r = rows + i * row_stride;
-#pragma GCC unroll 16
-      for (int64_t k = 0; k < kN; ++k) acc[k] += c * load(r + k * kW);
+    for (int64_t k0 = 0; k0 < kN; k0 += kAcc) {
+      V acc[kAcc];
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < kAcc; ++k) acc[k] = kAccumulate ? load(out + (k0 + k) * kW) : V{};
+      for (int64_t i = 0; i < n; ++i) {
+        const A c = coef[i * coef_stride];
+        const A* r = rows + i * row_stride + k0 * kW;
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < kAcc; ++k) acc[k] += c * load(r + k * kW);
+      }
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < kAcc; ++k) store(out + (k0 + k) * kW, acc[k]);
     }
-#pragma GCC unroll 16
-    for (int64_t k = 0; k < kN; ++k) store(out + k * kW, acc[k]);
   }
 };
 
