@@ -152,7 +152,9 @@ def check_combinations(cfg: Configs | FinetuneConfigs) -> None:
     check_flags(train=cfg.train, pp=cfg.parallel.pipeline_model_parallel_size, optimizer=cfg.optim.optimizer,
                 sequence_parallel=bool(model and model.sequence_parallel),
                 seq_length=cfg.data.seq_length if model is not None else None,
-                max_position_embeddings=model.max_position_embeddings if model is not None else None)
+                max_position_embeddings=model.max_position_embeddings if model is not None else None,
+                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> Configs:

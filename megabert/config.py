@@ -122,6 +122,12 @@ class ParallelConfig:
                                     "DeepSpeed's own overlap_comm.")
     ddp_bucket_size: int = arg(BUCKET_ELEMENTS, "Elements per data-parallel gradient bucket: smaller buckets start "
                                "reducing earlier in backward, larger ones send fewer messages.")
+    use_distributed_optimizer: bool = arg(False, "Shard the optimizer states over data parallelism (megabert's own "
+                                          "ZeRO-1, Megatron's distributed optimizer): gradient buckets are "
+                                          "reduce-scattered, each rank steps its shard, parameters are all-gathered.")
+    overlap_param_gather: bool = arg(True, "With --use-distributed-optimizer: each parameter bucket's all-gather "
+                                     "is waited for only by the forward that needs it (--no-overlap-param-gather: "
+                                     "all at once after the optimizer step).")
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1:

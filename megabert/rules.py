@@ -56,9 +56,25 @@ def check_sequence_parallel(sequence_parallel: bool, *, deepspeed: bool) -> None
                           "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
 
 
+def check_distributed_optimizer(use_distributed_optimizer: bool, *, deepspeed: bool, overlap_grad_reduce: bool
+                                ) -> None:
+    """megabert's own distributed optimizer is its own strategy's: DeepSpeed shards with ZeRO."""
+    if not use_distributed_optimizer:
+        return
+    if deepspeed:
+        raise ConfigError("--use-distributed-optimizer cannot combine with --deepspeed (DeepSpeed shards the "
+                          "optimizer with its own ZeRO): drop --deepspeed, or use --zero-stage 1 instead")
+    if not overlap_grad_reduce:
+        raise ConfigError("--use-distributed-optimizer reduce-scatters gradient buckets as backward produces them "
+                          "and has no path without --overlap-grad-reduce; drop --no-overlap-grad-reduce")
+
+
 def check_flags(*, train: TrainConfig, pp: int, optimizer: str, sequence_parallel: bool = False,
-                seq_length: Optional[int] = None, max_position_embeddings: Optional[int] = None) -> None:
+                seq_length: Optional[int] = None, max_position_embeddings: Optional[int] = None,
+                use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = True) -> None:
     """The rules that need no process group and no DeepSpeed JSON (run at parsing)."""
+    check_distributed_optimizer(use_distributed_optimizer, deepspeed=train.deepspeed,
+                                overlap_grad_reduce=overlap_grad_reduce)
     if seq_length is not None and max_position_embeddings is not None and seq_length > max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length} exceeds --max-position-embeddings {max_position_embeddings}")
     if train.finetune and not train.load:

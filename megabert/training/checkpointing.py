@@ -171,13 +171,14 @@ def save_checkpoint(root: str, state: TrainingState, strategy, *, extra: Optiona
         shutil.rmtree(staging_dir(root, state.iteration), ignore_errors=True)  # a save killed earlier
     dist.barrier()
     weights = strategy.cpu_state_dict(keep=ps.dp_rank == 0)  # collective when parameters are partitioned
+    optimizer = strategy.optimizer_state()  # collective when the states are sharded over DP
     if ps.dp_rank == 0:
         payload = model_payload(
             weights, model.config, tp_size=ps.tp_size,
             pp_size=ps.pp_size, model_class=type(model).__name__, param_specs=table_to_dict(spec_table(model)),
             layers_per_virtual_stage=model.virtual_stage_layers, iteration=state.iteration,
             consumed_samples=state.consumed_samples, skipped_iterations=state.skipped_iterations,
-            rng=_rng_state(model), optimizer=strategy.optimizer_state(),
+            rng=_rng_state(model), optimizer=optimizer,
             loss_scaler=strategy.scaler.state_dict() if strategy.scaler is not None else None, args=extra or {})
         write_rank_file(staging_dir(root, state.iteration), ps.tp_rank, ps.pp_rank, ps.pp_size, payload)
     dist.barrier()
