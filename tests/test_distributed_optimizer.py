@@ -56,7 +56,8 @@ def _bytes_worker(rank, world, out_dir):
                 padded = sum(b.numel() * b.element_size() for b in buffers.buffers.values())
                 params = sum(p.numel() * p.element_size() for p in buffers.params)
                 with open(f"{out_dir}/sizes.json", "w") as f:
-                    json.dump({"padded": padded, "params": params, "buckets": len(buffers.buckets)}, f)
+                    json.dump({"padded": padded, "params": params, "buckets": len(buffers.buckets),
+                               "forward_waits": buffers.forward_waits}, f)
         finally:
             trainer.close()
 
@@ -76,6 +77,9 @@ def test_a_step_sends_a_ring_all_reduce_of_the_gradients(tmp_path):
         assert sizes["padded"] - sizes["params"] < 128 * 4 * sizes["buckets"]
         # The global norm: one float64 over every rank instead of none at TP = PP = 1.
         assert sharded["comm_gb"] * 1e9 - sharded_dp == pytest.approx(ring(8), abs=1e-3)
+    # The second step's forward waited for the parameter buckets one module at a time
+    # (--overlap-param-gather, the default), each gathered bucket once.
+    assert sum(sizes["forward_waits"]) == sizes["buckets"] and len(sizes["forward_waits"]) > 1, sizes
 
 
 def _resume_worker(rank, world, d):

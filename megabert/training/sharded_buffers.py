@@ -69,6 +69,9 @@ class ShardedBuffers(OverlappedGradReducer):
         self._gathers: list[Optional[dist.Work]] = []  # per bucket, forward order; None once waited
         self._waited = 0  # the first bucket (forward order) not yet waited for
         self._pre_hooks = []
+        # Per step, how many buckets each forward pre-hook that waited waited for (read by
+        # tests and benchmarks): several entries = the gathers were spread over forward.
+        self.forward_waits: list[int] = []
 
     # ---------------------------------------------------------------- layout
 
@@ -122,6 +125,10 @@ class ShardedBuffers(OverlappedGradReducer):
 
     # ---------------------------------------------------------------- gradients
 
+    def start(self, num_micro_batches: int) -> None:
+        self.forward_waits = []
+        super().start(num_micro_batches)
+
     def _issue(self, bucket: _Bucket) -> None:
         bucket.handle = comm.reduce_scatter_tensor(bucket.grad_shard, bucket.flat, group=self.ps.dp_group,
                                                    async_op=True)
@@ -173,7 +180,13 @@ class ShardedBuffers(OverlappedGradReducer):
                 continue
             upto = max(forward_index[id(self._bucket_of[p])] for p in own)
             self._pre_hooks.append(module.register_forward_pre_hook(
-                lambda mod, args, upto=upto: self.wait_params(upto)))
+                lambda mod, args, upto=upto: self._wait_in_forward(upto)))
+
+    def _wait_in_forward(self, upto: int) -> None:
+        before = self._waited
+        self.wait_params(upto)
+        if self._waited > before:
+            self.forward_waits.append(self._waited - before)
 
     def close(self) -> None:
         self.wait_params()
