@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from train_utils import build_trainer, read_metrics, train_worker
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import build_trainer, read_metrics, train_worker
 
 from megabert.errors import ConfigError
 from megabert.arguments import parse_args
