@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--overhead-gb", type=float, help="fixed per-process overhead (default: calibrated per device)")
     r.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="the DP reduction after backward, as pretrain_bert.py's flag (default: overlapped)")
+    r.add_argument("--no-overlap-param-gather", dest="overlap_param_gather", action="store_false",
+                   help="with --use-distributed-optimizer: parameters all-gathered after the step, not in forward")
     lay = p.add_argument_group("one layout (without --devices)")
     lay.add_argument("--tensor-model-parallel-size", type=int, default=1)
     lay.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -69,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--data-parallel-size", type=int, default=1)
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--zero-stage", type=int, default=0, help="0: megabert's trainer; 1-3: DeepSpeed ZeRO")
+    lay.add_argument("--use-distributed-optimizer", action="store_true",
+                     help="megabert's trainer with the optimizer states sharded over DP (zero-stage 0)")
     lay.add_argument("--zero-offload-optimizer", choices=("none", "cpu"), default="none")
     lay.add_argument("--zero-offload-params", choices=("none", "cpu"), default="none")
     t = p.add_argument_group("step time (with --tflops)")
@@ -105,7 +109,7 @@ def run_from_args(args) -> Workload:
     return Workload(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                     global_batch_size=args.global_batch_size, precision=precision,
                     recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb,
-                    overlap_grad_reduce=args.overlap_grad_reduce)
+                    overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
 
 
 def links_from_args(args) -> Links | None:
@@ -126,7 +130,8 @@ def layout_from_args(args, model: ModelConfig) -> Layout:
     return Layout(tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size, virtual_stages=v,
                   sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
                   offload_optimizer=args.zero_offload_optimizer == "cpu",
-                  offload_params=args.zero_offload_params == "cpu")
+                  offload_params=args.zero_offload_params == "cpu",
+                  distributed_optimizer=args.use_distributed_optimizer)
 
 
 def describe(model: ModelConfig, run: Workload) -> str:

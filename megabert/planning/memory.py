@@ -2,7 +2,8 @@
 
 Model states, bytes per parameter element held by a rank (P its parameters, d = dp):
   megabert's trainer (zero_stage 0)  fp32 params 4 P, fp32 grads 4 P, AdamW moments 8 P
-      (bf16/fp16 autocast leaves parameters, grads and moments in fp32).
+      (bf16/fp16 autocast leaves parameters, grads and moments in fp32); with the
+      distributed optimizer (--use-distributed-optimizer) the moments are 8 P/d.
   DeepSpeed ZeRO (p = 2 bytes in bf16/fp16, 4 in fp32), as DeepSpeed's stage_1_and_2.py and
   stage3.py allocate them; AdamW's moments 8 P/d, and an fp32 master 4 P/d except in fp32
   runs, where it shares the parameter partition (megabert.training.deepspeed.zero_masters):
@@ -136,7 +137,11 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
         if sp.tied_embedding or (layout.pp > 1 and sp.stage == 0):
             tied = 4.0 * min(BUCKET_ELEMENTS, model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size)
         # torch's fused AdamW (build_optimizer's default) steps in place: no temporaries.
-        return _States(parameters=4.0 * P, optimizer=8.0 * P, gradients=grads, backward=grads + dp_bucket,
+        # The distributed optimizer keeps the moments of its 1/DP shard only; its parameter
+        # and gradient buffers are the trainer's (padding: < 128 elements per bucket), the
+        # reduce-scatter and all-gather run in place.
+        optimizer = 8.0 * P / d if layout.distributed_optimizer else 8.0 * P
+        return _States(parameters=4.0 * P, optimizer=optimizer, gradients=grads, backward=grads + dp_bucket,
                        step=grads + tied, forward=grads if overlapped else 0.0)
     sizing = zero_sizing(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0

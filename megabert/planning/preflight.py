@@ -33,11 +33,12 @@ def run_and_layout(run: "ResolvedRun", device: str = "cuda") -> tuple[Workload, 
     work = Workload(seq_length=run.seq_length, micro_batch_size=t.micro_batch_size,
                     global_batch_size=run.batch.global_batch_size, precision=run.precision,
                     recompute=m.recompute_granularity or "none", mlm_logits_at_masked_only=True,
-                    mask_prob=run.data.mask_prob, device=device, overlap_grad_reduce=p.overlap_grad_reduce)
+                    mask_prob=run.data.mask_prob, device=device, overlap_grad_reduce=p.overlap_grad_reduce,
+                    overlap_param_gather=p.overlap_param_gather)
     layout = Layout(tp=p.tensor_model_parallel_size, pp=pp, dp=run.dp_size, virtual_stages=virtual,
                     sequence_parallel=m.sequence_parallel and p.tensor_model_parallel_size > 1,
                     zero_stage=run.zero_stage, offload_optimizer=run.offload_optimizer,
-                    offload_params=run.offload_params)
+                    offload_params=run.offload_params, distributed_optimizer=p.use_distributed_optimizer)
     return work, layout
 
 
