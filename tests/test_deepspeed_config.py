@@ -158,8 +158,11 @@ def test_zero_sized_to_the_model_with_only_the_stage_keys(stage):
                 3: {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                     "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size", "overlap_comm",
                     "contiguous_gradients"}}[stage]
-    assert set(zero) == {"stage"} | expected
+    # ZeRO-1/2: each gradient bucket reduce-scattered, not all-reduced (the DeepSpeed here has the key).
+    ring = {"reduce_scatter": True, "use_multi_rank_bucket_allreduce": False} if stage in (1, 2) else {}
+    assert set(zero) == {"stage"} | expected | set(ring)
     assert all(zero[k] == sizing[k] for k in expected)
+    assert {k: zero[k] for k in ring} == ring
 
 
 def test_offload_flags_map_onto_deepspeed_keys(tmp_path):

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tp", type=int, default=8, help="largest TP size (one node's NVLink domain)")
     s.add_argument("--allow-offload", action="store_true", help="also consider ZeRO CPU offload")
     s.add_argument("--top", type=int, default=10, help="rows to print (0: all)")
+    s.add_argument("--best-per-strategy", action="store_true",
+                   help="only the best layout of each optimizer-state strategy: megabert's DP, "
+                        "--use-distributed-optimizer, DeepSpeed ZeRO-1, 2 and 3")
     return p
 
 
@@ -181,10 +184,22 @@ def print_one(model: ModelConfig, run: Workload, layout: Layout, budget: float |
         print(f"fits {budget:g} GB" if warning is None else f"warning: {warning}")
 
 
+def strategy(layout: Layout) -> str:
+    """How a layout keeps its optimizer states: the rows of --best-per-strategy."""
+    if layout.zero_stage:
+        return f"ZeRO-{layout.zero_stage}" + (" + offload" if layout.offload_optimizer else "")
+    return "distributed optimizer" if layout.distributed_optimizer else "megabert DP"
+
+
 def print_plan(model: ModelConfig, run: Workload, devices: int, budget: float, max_tp: int, allow_offload: bool,
-               top: int, links: Links | None, tflops: float | None) -> int:
+               top: int, links: Links | None, tflops: float | None, best_per_strategy: bool = False) -> int:
     fits = plan(model, run, devices, budget, max_tp=max_tp, allow_offload=allow_offload, links=links,
                 flops_per_s=tflops * 1e12 if tflops else None)
+    if best_per_strategy:  # fits is best first: keep each strategy's first
+        best: dict = {}
+        for c in fits:
+            best.setdefault(strategy(c.layout), c)
+        fits = list(best.values())
     print(describe(model, run))
     print(f"{devices} devices x {budget:g} GB: {len(fits)} layouts fit (predicted, not measured; memory: the "
           f"fullest rank's peak; communication: GB one rank sends per step, TP / PP / DP+ZeRO)")
@@ -221,7 +236,7 @@ def main(argv=None) -> int:
         if args.memory_gb is None:
             raise ConfigError("--devices needs --memory-gb (the memory of one device)")
         return print_plan(model, run, args.devices, args.memory_gb, args.max_tp, args.allow_offload, args.top,
-                          links, args.tflops)
+                          links, args.tflops, args.best_per_strategy)
     layout = layout_from_args(args, model)
     print_one(model, run, layout, args.memory_gb, links, args.tflops)
     return 0

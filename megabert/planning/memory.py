@@ -70,6 +70,12 @@ DEEPSPEED_OVERHEAD_GB = {"cpu": 0.1, "cuda": 0.0}
 CPU_ZERO2_HEAP_BYTES_PER_PARAM = 2.0
 CPU_ZERO3_HEAP_BYTES_PER_PARAM = 6.0
 CPU_OFFLOAD_HEAP_BYTES_PER_PARAM = 2.0
+# The distributed optimizer on the CPU: gloo stages each asynchronous reduce-scatter and
+# all-gather in temporaries of the bucket's size, allocated on its worker threads; issued
+# bucket after bucket they leave the heap about one and a half buffers above the live
+# tensors (bench/memory.py, BERT-base DP=2 and DP=4: 6 bytes per parameter; a 29M-parameter
+# model, 5). NCCL reduces and gathers in place: on GPUs the term is 0.
+CPU_DISTOPT_HEAP_BYTES_PER_PARAM = 6.0
 
 
 @dataclass(frozen=True)
@@ -141,8 +147,9 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
         # and gradient buffers are the trainer's (padding: < 128 elements per bucket), the
         # reduce-scatter and all-gather run in place.
         optimizer = 8.0 * P / d if layout.distributed_optimizer else 8.0 * P
+        heap = CPU_DISTOPT_HEAP_BYTES_PER_PARAM * P if cpu and layout.distributed_optimizer and d > 1 else 0.0
         return _States(parameters=4.0 * P, optimizer=optimizer, gradients=grads, backward=grads + dp_bucket,
-                       step=grads + tied, forward=grads if overlapped else 0.0)
+                       step=grads + tied, forward=grads if overlapped else 0.0, heap=heap)
     sizing = zero_sizing(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
     # AdamW's two moments and the fp32 master, partitioned; in fp32 the master shares the

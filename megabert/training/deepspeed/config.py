@@ -44,6 +44,8 @@ def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState, hidd
     if hidden_size is not None:
         sizing = zero_sizing(hidden_size)
         zero.update({key: sizing[key] for key in ZERO_STAGE_KEYS[train.zero_stage]})
+    if train.zero_stage in (1, 2):
+        zero.update(ring_volume_settings())
     for section, (field, _) in OFFLOAD_KEYS.items():
         if getattr(train, field) != "none":
             zero[section] = {"device": getattr(train, field), "pin_memory": True}
@@ -72,6 +74,38 @@ def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState, hidd
             fp16["initial_scale_power"] = int(math.log2(optim.initial_loss_scale))
         cfg["fp16"] = fp16
     return cfg
+
+
+def ring_volume_settings() -> dict:
+    """ZeRO-1/2 at a ring all-reduce's bytes: DeepSpeed's `reduce_scatter` path slices each
+    gradient bucket by partition, and by default (`use_multi_rank_bucket_allreduce`) still
+    all-reduces the whole bucket and keeps its slice: 2(n-1)/n of the bucket, then the
+    parameters' all-gather on top (75 MB a step where a ring all-reduce sends 50, issue 32).
+    Off, each partition's slice is reduced to its owner (one dist.reduce per rank, together
+    a reduce-scatter: (n-1)/n). The key exists since DeepSpeed 0.14 (checked up to 0.19.8);
+    an older DeepSpeed would reject it, so it is only set where its config model has it."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    if "use_multi_rank_bucket_allreduce" not in DeepSpeedZeroConfig.model_fields:
+        _say_once("DeepSpeed %s has no use_multi_rank_bucket_allreduce: ZeRO-1/2 all-reduce their gradient "
+                  "buckets (2(n-1)/n of the gradients, not a reduce-scatter's (n-1)/n)", _deepspeed_version())
+        return {}
+    return {"reduce_scatter": True, "use_multi_rank_bucket_allreduce": False}
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+_said: set[str] = set()
+
+
+def _say_once(msg: str, *args) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        logger.info(msg, *args)
 
 
 def _get(d: dict, dotted: str):
