@@ -129,3 +129,20 @@ def test_resume_is_bitwise_and_checkpoints_move_between_layouts(tmp_path):
 def test_flag_rules(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--train-iters", "1"] + flags)
+
+
+def test_planner_shards_the_moments_and_keeps_the_ring_bytes():
+    from megabert.config import bert_large
+    from megabert.planning import Layout, Workload, communication, estimate
+    from megabert.planning.step_time import Links, step_time
+
+    model, run = bert_large(), Workload(precision="bf16", micro_batch_size=8, global_batch_size=64)
+    plain, sharded = Layout(dp=4), Layout(dp=4, distributed_optimizer=True)
+    assert estimate(model, run, sharded).optimizer_gb == pytest.approx(estimate(model, run, plain).optimizer_gb / 4)
+    assert communication(model, run, sharded).data_parallel == communication(model, run, plain).data_parallel
+    assert "--use-distributed-optimizer" in sharded.flags() and sharded.short().endswith("+do")
+    # The all-gather hides behind forward too: never more exposed than plain DP.
+    links = Links(gpus_per_node=1, intra_gbit=10, inter_gbit=10)
+    assert step_time(model, run, sharded, links, 0.5).exposed_s <= step_time(model, run, plain, links, 0.5).exposed_s
+    with pytest.raises(ConfigError, match="--deepspeed"):
+        Layout(dp=2, zero_stage=1, distributed_optimizer=True)

@@ -39,10 +39,10 @@ from megabert.training.overlap import OverlappedGradReducer, _Bucket
 BUCKET_ALIGNMENT = 128
 
 
-# Collectives of this module in flight at once, each way. gloo stages every asynchronous
-# reduce-scatter and all-gather in temporaries of its bucket's size: all buckets at once
-# left the heap a whole buffer higher on the CPU (a 29M-parameter BERT: +0.14 GB). Two keep
-# the link busy (one runs while the next waits) and the temporaries at two buckets.
+# Parameter all-gathers in flight at once: two keep the link busy (one runs while the next
+# is waited for) and hold gloo's bucket-sized staging copies to two buckets on the CPU. The
+# reduce-scatters are not throttled: backward issues them as buckets fill, and a wait in
+# a backward hook could stall one pipeline on another's progress.
 IN_FLIGHT = 2
 
 
@@ -137,8 +137,6 @@ class ShardedBuffers(OverlappedGradReducer):
         super().start(num_micro_batches)
 
     def _issue(self, bucket: _Bucket) -> None:
-        if self._next >= IN_FLIGHT:
-            self.buckets[self._next - IN_FLIGHT].handle.wait()  # see IN_FLIGHT
         bucket.handle = comm.reduce_scatter_tensor(bucket.grad_shard, bucket.flat, group=self.ps.dp_group,
                                                    async_op=True)
 
