@@ -16,7 +16,8 @@ runs at one point of the one resolution:
   flags alone was checked with the flags.
 
 The layout planner applies the same functions to candidate layouts that no flag describes
-yet, and checkpoint conversion to the layout it writes. Each raises ConfigError with one
+yet, checkpoint conversion to the layout it writes, and a model being built to its own
+shape (`check_model_split`: the Python API builds models without a resolved run). Each raises ConfigError with one
 line that names the flags (or the JSON key) and what to do.
 """
 from __future__ import annotations
