@@ -35,11 +35,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megabert.config import PRESETS
+from megabert.planning import Layout, Workload, estimate
 
-from megabert.config import PRESETS  # noqa: E402
-from megabert.planning import Layout, Workload, estimate  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB_SIZE = 30522  # BERT's uncased vocab: the word embeddings and MLM bias at their real size
 
@@ -130,7 +129,7 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
         cmd += ["--use-distributed-optimizer"]
     if lay.zero_stage:
         # The flags users type: pretrain_bert.py sizes DeepSpeed's ZeRO buffers to the model
-        # (megabert.parallel.buckets.zero_sizing, the numbers the planner reads).
+        # (megabert.parallel.zero.ZeroBuckets, the numbers the planner reads).
         cmd += ["--deepspeed", "--zero-stage", str(lay.zero_stage)]
         if lay.offload_optimizer:
             cmd += ["--zero-offload-optimizer", "cpu"]
