@@ -90,8 +90,10 @@ class DistributedOptimizer:
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState, buffers: ShardedBuffers):
         self.model, self.ps, self.buffers = model, ps, buffers
         self.params = [p for p in model.parameters() if p.requires_grad]
-        group_of = {id(p): i for i, g in enumerate(param_groups(model, cfg.weight_decay)) for p in g["params"]}
+        # The pieces take their parameter's group (BERT's weight-decay rule), in the groups'
+        # order, so a checkpoint's param groups line up with a plain run's.
         self.model_groups = param_groups(model, cfg.weight_decay)
+        group_of = {id(p): i for i, g in enumerate(self.model_groups) for p in g["params"]}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.model_groups]
         for piece in buffers.pieces:
             groups[group_of[id(piece.param)]]["params"].append(piece.tensor)
