@@ -71,11 +71,11 @@ CPU_ZERO2_HEAP_BYTES_PER_PARAM = 2.0
 CPU_ZERO3_HEAP_BYTES_PER_PARAM = 6.0
 CPU_OFFLOAD_HEAP_BYTES_PER_PARAM = 2.0
 # The distributed optimizer on the CPU: gloo stages each asynchronous reduce-scatter and
-# all-gather in temporaries of the bucket's size, allocated on its worker threads; issued
-# bucket after bucket they leave the heap about one and a half buffers above the live
-# tensors (bench/memory.py, BERT-base DP=2 and DP=4: 6 bytes per parameter; a 29M-parameter
-# model, 5). NCCL reduces and gathers in place: on GPUs the term is 0.
-CPU_DISTOPT_HEAP_BYTES_PER_PARAM = 6.0
+# all-gather in temporaries of the bucket's size, allocated on its worker threads, which
+# leave the heap above the live tensors (bench/memory.py, BERT-base with two all-gathers in
+# flight: 5.6 bytes per parameter at DP=2, 4.9 at DP=4; with all of them in flight, 6).
+# NCCL reduces and gathers in place: on GPUs the term is 0.
+CPU_DISTOPT_HEAP_BYTES_PER_PARAM = 5.0
 
 
 @dataclass(frozen=True)
