@@ -3,15 +3,14 @@ parameters all-gathered. The losses are plain DP's (fp32, dropout 0) at DP=2, TP
 PP2xDP2 with AdamW and LAMB; a step sends a ring all-reduce's bytes; a resume is bitwise;
 checkpoints move between runs with and without it and between DP sizes."""
 import json
-import os
 
 import pytest
 import torch
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.train_utils import build_trainer, read_metrics, train_worker
 
-from megabert.errors import ConfigError
 from megabert.arguments import parse_args
+from megabert.errors import ConfigError
 
 DO = ["--use-distributed-optimizer"]
 # 2 micro-batches per DP rank (8 = micro 2 x 2 x DP 2), buckets of ~1/4 of the model.
@@ -87,9 +86,9 @@ def test_a_step_sends_a_ring_all_reduce_of_the_gradients(tmp_path):
 
 
 def _resume_worker(rank, world, d):
-    common = ITERS[:0] + STEP + ["--train-iters", "4"]
-    run = lambda name, *flags: train_worker(rank, world, common + ["--metrics-file", f"{d}/{name}.jsonl"]  # noqa
-                                            + list(flags))
+    def run(name, *flags):
+        train_worker(rank, world, STEP + ["--train-iters", "4", "--metrics-file", f"{d}/{name}.jsonl", *flags])
+
     run("full", *DO)
     run("resumed", *DO, "--exit-interval", "2", "--save", f"{d}/sharded")
     run("resumed", *DO, "--load", f"{d}/sharded", "--save", f"{d}/sharded")
