@@ -239,3 +239,6 @@ def test_binned_batches_come_from_one_bin(tmp_path, vocab):
     assert (np.bincount(bins[:per_epoch]) == [20, 40, 8]).all()
     first = [bins[i * gb] for i in range(per_epoch // gb)]
     assert first != sorted(first)  # the bins interleave
+    one = _batches(train, 0, 2, 0, 1, 0)
+    for a, b in zip(one[6:], _batches(train, 12, 2, 0, 1, 0)):  # resumed at consumed samples 12
+        assert all(torch.equal(a[k], b[k]) for k in a)

@@ -63,6 +63,16 @@ class WordPieceIds:
                             f"pass the vocab the shards were made with") from None
 
 
+def non_special(token_type_ids: np.ndarray) -> np.ndarray:
+    """The positions dynamic masking may choose in an unpadded `[CLS] A [SEP] B [SEP]` row: all but
+    [CLS] and both [SEP] (the complement of LDDL's special_tokens_mask)."""
+    n = len(token_type_ids)
+    maskable = np.ones(n, dtype=bool)
+    first_b = int(np.argmax(token_type_ids))  # B's first token, or its [SEP] when B is empty
+    maskable[[0, first_b - 1, n - 1]] = False
+    return maskable
+
+
 class ParquetShard:
     """One LDDL shard: row groups and masking kind read from the parquet footer at construction,
     rows read by row group. pyarrow opens the file on each read, so a shard is safe to hand

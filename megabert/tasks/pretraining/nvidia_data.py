@@ -25,7 +25,7 @@ from megabert.data.tokenizers import read_wordpiece_vocab
 from megabert.errors import ConfigError, DataError
 from megabert.tasks.pretraining.bert_dataset import _TokenTable
 from megabert.tasks.pretraining.datasets import BlendedDataset
-from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, is_parquet_shard
+from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, is_parquet_shard, non_special
 from megabert.tasks.pretraining.masking import IGNORE_INDEX, mask_tokens
 from megabert.tasks.pretraining.nvidia_hdf5 import HDF5_SUFFIXES, Hdf5Shard
 from megabert.tasks.pretraining.shard_order import Block, BlockCache, ShardOrder
@@ -183,8 +183,7 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
                               f"{spec.seq_length}: pass --seq-length {n} or more")
         if not shard.static_masking:
             tok = self.tokens
-            maskable = row["token_type_ids"] >= 0
-            maskable[[0, int(np.argmax(row["token_type_ids"])) - 1, n - 1]] = False  # [CLS] and both [SEP]
+            maskable = non_special(row["token_type_ids"])
             rng = np.random.default_rng([spec.seed, spec.split_id, idx])
             budget = spec.max_predictions or max(1, int(round(spec.mask_prob * spec.seq_length)))
             row["input_ids"], row["labels"] = mask_tokens(row["input_ids"], maskable, rng, mask_prob=spec.mask_prob,
