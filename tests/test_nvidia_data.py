@@ -10,13 +10,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from nvidia_shards import SPECIAL, VOCAB, write_dle_hdf5, write_lddl_parquet, write_vocab
 
 from megabert.config import DataConfig
 from megabert.data import build_pretraining_data_loader, build_tokenizer
 from megabert.errors import ConfigError, DataError
 from megabert.tasks.pretraining import pretraining_samples
 from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets, detect_nvidia_data
+from tests.helpers.nvidia_shards import SPECIAL, VOCAB, write_dle_hdf5, write_lddl_parquet, write_vocab
 
 KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels")
 

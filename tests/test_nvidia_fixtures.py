@@ -9,14 +9,9 @@ import pytest
 
 from megabert.tasks.pretraining import pretraining_samples
 from megabert.tasks.pretraining.lddl_parquet import non_special
+from tests.helpers.nvidia_shards import DLE, DLE_PHASE1, LDDL, NVIDIA, NVIDIA_VOCAB as VOCAB
 
-NVIDIA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "nvidia")
-VOCAB = os.path.join(NVIDIA, "text", "vocab.txt")
-DLE = os.path.join(NVIDIA, "dle")
 DLE_SHARDS = sorted(p for p in glob.glob(os.path.join(DLE, "**", "*.hdf5"), recursive=True))
-PHASE1 = os.path.join(DLE, "hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_"
-                      "dupe_factor_2", "pydocs")
-LDDL = os.path.join(NVIDIA, "lddl")
 LDDL_VARIANTS = ("phase1_static", "phase1_dynamic", "phase2_static_binned")
 LDDL_SHARDS = sorted(p for v in LDDL_VARIANTS for p in glob.glob(os.path.join(LDDL, v, "shard-*")))
 
@@ -27,7 +22,7 @@ def _id(path):
 
 
 def test_fixtures_are_there():
-    assert len(DLE_SHARDS) == 4 and os.path.isdir(PHASE1)
+    assert len(DLE_SHARDS) == 4 and os.path.isdir(DLE_PHASE1)
     assert len(LDDL_SHARDS) == 2 + 2 + 16
 
 

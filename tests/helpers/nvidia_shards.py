@@ -1,15 +1,23 @@
-"""Small shards in NVIDIA's formats, written here to their exact schemas (DLE's
-create_pretraining_data.py: gzip HDF5 datasets and dtypes; LDDL's preprocessor: parquet
-columns and types, np.save'd uint16 positions), plus a tiny WordPiece vocab. The shards made
-by NVIDIA's own code live in tests/fixtures/nvidia/ (see its README)."""
+"""NVIDIA's pre-training formats in tests: where the shards NVIDIA's own code made live
+(tests/fixtures/nvidia, see its README), and small shards written here to the exact schemas
+(DLE's create_pretraining_data.py: gzip HDF5 datasets and dtypes; LDDL's preprocessor: parquet
+columns and types, np.save'd uint16 positions) with a tiny WordPiece vocab."""
 from __future__ import annotations
 
 import io
+import os
 
 import h5py
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+NVIDIA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "nvidia")
+NVIDIA_VOCAB = os.path.join(NVIDIA, "text", "vocab.txt")
+DLE = os.path.join(NVIDIA, "dle")
+DLE_PHASE1 = os.path.join(DLE, "hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_"
+                          "dupe_factor_2", "pydocs")
+LDDL = os.path.join(NVIDIA, "lddl")
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = [f"w{i}" for i in range(40)] + [f"##p{i}" for i in range(10)]
