@@ -242,3 +242,18 @@ def test_binned_batches_come_from_one_bin(tmp_path, vocab):
     one = _batches(train, 0, 2, 0, 1, 0)
     for a, b in zip(one[6:], _batches(train, 12, 2, 0, 1, 0)):  # resumed at consumed samples 12
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_weighted_directories_blend_by_weight(tmp_path, vocab):
+    for name, seed in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        write_dle_hdf5(tmp_path / name / "training.hdf5", 30, seq_length=16, max_pred=3, seed=seed)
+    data = _data(["1", tmp_path / "a", "3", tmp_path / "b"], vocab_file=vocab, binary_head_task="nsp",
+                 seq_length=16)
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab)
+    train, valid = build_nvidia_datasets(detect_nvidia_data(data.data_path), data, tok, (40, 8, 0), 3, 4, True)
+    assert len(train) == 40 and valid is None
+    assert list(np.bincount(train.dataset_index)) == [10, 30]
+    rows_b = {tuple(r["input_ids"].tolist()) for r in pretraining_samples(str(tmp_path / "b" / "training.hdf5"))}
+    from_b = [tuple(train[i]["input_ids"].tolist()) in rows_b for i in range(40)]
+    assert from_b == [bool(k) for k in train.dataset_index]

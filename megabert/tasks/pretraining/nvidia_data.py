@@ -210,15 +210,18 @@ def build_nvidia_datasets(source: NvidiaSource, data: DataConfig, tokenizer, num
     def build(split_id: int, files_per_component, n):
         spec = RowSpec(seq_length=data.seq_length, max_predictions=data.max_predictions_per_seq,
                        mask_prob=data.mask_prob, seed=seed, split_id=split_id)
-        parts = [NvidiaShardDataset(files, spec, int(math.ceil(w * n)) + 1 if len(source.weights) > 1 else n,
-                                    tokens, words, shuffle=split_id == 0, global_batch=global_batch)
-                 for w, files in zip(source.weights, files_per_component) if files]
+        present = [(w, files) for w, files in zip(source.weights, files_per_component) if files]
+        weights = [w / sum(w for w, _ in present) for w, _ in present]
+        # Each blend component gets its share plus one: the greedy blend never runs further ahead than that.
+        sizes = [n] if len(present) == 1 else [int(math.ceil(w * n)) + 1 for w in weights]
+        parts = [NvidiaShardDataset(files, spec, size, tokens, words, shuffle=split_id == 0,
+                                    global_batch=global_batch) for (_, files), size in zip(present, sizes)]
         if len(parts) == 1:
             return parts[0]
         if any(len(p.order.streams) > 1 for p in parts):
             raise ConfigError("binned LDDL data cannot be blended with weights (a global batch comes from one bin): "
                               "give --data-path one binned directory")
-        return BlendedDataset(parts, [w for w, f in zip(source.weights, files_per_component) if f], n)
+        return BlendedDataset(parts, weights, n)
 
     train = build(0, source.train_files, num_samples[0])
     valid = build(1, source.test_files, num_samples[1]) if num_samples[1] and any(source.test_files) else None
