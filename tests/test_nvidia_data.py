@@ -5,6 +5,7 @@ errors, and megabert's global order: a permutation per epoch, independent of wor
 binned batches from one bin, dynamic masks fixed by the sample index."""
 import io
 import os
+import pickle
 
 import h5py
 import numpy as np
@@ -200,6 +201,8 @@ def test_loader_workers_and_ranks_see_the_global_order(tmp_path, vocab):
     resumed = _batches(train, 16, 4, 0, 1, 0)
     for a, b in zip(one[4:], resumed):
         assert all(torch.equal(a[k], b[k]) for k in a)
+    spawned = pickle.loads(pickle.dumps(train))  # what a spawned worker receives: no open file, no cache
+    assert not spawned.cache._blocks and np.array_equal(spawned[5]["input_ids"], train[5]["input_ids"])
 
 
 def test_dynamic_masking_is_drawn_per_sample_index(tmp_path, vocab):

@@ -162,7 +162,10 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
         if self.order.epoch_length == 0:
             raise DataError(f"no bin of {os.path.dirname(files[0])} holds a global batch of {global_batch} samples")
         self.size = self.order.epoch_length if size is None else size
-        self.cache = BlockCache(lambda block: self.shards[block.shard].read_block(block.block))
+        self.cache = BlockCache(self._read_block)  # a method, not a lambda: workers may be spawned (pickled)
+
+    def _read_block(self, block: Block):
+        return self.shards[block.shard].read_block(block.block)
 
     def __len__(self) -> int:
         return self.size
