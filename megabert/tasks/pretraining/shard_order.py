@@ -6,9 +6,9 @@ the samples the uninterrupted run would have.
 Why not one uniform permutation of all rows: a random row of a random file costs a whole
 block's decompression (HDF5's gzip chunks, parquet's row groups), and a permutation of all
 rows of a multi-terabyte corpus does not fit in memory. So each epoch permutes the blocks,
-cuts them into windows of WINDOW_BLOCKS blocks (from different files), and permutes the rows
-inside each window: a loader keeps one window's blocks decoded, and memory holds one
-window's permutation. (NVIDIA's loaders shuffle less: DLE within one file at a time, LDDL
+cuts them into windows of blocks (from different files: about WINDOW_ROWS rows, 2 to
+MAX_WINDOW_BLOCKS blocks), and permutes the rows inside each window: a loader keeps one
+window's blocks decoded, and memory holds one window's permutation. (NVIDIA's loaders shuffle less: DLE within one file at a time, LDDL
 within a 16,384-sample buffer per worker.)
 
 Binned data (LDDL's `shard-N.parquet_B`): each bin is ordered as above, cut into chunks of
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WINDOW_BLOCKS = 8
+WINDOW_ROWS = 1 << 16
+MAX_WINDOW_BLOCKS = 8
 # Distinct first words of the RNG seeds, so no two uses of the run's seed share a stream.
 _BLOCKS, _ROWS, _BINS = 11, 12, 13
 
@@ -36,6 +37,13 @@ class Block:
     rows: int
 
 
+def window_blocks(blocks: list[Block]) -> int:
+    """Blocks per window: about WINDOW_ROWS rows, at least 2 blocks (rows of two files mix) and at
+    most MAX_WINDOW_BLOCKS (parquet row groups can be whole shards of tens of thousands of rows)."""
+    mean_rows = sum(b.rows for b in blocks) / max(len(blocks), 1)
+    return int(min(MAX_WINDOW_BLOCKS, max(2, -(-WINDOW_ROWS // max(mean_rows, 1)))))
+
+
 class _StreamEpoch:
     """One epoch of one stream (a bin, or all blocks): position -> (block, row in block)."""
 
@@ -46,7 +54,8 @@ class _StreamEpoch:
         self.blocks = [blocks[k] for k in order]
         sizes = np.array([b.rows for b in self.blocks], dtype=np.int64)
         self.block_starts = np.concatenate([[0], np.cumsum(sizes)])
-        self.window_starts = self.block_starts[::WINDOW_BLOCKS]
+        self.window_blocks = window_blocks(blocks)
+        self.window_starts = self.block_starts[::self.window_blocks]
         if self.window_starts[-1] != self.block_starts[-1]:
             self.window_starts = np.append(self.window_starts, self.block_starts[-1])
         self.rows = int(self.block_starts[-1])
@@ -118,7 +127,7 @@ class BlockCache:
     """Decoded blocks of this process, least recently used dropped first: one window's worth
     and a little more, so a window is decoded once per process."""
 
-    def __init__(self, read, capacity: int = WINDOW_BLOCKS + 2):
+    def __init__(self, read, capacity: int = MAX_WINDOW_BLOCKS + 2):
         self.read, self.capacity = read, capacity
         self._blocks: OrderedDict[tuple[int, int], object] = OrderedDict()
 
