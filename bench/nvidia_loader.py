@@ -15,6 +15,7 @@ seq 128 / 20 predictions), drawn at random to --rows per file and written with D
 and gzip, so compression is that of real shards.
 
     python bench/nvidia_loader.py [--files 4] [--rows 50000] [--micro-batch 32] [--workers 2] [--rounds 3]
+    python bench/nvidia_loader.py --files 2 --rows 400000 --samples 20000 --rounds 1   # memory at DLE's shard size
 """
 import argparse
 import json
@@ -97,7 +98,7 @@ def _dle_create(input_file, max_pred, micro_batch, workers):
                       pin_memory=False), input_file
 
 
-def run_dle(files, micro_batch, workers, seed=12345) -> int:
+def run_dle(files, micro_batch, workers, limit=None, seed=12345) -> int:
     from concurrent.futures import ProcessPoolExecutor
 
     files = list(files)
@@ -111,14 +112,18 @@ def run_dle(files, micro_batch, workers, seed=12345) -> int:
             future = pool.submit(_dle_create, files[i + 1], 20, micro_batch, workers)
         for batch in loader:
             samples += len(batch[0])
+            if limit and samples >= limit:
+                break
         del loader
-    pool.shutdown()
+        if limit and samples >= limit:
+            break
+    pool.shutdown(cancel_futures=True)
     return samples
 
 
 # --- megabert's side: what pretrain_bert.py builds ---
 
-def run_megabert(files, micro_batch, workers, seed=12345) -> int:
+def run_megabert(files, micro_batch, workers, limit=None, seed=12345) -> int:
     data = DataConfig(data_path=list(files), vocab_file=os.path.join(ROOT, "tests", "fixtures", "nvidia", "text",
                                                                      "vocab.txt"), binary_head_task="nsp")
     source = detect_nvidia_data(data.data_path)
@@ -128,13 +133,15 @@ def run_megabert(files, micro_batch, workers, seed=12345) -> int:
     samples = 0
     for batch in build_pretraining_data_loader(train, 0, micro_batch, 0, 1, workers):
         samples += len(batch["input_ids"])
+        if limit and samples >= limit:
+            break
     return samples
 
 
 def child(args) -> None:
     t0 = time.perf_counter()  # after the imports: each side's own work from reading the files on
     run = run_megabert if args.side == "megabert" else run_dle
-    samples = run(args.files, args.micro_batch, args.workers)
+    samples = run(args.files, args.micro_batch, args.workers, args.samples)
     print(json.dumps({"samples": samples, "seconds": time.perf_counter() - t0}))
 
 
@@ -157,9 +164,9 @@ def _tree_pss(proc: psutil.Process) -> int:
     return total
 
 
-def measure(side: str, files, micro_batch: int, workers: int) -> dict:
+def measure(side: str, files, micro_batch: int, workers: int, samples) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--micro-batch", str(micro_batch),
-           "--workers", str(workers), "--shards", *files]
+           "--workers", str(workers), "--samples", str(samples or 0), "--shards", *files]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     peak, done = [0], threading.Event()
 
@@ -190,6 +197,8 @@ def main():
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers of both sides (DLE's own: 4)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--samples", type=int, default=0, help="stop each side after this many samples (0: one epoch); "
+                   "with large --rows, shows memory without reading everything")
     p.add_argument("--side", choices=("megabert", "dle"), help=argparse.SUPPRESS)
     p.add_argument("--shards", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -202,11 +211,12 @@ def main():
         size = sum(os.path.getsize(f) for f in files) / 2 ** 20
         print(f"{args.files} shards x {args.rows} rows (seq 128, 20 predictions), {size:.0f} MB gzip, written in "
               f"{time.perf_counter() - t0:.0f} s; micro-batch {args.micro_batch}, {args.workers} workers each; "
-              f"{args.rounds} interleaved rounds, {os.cpu_count()} CPUs")
+              f"{args.rounds} interleaved rounds, {os.cpu_count()} CPUs"
+              + (f", first {args.samples} samples of each" if args.samples else ", one epoch each"))
         results = {"megabert": [], "dle": []}
         for r in range(args.rounds):
             for side in (("megabert", "dle") if r % 2 == 0 else ("dle", "megabert")):
-                results[side].append(measure(side, files, args.micro_batch, args.workers))
+                results[side].append(measure(side, files, args.micro_batch, args.workers, args.samples))
     print(f"{'reader':34} {'samples/s':>10} {'peak PSS MB':>12} {'samples/s vs DLE':>17}")
     dle_rate = statistics.median(x["samples"] / x["seconds"] for x in results["dle"])
     for side, label in (("megabert", "megabert (lazy blocks, global order)"), ("dle", "DLE pretraining_dataset")):
