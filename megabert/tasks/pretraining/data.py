@@ -30,6 +30,8 @@ def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
                     sum(map(len, nvidia.train_files)), sum(map(len, nvidia.test_files)))
         train_ds, valid_ds = build_nvidia_datasets(nvidia, data, tokenizer, num_samples, t.seed, global_batch,
                                                    run.model.bert_binary_head)
+        if evals and valid_ds is None:
+            logger.info("--data-path holds no held-out shard (a file named *test*): no evaluation")
     else:
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
                                                                 run.model.bert_binary_head)
