@@ -132,7 +132,8 @@ class ParallelConfig:
 class DataConfig:
     """Where samples come from and how they are built."""
 
-    data_path: list = arg(help="Dataset prefix (P for P.bin/P.idx) or weighted prefixes: 0.3 A 0.7 B.",
+    data_path: list = arg(help="Dataset prefix (P for P.bin/P.idx) or weighted prefixes: 0.3 A 0.7 B; or NVIDIA "
+                               "DeepLearningExamples .hdf5 / LDDL .parquet shards: a directory, glob or files.",
                           factory=list)
     split: str = arg("969,30,1", "Train,valid,test proportions, e.g. 949,50,1.")
     vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json).")
