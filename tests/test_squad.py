@@ -456,6 +456,10 @@ def test_finetune_flag_errors(tiny_checkpoint, demo_vocab, tmp_path):
     r = finetune_in_process(*common(tiny_checkpoint, demo_vocab, tmp_path), "--predict-file",
                             os.path.join(DEMO, "dev.json"), "--max-seq-length", 256)
     assert r.returncode == 2 and "--max-seq-length 256 exceeds the model's 128 position embeddings" in r.stderr
+    # --save resumes the run it holds: the pre-trained --load must not be taken for it (nor saved over).
+    r = finetune_in_process(*common(tiny_checkpoint, demo_vocab, tmp_path), "--train-file",
+                            os.path.join(DEMO, "train.json"), "--save", tiny_checkpoint)
+    assert r.returncode == 2 and f"--save {tiny_checkpoint} is also --load" in r.stderr
 
 
 def test_finetune_flags_parse_with_bert_recipe_defaults():
