@@ -8,6 +8,7 @@ by tests/megatron_files.py (megatron-core's pip package no longer has the legacy
 Logits are compared at real tokens (megatron-core's b1ss mask also masks padded queries).
 """
 import importlib.abc
+import json
 import os
 import sys
 
@@ -141,3 +142,45 @@ def test_without_args_the_shapes_and_flags_give_the_config(tmp_path):
     assert (model.config.num_layers, model.config.hidden_size, model.config.ffn_hidden_size) == (2, 32, 128)
     mlm, nsp = _max_diffs(model, 2)
     assert mlm < TOL and nsp < TOL
+
+
+# ---------------------------------------------------------------- entry scripts
+
+MEGATRON_ARCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+                 "--max-position-embeddings", "32", "--layernorm-position", "pre", "--no-embedding-layernorm",
+                 "--layernorm-epsilon", "1e-5"]
+
+
+def _pretrain(dataset, metrics, *extra):
+    from test_pretrain_e2e import pretrain_args, run_main
+    return run_main(*pretrain_args(dataset, metrics, *MEGATRON_ARCH, *extra))  # later flags win
+
+
+def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_path, caplog):
+    from test_pretrain_e2e import rows
+    load = os.path.join(FIXTURES, "tp2_torch")
+    r = _pretrain(dataset, tmp_path / "go_on.jsonl", "--load", load, "--save", str(tmp_path / "s1"),
+                  "--train-iters", "12")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "its optimizer state is not" in caplog.text
+    assert [x["iteration"] for x in rows(tmp_path / "go_on.jsonl") if "lm_loss" in x] == [11, 12]
+    r = _pretrain(dataset, tmp_path / "new.jsonl", "--load", load, "--finetune", "--train-iters", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["iteration"] for x in rows(tmp_path / "new.jsonl") if "lm_loss" in x] == [1, 2]
+    r = _pretrain(dataset, tmp_path / "bad.jsonl", "--load", load, "--layernorm-position", "post")
+    assert r.returncode != 0 and "--layernorm-position pre --no-embedding-layernorm" in r.stderr.strip().splitlines()[-1]
+
+
+def test_finetune_glue_from_a_torch_dist_dir(tmp_path):
+    import numpy as np
+    from test_glue import run_main, vocab, write_mnli  # noqa: F401
+    from megabert.corpus.tokenizer_training import BERT_SPECIALS
+
+    vocab_file = tmp_path / "vocab.txt"
+    vocab_file.write_text("\n".join(BERT_SPECIALS + [f"w{i}" for i in range(60)]) + "\n")
+    data = write_mnli(tmp_path / "MNLI", np.random.default_rng(0))
+    assert run_main("--task-name", "mnli", "--data-dir", data, "--load", os.path.join(FIXTURES, "tp2_torch_dist"),
+                    "--vocab-file", vocab_file, "--output-dir", tmp_path / "out", "--max-seq-length", 32,
+                    "--micro-batch-size", 8, "--train-iters", 2, "--no-do-predict") == 0
+    results = json.load(open(tmp_path / "out" / "eval_results.json"))
+    assert results["eval_samples"] == 20 and 0 <= results["eval_accuracy"] <= 1

@@ -28,6 +28,7 @@ from megabert.checkpoint.layout import load_file, parallel_meta, resolve_checkpo
 from megabert.checkpoint.optimizer_state import shard_optimizer_state, unshard_optimizer_states
 from megabert.checkpoint.sharding import checkpoint_table, repad_vocab, shard_state, unshard_states
 from megabert.config import ModelConfig, ParallelConfig
+from megabert.errors import CheckpointError
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import ParamSpec, table_to_dict
 from megabert.rules import validate_layout
@@ -117,9 +118,16 @@ def _read_megatron(path: str, tp_rank: int, tp_size: int, stage: StageLayout, pa
     header = megatron.read_header(path)
     reading = {"vocab_size": next((s.valid_rows for s in table.values() if s.valid_rows is not None), None)}
     if model_config is not None:
-        reading.update(num_attention_heads=model_config.num_attention_heads, vocab_size=model_config.vocab_size)
+        if model_config.layernorm_position != "pre" or model_config.embedding_layernorm:
+            raise CheckpointError(f"{path} is a Megatron-LM BERT (pre-LN, no LayerNorm after the embeddings): build "
+                                  f"the model with --layernorm-position pre --no-embedding-layernorm")
+        reading.update({f: getattr(model_config, f) for f in ("num_layers", "hidden_size", "num_attention_heads",
+                                                               "ffn_hidden_size", "max_position_embeddings",
+                                                               "vocab_size")})
     cfg = megatron.read_config(path, reading)
-    full = repad_vocab(megatron.read_state(path, cfg), table, padded_vocab_size or cfg.padded_vocab_size(tp_size))
+    # The reading model's tensors only: a task model has no MLM / binary head to take.
+    full = {k: v for k, v in megatron.read_state(path, cfg).items() if k in table}
+    full = repad_vocab(full, table, padded_vocab_size or cfg.padded_vocab_size(tp_size))
     model = shard_state(full, table, tp_rank=tp_rank, tp_size=tp_size, stage=stage)
     return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": header["iteration"],
                            "megatron_args": header["args"]}, external=True, saved_tp=None, saved_pp=None)
