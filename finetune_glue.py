@@ -33,7 +33,7 @@ from megabert.tasks.glue.finetuning import (eval_results, glue_files, glue_task,
                                             tensors_of, write_json, write_submission)
 from megabert.tasks.glue.tasks import TASKS
 from megabert.training.build import build_trainer
-from megabert.training.checkpointing import holds_checkpoint
+from megabert.checkpoint.run_state import holds_checkpoint
 from megabert.training.finetune import feature_batches, num_train_steps, resolve_vocab_file
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
 from megabert.training.resolve import resolve_run

@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/dist_utils.py for spawned workers
 torch.set_num_threads(2)
 
 

@@ -284,7 +284,7 @@ def _dp_worker(rank, world_size, prefix, vocab, cache, out_dir):
 
 
 def test_real_data_parallel_ranks_see_the_single_process_order(corpus, vocab, tok, tmp_path):
-    from dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     run_distributed(_dp_worker, 2, corpus, vocab, str(tmp_path / "cache"), str(tmp_path))
     got = torch.load(tmp_path / "global.pt", weights_only=True)

@@ -9,10 +9,12 @@ import os
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from megabert.parallel import comm
 from megabert.parallel.comm import CommLedger, sent_bytes
+
+from tests.helpers.dist_utils import run_distributed
+
 
 ITERS = ["--train-iters", "2", "--global-batch-size", "8", "--no-unpad-input"]  # padded encoder: [s, b, h] as the planner counts
 # planner field -> the ledger's labels it covers
@@ -95,7 +97,7 @@ def _layout_step(argv, tp):
     """(JSONL rows of a 2-step run, the planner's CommEstimate) for the tiny model."""
     import dataclasses
 
-    from train_utils import VOCAB, build_trainer
+    from tests.helpers.train_utils import VOCAB, build_trainer
 
     from megabert.planning import communication
     from megabert.planning.preflight import run_and_layout

@@ -10,8 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch._dynamo
-from dist_utils import run_distributed
-from train_utils import build_trainer
 
 import megabert.fused_kernels as fk
 from megabert.arguments import parse_args
@@ -19,6 +17,10 @@ from megabert.config import TrainConfig
 from megabert.errors import ConfigError
 from megabert.ops import dropout_add, kernel_ops, layer_norm, scaled_masked_softmax
 from megabert.training.deepspeed.config import resolve_deepspeed_config
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import build_trainer
+
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
 

@@ -3,12 +3,13 @@ import subprocess
 import sys
 
 import pytest
-from cli_utils import run_main
 
 from megabert.arguments import parse_args
 from megabert.config import ModelConfig, ParallelConfig, bert_large
 from megabert.rules import validate_layout
 from megabert.errors import ConfigError
+
+from tests.helpers.cli_utils import run_main
 
 
 def test_presets_and_flags_override():

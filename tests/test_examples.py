@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from test_pretrain_e2e import _check_eval_row
+
+from tests.helpers.pretrain_runs import check_eval_row
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -37,7 +39,7 @@ def _check_phase1(tmp_path):
     """Phase 1 trained its 2 iterations, evaluated and saved."""
     metrics = tmp_path / "bert-phase1" / "metrics.jsonl"
     assert _train_iterations(metrics) == [1, 2]
-    _check_eval_row([json.loads(line) for line in open(metrics)])
+    check_eval_row([json.loads(line) for line in open(metrics)])
     assert open(tmp_path / "bert-phase1" / "latest_checkpointed_iteration.txt").read() == "2"
 
 

@@ -11,9 +11,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_distributed
-from test_glue_data import write
-from test_model_vs_transformers import make_hf_dir
 
 import megabert
 from megabert.checkpoint.hf import megabert_to_hf
@@ -23,6 +20,11 @@ from megabert.errors import ConfigError
 from megabert.model.pretrained import gather_full
 from megabert.parallel.param_spec import spec_table
 from megabert.tasks.glue.features import examples_to_tensors, truncate_pair
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.glue_files import write
+from tests.helpers.hf_models import make_hf_dir
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

@@ -14,10 +14,7 @@ from megabert.tasks.glue.data import read_examples
 from megabert.tasks.glue.metrics import average_ranks, glue_metrics, matthews_corrcoef, spearman
 from megabert.tasks.glue.tasks import TASKS
 
-
-def write(path, lines):
-    path.write_text("".join(line + "\n" for line in lines))
-    return str(path)
+from tests.helpers.glue_files import write
 
 
 # ---------------------------------------------------------------- the distribution's TSVs

@@ -7,8 +7,10 @@ import shutil
 
 import pytest
 import torch
-from cli_utils import run_main
 from safetensors.torch import load_file, save_file
+
+from tests.helpers.cli_utils import run_main
+
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,11 +6,13 @@ import sys
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from safetensors.torch import load_file
-from test_model_vs_transformers import VOCAB, _close, batch, make_hf_dir
 
 import megabert
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.hf_models import VOCAB, batch, close, make_hf_dir
+
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,8 +58,8 @@ def _load_converted(rank, world, ckpt, hf_dir):
     with torch.no_grad():
         out = model(ids, token_type_ids=tt, attention_mask=am)
         ref = hf(input_ids=ids, token_type_ids=tt, attention_mask=am)
-    _close(out.mlm_logits, ref.prediction_logits, "mlm logits")
-    _close(out.nsp_logits, ref.seq_relationship_logits, "nsp logits")
+    close(out.mlm_logits, ref.prediction_logits, "mlm logits")
+    close(out.nsp_logits, ref.seq_relationship_logits, "nsp logits")
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from train_utils import TINY, VOCAB, batches
 
 import megabert
 from megabert.arguments import parse_args
@@ -20,6 +19,9 @@ from megabert.config import OptimConfig
 from megabert.optim import Adam, build_optimizer
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.resolve import resolve_run  # noqa: E402
+
+from tests.helpers.train_utils import TINY, VOCAB, batches
+
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 

@@ -1,13 +1,14 @@
 """Model options: pre-LN is layout-independent; masked-only MLM logits give the same loss
 and the same logits at the masked positions as computing all of them."""
 import torch
-from dist_utils import run_distributed
-from train_utils import batches
 
 import megabert
 from megabert.config import ModelConfig
 from megabert.model.pretrained import gather_full
 from megabert.parallel.param_spec import spec_table
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import batches
 
 
 def _cfg(**kw):
@@ -166,7 +167,7 @@ def _qa_from_unpadded_pretraining(rank, world, root):
     from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
     from megabert.tasks.squad.config import SquadConfig
     from megabert.tasks.squad.finetuning import load_qa_model
-    from megabert.training.checkpointing import TrainingState, save_checkpoint
+    from megabert.checkpoint.run_state import TrainingState, save_checkpoint
     from megabert.training.strategy import Strategy
 
     ps = megabert.init_parallel()

@@ -5,8 +5,6 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from train_utils import batches
 
 import megabert
 from megabert.config import ModelConfig, OptimConfig
@@ -14,6 +12,9 @@ from megabert.model.pretrained import gather_full
 import megabert.optim as optim_module
 from megabert.optim import Lamb, LRSchedule, build_optimizer, param_groups
 from megabert.parallel.param_spec import describe, spec_table
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import batches
 
 
 def _lamb_step(rank, world, out):

@@ -144,8 +144,8 @@ def test_recipe_flag_checks():
 def test_adam_without_bias_correction_under_zero2_matches_one_process(tmp_path):
     # ZeRO hands the optimizer flat partitions; the update is elementwise, so the losses
     # follow the single-process run.
-    from dist_utils import run_distributed
-    from train_utils import read_metrics, train_worker
+    from tests.helpers.dist_utils import run_distributed
+    from tests.helpers.train_utils import read_metrics, train_worker
 
     one, zero2 = str(tmp_path / "one.jsonl"), str(tmp_path / "zero2.jsonl")
     common = ["--train-iters", "4", "--no-bias-correction"]

@@ -5,8 +5,10 @@ import re
 
 import pytest
 import torch.distributed as dist
-from dist_utils import run_distributed
-from train_utils import build_trainer, read_metrics, train_worker
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import build_trainer, read_metrics, train_worker
+
 
 ITERS = ["--train-iters", "4"]
 

@@ -6,13 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_utils import patched, run_distributed
-from train_utils import read_metrics, train_worker
 
 from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
 from megabert.errors import ConfigError
 from megabert.parallel.layout import StageLayout
 from megabert.pipeline_parallel import check_interleaving
+
+from tests.helpers.dist_utils import patched, run_distributed
+from tests.helpers.train_utils import read_metrics, train_worker
+
 
 # Four layers so that two stages can each hold two chunks; micro-batch 1 and global
 # batch 4 give four micro-batches per step: warm-up, steady state and cool-down.

@@ -9,9 +9,7 @@ import sys
 import json
 
 import pytest
-from cli_utils import run_main
 import torch
-from dist_utils import run_distributed
 
 from megabert.config import ModelConfig, bert_base, bert_large, bert_tiny
 from megabert.errors import ConfigError
@@ -20,6 +18,10 @@ from megabert.planning.communication import _stage_comm
 from megabert.planning.activations import layer_activation_bytes
 from megabert.planning.memory import estimate_stage
 from megabert.planning.params import stage_params, total_params
+
+from tests.helpers.cli_utils import run_main
+from tests.helpers.dist_utils import run_distributed
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,7 +27,7 @@ def test_cuda_peak_counts_allocated_tensors():
 
 
 def _heavy_rank_worker(rank, world, argv):
-    from train_utils import train_worker
+    from tests.helpers.train_utils import train_worker
 
     # Rank 1 alone touches 800 MB before training: the logged peak must be the largest rank's.
     ballast = torch.ones(200 * 1024 * 1024) if rank == 1 else None
@@ -38,7 +38,7 @@ def _heavy_rank_worker(rank, world, argv):
 def test_training_log_reports_the_largest_rank_peak(tmp_path):
     import json
 
-    from dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     path = tmp_path / "m.jsonl"
     run_distributed(_heavy_rank_worker, 2, ["--train-iters", "2", "--metrics-file", str(path)])

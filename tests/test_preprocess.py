@@ -8,12 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-from cli_utils import run_main
 
 from megabert.data import IndexedDataset, build_tokenizer
 from megabert.corpus.preprocess import EncodeOptions, preprocess
 from megabert.corpus.sentence_splitter import split_sentences
 from megabert.corpus.tokenizer_training import train_wordpiece
+
+from tests.helpers.cli_utils import run_main
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [

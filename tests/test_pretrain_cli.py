@@ -2,7 +2,9 @@
 import json
 
 import pytest
-from cli_utils import run_main
+
+from tests.helpers.cli_utils import run_main
+
 
 def run(*args):
     return run_main("pretrain_bert.py", *args)

@@ -1,73 +1,35 @@
 """pretrain_bert.py end to end on a small corpus made here (the launchers: test_examples.py,
 which runs the torchrun, deepspeed and mpirun scripts); clear errors for missing/truncated
 data and a too-small vocab."""
-import json
 import os
 import shutil
-import subprocess
 import sys
 from types import SimpleNamespace
 
-import cli_utils
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
-def pretrain_args(d, metrics, *extra):
-    return [os.path.join(ROOT, "pretrain_bert.py"), "--num-layers", "2", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "64",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
-            "--data-path", str(d / "c_text_sentence"), "--vocab-file", str(d / "vocab.txt"), "--split", "90,10,0",
-            "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
-            "--metrics-file", str(metrics), *extra]
-
-
-def rows(metrics):
-    return [json.loads(line) for line in open(metrics)]
-
-
-def _run(cmd, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, **kw)
-
-
-def _check_eval_row(all_rows):
-    """Evaluation logs its losses and, next to them, masked-LM and SOP accuracy (0-1)."""
-    valid = [x for x in all_rows if "valid_lm_loss" in x]
-    assert valid and valid[0]["valid_lm_loss"] > 0, all_rows
-    assert all(0 <= valid[0][k] <= 1 for k in ("valid_lm_accuracy", "valid_sop_accuracy")), valid[0]
+from tests.helpers.pretrain_runs import BIN, check_eval_row, one_line_error, pretrain_args, rows, run_cmd, run_main
 
 
 def test_pipeline_under_torchrun(dataset, tmp_path):
     """Interleaved pipeline on real data: two stages with two chunks each, evaluation
     through the forward-only schedule, losses logged by rank 0 (the first stage)."""
     metrics = tmp_path / "m.jsonl"
-    r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
-              *pretrain_args(dataset, metrics, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
+                 *pretrain_args(dataset, metrics, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                              "--num-layers-per-virtual-pipeline-stage", "1", "--save", str(tmp_path / "ck"))])
     assert r.returncode == 0, r.stderr[-4000:]
     train = [x for x in rows(metrics) if "lm_loss" in x]
     assert [x["iteration"] for x in train] == [1, 2, 3] and all(x["lm_loss"] > 0 for x in train)
     assert all({"pp", "embedding"} <= set(x["comm_gb_by_group"]) for x in train), train  # p2p and tied embeddings
-    _check_eval_row(rows(metrics))  # computed on the last stage, logged by rank 0
+    check_eval_row(rows(metrics))  # computed on the last stage, logged by rank 0
     assert sorted(os.listdir(tmp_path / "ck" / "iter_0000003")) == ["mp_rank_00_000", "mp_rank_00_001"]
-
-
-def run_main(script, *argv):
-    """An entry script's main() in process: its one-line errors without a new interpreter."""
-    return cli_utils.run_main(os.path.relpath(script, ROOT), *argv)
-
-
-def _one_line_error(r, fragment):
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert fragment in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
 
 
 def test_missing_data_is_a_clear_error(dataset, tmp_path):
     args = pretrain_args(dataset, tmp_path / "m.jsonl")
     args[args.index("--data-path") + 1] = str(tmp_path / "nothing_text_sentence")
-    _one_line_error(run_main(*args), "nothing_text_sentence")
+    one_line_error(run_main(*args), "nothing_text_sentence")
 
 
 def test_truncated_data_is_a_clear_error(dataset, tmp_path):
@@ -77,7 +39,7 @@ def test_truncated_data_is_a_clear_error(dataset, tmp_path):
         f.truncate(os.path.getsize(str(tmp_path / "t_text_sentence.bin")) // 2)
     args = pretrain_args(dataset, tmp_path / "m.jsonl")
     args[args.index("--data-path") + 1] = str(tmp_path / "t_text_sentence")
-    _one_line_error(run_main(*args), "t_text_sentence.bin")
+    one_line_error(run_main(*args), "t_text_sentence.bin")
 
 
 def test_vocab_smaller_than_data_is_a_clear_error(dataset, tmp_path):
@@ -85,7 +47,7 @@ def test_vocab_smaller_than_data_is_a_clear_error(dataset, tmp_path):
     (tmp_path / "small.txt").write_text("\n".join(lines[:60]) + "\n")
     args = pretrain_args(dataset, tmp_path / "m.jsonl")
     args[args.index("--vocab-file") + 1] = str(tmp_path / "small.txt")
-    _one_line_error(run_main(*args), "preprocessed with another vocab")
+    one_line_error(run_main(*args), "preprocessed with another vocab")
 
 
 # Big enough that model states, not the fixed per-process overhead, set TP=2 apart from one process.
@@ -117,7 +79,7 @@ def test_memory_budget_warning_names_the_flags_that_fit(dataset, tmp_path):
     built (the TP=2 and PP=2 flags, with their predictions), then trains anyway."""
     budget = _budget_between_one_process_and_tp2(dataset)
     metrics = tmp_path / "m.jsonl"
-    r = _run([sys.executable, *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--memory-budget-gb", str(budget))])
+    r = run_cmd([sys.executable, *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--memory-budget-gb", str(budget))])
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stderr.splitlines()
     warned = [i for i, line in enumerate(lines) if "WARNING predicted peak" in line]
@@ -136,8 +98,8 @@ def test_memory_budget_fit_is_one_info_line(dataset, tmp_path):
     """The same budget with TP=2, which the planner says fits: one info line, and it trains."""
     budget = _budget_between_one_process_and_tp2(dataset)
     metrics = tmp_path / "m.jsonl"
-    r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
-              *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--tensor-model-parallel-size", "2",
+    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
+                 *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--tensor-model-parallel-size", "2",
                              "--memory-budget-gb", str(budget))])
     assert r.returncode == 0, r.stderr[-4000:]
     fit = [line for line in r.stderr.splitlines() if "INFO predicted peak" in line]
@@ -151,16 +113,16 @@ def test_save_and_load_the_same_empty_dir_starts_fresh_then_resumes(dataset, tmp
     with one info line, so the same command re-run (torchrun --max-restarts, a requeued
     SLURM job) resumes from what it saved; a --load elsewhere that holds nothing is an error."""
     ck = str(tmp_path / "ck")
-    first = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--load", ck,
+    first = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--load", ck,
                                                  "--train-iters", "2")])
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"--load {ck} holds no checkpoint yet (it is also --save): starting from the seed" in first.stderr
-    again = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m2.jsonl", "--save", ck, "--load", ck)])
+    again = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m2.jsonl", "--save", ck, "--load", ck)])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "holds no checkpoint yet" not in again.stderr
     assert [r["iteration"] for r in rows(tmp_path / "m2.jsonl") if "lm_loss" in r] == [3]
     elsewhere = tmp_path / "empty"
     elsewhere.mkdir()
-    r = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", str(elsewhere))])
-    _one_line_error(r, f"--load {elsewhere} holds no checkpoint")
+    r = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", str(elsewhere))])
+    one_line_error(r, f"--load {elsewhere} holds no checkpoint")
     assert os.path.isfile(os.path.join(ck, "latest_checkpointed_iteration.txt"))  # a failed load deletes nothing

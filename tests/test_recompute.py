@@ -2,11 +2,12 @@
 loss and every gradient equal those without recompute, with dropout on."""
 import pytest
 import torch
-from dist_utils import run_distributed
-from train_utils import batches
 
 import megabert
 from megabert.config import ModelConfig
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import batches
 
 
 def _grads(ps, granularity):

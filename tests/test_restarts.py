@@ -11,7 +11,8 @@ import time
 import psutil
 import pytest
 
-from test_pretrain_e2e import BIN, _run, pretrain_args, rows
+from tests.helpers.pretrain_runs import BIN, pretrain_args, rows, run_cmd
+
 
 ITERS = 20  # saves at 5, 10, 15: the kill lands after the first, with iterations to spare
 
@@ -58,7 +59,7 @@ def test_sigkilled_worker_under_max_restarts_ends_with_uninterrupted_losses(data
     assert proc.returncode == 0, err[-4000:]
     assert saved_at < ITERS
     ref_metrics = tmp_path / "ref.jsonl"
-    r = _run(_torchrun(dataset, ref_metrics, str(tmp_path / "ref_ck")))
+    r = run_cmd(_torchrun(dataset, ref_metrics, str(tmp_path / "ref_ck")))
     assert r.returncode == 0, r.stderr[-4000:]
     killed, ref = _losses(killed_metrics), _losses(ref_metrics)
     assert sorted(killed) == list(range(1, ITERS + 1))
@@ -75,19 +76,19 @@ def _truncate(path):
 
 def test_a_damaged_newest_checkpoint_is_named_and_the_intact_one_resumed(dataset, tmp_path):
     ck = str(tmp_path / "ck")
-    first = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--save-interval",
+    first = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--save-interval",
                                                  "2", "--train-iters", "4")])
     assert first.returncode == 0, first.stderr[-3000:]
     damaged = os.path.join(ck, "iter_0000004", "mp_rank_00", "model_optim_rng.pt")
     _truncate(damaged)
     # --load elsewhere than --save: an error naming the file and the newest intact iteration.
-    r = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m2.jsonl", "--load", ck, "--train-iters", "6")])
+    r = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m2.jsonl", "--load", ck, "--train-iters", "6")])
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert damaged in last and "iter_0000002" in last, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) <= 5
     # The restart pattern resumes the intact iteration 2 after a warning, deleting nothing.
-    again = _run([sys.executable, *pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", ck,
+    again = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", ck,
                                                  "--train-iters", "3")])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "WARNING" in again.stderr and damaged in again.stderr and "iteration 2" in again.stderr

@@ -4,24 +4,13 @@ with --load gives exactly the losses (train and validation) of an uninterrupted 
 import os
 
 import pytest
-from test_pretrain_e2e import BIN, _run, pretrain_args, rows
 
-LOSSES = ("lm_loss", "sop_loss", "grad_norm")
+from tests.helpers.pretrain_runs import BIN, curve, pretrain_args, run_cmd
 
 
 def _launch(nproc, args):
-    r = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(nproc), *args])
+    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(nproc), *args])
     assert r.returncode == 0, r.stderr[-4000:]
-
-
-def _curve(path):
-    """(iteration, key, value) of every train and validation row: compared exactly."""
-    out = []
-    for row in rows(path):
-        for key, value in row.items():
-            if key in LOSSES or key.startswith("valid_"):
-                out.append((row["iteration"], key, value))
-    return out
 
 
 COMMON = ["--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -33,7 +22,7 @@ def one_process_curve(dataset, tmp_path_factory):
     DataLoader-worker cases (workers must not change which samples a step sees)."""
     full = tmp_path_factory.mktemp("full") / "full.jsonl"
     _launch(1, pretrain_args(dataset, full, *COMMON))
-    return _curve(full)
+    return curve(full)
 
 
 @pytest.mark.parametrize("name,nproc,extra", [
@@ -49,10 +38,10 @@ def test_stop_and_resume_is_bitwise_with_dropout(dataset, one_process_curve, tmp
     else:
         full = tmp_path / "full.jsonl"
         _launch(nproc, pretrain_args(dataset, full, *common))
-        expected = _curve(full)
+        expected = curve(full)
     _launch(nproc, pretrain_args(dataset, part, *common, "--save", ckpt, "--exit-interval", "3"))
     _launch(nproc, pretrain_args(dataset, part, *common, "--save", ckpt, "--load", ckpt))
-    got = _curve(part)
+    got = curve(part)
     assert {it for it, _, _ in expected} == {1, 2, 3, 4, 5, 6}
     assert any(key == "valid_lm_loss" for _, key, _ in expected)
     assert got == expected  # bitwise: the same floats, not approximately

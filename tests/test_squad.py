@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-from cli_utils import run_main
 
 from megabert.data import build_tokenizer
 from megabert.tasks.squad.examples import SquadExample, read_squad_examples
@@ -17,6 +16,9 @@ from megabert.tasks.squad.features import convert_examples_to_features, window_s
 from megabert.tasks.squad.postprocess import postprocess_predictions
 from megabert.corpus.tokenizer_training import BERT_SPECIALS, train_wordpiece
 from megabert.errors import ConfigError, DataError
+
+from tests.helpers.cli_utils import run_main
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

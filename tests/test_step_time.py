@@ -4,7 +4,6 @@ bubble, FLOPs against the modules' own count, ranking by step time, and the CLI.
 prediction against steps measured across a shaped link is bench/multinode.py's (root)."""
 import pytest
 import torch
-from cli_utils import run_main
 
 from megabert.config import ModelConfig, bert_large
 from megabert.errors import ConfigError
@@ -12,6 +11,9 @@ from megabert.parallel.state import rank_of
 from megabert.planning import Layout, Workload, communication, plan
 from megabert.planning.step_time import (Links, bubble, compute_time, crosses_nodes, dp_exposed, step_flops,
                                          step_time)
+
+from tests.helpers.cli_utils import run_main
+
 
 GBIT = 1e9 / 8  # bytes per second of one Gbit/s
 

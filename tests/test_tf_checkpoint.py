@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from safetensors.torch import load_file
 
 import megabert
@@ -19,6 +18,9 @@ from megabert.checkpoint import tf_bundle
 from megabert.checkpoint.layout import resolve_checkpoint_dir, saved_layout
 from megabert.checkpoint.reader import read_full
 from megabert.errors import CheckpointError
+
+from tests.helpers.dist_utils import run_distributed
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")

@@ -4,12 +4,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_utils import run_distributed
 
 import megabert
 from megabert.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       gather_from_sp, scatter_to_sp, shard, vocab_parallel_argmax,
                                       vocab_parallel_cross_entropy)
+
+from tests.helpers.dist_utils import run_distributed
+
 
 ATOL = 1e-5
 

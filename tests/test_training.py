@@ -5,10 +5,12 @@ import os
 
 import pytest
 import torch
-from dist_utils import patched, run_distributed
-from train_utils import batches, build_trainer, read_metrics, train_worker, valid_sample
 
 from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
+
+from tests.helpers.dist_utils import patched, run_distributed
+from tests.helpers.train_utils import batches, build_trainer, read_metrics, train_worker, valid_sample
+
 
 ITERS = ["--train-iters", "6"]
 
@@ -66,7 +68,7 @@ def _kill_during_save(rank, world, ckpt, metrics):
     """Trains to iteration 2 (saved), then dies by SIGKILL halfway through saving iteration 4."""
     import signal
 
-    import megabert.training.checkpointing as ckpt_mod
+    import megabert.checkpoint.run_state as ckpt_mod
 
     real_write = ckpt_mod.write_rank_file
 

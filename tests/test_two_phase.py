@@ -6,17 +6,17 @@ import os
 import sys
 
 import pytest
-from test_pretrain_e2e import BIN, _one_line_error, _run, pretrain_args, rows, run_main
-from test_resume_dataloader import _curve
 
 from megabert.checkpoint.layout import commit, staging_dir, write_rank_file
+from megabert.checkpoint.run_state import resolve_start
 from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
-from megabert.training.checkpointing import resolve_start
+
+from tests.helpers.pretrain_runs import BIN, curve, one_line_error, pretrain_args, rows, run_cmd, run_main
 
 
 def _launch(cmd):
-    r = _run(cmd)
+    r = run_cmd(cmd)
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stderr
 
@@ -62,7 +62,7 @@ def test_interrupted_phase2_continues_from_its_own_checkpoint(dataset, tmp_path)
     assert f"--load {p2} holds this run's checkpoint: resuming it; --pretrained-checkpoint {p1} is not used" in log
     assert f"loaded {p2}: iteration 2, 8 samples consumed" in log and "differs from the" not in log
     assert [x["iteration"] for x in rows(part) if "lm_loss" in x] == [1, 2, 3, 4]
-    assert _curve(part) == _curve(full)  # bitwise, dropout 0.1 included
+    assert curve(part) == curve(full)  # bitwise, dropout 0.1 included
     # Resuming at another --seq-length is allowed, with a warning naming both lengths.
     log = _launch([sys.executable, *pretrain_args(dataset, tmp_path / "w.jsonl", "--train-iters", "4", "--load", p2)])
     warnings = [line for line in log.splitlines() if "differs from the" in line]
@@ -73,5 +73,5 @@ def test_pretrained_checkpoint_without_checkpoint_is_a_clear_error(dataset, tmp_
     (tmp_path / "empty").mkdir()
     args = pretrain_args(dataset, tmp_path / "m.jsonl", "--pretrained-checkpoint", str(tmp_path / "empty"),
                          "--save", str(tmp_path / "p2"))
-    _one_line_error(run_main(*args), f"--pretrained-checkpoint {tmp_path / 'empty'} holds no checkpoint")
+    one_line_error(run_main(*args), f"--pretrained-checkpoint {tmp_path / 'empty'} holds no checkpoint")
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 import torch.distributed as dist
-from dist_utils import run_distributed
-from train_utils import build_trainer
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import build_trainer
 
 
 def _pairs(optimizer, stage):

@@ -5,12 +5,14 @@ import dataclasses
 import json
 
 import pytest
-from dist_utils import run_distributed
-from train_utils import TINY, VOCAB, read_metrics, train_worker
 
 import megabert
 from megabert.arguments import parse_args
 from megabert.parallel.layout import BatchLayout
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import TINY, VOCAB, read_metrics, train_worker
+
 
 STEPS = 3
 

@@ -13,7 +13,7 @@ from megabert.model.transformer import compile_layers
 from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
-from megabert.training.checkpointing import StartPoint, TrainingState, load_checkpoint, resolve_start
+from megabert.checkpoint.run_state import StartPoint, TrainingState, load_checkpoint, resolve_start
 from megabert.training.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, Task

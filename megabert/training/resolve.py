@@ -13,7 +13,7 @@ from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, O
     TrainConfig
 from megabert.parallel.layout import BatchLayout
 from megabert.rules import validate_layout
-from megabert.training.checkpointing import resolve_start
+from megabert.checkpoint.run_state import resolve_start
 
 
 @dataclass(frozen=True)

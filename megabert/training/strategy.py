@@ -20,7 +20,7 @@ import torch
 from megabert.parallel import ParallelState
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.errors import CheckpointError
-from megabert.training.checkpointing import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
+from megabert.checkpoint.run_state import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from megabert.training.overlap import OverlappedGradReducer

@@ -20,7 +20,7 @@ from megabert.optim import LRSchedule
 from megabert.parallel import comm
 from megabert.parallel.comm import LABELS, CommLedger
 from megabert.parallel.layout import BatchLayout
-from megabert.training.checkpointing import TrainingState
+from megabert.checkpoint.run_state import TrainingState
 from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
 from megabert.training.strategy import Counts, Metrics, Strategy
 

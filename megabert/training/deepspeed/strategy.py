@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from megabert.checkpoint.layout import checkpoint_root
+from megabert.checkpoint.run_state import TrainingState
 from megabert.errors import CheckpointError
-from megabert.training.checkpointing import DEEPSPEED_SUBDIR, TrainingState
 from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import build_optimizer, param_groups
 from megabert.training.deepspeed.config import offloads_optimizer
@@ -17,6 +17,8 @@ from megabert.training.deepspeed.cpu_adam import build_cpu_adam
 from megabert.training.deepspeed.engine import initialize, reduce_gradients
 from megabert.training.grads import grad_norm, sync_tied_embedding_grads
 from megabert.training.strategy import SequentialRunner, StepResult, Strategy, Task
+
+DEEPSPEED_SUBDIR = "deepspeed"  # DeepSpeed's ZeRO files, beside our rank files: SAVE/deepspeed/iter_NNNNNNN/
 
 
 class DeepSpeedStrategy(Strategy):

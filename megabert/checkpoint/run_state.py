@@ -4,9 +4,12 @@ A checkpoint holds, per (tp, pp) rank: the model shard, the optimizer state by
 parameter name, the loss scaler, every RNG stream, the iteration and the consumed
 samples. Only DP rank 0 of each model-parallel rank writes (DP replicas are identical,
 including their RNG states, since dropout is seeded per TP/PP rank, not per DP rank).
-A strategy with state of its own (DeepSpeed's ZeRO-partitioned optimizer) writes it
-beside the rank files (SAVE/deepspeed/), and the model shards are also written in our
-layout, so export, resharding and fine-tuning read every run the same way.
+A strategy with state of its own (an outside engine's partitioned optimizer) writes it
+beside the rank files (`strategy.save_own_files`), and the model shards are also written in
+our layout, so export, resharding and fine-tuning read every run the same way.
+
+The trainer's objects (model, strategy) come in as arguments: this package knows no
+trainer, only what it asks of them (`cpu_state_dict`, `optimizer_state`, `save_own_files`, ...).
 """
 from __future__ import annotations
 
@@ -31,7 +34,6 @@ from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_table, table_to_dict
 
 logger = logging.getLogger(__name__)
-DEEPSPEED_SUBDIR = "deepspeed"
 
 
 @dataclass
@@ -116,7 +118,7 @@ def _choose_start(train: TrainConfig) -> StartPoint:
         if train.load and not holds_checkpoint(train.load):
             if train.save and _same_dir(train.load, train.save) and not train.finetune:
                 # Megatron's restart pattern: the same command, re-run by torchrun --max-restarts,
-                # the deepspeed launcher or a requeued SLURM job, resumes once there is something.
+                # another launcher's restart or a requeued SLURM job, resumes once there is something.
                 return StartPoint(None, note=f"--load {train.load} holds no checkpoint yet (it is also --save): "
                                              f"starting from the seed; a re-run of this command resumes from it")
             what = ("does not exist" if not os.path.exists(train.load) else
@@ -166,7 +168,7 @@ def _prune(root: str, keep_last: int) -> None:
 def save_checkpoint(root: str, state: TrainingState, strategy, *, extra: Optional[dict] = None,
                     keep_last: Optional[int] = None) -> None:
     """Collective: every rank calls it. Atomic: see megabert.checkpoint.layout. `strategy`
-    gives the weights, the optimizer state and any files of its own (training.strategy)."""
+    gives the weights, the optimizer state and any files of its own (see training.strategy)."""
     model, ps = strategy.model, strategy.ps
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
@@ -197,9 +199,9 @@ def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_
     Hugging Face directory or a converted ('release') checkpoint gives weights only and
     starts at iteration 0. Weights only (`load_optimizer=False`, or those two) come from
     our rank files, whichever way the checkpoint was trained, so a plain run's checkpoint
-    also starts a DeepSpeed run. `strategy` (None: weights only, into `model`) restores its
+    also starts a run under any strategy. `strategy` (None: weights only, into `model`) restores its
     optimizer, loss scale and whatever it keeps of the weights. `load_model=False`: the
-    weights are already in the model (loaded before DeepSpeed partitioned it); only the
+    weights are already in the model (loaded before an engine partitioned it); only the
     rest is restored."""
     weights_loaded = strategy.weights_loaded if strategy is not None else (lambda: None)
     ckpt = model.read_checkpoint(path, optimizer=load_optimizer and strategy is not None)

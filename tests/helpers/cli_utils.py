@@ -10,7 +10,7 @@ import io
 import os
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
 _modules: dict[str, object] = {}
 
 
