@@ -4,7 +4,7 @@ The fixtures (tests/fixtures/megatron, made by make_megatron_fixtures.py with me
 BertModel and its own save code) hold megatron-core `torch` and `torch_dist` checkpoints at
 TP 1 and 2 and megatron-core's MLM and binary-head logits on fixed inputs. Legacy-format
 files (naming eras A/B/C, QKV checkpoint_version 0/1.0/2.0/3.0, PP 2) are built from them
-by tests/megatron_files.py (megatron-core's pip package no longer has the legacy model).
+by tests/helpers/megatron_files.py (megatron-core's pip package no longer has the legacy model).
 Logits are compared at real tokens (megatron-core's b1ss mask also masks padded queries).
 """
 import importlib.abc
@@ -14,12 +14,15 @@ import sys
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from megatron_files import FIXTURES, reference, write_megatron_dir
 
 import megabert
 from megabert.checkpoint.megatron import checkpoint_format, read_header
 from megabert.errors import CheckpointError
+from tests.helpers import cli_utils
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.glue_files import write
+from tests.helpers.megatron_files import FIXTURES, reference, write_megatron_dir
+from tests.helpers.pretrain_runs import pretrain_args, rows, run_main
 
 TOL = 1e-5
 
@@ -152,12 +155,10 @@ MEGATRON_ARCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-he
 
 
 def _pretrain(dataset, metrics, *extra):
-    from test_pretrain_e2e import pretrain_args, run_main
     return run_main(*pretrain_args(dataset, metrics, *MEGATRON_ARCH, *extra))  # later flags win
 
 
 def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_path, caplog):
-    from test_pretrain_e2e import rows
     load = os.path.join(FIXTURES, "tp2_torch")
     r = _pretrain(dataset, tmp_path / "go_on.jsonl", "--load", load, "--save", str(tmp_path / "s1"),
                   "--train-iters", "12")
@@ -172,15 +173,19 @@ def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_pat
 
 
 def test_finetune_glue_from_a_torch_dist_dir(tmp_path):
-    import numpy as np
-    from test_glue import run_main, vocab, write_mnli  # noqa: F401
-    from megabert.corpus.tokenizer_training import BERT_SPECIALS
-
+    """An SST-2-format task fine-tuned from megatron-core's torch_dist directory as it ships."""
+    words = [f"w{i}" for i in range(40)]
     vocab_file = tmp_path / "vocab.txt"
-    vocab_file.write_text("\n".join(BERT_SPECIALS + [f"w{i}" for i in range(60)]) + "\n")
-    data = write_mnli(tmp_path / "MNLI", np.random.default_rng(0))
-    assert run_main("--task-name", "mnli", "--data-dir", data, "--load", os.path.join(FIXTURES, "tp2_torch_dist"),
-                    "--vocab-file", vocab_file, "--output-dir", tmp_path / "out", "--max-seq-length", 32,
-                    "--micro-batch-size", 8, "--train-iters", 2, "--no-do-predict") == 0
+    vocab_file.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n")
+    data = tmp_path / "SST-2"
+    data.mkdir()
+    for name, n in (("train.tsv", 16), ("dev.tsv", 8)):
+        write(data / name, ["sentence\tlabel"] + [f"{' '.join(words[(i * 7 + j) % 40] for j in range(5))}\t{i % 2}"
+                                                  for i in range(n)])
+    r = cli_utils.run_main("finetune_glue.py", "--task-name", "sst-2", "--data-dir", str(data), "--load",
+                           os.path.join(FIXTURES, "tp2_torch_dist"), "--vocab-file", str(vocab_file), "--output-dir",
+                           str(tmp_path / "out"), "--max-seq-length", "32", "--micro-batch-size", "8",
+                           "--train-iters", "2", "--no-do-predict")
+    assert r.returncode == 0, r.stderr[-3000:]
     results = json.load(open(tmp_path / "out" / "eval_results.json"))
-    assert results["eval_samples"] == 20 and 0 <= results["eval_accuracy"] <= 1
+    assert results["eval_samples"] == 8 and 0 <= results["eval_accuracy"] <= 1

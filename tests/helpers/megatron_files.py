@@ -24,7 +24,7 @@ import torch
 from megabert.checkpoint.megatron.qkv import from_v2
 from megabert.checkpoint.megatron.safe_load import foreign_to_plain, safe_torch_load
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "megatron")
 HEADS = 4
 ERAS = {"A": ("transformer", "attention", "layernorm"), "B": ("encoder", "self_attention", "layernorm"),
         "C": ("encoder", "self_attention", "norm")}
