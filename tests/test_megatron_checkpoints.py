@@ -10,6 +10,7 @@ Logits are compared at real tokens (megatron-core's b1ss mask also masks padded 
 import importlib.abc
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -189,3 +190,52 @@ def test_finetune_glue_from_a_torch_dist_dir(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.load(open(tmp_path / "out" / "eval_results.json"))
     assert results["eval_samples"] == 8 and 0 <= results["eval_accuracy"] <= 1
+
+
+# ---------------------------------------------------------------- convert_megatron.py import / export
+
+def _convert(*args):
+    r = cli_utils.run_main("tools/checkpoint/convert_megatron.py", *[str(a) for a in args])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """megatron-core's TP-2 torch checkpoint imported into megabert at TP 2 x PP 2."""
+    out = tmp_path_factory.mktemp("imported") / "ckpt"
+    _convert("import", "--megatron-dir", os.path.join(FIXTURES, "tp2_torch"), "--output", out,
+             "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2)
+    return str(out)
+
+
+@pytest.mark.parametrize("fmt,extra", [("torch", ["--legacy", "--pipeline-model-parallel-size", 2]),
+                                       ("torch", ["--tensor-model-parallel-size", 2]),
+                                       ("torch_dist", ["--tensor-model-parallel-size", 2])])
+def test_export_reads_back(imported, tmp_path, fmt, extra):
+    _convert("export", "--load", imported, "--megatron-dir", tmp_path / "m", "--format", fmt, *extra)
+    assert (tmp_path / "m" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    header = read_header(str(tmp_path / "m"))
+    assert header["format"] == fmt and header["checkpoint_version"] == 3.0
+    assert header["shapes"]["embedding.word_embeddings.weight"] == (256, 32)  # padded as Megatron pads
+    mlm, nsp = _max_diffs(_load(str(tmp_path / "m")), 2)
+    assert mlm < TOL and nsp < TOL, (mlm, nsp)
+
+
+def test_export_loads_into_megatron_core(imported, tmp_path):
+    """megatron-core's own loaders (load_state_dict of each rank file; dist_checkpointing.load) at TP 2."""
+    pytest.importorskip("megatron.core")
+    dirs = []
+    for fmt in ("torch", "torch_dist"):
+        dirs.append(str(tmp_path / fmt))
+        _convert("export", "--load", imported, "--megatron-dir", dirs[-1], "--format", fmt,
+                 "--tensor-model-parallel-size", 2)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "tests.helpers.megatron_core", "logits", "2", str(tmp_path / "l.pt"),
+                        *dirs], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = reference(2)
+    real = ref["attention_mask"].bool()
+    for path, out in torch.load(tmp_path / "l.pt", weights_only=True).items():
+        assert (out["mlm_logits"] - ref["mlm_logits"])[real].abs().max() < TOL, path
+        assert (out["binary_logits"] - ref["binary_logits"]).abs().max() < TOL, path

@@ -64,6 +64,8 @@ def read_full(iter_dir: str) -> dict[str, torch.Tensor]:
     stored = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
               for k, v in metadata.state_dict_metadata.items()
               if isinstance(v, TensorStorageMetadata) and names.canonical_name(k) is not None}
+    # Tensors only: DCP's default planner would torch.load(weights_only=False) a byte item
+    # (megatron-core's `_extra_state` objects), so none is ever asked for.
     # no_dist: each process reads on its own, inside a distributed run or outside one (torch
     # warns about that choice when no process group exists; it is the intended one).
     with warnings.catch_warnings():

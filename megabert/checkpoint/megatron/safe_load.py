@@ -83,7 +83,8 @@ def foreign_to_plain(value: Any) -> Any:
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 _PLAIN = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"),
-          ("builtins", "slice"), ("builtins", "complex"), ("builtins", "bytearray")}
+          ("builtins", "slice"), ("builtins", "complex"), ("builtins", "bytearray"),
+          ("torch.serialization", "_get_layout")}  # "torch.strided" -> torch.strided, nothing else
 
 
 class _MetadataUnpickler(pickle.Unpickler):
