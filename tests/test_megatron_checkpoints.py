@@ -239,3 +239,62 @@ def test_export_loads_into_megatron_core(imported, tmp_path):
     for path, out in torch.load(tmp_path / "l.pt", weights_only=True).items():
         assert (out["mlm_logits"] - ref["mlm_logits"])[real].abs().max() < TOL, path
         assert (out["binary_logits"] - ref["binary_logits"]).abs().max() < TOL, path
+
+
+def test_legacy_export_in_transformers_megatron_bert(imported, tmp_path):
+    """The legacy (`--legacy`) export, mapped as transformers' convert_megatron_bert_checkpoint.py
+    maps a checkpoint_version-3.0 file (transformers 5 no longer ships that script, so its
+    documented mapping is applied here: QKV rows [heads, 3, hn] split into query/key/value,
+    `input_layernorm` -> `attention.ln`, `post_attention_layernorm` -> `ln`, `final_layernorm`
+    -> `encoder.ln`, `lm_head` -> `cls.predictions`), gives megatron-core's logits in
+    transformers' MegatronBertForPreTraining: an architecture check by a third party."""
+    transformers = pytest.importorskip("transformers")
+    from megabert.checkpoint.megatron.safe_load import foreign_to_plain, safe_torch_load
+
+    _convert("export", "--load", imported, "--megatron-dir", tmp_path / "m", "--format", "torch", "--legacy")
+    payload = safe_torch_load(str(tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"), mmap=False)
+    args, model = foreign_to_plain(payload["args"]), payload["model"]
+    assert payload["checkpoint_version"] == 3.0
+    lm, enc = model["language_model"], model["language_model"]["encoder"]
+    vocab, heads, h = args["vocab_size"], args["num_attention_heads"], args["hidden_size"]
+    hf = {"bert.embeddings.word_embeddings.weight": lm["embedding"]["word_embeddings"]["weight"][:vocab],
+          "bert.embeddings.position_embeddings.weight": lm["embedding"]["position_embeddings"]["weight"],
+          "bert.embeddings.token_type_embeddings.weight": lm["embedding"]["tokentype_embeddings"]["weight"],
+          "bert.pooler.dense.weight": lm["pooler"]["dense.weight"], "bert.pooler.dense.bias": lm["pooler"]["dense.bias"],
+          "cls.predictions.transform.dense.weight": model["lm_head"]["dense.weight"],
+          "cls.predictions.transform.dense.bias": model["lm_head"]["dense.bias"],
+          "cls.predictions.transform.LayerNorm.weight": model["lm_head"]["layernorm.weight"],
+          "cls.predictions.transform.LayerNorm.bias": model["lm_head"]["layernorm.bias"],
+          "cls.predictions.bias": model["lm_head"]["bias"][:vocab],
+          "cls.seq_relationship.weight": model["binary_head"]["weight"],
+          "cls.seq_relationship.bias": model["binary_head"]["bias"]}
+    names_map = {"input_layernorm": "attention.ln", "post_attention_layernorm": "ln",
+                 "self_attention.dense": "attention.output.dense", "mlp.dense_h_to_4h": "intermediate.dense",
+                 "mlp.dense_4h_to_h": "output.dense"}
+    for key, t in enc.items():
+        if key.startswith("final_layernorm."):
+            hf[f"bert.encoder.ln.{key.split('.')[-1]}"] = t
+            continue
+        _, i, rest = key.split(".", 2)
+        op, kind = rest.rsplit(".", 1)
+        if op == "self_attention.query_key_value":
+            rows = t.reshape(heads, 3, h // heads, *t.shape[1:])
+            for j, part in enumerate(("query", "key", "value")):
+                hf[f"bert.encoder.layer.{i}.attention.self.{part}.{kind}"] = rows[:, j].reshape(h, *t.shape[1:])
+        else:
+            hf[f"bert.encoder.layer.{i}.{names_map[op]}.{kind}"] = t
+    config = transformers.MegatronBertConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=args["num_layers"],
+                                             num_attention_heads=heads, intermediate_size=args["ffn_hidden_size"],
+                                             max_position_embeddings=args["max_position_embeddings"],
+                                             layer_norm_eps=args["layernorm_epsilon"], hidden_dropout_prob=0.0,
+                                             attention_probs_dropout_prob=0.0)
+    model_hf = transformers.MegatronBertForPreTraining(config).eval()
+    missing, unexpected = model_hf.load_state_dict(hf, strict=False)
+    assert not unexpected and all("decoder" in k or "position_ids" in k for k in missing), missing
+    ref = reference(2)
+    with torch.no_grad():
+        out = model_hf(input_ids=ref["input_ids"], token_type_ids=ref["token_type_ids"],
+                       attention_mask=ref["attention_mask"])
+    real = ref["attention_mask"].bool()
+    assert (out.prediction_logits - ref["mlm_logits"])[real].abs().max() < TOL
+    assert (out.seq_relationship_logits - ref["binary_logits"]).abs().max() < TOL
