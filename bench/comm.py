@@ -32,13 +32,12 @@ import sys
 import tempfile
 import time
 
+from memory import VOCAB_SIZE, make_dataset  # bench/memory.py: the same corpus
+
+from megabert.arguments import parse_args as parse_pretrain_args
+from megabert.planning import Layout, Workload, communication
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from memory import VOCAB_SIZE, make_dataset  # noqa: E402  (bench/memory.py: the same corpus)
-
-from megabert.arguments import parse_args as parse_pretrain_args  # noqa: E402
-from megabert.planning import Layout, Workload, communication  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "128", "--micro-batch-size", "2"]

@@ -17,21 +17,19 @@ import argparse
 import dataclasses
 import itertools
 import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import megabert
+from _timing import interleaved, print_table
+from megabert.arguments import parse_finetune_args
+from megabert.config import ModelConfig
+from megabert.tasks.glue.config import GLUE_DEFAULTS, GlueConfig
+from megabert.tasks.glue.finetuning import glue_task
+from megabert.training.build import build_trainer
+from megabert.training.resolve import resolve_run
 
-import megabert  # noqa: E402
-from _timing import interleaved, print_table  # noqa: E402
-from megabert.arguments import parse_finetune_args  # noqa: E402
-from megabert.config import ModelConfig  # noqa: E402
-from megabert.tasks.glue.config import GLUE_DEFAULTS, GlueConfig  # noqa: E402
-from megabert.tasks.glue.finetuning import glue_task  # noqa: E402
-from megabert.training.build import build_trainer  # noqa: E402
-from megabert.training.resolve import resolve_run  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def glue_batches(args, count: int) -> list[dict]:

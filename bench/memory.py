@@ -34,11 +34,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megabert.config import PRESETS
+from megabert.planning import Layout, Workload, estimate
 
-from megabert.config import PRESETS  # noqa: E402
-from megabert.planning import Layout, Workload, estimate  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB_SIZE = 30522  # BERT's uncased vocab: the word embeddings and MLM bias at their real size
 

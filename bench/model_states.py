@@ -26,17 +26,16 @@ import sys
 import tempfile
 import warnings
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megabert.config import PRESETS
+from megabert.planning import Layout, Workload, estimate
+
+from memory import LAYOUTS as MEMORY_LAYOUTS, VOCAB_SIZE  # bench/memory.py, beside this file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from megabert.config import PRESETS  # noqa: E402
-from megabert.planning import Layout, Workload, estimate  # noqa: E402
-
-from memory import LAYOUTS as MEMORY_LAYOUTS, VOCAB_SIZE  # noqa: E402  (bench/memory.py, beside this file)
 
 SEQ, MICRO = 128, 2
 # bench/memory.py's layouts whose model states live on the rank (offload moves them to the
@@ -112,7 +111,7 @@ def _worker(rank: int, world: int, store: str, size: str, name: str, out: str) -
     dist.barrier()
     megabert.destroy_parallel()
     sys.stdout.flush()
-    os._exit(0)  # see tests/dist_utils.py: leave gloo before the interpreter's finalisation
+    os._exit(0)  # see tests/helpers/dist_utils.py: leave gloo before the interpreter's finalisation
 
 
 def measure(size: str, name: str) -> float:

@@ -36,9 +36,9 @@ import subprocess
 import sys
 import tempfile
 
+from megabert.parallel.buckets import BUCKET_ELEMENTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from megabert.parallel.buckets import BUCKET_ELEMENTS  # noqa: E402
 NS = ("megabert-n0", "megabert-n1")
 DEV = ("mbveth0", "mbveth1")
 ADDR = ("10.213.7.1", "10.213.7.2")
@@ -124,7 +124,7 @@ def launch(worker: list[str], link: bool, timeout: int = 900) -> list[str]:
 
 
 def make_data(work: str) -> str:
-    """A small corpus, its WordPiece vocab and indexed dataset (as tests/test_pretrain_e2e)."""
+    """A small corpus, its WordPiece vocab and indexed dataset (as tests/conftest.py's dataset)."""
     import random
 
     rng = random.Random(0)

@@ -21,14 +21,13 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import megabert
+from _timing import compare
+from megabert.arguments import parse_args
+from megabert.tasks.pretraining.task import build_pretraining
+from megabert.training.resolve import resolve_run
 
-import megabert  # noqa: E402
-from _timing import compare  # noqa: E402
-from megabert.arguments import parse_args  # noqa: E402
-from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
-from megabert.training.resolve import resolve_run  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each optimisation turned off alone, next to the defaults: its share of the speed-up.
 VARIANTS = {

@@ -13,21 +13,19 @@ import argparse
 import dataclasses
 import itertools
 import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import megabert
+from _timing import compare
+from megabert.arguments import parse_finetune_args
+from megabert.config import ModelConfig
+from megabert.training.build import build_trainer
+from megabert.training.resolve import resolve_run
+from megabert.tasks.squad.config import SquadConfig
+from megabert.tasks.squad.finetuning import qa_task
 
-import megabert  # noqa: E402
-from _timing import compare  # noqa: E402
-from megabert.arguments import parse_finetune_args  # noqa: E402
-from megabert.config import ModelConfig  # noqa: E402
-from megabert.training.build import build_trainer  # noqa: E402
-from megabert.training.resolve import resolve_run  # noqa: E402
-from megabert.tasks.squad.config import SquadConfig  # noqa: E402
-from megabert.tasks.squad.finetuning import qa_task  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def squad_batches(args, count: int) -> list[dict]:

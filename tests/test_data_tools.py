@@ -137,3 +137,13 @@ def test_squad_demo_is_valid_v1_1(name):
                     assert para["context"][start:start + len(ans["text"])] == ans["text"], qa["id"]
     assert questions >= 30
     assert os.path.getsize(path) < 200_000
+
+
+def test_squad_demo_files_are_what_make_demo_squad_writes(tmp_path):
+    """data/squad_demo/ is tools/make_demo_squad.py's output, byte for byte: an edit to one
+    without re-running the other shows here."""
+    r = run_tool("make_demo_squad.py", "--output", tmp_path)
+    assert r.returncode == 0, r.stderr
+    for name in ("train.json", "dev.json"):
+        with open(os.path.join(ROOT, "data", "squad_demo", name), "rb") as shipped:
+            assert (tmp_path / name).read_bytes() == shipped.read(), name

@@ -21,16 +21,14 @@ measured peaks on the CPU.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig  # noqa: E402
-from megabert.errors import ConfigError, cli_main  # noqa: E402
-from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan  # noqa: E402
-from megabert.planning.params import total_params  # noqa: E402
-from megabert.planning.step_time import Links, StepTime, compute_time, step_time  # noqa: E402
+from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig
+from megabert.errors import ConfigError, cli_main
+from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan
+from megabert.planning.params import total_params
+from megabert.planning.step_time import Links, StepTime, compute_time, step_time
 
 
 def _default(config_class, name: str):

@@ -6,9 +6,14 @@ r"""Tokenize a corpus into Megatron's .bin/.idx (Megatron-LM's tools/preprocess_
 
 writes data/my-bert_text_sentence.bin/.idx (`_document` without --split-sentences).
 --input is jsonl (one JSON object per line) or plain text (.txt: documents separated by
-empty lines), optionally .gz/.bz2/.xz/.zst, or a glob of such files. Malformed records
-(bad JSON, a missing key, invalid UTF-8, empty text) are skipped and reported with their
-line numbers; --strict stops at the first one instead.
+empty lines), optionally .gz/.bz2/.xz/.zst, a parquet file (.parquet), an Arrow file (.arrow)
+or a directory written by datasets' `save_to_disk`, or a glob of such files; for parquet and
+Arrow, --json-keys names the columns:
+
+    python tools/preprocess_data.py --input 'wikipedia/20231101.en/train-*.parquet' --json-keys text ...
+
+Malformed records (bad JSON, a missing key, invalid UTF-8, empty or null text) are skipped and
+reported with their line (row) numbers; --strict stops at the first one instead.
 """
 import argparse
 import sys
@@ -21,10 +26,14 @@ from megabert.errors import ConfigError, cli_main
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
-    g.add_argument("--input", required=True, help="Input file or glob: jsonl or text, optionally compressed.")
-    g.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "text"),
-                   help="auto: .txt/.text are text, anything else jsonl.")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="Keys to extract from each JSON object.")
+    g.add_argument("--input", required=True,
+                   help="Input file, glob or save_to_disk directory: jsonl or text (optionally compressed), parquet, "
+                        "Arrow.")
+    g.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "text", "parquet", "arrow"),
+                   help="auto: a directory is a save_to_disk dataset, .parquet parquet, .arrow Arrow, .txt/.text text, "
+                        "anything else jsonl.")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="Keys to extract from each JSON object (columns of parquet and Arrow input).")
     g.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (BERT needs this).")
     g.add_argument("--keep-newlines", action="store_true",
                    help="Accepted for Megatron compatibility; a line break always ends a sentence here.")

@@ -4,7 +4,7 @@
     python tools/train_tokenizer.py --input corpus.jsonl --output vocab.txt --vocab-size 30522
     python tools/train_tokenizer.py --input corpus.txt --output spm --tokenizer-type SentencePieceTokenizer
 
---input is read as tools/preprocess_data.py reads it (jsonl or text, compressed or not, a glob).
+--input is read as tools/preprocess_data.py reads it (jsonl or text, compressed or not, parquet, Arrow, a glob).
 """
 import argparse
 import itertools
@@ -18,9 +18,11 @@ from megabert.errors import ConfigError, DataError, cli_main
 @cli_main
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="Corpus file or glob (jsonl or text).")
-    p.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "text"))
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys whose text is used.")
+    p.add_argument("--input", required=True, help="Corpus file, glob or save_to_disk directory (jsonl, text, parquet, "
+                                                  "Arrow).")
+    p.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "text", "parquet", "arrow"))
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="JSON keys (parquet/Arrow columns) whose text is used.")
     p.add_argument("--output", required=True, help="vocab.txt path, or the SentencePiece model prefix.")
     p.add_argument("--tokenizer-type", default="BertWordPieceLowerCase",
                    choices=("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer"))

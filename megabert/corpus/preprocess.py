@@ -22,14 +22,15 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
 from megabert.data.indexed_dataset import IndexedDatasetWriter, best_dtype
 from megabert.corpus.sentence_splitter import split_sentences
+from megabert.corpus.columnar_input import COLUMNAR_FORMATS, column_blocks
 from megabert.corpus.text_input import describe_skipped, expand_inputs, input_format, jsonl_records, read_blocks, \
-    text_records
+    record_unit, text_records
 from megabert.data.tokenizers import build_tokenizer
 from megabert.errors import DataError
 
@@ -80,26 +81,35 @@ class Encoder:
             return None, f"bad JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})"
         if not isinstance(record, dict):
             return None, f"not a JSON object but {type(record).__name__}"
-        texts = []
         for key in self.opts.json_keys:
             if key not in record:
                 return None, f"missing key {key!r}"
-            value = record[key]
+        return self._texts([record[key] for key in self.opts.json_keys])
+
+    def _texts(self, values: list) -> tuple[Optional[list], str]:
+        """The record's values (one per json key or column) if all are non-empty text, or None and why."""
+        for key, value in zip(self.opts.json_keys, values):
+            if value is None:
+                return None, f"null {key!r}"
             if not isinstance(value, str):
                 return None, f"{key!r} is {type(value).__name__}, not a string"
             if not value.strip():
                 return None, f"empty {key!r}"
-            texts.append(value)
-        return texts, ""
+        return values, ""
 
-    def encode_block(self, item: tuple[str, int, bytes]) -> EncodedBlock:
-        """item: (format, number of the block's first line, raw block)."""
-        fmt, first_line, block = item
+    def _records(self, fmt: str, first: int, block) -> Iterator[tuple[int, tuple[Optional[list], str]]]:
+        """(line or row number, (texts or None, why skipped)) for every record of a block."""
+        if fmt in COLUMNAR_FORMATS:  # block: one list of values per column, already decoded by pyarrow
+            return zip(itertools.count(first), map(self._texts, map(list, zip(*block))))
         split = text_records if fmt == "text" else jsonl_records
+        return ((n, self._parse(fmt, raw)) for n, raw in split(block, first))
+
+    def encode_block(self, item: tuple) -> EncodedBlock:
+        """item: (format, number of the block's first line or row, raw block or columns, bytes of input)."""
+        fmt, first, block, nbytes = item
         docs, bad, bad_count, records = [], [], 0, 0
-        for line_no, raw in split(block, first_line):
+        for line_no, (texts, why) in self._records(fmt, first, block):
             records += 1
-            texts, why = self._parse(fmt, raw)
             if texts is None:
                 bad_count += 1
                 if len(bad) < MAX_BAD_KEPT:
@@ -107,7 +117,7 @@ class Encoder:
             else:
                 docs.append(texts)
         outputs = {key: self._pack([d[k] for d in docs]) for k, key in enumerate(self.opts.json_keys)}
-        return EncodedBlock(outputs, len(docs), records, len(block), bad, bad_count)
+        return EncodedBlock(outputs, len(docs), records, nbytes, bad, bad_count)
 
     def _pack(self, texts: list[str]) -> tuple[bytes, np.ndarray, np.ndarray]:
         """Tokenizes documents and packs them as (token bytes, sentence lengths, sentences per doc)."""
@@ -141,7 +151,7 @@ def _init_worker(opts: EncodeOptions) -> None:
     _worker_encoder = Encoder(opts)
 
 
-def _encode_in_worker(item: tuple[str, int, bytes]) -> EncodedBlock:
+def _encode_in_worker(item: tuple) -> EncodedBlock:
     return _worker_encoder.encode_block(item)
 
 
@@ -189,15 +199,15 @@ def preprocess(input_pattern: str, output_prefix: str, opts: EncodeOptions, work
             for path in paths:
                 fmt = input_format(path, input_fmt)
                 print(f"Opening {path} ({fmt})", file=log, flush=True)
-                items = ((fmt, first, block) for first, block in read_blocks(path, fmt, block_bytes))
+                items = _blocks(path, fmt, opts.json_keys, block_bytes)
                 results = (map(encoder.encode_block, items) if pool is None
                            else ordered_pool_map(pool, _encode_in_worker, items, 2 * workers))
                 bad, bad_count, records = [], 0, 0
                 for res in results:
                     if res.bad_count and strict:
                         line, why = res.bad[0]
-                        raise DataError(f"{path} line {line}: {why} (without --strict such records are "
-                                        f"skipped and counted)")
+                        raise DataError(f"{path} {record_unit(fmt)} {line}: {why} (without --strict such records "
+                                        f"are skipped and counted)")
                     for writer, key in zip(writers, opts.json_keys):
                         writer.add_encoded(*res.outputs[key])
                     bad.extend(res.bad[: MAX_BAD_KEPT - len(bad)])
@@ -211,7 +221,8 @@ def preprocess(input_pattern: str, output_prefix: str, opts: EncodeOptions, work
                 stats.records += records
                 stats.skipped += bad_count
                 if bad_count:
-                    print(describe_skipped(path, records, bad, bad_count), file=log, flush=True)
+                    print(describe_skipped(path, records, bad, bad_count, unit=record_unit(fmt)), file=log,
+                          flush=True)
             if stats.documents == 0:
                 raise DataError(f"--input {input_pattern} holds no usable document "
                                 f"({stats.skipped} of {stats.records} records skipped); check --json-keys")
@@ -222,6 +233,15 @@ def preprocess(input_pattern: str, output_prefix: str, opts: EncodeOptions, work
     stats.seconds = time.time() - start
     _log_progress(stats, start, log, final=True)
     return stats
+
+
+def _blocks(path: str, fmt: str, keys: tuple, block_bytes: int) -> Iterator[tuple]:
+    """The work items of one input: (format, first line or row, block, bytes of input)."""
+    if fmt in COLUMNAR_FORMATS:
+        # Rows per block: about block_bytes of text for documents of a few KB, as for jsonl.
+        rows = max(1, block_bytes // 4096)
+        return ((fmt, first, columns, nbytes) for first, columns, nbytes in column_blocks(path, fmt, keys, rows))
+    return ((fmt, first, block, len(block)) for first, block in read_blocks(path, fmt, block_bytes))
 
 
 def _log_progress(stats: PreprocessStats, start: float, log, final: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""Reading raw corpora: jsonl or plain text, optionally gzip/bzip2/xz/zstd compressed.
+"""Reading raw corpora: jsonl or plain text, optionally gzip/bzip2/xz/zstd compressed (parquet and
+`datasets.save_to_disk` directories: columnar_input.py).
 
 Files are read in blocks of whole records so that worker processes receive a few
 hundred documents per message (one pickle per block, not per line) and the
@@ -14,6 +15,8 @@ import lzma
 import os
 from typing import BinaryIO, Iterator
 
+from megabert.corpus.columnar_input import ARROW_SUFFIXES, COLUMNAR_FORMATS, PARQUET_SUFFIXES, column_blocks, \
+    is_arrow_dataset_dir
 from megabert.errors import DataError
 
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd")
@@ -21,20 +24,32 @@ TEXT_SUFFIXES = (".txt", ".text")
 
 
 def expand_inputs(pattern: str) -> list[str]:
-    """--input as a file or a glob (`'shards/*.jsonl.zst'`), sorted so runs are reproducible."""
+    """--input as a file, a `datasets.save_to_disk` directory or a glob (`'shards/*.jsonl.zst'`),
+    sorted so runs are reproducible."""
     paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
     if not paths:
         raise DataError(f"--input {pattern} matches no file")
     for p in paths:
-        if not os.path.isfile(p):
+        if os.path.isdir(p):
+            if not is_arrow_dataset_dir(p):
+                raise DataError(f"--input {p} is a directory without a state.json, not one written by datasets' "
+                                f"save_to_disk: give files or a glob (e.g. '{os.path.join(p, '*.parquet')}')")
+        elif not os.path.isfile(p):
             raise DataError(f"--input file {p} does not exist")
     return paths
 
 
 def input_format(path: str, requested: str = "auto") -> str:
-    """'jsonl' or 'text': from --input-format, else from the name (.txt/.text -> text, else jsonl)."""
+    """'jsonl', 'text', 'parquet' or 'arrow': from --input-format, else from the path (a directory is
+    a save_to_disk dataset: arrow; .parquet/.pq: parquet; .arrow: arrow; .txt/.text: text; else jsonl)."""
     if requested != "auto":
         return requested
+    if os.path.isdir(path):
+        return "arrow"
+    if path.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if path.endswith(ARROW_SUFFIXES):
+        return "arrow"
     name = path
     for suffix in COMPRESSED:
         if name.endswith(suffix):
@@ -112,9 +127,15 @@ def text_records(block: bytes, first_line: int) -> Iterator[tuple[int, bytes]]:
         yield start, b"\n".join(parts)
 
 
-def describe_skipped(path: str, total: int, bad: list[tuple[int, str]], count: int, shown: int = 10) -> str:
+def record_unit(fmt: str) -> str:
+    """What a record's number counts in messages: lines of a jsonl/text file, rows of a table."""
+    return "row" if fmt in COLUMNAR_FORMATS else "line"
+
+
+def describe_skipped(path: str, total: int, bad: list[tuple[int, str]], count: int, shown: int = 10,
+                     unit: str = "line") -> str:
     """One warning line: how many records were skipped and the first few with their line numbers."""
-    first = "; ".join(f"line {n}: {why}" for n, why in bad[:shown])
+    first = "; ".join(f"{unit} {n}: {why}" for n, why in bad[:shown])
     more = f"; ... and {count - shown} more" if count > shown else ""
     return f"warning: skipped {count} of {total} records in {path} ({first}{more})"
 
@@ -123,6 +144,10 @@ def text_stream(path: str, fmt: str, key: str = "text") -> Iterator[str]:
     """Every document's text (of one json key), malformed records skipped: for tokenizer training."""
     import json
 
+    if fmt in COLUMNAR_FORMATS:
+        for _, (column,), _ in column_blocks(path, fmt, (key,)):
+            yield from (t for t in column if isinstance(t, str) and t.strip())
+        return
     for first, block in read_blocks(path, fmt):
         records = text_records(block, first) if fmt == "text" else jsonl_records(block, first)
         for _, raw in records:

@@ -13,7 +13,7 @@ _PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 # bench/kernels.py: "softmax   [8,12,128,128]      bfloat16       0.05 ..."
 _KERNEL = re.compile(r"^(softmax|layernorm)\s+(\[[\d,]+\])\s+(\w+)\s+([\d.]+)")
 _BANDWIDTH = re.compile(r"^\s+.*GB/s")
-# bench/gpu/bert_large.py: "1        megabert          812.3     201.1   20.3%            1.25x"
+# bench/gpu_bert_large.py: "1        megabert          812.3     201.1   20.3%            1.25x"
 _BERT = re.compile(r"^([12])\s+(megabert|transformers)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+%|n/a)\s+([\d.]+)x")
 # bench/memory.py: "bert-base  single             1        3.21          3.05      1.05 ..."
 _MEMORY = re.compile(r"^(bert-[\w-]+)\s+(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")

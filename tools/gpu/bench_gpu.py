@@ -9,7 +9,7 @@ Steps, each with its log under OUT (default bench_out/):
   cuda-kernels   megabert's CUDA extension loaded      } with one line saying why
   tests          tests/test_fused_kernels.py (the CUDA kernels against PyTorch)
   kernels        bench/kernels.py --device cuda (fp32, bf16, fp16)
-  bert-large     bench/gpu/bert_large.py (BERT-large bf16 phase 1/2 vs transformers)
+  bert-large     bench/gpu_bert_large.py (BERT-large bf16 phase 1/2 vs transformers)
   memory         bench/memory.py --layouts single (BERT-base and -large, one GPU)
 and summary.json: what ran, exit codes, seconds, key figures (tools/gpu/bench_figures.py)
 and the versions. The measuring steps run even when one of them fails; the exit code is
@@ -27,11 +27,10 @@ import sys
 import time
 from typing import Callable, Optional
 
+import bench_figures
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import bench_figures  # noqa: E402
 
 VPY = os.path.join(ROOT, ".venv", "bin", "python")  # the Makefile's VENV
 
@@ -133,7 +132,7 @@ def main() -> None:
         ("tests", [VPY, "-m", "pytest", "-q", "tests/test_fused_kernels.py"], bench_figures.pytest_counts),
         ("kernels", [VPY, "bench/kernels.py", "--device", "cuda", "--dtype", "float32", "bfloat16", "float16"],
          bench_figures.kernel_times),
-        ("bert-large", [VPY, "bench/gpu/bert_large.py"], bench_figures.bert_large),
+        ("bert-large", [VPY, "bench/gpu_bert_large.py"], bench_figures.bert_large),
         ("memory", [VPY, "bench/memory.py", "--sizes", "bert-base", "bert-large", "--layouts", "single"],
          bench_figures.memory),
     ) if run.step(name, cmd, figures, env) != 0]

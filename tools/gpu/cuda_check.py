@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -23,11 +24,10 @@ import subprocess
 import sys
 from typing import Iterable
 
+from ptxas_report import parse_ptxas, short_names, table
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-from ptxas_report import parse_ptxas, short_names, table  # noqa: E402
 
 WORK = os.path.join(ROOT, "build", "cuda-check")
 # What setup.py reads; megabert/ without compiled modules or caches.
@@ -52,8 +52,13 @@ def copy_sources(dest: str) -> None:
 
 
 def build_env() -> dict[str, str]:
-    sys.path.insert(0, os.path.join(ROOT, "megabert", "fused_kernels"))
-    from cuda_toolkit import DEFAULT_ARCH_LIST
+    # By path, as setup.py reads it: plain Python, so no megabert install (nor its torch) is needed.
+    spec = importlib.util.spec_from_file_location("cuda_toolkit", os.path.join(ROOT, "megabert", "fused_kernels",
+                                                                               "cuda_toolkit.py"))
+    cuda_toolkit = importlib.util.module_from_spec(spec)
+    sys.modules["cuda_toolkit"] = cuda_toolkit  # its dataclasses look their module up while built
+    spec.loader.exec_module(cuda_toolkit)
+    DEFAULT_ARCH_LIST = cuda_toolkit.DEFAULT_ARCH_LIST
 
     env = dict(os.environ)
     env["MEGABERT_CUDA"] = "require"  # no silent fall back to the CPU kernels here

@@ -8,27 +8,22 @@ the ratio to transformers.
 Batches are full-length (NVIDIA's phase 1/2 data packs sentences to the length; 15%
 masked), so unpadding buys nothing here: these figures are the dense step.
 
-    python bench/gpu/bert_large.py [--rounds 20] [--phase1-batch 64] [--phase2-batch 16]
+    python bench/gpu_bert_large.py [--rounds 20] [--phase1-batch 64] [--phase2-batch 16]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.dirname(HERE)]
-
-import megabert  # noqa: E402
-from _timing import interleaved  # noqa: E402
-from megabert.arguments import parse_args  # noqa: E402
-from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops  # noqa: E402
-from megabert.tasks.pretraining.task import build_pretraining  # noqa: E402
-from megabert.training.resolve import resolve_run  # noqa: E402
+import megabert
+from _timing import interleaved
+from megabert.arguments import parse_args
+from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
+from megabert.tasks.pretraining.task import build_pretraining
+from megabert.training.resolve import resolve_run
 
 VOCAB = 30522
 
@@ -89,7 +84,7 @@ def main() -> None:
     p.add_argument("--phase2-batch", type=int, default=16)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu/bert_large.py needs a CUDA GPU and a CUDA build of torch (this torch: "
+        sys.exit("bench/gpu_bert_large.py needs a CUDA GPU and a CUDA build of torch (this torch: "
                  f"{torch.__version__}); on a CPU run `make bench`")
     ps = megabert.init_parallel()
     peak = device_peak_tflops(ps.device)

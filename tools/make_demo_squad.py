@@ -4,14 +4,17 @@
 The paragraphs describe Python's standard library in our own words, the same subject as
 the demo's pre-training corpus (the stdlib's docstrings), so a tiny model pre-trained on
 the demo corpus has seen the vocabulary. Questions and answers are hand-written; the
-answer offsets are computed here, so they are always right. Run it after an edit:
+answer offsets are computed here, so they are always right. The repo ships its output in
+data/squad_demo/; run it after an edit (every demo dataset is made by a tools/make_demo_*.py):
 
-    python data/squad_demo/build.py
+    python tools/make_demo_squad.py                  # -> data/squad_demo/train.json, dev.json
+    python tools/make_demo_squad.py --output DIR
 """
+import argparse
 import json
 import os
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "squad_demo")
 
 # (title, context, [(question, answer), ...]); every answer appears verbatim in its context.
 ARTICLES = [
@@ -333,14 +336,18 @@ def squad(articles, split):
     return {"version": "1.1", "data": data}
 
 
-def main():
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", default=SHIPPED, help="Directory for train.json and dev.json (default: %(default)s).")
+    args = p.parse_args(argv)
+    os.makedirs(args.output, exist_ok=True)
     train = [a for a in ARTICLES if a[0] not in DEV_TITLES]
     dev = [a for a in ARTICLES if a[0] in DEV_TITLES]
     for name, articles in (("train", train), ("dev", dev)):
-        with open(os.path.join(HERE, f"{name}.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(args.output, f"{name}.json"), "w", encoding="utf-8") as f:
             json.dump(squad(articles, name), f, ensure_ascii=False, indent=1)
             f.write("\n")
-        print(f"wrote {name}.json: {sum(len(a[2]) for a in articles)} questions")
+        print(f"wrote {os.path.join(args.output, name)}.json: {sum(len(a[2]) for a in articles)} questions")
 
 
 if __name__ == "__main__":
