@@ -8,6 +8,7 @@ by tests/helpers/megatron_files.py (megatron-core's pip package no longer has th
 Logits are compared at real tokens (megatron-core's b1ss mask also masks padded queries).
 """
 import importlib.abc
+import importlib.util
 import json
 import os
 import subprocess
@@ -224,7 +225,8 @@ def test_export_reads_back(imported, tmp_path, fmt, extra):
 
 def test_export_loads_into_megatron_core(imported, tmp_path):
     """megatron-core's own loaders (load_state_dict of each rank file; dist_checkpointing.load) at TP 2."""
-    pytest.importorskip("megatron.core")
+    if importlib.util.find_spec("megatron") is None:  # not imported here: megatron-core runs in its own process
+        pytest.skip("megatron-core is not installed (the test extra)")
     dirs = []
     for fmt in ("torch", "torch_dist"):
         dirs.append(str(tmp_path / fmt))

@@ -58,7 +58,10 @@ def _format(iter_dir: str, mtime: float) -> Optional[str]:
         payload = safe_torch_load(files[(0, 0)], mmap=True)
     except CheckpointError:
         return None  # a damaged file: megabert's own reader reports it
-    return "torch" if isinstance(payload, dict) and "model" in payload and "model_config" not in payload else None
+    if not isinstance(payload, dict) or "model_config" in payload:  # megabert's own rank file
+        return None
+    # "model0", "model1", ...: interleaved-pipeline chunks, which read_header refuses by name.
+    return "torch" if "model" in payload or "model0" in payload else None
 
 
 def is_megatron_dir(path: str) -> bool:

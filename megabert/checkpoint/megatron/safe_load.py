@@ -15,6 +15,8 @@ its value).
 """
 from __future__ import annotations
 
+import argparse
+import enum
 import io
 import pickle
 from typing import Any
@@ -65,6 +67,12 @@ def foreign_to_plain(value: Any) -> Any:
     """What safe_torch_load read, with stubs turned into plain values: an object with a
     dict state (argparse.Namespace, a dataclass) -> that dict; an enum (one constructor
     argument) -> the argument; anything else -> its repr."""
+    # Classes something else in this process allow-listed (megatron-core registers argparse.Namespace
+    # and its enums with torch when imported) come back as themselves: made plain the same way.
+    if isinstance(value, argparse.Namespace):
+        return {k: foreign_to_plain(v) for k, v in vars(value).items()}
+    if isinstance(value, enum.Enum):
+        return foreign_to_plain(value.value)
     if isinstance(value, ForeignObject):
         if isinstance(value.state, dict):
             return {k: foreign_to_plain(v) for k, v in value.state.items()}
