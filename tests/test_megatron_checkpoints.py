@@ -223,6 +223,16 @@ def test_export_reads_back(imported, tmp_path, fmt, extra):
     assert mlm < TOL and nsp < TOL, (mlm, nsp)
 
 
+def test_megatron_torch_tp1_becomes_another_layout_directly(tmp_path):
+    """export --load of a Megatron directory: one Megatron format and layout into another."""
+    _convert("export", "--load", os.path.join(FIXTURES, "tp1_torch"), "--megatron-dir", tmp_path / "m",
+             "--format", "torch", "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2)
+    assert sorted(os.listdir(tmp_path / "m" / "release")) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+                                                               "mp_rank_01_001"]
+    mlm, nsp = _max_diffs(_load(str(tmp_path / "m")), 1)
+    assert mlm < TOL and nsp < TOL, (mlm, nsp)
+
+
 def test_export_loads_into_megatron_core(imported, tmp_path):
     """megatron-core's own loaders (load_state_dict of each rank file; dist_checkpointing.load) at TP 2."""
     if importlib.util.find_spec("megatron") is None:  # not imported here: megatron-core runs in its own process

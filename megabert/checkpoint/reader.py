@@ -30,7 +30,7 @@ from megabert.checkpoint.sharding import checkpoint_table, repad_vocab, shard_st
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.errors import CheckpointError
 from megabert.parallel.layout import StageLayout
-from megabert.parallel.param_spec import ParamSpec, table_to_dict
+from megabert.parallel.param_spec import ParamSpec, reference_table, table_to_dict
 from megabert.rules import validate_layout
 
 
@@ -112,10 +112,11 @@ def _read_external(path: str, tp_rank: int, tp_size: int, stage: StageLayout, pa
 def _read_megatron(path: str, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int],
                    table: Optional[dict[str, ParamSpec]], model_config: Optional[ModelConfig]) -> RankCheckpoint:
     """A Megatron-LM directory: its weights for this rank, as an external checkpoint's
-    (megabert.checkpoint.megatron); `iteration` and `args` as Megatron saved them."""
-    if table is None:
-        raise ValueError(f"{path} is a Megatron-LM directory: reading it needs the model's spec table")
+    (megabert.checkpoint.megatron); `iteration` and `args` as Megatron saved them. Without a
+    `table` (conversion, export) it is read as the pre-training model it is."""
     header = megatron.read_header(path)
+    if table is None:
+        table = reference_table(megatron.read_config(path), "BertForPreTraining")
     reading = {"vocab_size": next((s.valid_rows for s in table.values() if s.valid_rows is not None), None)}
     if model_config is not None:
         if model_config.layernorm_position != "pre" or model_config.embedding_layernorm:

@@ -10,6 +10,7 @@ never imported and nothing foreign is unpickled. export writes `torch_dist` (wha
 dist_checkpointing.load reads into its BertModel at any TP) or `torch` (megatron-core names at the
 given TP/PP; `--legacy`: the legacy model's names, what transformers' convert_megatron_bert_checkpoint.py
 reads), as `release/` unless --iteration is given. Weights only: optimizer and RNG state are not carried.
+export --load also takes a Megatron directory, so one Megatron layout or format becomes another directly.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def import_megatron(megatron_dir: str, output: str, tp: int, pp: int, *, vocab_f
 
 def export_megatron(load: str, megatron_dir: str, fmt: str, tp: int, pp: int, *, legacy: bool = False,
                     iteration: Optional[int] = None) -> str:
+    model_classes()  # registers every task model class by name (a Megatron --load is read as BertForPreTraining)
     full, meta, _ = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
