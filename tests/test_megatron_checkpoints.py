@@ -68,6 +68,26 @@ def test_megatron_core_checkpoints_at_megabert_tp2():
     run_distributed(_read_at_tp2, 2)
 
 
+def test_megatron_checkpoint_at_megabert_pp2(tmp_path):
+    """Each pipeline stage takes its layers (and the last stage its copy of the tied word
+    embeddings) from a Megatron TP-2 x PP-2 legacy directory: equal to the same tensors read at PP 1."""
+    path = write_megatron_dir(str(tmp_path / "m"), 2, era="B", version=2.0, pp=2)
+    whole = _load(path).state_dict()
+    torch.save(whole, tmp_path / "whole.pt")
+    run_distributed(_compare_stage, 2, path, str(tmp_path / "whole.pt"))
+
+
+def _compare_stage(rank, world, path, whole_file):
+    ps = megabert.init_parallel(1, 2)
+    whole = torch.load(whole_file, weights_only=True)
+    local = _load(path, ps).state_dict()
+    expected = {"bert.encoder.layers.0.attention.qkv.weight"} if ps.pp_rank == 0 else \
+        {"bert.encoder.layers.1.attention.qkv.weight", "lm_head.bias", "bert.embeddings.word_embeddings.weight"}
+    assert expected <= set(local), sorted(local)
+    for name, t in local.items():
+        assert torch.equal(t, whole[name]), name
+
+
 @pytest.mark.parametrize("era,version,saved_tp,pp", [
     ("A", 0.0, 2, 1), ("A", 1.0, 2, 2), ("B", 2.0, 1, 2), ("B", 0.0, 1, 1), ("C", 3.0, 2, 1), (None, 3.0, 2, 2)])
 def test_legacy_eras_and_qkv_versions(tmp_path, era, version, saved_tp, pp):
