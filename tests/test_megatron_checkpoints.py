@@ -191,7 +191,8 @@ def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["iteration"] for x in rows(tmp_path / "new.jsonl") if "lm_loss" in x] == [1, 2]
     r = _pretrain(dataset, tmp_path / "bad.jsonl", "--load", load, "--layernorm-position", "post")
-    assert r.returncode != 0 and "--layernorm-position pre --no-embedding-layernorm" in r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0
+    assert "--layernorm-position pre --no-embedding-layernorm" in r.stderr.strip().splitlines()[-1]
 
 
 def test_finetune_glue_from_a_torch_dist_dir(tmp_path):
@@ -292,7 +293,8 @@ def test_legacy_export_in_transformers_megatron_bert(imported, tmp_path):
     hf = {"bert.embeddings.word_embeddings.weight": lm["embedding"]["word_embeddings"]["weight"][:vocab],
           "bert.embeddings.position_embeddings.weight": lm["embedding"]["position_embeddings"]["weight"],
           "bert.embeddings.token_type_embeddings.weight": lm["embedding"]["tokentype_embeddings"]["weight"],
-          "bert.pooler.dense.weight": lm["pooler"]["dense.weight"], "bert.pooler.dense.bias": lm["pooler"]["dense.bias"],
+          "bert.pooler.dense.weight": lm["pooler"]["dense.weight"],
+          "bert.pooler.dense.bias": lm["pooler"]["dense.bias"],
           "cls.predictions.transform.dense.weight": model["lm_head"]["dense.weight"],
           "cls.predictions.transform.dense.bias": model["lm_head"]["dense.bias"],
           "cls.predictions.transform.LayerNorm.weight": model["lm_head"]["layernorm.weight"],

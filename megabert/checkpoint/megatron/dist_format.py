@@ -42,10 +42,10 @@ class _SafeReader(FileSystemReader):
 
 
 def read_header(iter_dir: str) -> dict:
-    with open(os.path.join(iter_dir, "metadata.json")) if os.path.isfile(os.path.join(iter_dir, "metadata.json")) \
-            else open(os.devnull) as f:
-        text = f.read()
-    backend = json.loads(text).get("sharded_backend", "torch_dist") if text else "torch_dist"
+    backend = "torch_dist"
+    if os.path.isfile(os.path.join(iter_dir, "metadata.json")):
+        with open(os.path.join(iter_dir, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend", backend)
     if backend != "torch_dist":
         raise CheckpointError(f"{iter_dir} is a megatron-core '{backend}' checkpoint; megabert reads 'torch_dist' "
                               f"and 'torch': convert it with Megatron's tools/checkpoint first")

@@ -116,7 +116,3 @@ def canonical_from_megabert(name: str) -> Optional[str]:
         return f"encoder.layers.{m.group(1)}.{inverse[m.group(2)]}.{m.group(3)}" if m.group(2) in inverse else None
     return {v: k for k, v in _TO_MEGABERT_TOP.items()}.get(name)
 
-
-def layer_count(canonical_keys) -> int:
-    layers = {int(m.group(1)) for k in canonical_keys if (m := re.match(r"^encoder\.layers\.(\d+)\.", k))}
-    return max(layers) + 1 if layers else 0

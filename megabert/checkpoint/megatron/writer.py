@@ -112,8 +112,10 @@ def _mcore_stage(canonical: dict, tp_rank: int, tp_size: int, pp_rank: int, pp_s
 
 def _legacy_stage(mcore_stage: dict, first: bool, last: bool) -> dict:
     """A megatron-core stage dict -> the legacy model's nested dict, era B names."""
-    layer = [("input_layernorm.", "input_layernorm."), ("self_attention.linear_qkv.", "self_attention.query_key_value."),
-             ("self_attention.linear_proj.", "self_attention.dense."), ("pre_mlp_layernorm.", "post_attention_layernorm."),
+    layer = [("input_layernorm.", "input_layernorm."),
+             ("self_attention.linear_qkv.", "self_attention.query_key_value."),
+             ("self_attention.linear_proj.", "self_attention.dense."),
+             ("pre_mlp_layernorm.", "post_attention_layernorm."),
              ("mlp.linear_fc1.", "mlp.dense_h_to_4h."), ("mlp.linear_fc2.", "mlp.dense_4h_to_h.")]
     encoder, lm = {}, {}
     out: dict = {"language_model": lm}
@@ -129,7 +131,8 @@ def _legacy_stage(mcore_stage: dict, first: bool, last: bool) -> dict:
             encoder[f"layers.{m.group(1)}.{rest}"] = t
     if first:
         lm["embedding"] = {f"{n}_embeddings": {"weight": mcore_stage[f"embedding.{n}_embeddings.weight"]}
-                           for n in ("word", "position", "tokentype") if f"embedding.{n}_embeddings.weight" in mcore_stage}
+                           for n in ("word", "position", "tokentype")
+                           if f"embedding.{n}_embeddings.weight" in mcore_stage}
     if last:
         for k in ("weight", "bias"):
             encoder[f"final_layernorm.{k}"] = mcore_stage[f"encoder.final_layernorm.{k}"]
