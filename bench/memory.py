@@ -122,7 +122,7 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
            "--no-unpad-input"]
     if lay.zero_stage:
         # The flags users type: pretrain_bert.py sizes DeepSpeed's ZeRO buffers to the model
-        # (megabert.parallel.buckets.zero_sizing, the numbers the planner reads).
+        # (megabert.parallel.zero.ZeroBuckets, the numbers the planner reads).
         cmd += ["--deepspeed", "--zero-stage", str(lay.zero_stage)]
         if lay.offload_optimizer:
             cmd += ["--zero-offload-optimizer", "cpu"]

@@ -2,8 +2,9 @@
 
 Each field carries its CLI flag (Megatron-LM's name wherever Megatron has the flag) and
 its help text in `metadata`; `megabert.arguments` turns these dataclasses into the CLI,
-so a flag exists in exactly one place. Cross-field checks live in `__post_init__` and
-raise ConfigError with a one-line message that names the flags.
+so a flag exists in exactly one place. `__post_init__` checks single fields (a positive
+size, a value in range) with a one-line ConfigError naming the flag; rules that relate
+several flags are megabert.rules', applied once when the run is resolved.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any, Optional
 
 from megabert.errors import ConfigError
 from megabert.parallel.buckets import BUCKET_ELEMENTS
-from megabert.rules import check_zero
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
@@ -79,9 +79,6 @@ class ModelConfig:
                      "max_position_embeddings", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by "
-                              f"--num-attention-heads {self.num_attention_heads}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
@@ -92,9 +89,6 @@ class ModelConfig:
             self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
             if sorted(self.id2label) != list(range(self.num_labels)):
                 raise ConfigError(f"id2label {self.id2label} does not name classes 0..{self.num_labels - 1}")
-        if self.unpad_input and self.sequence_parallel:
-            raise ConfigError("--unpad-input cannot combine with --sequence-parallel (the sequence is split over "
-                              "tensor-parallel ranks, the real tokens are not); use --no-unpad-input")
 
     @property
     def head_dim(self) -> int:
@@ -213,13 +207,6 @@ class OptimConfig:
     def __post_init__(self):
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if not 0.0 <= self.lr_warmup_init <= self.lr:
-            raise ConfigError(f"--lr-warmup-init must be in [0, --lr], got {self.lr_warmup_init} with --lr {self.lr}")
-        if not 0.0 <= self.lamb_min_coeff <= self.lamb_max_coeff:
-            raise ConfigError(f"LAMB's trust-ratio bounds need 0 <= --lamb-min-coeff <= --lamb-max-coeff, got "
-                              f"{self.lamb_min_coeff} and {self.lamb_max_coeff}")
-        if self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"--min-lr must be in [0, --lr], got {self.min_lr} with --lr {self.lr}")
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction <= 1.0:
             raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
         if self.clip_grad < 0:
@@ -274,29 +261,13 @@ class TrainConfig:
                                             "a budget is compared with the peak resident set size.")
 
     def __post_init__(self):
-        if self.bf16 and self.fp16:
-            raise ConfigError("--bf16 and --fp16 are mutually exclusive: pick one")
         if self.micro_batch_size < 1:
             raise ConfigError("--micro-batch-size must be >= 1")
         if self.train_iters < 0:
             raise ConfigError("--train-iters must be >= 0")
-        if self.pretrained_checkpoint and self.finetune:
-            raise ConfigError("--pretrained-checkpoint already takes the weights only and resumes the run's own "
-                              "checkpoint once there is one; drop --finetune")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ConfigError(f"--memory-budget-gb must be a positive number of GB per rank, "
                               f"got {self.memory_budget_gb}")
-        if self.deepspeed_config and not self.deepspeed:
-            raise ConfigError("--deepspeed_config needs --deepspeed")
-        if self.zero_stage and not self.deepspeed:
-            raise ConfigError(f"--zero-stage {self.zero_stage} needs --deepspeed")
-        for name, what in (("zero_offload_optimizer", "optimizer"), ("zero_offload_params", "params")):
-            if getattr(self, name) != "none" and not self.deepspeed:
-                raise ConfigError(f"--zero-offload-{what} {getattr(self, name)} needs --deepspeed")
-        # With a --deepspeed_config the stage may come from the JSON: checked once merged.
-        if self.deepspeed and not self.deepspeed_config:
-            check_zero(self.zero_stage, offload_optimizer=self.zero_offload_optimizer == "cpu",
-                       offload_params=self.zero_offload_params == "cpu", compile=self.compile)
 
 
 @dataclass

@@ -12,7 +12,7 @@ assumes (megabert.planning.communication), not the bytes a backend puts on the w
     all-reduce      2(n-1)/n x buffer
     all-gather       (n-1)/n x gathered output
     reduce-scatter   (n-1)/n x input
-    reduce           (n-1)/n x buffer (DeepSpeed issues one per partition, each rank the
+    reduce           (n-1)/n x buffer (ZeRO issues one per partition, each rank the
                      root of its own: together a reduce-scatter)
     all-to-all       (n-1)/n x input
     broadcast        the buffer, on the source rank only
@@ -96,7 +96,8 @@ class CommLedger:
 
     @contextmanager
     def recording(self) -> Iterator["CommLedger"]:
-        """Counts what megabert's door (and DeepSpeed's, where installed) sends meanwhile."""
+        """Counts what megabert's door (and an outside engine's, where its strategy counts it) sends
+        meanwhile."""
         global _active
         previous, _active = _active, self
         try:

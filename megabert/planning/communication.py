@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from megabert.config import ModelConfig
 from megabert.planning.params import embedding_tensors, stage_params
 from megabert.planning.spec import Layout, Workload
-from megabert.parallel.buckets import zero_sizing
+from megabert.parallel.zero import ZeroBuckets
 
 
 def all_reduce_bytes(size: float, n: int) -> float:
@@ -140,7 +140,7 @@ def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -
     elif layout.zero_stage == 2:
         dp_bytes = m * all_reduce_bytes(p * P, dp) + gather_bytes(p * P, dp)
     else:
-        threshold = zero_sizing(h)["stage3_param_persistence_threshold"]
+        threshold = ZeroBuckets.for_hidden_size(h).param_persistence_threshold
         persistent = sp.below(threshold)
         partitioned = P - persistent
         unread = sum(n for n in _not_read_by_backward(model, tp, pp, stage) if n >= threshold)

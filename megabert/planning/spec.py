@@ -12,6 +12,7 @@ from typing import Optional
 
 from megabert.config import ModelConfig
 from megabert.errors import ConfigError
+from megabert.parallel.zero import ZeroPlan
 from megabert.rules import check_model_split, check_sequence_parallel, check_zero
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -110,12 +111,10 @@ class Layout:
                            ("dp", "data-parallel size"), ("virtual_stages", "virtual pipeline stages")):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.virtual_stages > 1 and self.pp == 1:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        check_zero(self.zero_stage, pp=self.pp, offload_optimizer=self.offload_optimizer,
-                   offload_params=self.offload_params, deepspeed=self.zero_stage > 0)
+        check_zero(ZeroPlan(stage=self.zero_stage, offload_optimizer=self.offload_optimizer,
+                            offload_params=self.offload_params), pp=self.pp, deepspeed=self.zero_stage > 0)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         check_sequence_parallel(self.sequence_parallel, deepspeed=self.zero_stage > 0)
