@@ -332,3 +332,13 @@ def test_legacy_export_in_transformers_megatron_bert(imported, tmp_path):
     real = ref["attention_mask"].bool()
     assert (out.prediction_logits - ref["mlm_logits"])[real].abs().max() < TOL
     assert (out.seq_relationship_logits - ref["binary_logits"]).abs().max() < TOL
+
+
+def test_task_models_take_the_encoder():
+    """SQuAD's and GLUE's models from a Megatron directory: the encoder as pre-trained, a new head."""
+    path = os.path.join(FIXTURES, "tp2_torch_dist")
+    pretrained = _load(path).state_dict()
+    for cls, kw in ((megabert.BertForQuestionAnswering, {}), (megabert.BertForSequenceClassification, {"num_labels": 3})):
+        model = cls.from_pretrained(path, **kw)
+        encoder = {k: v for k, v in model.state_dict().items() if k.startswith("bert.encoder.")}
+        assert encoder and all(torch.equal(v, pretrained[k]) for k, v in encoder.items())
