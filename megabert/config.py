@@ -44,6 +44,8 @@ class ModelConfig:
     init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.")
     layernorm_position: str = arg("post", "post: the original BERT; pre: LayerNorm before each sublayer "
                                   "(more stable for deep models).", choices=("post", "pre"))
+    embedding_layernorm: bool = arg(True, "LayerNorm after the embeddings (BERT's, transformers'); "
+                                    "--no-embedding-layernorm: none, as Megatron-LM builds BERT.")
     bert_binary_head: bool = arg(True, "Train the sentence-pair (SOP/NSP) head.", cli=False)
     mlm_logits_at_masked_only: bool = arg(False, "Compute MLM logits only at masked positions when labels are "
                                           "given (saves the [tokens, vocab] matmul and memory for unmasked "

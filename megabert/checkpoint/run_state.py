@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megabert.checkpoint import external
+from megabert.checkpoint import external, megatron
 from megabert.checkpoint.layout import (TRACKER, checkpoint_root, commit, damaged_file, has_checkpoint,
                                         model_payload, newest_intact, os_error_behind, read_tracker,
                                         resolve_checkpoint_dir, staging_dir, tag_dir_name, write_rank_file)
@@ -125,9 +125,11 @@ def _choose_start(train: TrainConfig) -> StartPoint:
                     f"holds no checkpoint (no {TRACKER}, no mp_rank_* directories, no Hugging Face or TF BERT files)")
             raise CheckpointError(f"--load {train.load} {what}; point it at a checkpoint, or at this run's --save "
                                   f"directory to start fresh now and resume on a re-run")
-        # A Hugging Face / TF directory or a converted ('release') checkpoint has weights only.
-        weights_only = train.finetune or bool(train.load and (external.is_external(train.load)
-                                                              or read_tracker(train.load) == "release"))
+        # A Hugging Face / TF directory or a converted ('release') checkpoint has weights only;
+        # a Megatron-LM run's directory continues from its iteration, as Megatron's --load.
+        weights_only = train.finetune or bool(train.load and (
+            (external.is_external(train.load) and not megatron.is_megatron_dir(train.load))
+            or read_tracker(train.load) == "release"))
         return StartPoint(train.load, weights_only, "--finetune" if train.finetune else "--load")
     own, own_flag = (train.load, "--load") if train.load else (train.save, "--save")
     if own and holds_checkpoint(own):
@@ -279,6 +281,13 @@ def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_
     if ckpt.external:  # a Hugging Face or Google TF directory: weights only
         model.load_local_state_dict(payload["model"], source=path)
         weights_loaded()
+        if "megatron_args" in payload:  # a Megatron-LM run: its iteration and samples (megabert.checkpoint.megatron)
+            if ps.rank == 0 and load_optimizer and strategy is not None:
+                logger.warning("%s is a Megatron-LM checkpoint: its weights, iteration and consumed samples are "
+                               "continued; its optimizer state is not (the optimizer starts afresh)", path)
+            return LoadedCheckpoint(TrainingState(int(payload["iteration"]),
+                                                  int(payload["megatron_args"].get("consumed_train_samples") or 0)),
+                                    {})
         return LoadedCheckpoint(TrainingState(), {})
     if ckpt.resharded and ps.rank == 0:
         vpp = model.virtual_stage_layers
