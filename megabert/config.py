@@ -44,6 +44,8 @@ class ModelConfig:
     init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.")
     layernorm_position: str = arg("post", "post: the original BERT; pre: LayerNorm before each sublayer "
                                   "(more stable for deep models).", choices=("post", "pre"))
+    embedding_layernorm: bool = arg(True, "LayerNorm after the embeddings (BERT's, transformers'); "
+                                    "--no-embedding-layernorm: none, as Megatron-LM builds BERT.")
     bert_binary_head: bool = arg(True, "Train the sentence-pair (SOP/NSP) head.", cli=False)
     mlm_logits_at_masked_only: bool = arg(False, "Compute MLM logits only at masked positions when labels are "
                                           "given (saves the [tokens, vocab] matmul and memory for unmasked "
@@ -138,7 +140,8 @@ class ParallelConfig:
 class DataConfig:
     """Where samples come from and how they are built."""
 
-    data_path: list = arg(help="Dataset prefix (P for P.bin/P.idx) or weighted prefixes: 0.3 A 0.7 B.",
+    data_path: list = arg(help="Dataset prefix (P for P.bin/P.idx) or weighted prefixes: 0.3 A 0.7 B; or NVIDIA "
+                               "DeepLearningExamples .hdf5 / LDDL .parquet shards: a directory, glob or files.",
                           factory=list)
     split: str = arg("969,30,1", "Train,valid,test proportions, e.g. 949,50,1.")
     vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json).")
@@ -287,16 +290,49 @@ class Configs:
     explicit: frozenset = frozenset()
 
 
+@dataclass(kw_only=True)
+class TaskConfig:
+    """The flags every fine-tuning task has (the fine-tuning driver, megabert.training.finetune,
+    reads these): tokenizer, feature length, how long to train, prediction batches and where
+    the outputs go. A task's config dataclass (SQuAD's SquadConfig, GLUE's GlueConfig)
+    subclasses it with its data files and options, and may give a field another default."""
+
+    output_dir: Optional[str] = arg(None, "Where the predictions, eval_results.json and the task's other outputs go.")
+    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or tokenizer.json); default the vocab.txt that came "
+                                    "with --load (a Hugging Face or Google TF directory's, or beside a converted "
+                                    "checkpoint).")
+    tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type (lower-cased or cased WordPiece, or a "
+                              "tokenizer.json); must match the pre-trained model.",
+                              choices=("BertWordPieceLowerCase", "BertWordPieceCase", "HuggingFaceTokenizer"))
+    max_seq_length: int = arg(128, "Tokens per feature, padded.")
+    epochs: float = arg(3.0, "Passes over the training data (may be fractional).")
+    train_iters: Optional[int] = arg(None, "Optimizer steps; default --epochs over the training data.")
+    predict_batch_size: Optional[int] = arg(None, "Features per forward pass when predicting; default "
+                                            "--micro-batch-size.")
+    recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or selective "
+                                               "(attention core only); the losses are unchanged.",
+                                               choices=(None, "full", "selective"))
+
+    def __post_init__(self):
+        if self.max_seq_length < 8:
+            raise ConfigError(f"--max-seq-length must be at least 8, got {self.max_seq_length}")
+        if self.epochs <= 0:
+            raise ConfigError(f"--epochs must be positive, got {self.epochs}")
+        if self.train_iters is not None and self.train_iters < 1:
+            raise ConfigError(f"--train-iters must be >= 1, got {self.train_iters}")
+        if self.predict_batch_size is not None and self.predict_batch_size < 1:
+            raise ConfigError(f"--predict-batch-size must be >= 1, got {self.predict_batch_size}")
+
+
 @dataclass
 class FinetuneConfigs:
     """A fine-tuning entry script's configs: the model comes from --load, so no model or data
     section. `finetune` is the task's own config dataclass (SQuAD's SquadConfig, GLUE's
-    GlueConfig), which the generic fine-tuning code reads through the fields every task
-    config has (megabert.training.finetune.TaskConfig)."""
+    GlueConfig), a TaskConfig."""
     parallel: ParallelConfig
     optim: OptimConfig
     train: TrainConfig
-    finetune: Any
+    finetune: TaskConfig
     explicit: frozenset = frozenset()
 
 

@@ -22,6 +22,7 @@ line that names the flags (or the JSON key) and what to do.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -130,6 +131,12 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     resolve_run once merged."""
     train, model, data = cfg.train, getattr(cfg, "model", None), getattr(cfg, "data", None)
     check_train(train)
+    if isinstance(cfg, FinetuneConfigs) and train.save and train.load and \
+            os.path.realpath(train.save) == os.path.realpath(train.load):
+        # Fine-tuning resumes what --save holds: the pre-trained checkpoint would be taken for
+        # the run's own, and the fine-tuned model saved over it.
+        raise ConfigError(f"--save {train.save} is also --load: fine-tuning reads the pre-trained model from --load "
+                          f"and keeps (and resumes) its own run in --save; give --save a directory of its own")
     check_optim(cfg.optim)
     if model is not None:
         check_model(model)

@@ -160,6 +160,9 @@ class Strategy:
     def save_own_files(self, root: str, state: TrainingState) -> None:
         """Collective, after the rank files: state our rank files do not hold."""
 
+    def discard_own_files(self, root: str, state: TrainingState) -> None:
+        """A save failed (rank 0 calls this): take back what save_own_files wrote for it."""
+
     def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
         """Restores the optimizer of a resumed run from what save wrote."""
         if payload.get("optimizer") is None:
