@@ -1,4 +1,4 @@
-"""Megatron-LM / Megatron-DeepSpeed BERT checkpoints, read and written without megatron.
+"""Megatron-LM BERT checkpoints (and those of its forks, which keep its formats), read and written without megatron.
 
 A Megatron `--save` directory (the root with `latest_checkpointed_iteration.txt`, or one
 `iter_NNNNNNN/` / `release/` directory) in either format:
