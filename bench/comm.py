@@ -52,6 +52,7 @@ LAYOUTS = {
     "pp2-interleaved": (Layout(pp=2, virtual_stages=2), ["--num-layers-per-virtual-pipeline-stage", "1"]),
     "dp2": (Layout(dp=2), []),
     "dp2-no-overlap": (Layout(dp=2), ["--no-overlap-grad-reduce"]),
+    "dp2-distopt": (Layout(dp=2, distributed_optimizer=True), ["--use-distributed-optimizer"]),
     "tp2pp2": (Layout(tp=2, pp=2), []),
     "zero1": (Layout(dp=2, zero_stage=1), ["--deepspeed", "--zero-stage", "1"]),
     "zero2": (Layout(dp=2, zero_stage=2), ["--deepspeed", "--zero-stage", "2"]),

@@ -17,6 +17,7 @@ pretrain_bert.py's preflight logged before building the model (warned or fits).
     python bench/memory.py                               # BERT-base, every layout
     python bench/memory.py --sizes bert-large --layouts single zero3 zero3-offload --budget-gb 7
     python bench/memory.py --list                        # the layouts and their flags
+    python bench/memory.py --sizes bert-large --layouts single dp2 dp2-distopt dp4 dp4-distopt
     python bench/memory.py --layouts pp2 pp4 --seq 512 --micro-batch 4 --micro-batches 4   # 1F1B in flight
 
 Memory on a shared machine: BERT-large takes 7-9 GB per process; runs go one at a time.
@@ -55,6 +56,10 @@ LAYOUTS = {
     "pp4": BenchLayout("pp4", Layout(pp=4)),
     "tp2pp2": BenchLayout("tp2pp2", Layout(tp=2, pp=2)),
     "dp2": BenchLayout("dp2", Layout(dp=2)),
+    "dp4": BenchLayout("dp4", Layout(dp=4)),
+    # megabert's own ZeRO-1: --use-distributed-optimizer (moments sharded over DP).
+    "dp2-distopt": BenchLayout("dp2-distopt", Layout(dp=2, distributed_optimizer=True)),
+    "dp4-distopt": BenchLayout("dp4-distopt", Layout(dp=4, distributed_optimizer=True)),
     "zero1": BenchLayout("zero1", Layout(dp=2, zero_stage=1)),
     "zero2": BenchLayout("zero2", Layout(dp=2, zero_stage=2)),
     "zero3": BenchLayout("zero3", Layout(dp=2, zero_stage=3)),
@@ -120,9 +125,11 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
            # docstrings pads ~40% of positions, which the default unpadded encoder would
            # not hold. The padded encoder holds a full batch's activations on any data.
            "--no-unpad-input"]
+    if lay.distributed_optimizer:
+        cmd += ["--use-distributed-optimizer"]
     if lay.zero_stage:
         # The flags users type: pretrain_bert.py sizes DeepSpeed's ZeRO buffers to the model
-        # (megabert.parallel.buckets.zero_sizing, the numbers the planner reads).
+        # (megabert.parallel.zero.ZeroBuckets, the numbers the planner reads).
         cmd += ["--deepspeed", "--zero-stage", str(lay.zero_stage)]
         if lay.offload_optimizer:
             cmd += ["--zero-offload-optimizer", "cpu"]

@@ -23,7 +23,12 @@ Needs root (namespaces, tc); elsewhere it says so and exits 0. Everything it cre
 removed on exit, also on Ctrl-C or an error; every run has a timeout.
 
     sudo .venv/bin/python bench/multinode.py [--bandwidths 1,10] [--layouts dp2,tp2,pp2] [--steps 16] [--repeats 2]
-        [--micro-batch 8] [--bucket-elements 1048576]
+        [--micro-batch 8] [--bucket-elements 1048576] [--sides overlap,distopt,ZeRO]
+
+At DP=2 the sides are megabert's trainer (overlapped reduction on and off, and with
+--use-distributed-optimizer: reduce-scatter in backward, all-gather in forward), DeepSpeed
+ZeRO-1 and ZeRO-2 (pretrain_bert.py --deepspeed --zero-stage N) and PyTorch DDP; MB/step is
+the comm ledger's count (DDP's peer has none).
 """
 from __future__ import annotations
 
@@ -150,8 +155,10 @@ GLOBAL_BATCH = 2 * SHAPE["micro"]  # one micro-batch per rank at DP=2, two at TP
 BUCKET = BENCH_BUCKET  # --bucket-elements: megabert's --ddp-bucket-size and DDP's bucket_cap_mb
 
 
-def megabert_step(work: str, steps: int, link: bool, layout: str, overlap: bool = True) -> float:
-    metrics = os.path.join(work, f"m-{link}-{layout}-{overlap}.jsonl")
+def megabert_step(work: str, steps: int, link: bool, layout: str, overlap: bool = True,
+                  extra: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(median step seconds, MB the busiest rank sent per step by the comm ledger)."""
+    metrics = os.path.join(work, f"m-{link}-{layout}-{overlap}-{'_'.join(extra)}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     s = SHAPE
@@ -163,9 +170,10 @@ def megabert_step(work: str, steps: int, link: bool, layout: str, overlap: bool 
             "--pipeline-model-parallel-size", str(pp), "--train-iters", str(steps),
             "--data-path", f"{work}/c_text_sentence", "--vocab-file", f"{work}/vocab.txt", "--split", "100,0,0",
             "--log-interval", "1", "--eval-interval", "0", "--num-workers", "0", "--metrics-file", metrics,
-            "--ddp-bucket-size", str(BUCKET), *([] if overlap else ["--no-overlap-grad-reduce"])], link)
-    times = [json.loads(line)["iteration_time_s"] for line in open(metrics) if "iteration_time_s" in line]
-    return statistics.median(times[2:])
+            "--ddp-bucket-size", str(BUCKET), *([] if overlap else ["--no-overlap-grad-reduce"]), *extra], link)
+    rows = [json.loads(line) for line in open(metrics) if "iteration_time_s" in line]
+    return (statistics.median(r["iteration_time_s"] for r in rows[2:]),
+            statistics.median(r["comm_gb"] * 1e3 for r in rows[2:]))
 
 
 def peer(args: list[str], link: bool) -> float:
@@ -189,7 +197,8 @@ def param_count() -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def predict(layout: str, overlap: bool, loop_s: float, loop_gbit: float, link_gbit: float) -> float:
+def predict(layout: str, overlap: bool, loop_s: float, loop_gbit: float, link_gbit: float, *, zero_stage: int = 0,
+            distributed_optimizer: bool = False) -> float:
     """The planner's step across the link: the loopback step less what the model exposes at
     loopback's bandwidth (its compute), plus what it exposes at the link's."""
     from megabert.planning import Layout, Workload
@@ -198,7 +207,7 @@ def predict(layout: str, overlap: bool, loop_s: float, loop_gbit: float, link_gb
     model, (tp, pp) = model_config(), LAYOUTS[layout]
     run = Workload(seq_length=SHAPE["seq"], micro_batch_size=SHAPE["micro"], global_batch_size=GLOBAL_BATCH,
                    device="cpu", overlap_grad_reduce=overlap)
-    lay = Layout(tp=tp, pp=pp, dp=2 // (tp * pp))
+    lay = Layout(tp=tp, pp=pp, dp=2 // (tp * pp), zero_stage=zero_stage, distributed_optimizer=distributed_optimizer)
     exposed = lambda gbit, compute: step_time(  # noqa: E731  one rank per "node": every group crosses
         model, run, lay, Links(gpus_per_node=1, intra_gbit=gbit, inter_gbit=gbit), compute,
         bucket_elements=BUCKET).exposed_s
@@ -218,6 +227,9 @@ def main() -> None:
                         f"default is {BUCKET_ELEMENTS}")
     p.add_argument("--micro-batch", type=int, default=SHAPE["micro"],
                    help="sequences per micro-batch (the step's compute; the all-reduce does not change)")
+    p.add_argument("--sides", default=None,
+                   help="only the DP sides whose name contains one of these words, comma-separated (e.g. "
+                        "overlap,distopt,ZeRO; default: all)")
     p.add_argument("--repeats", type=int, default=2, help="loopback/link pairs per side (the fastest of each kept)")
     args = p.parse_args()
     if args.repeats < 1 or args.steps < 4 or args.micro_batch < 1:
@@ -237,9 +249,16 @@ def main() -> None:
     s = SHAPE
     shape = [str(s[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "micro")]
     # (name, layout, overlap: True/False for megabert's trainer, else the DDP peer's model)
-    sides = [("megabert overlap", "dp2", True), ("megabert no-overlap", "dp2", False),
-             ("DDP, megabert's model", "dp2", "megabert"), ("DDP, transformers", "dp2", "transformers")]
-    sides = [x for x in sides if "dp2" in layouts] + [(f"megabert {x}", x, True) for x in layouts if x != "dp2"]
+    # (name, layout, overlap or the DDP peer's model, extra flags of pretrain_bert.py)
+    sides = [("megabert overlap", "dp2", True, ()), ("megabert no-overlap", "dp2", False, ()),
+             ("megabert distopt", "dp2", True, ("--use-distributed-optimizer",)),
+             ("DeepSpeed ZeRO-1", "dp2", True, ("--deepspeed", "--zero-stage", "1")),
+             ("DeepSpeed ZeRO-2", "dp2", True, ("--deepspeed", "--zero-stage", "2")),
+             ("DDP, megabert's model", "dp2", "megabert", ()), ("DDP, transformers", "dp2", "transformers", ())]
+    sides = [x for x in sides if "dp2" in layouts] + [(f"megabert {x}", x, True, ()) for x in layouts if x != "dp2"]
+    if args.sides:
+        wanted = args.sides.split(",")
+        sides = [x for x in sides if any(w in x[0] for w in wanted)]
     rows = []
     with tempfile.TemporaryDirectory() as work:
         make_data(work)
@@ -250,15 +269,18 @@ def main() -> None:
             for gbit in (float(b) for b in args.bandwidths.split(",")):
                 make_link(gbit)
                 alone = min(peer(["allreduce", str(n)], True) for _ in range(args.repeats))
-                for name, layout, overlap in sides:
+                for name, layout, overlap, extra in sides:
                     ddp = isinstance(overlap, str)
-                    run = (lambda link: peer(["ddp", overlap, *shape, str(args.steps), str(BUCKET)], link)) if ddp \
-                        else (lambda link: megabert_step(work, args.steps, link, layout, overlap))
+                    run = (lambda link: (peer(["ddp", overlap, *shape, str(args.steps), str(BUCKET)], link), None)) \
+                        if ddp else (lambda link: megabert_step(work, args.steps, link, layout, overlap, extra))
                     pairs = [(run(False), run(True)) for _ in range(args.repeats)]
-                    loop, link = min(lo for lo, _ in pairs), min(li for _, li in pairs)
-                    pred = None if ddp else predict(layout, overlap, loop, loop_gbit, gbit)
+                    loop, link = min(lo[0] for lo, _ in pairs), min(li[0] for _, li in pairs)
+                    mb = pairs[0][1][1]
+                    zero = int(extra[extra.index("--zero-stage") + 1]) if "--zero-stage" in extra else 0
+                    pred = None if ddp else predict(layout, overlap, loop, loop_gbit, gbit, zero_stage=zero,
+                                                    distributed_optimizer="--use-distributed-optimizer" in extra)
                     hidden = 1 - (link - loop) / alone if layout == "dp2" else None
-                    rows.append((gbit, name, loop, link, pred, alone, hidden))
+                    rows.append((gbit, name, loop, link, pred, alone, hidden, mb))
                     print(f"  {gbit:g} Gbit/s {name}: loopback {loop:.3f} s, link {link:.3f} s", file=sys.stderr,
                           flush=True)
         finally:
@@ -267,11 +289,13 @@ def main() -> None:
           f"{s['micro']}, {GLOBAL_BATCH} samples per step, two ranks in two network namespaces (veth + tc tbf), "
           f"1 thread per rank, gloo; loopback all-reduce {loop_gbit:.1f} Gbit/s")
     print(f"{'Gbit/s':>6} {'side':22} {'loopback s':>10} {'link s':>8} {'samples/s':>9} {'planner s':>9} "
-          f"{'planner/link':>12} {'all-reduce s':>12} {'hidden':>7}")
-    for gbit, name, lo, li, pred, alone, hidden in rows:
+          f"{'planner/link':>12} {'all-reduce s':>12} {'hidden':>7} {'MB/step':>8}")
+    for gbit, name, lo, li, pred, alone, hidden, mb in rows:
         print(f"{gbit:6g} {name:22} {lo:10.3f} {li:8.3f} {GLOBAL_BATCH / li:9.2f} "
               f"{f'{pred:.3f}' if pred else '-':>9} {f'{pred / li:.2f}' if pred else '-':>12} {alone:12.3f} "
-              f"{f'{hidden:.0%}' if hidden is not None else '-':>7}")
+              f"{f'{hidden:.0%}' if hidden is not None else '-':>7} {f'{mb:.1f}' if mb is not None else '-':>8}")
+    print(f"a ring all-reduce of the {n / 1e6:.1f}M fp32 gradients over two ranks sends {4.0 * n / 1e6:.1f} MB "
+          f"per rank (MB/step: the comm ledger's count of the busiest rank, loss averaging and norms included)")
     for gbit in sorted({r[0] for r in rows}):
         ranked = {"megabert overlap": "dp2", "megabert tp2": "tp2", "megabert pp2": "pp2"}
         mine = [r for r in rows if r[0] == gbit and r[1] in ranked]

@@ -146,15 +146,6 @@ def explicit_flags(ns: argparse.Namespace) -> frozenset:
     return frozenset(k for k in vars(ns) if "." in k)
 
 
-def check_combinations(cfg: Configs | FinetuneConfigs) -> None:
-    """The cross-flag rules that need no process group (megabert.rules)."""
-    model = getattr(cfg, "model", None)
-    check_flags(train=cfg.train, pp=cfg.parallel.pipeline_model_parallel_size, optimizer=cfg.optim.optimizer,
-                sequence_parallel=bool(model and model.sequence_parallel),
-                seq_length=cfg.data.seq_length if model is not None else None,
-                max_position_embeddings=model.max_position_embeddings if model is not None else None)
-
-
 def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> Configs:
     parser = ArgumentParser(description=description, formatter_class=_DefaultsHelpFormatter)
     add_config_arguments(parser, defaults=PRETRAIN_DEFAULTS)
@@ -170,7 +161,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     ns = parser.parse_args(argv)
     # A broken rule raises ConfigError: the entry script's cli_main prints its one line.
     cfg = Configs(**configs_from_namespace(ns), explicit=typed)
-    check_combinations(cfg)
+    check_flags(cfg)  # the rules between flags, before any process starts (megabert.rules)
     return cfg
 
 
@@ -191,5 +182,5 @@ def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str =
     cfg = FinetuneConfigs(**configs_from_namespace(ns, FINETUNE_SECTIONS, classes), explicit=typed)
     if not cfg.train.load:
         raise ConfigError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
-    check_combinations(cfg)
+    check_flags(cfg)  # the rules between flags, before any process starts (megabert.rules)
     return cfg

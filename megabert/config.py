@@ -2,8 +2,9 @@
 
 Each field carries its CLI flag (Megatron-LM's name wherever Megatron has the flag) and
 its help text in `metadata`; `megabert.arguments` turns these dataclasses into the CLI,
-so a flag exists in exactly one place. Cross-field checks live in `__post_init__` and
-raise ConfigError with a one-line message that names the flags.
+so a flag exists in exactly one place. `__post_init__` checks single fields (a positive
+size, a value in range) with a one-line ConfigError naming the flag; rules that relate
+several flags are megabert.rules', applied once when the run is resolved.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any, Optional
 
 from megabert.errors import ConfigError
 from megabert.parallel.buckets import BUCKET_ELEMENTS
-from megabert.rules import check_zero
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
@@ -44,6 +44,8 @@ class ModelConfig:
     init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.")
     layernorm_position: str = arg("post", "post: the original BERT; pre: LayerNorm before each sublayer "
                                   "(more stable for deep models).", choices=("post", "pre"))
+    embedding_layernorm: bool = arg(True, "LayerNorm after the embeddings (BERT's, transformers'); "
+                                    "--no-embedding-layernorm: none, as Megatron-LM builds BERT.")
     bert_binary_head: bool = arg(True, "Train the sentence-pair (SOP/NSP) head.", cli=False)
     mlm_logits_at_masked_only: bool = arg(False, "Compute MLM logits only at masked positions when labels are "
                                           "given (saves the [tokens, vocab] matmul and memory for unmasked "
@@ -79,9 +81,6 @@ class ModelConfig:
                      "max_position_embeddings", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by "
-                              f"--num-attention-heads {self.num_attention_heads}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
@@ -92,9 +91,6 @@ class ModelConfig:
             self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
             if sorted(self.id2label) != list(range(self.num_labels)):
                 raise ConfigError(f"id2label {self.id2label} does not name classes 0..{self.num_labels - 1}")
-        if self.unpad_input and self.sequence_parallel:
-            raise ConfigError("--unpad-input cannot combine with --sequence-parallel (the sequence is split over "
-                              "tensor-parallel ranks, the real tokens are not); use --no-unpad-input")
 
     @property
     def head_dim(self) -> int:
@@ -124,6 +120,12 @@ class ParallelConfig:
                                     "DeepSpeed's own overlap_comm.")
     ddp_bucket_size: int = arg(BUCKET_ELEMENTS, "Elements per data-parallel gradient bucket: smaller buckets start "
                                "reducing earlier in backward, larger ones send fewer messages.")
+    use_distributed_optimizer: bool = arg(False, "Shard the optimizer states over data parallelism (megabert's own "
+                                          "ZeRO-1, Megatron's distributed optimizer): gradient buckets are "
+                                          "reduce-scattered, each rank steps its shard, parameters are all-gathered.")
+    overlap_param_gather: bool = arg(True, "With --use-distributed-optimizer: each parameter bucket's all-gather "
+                                     "is waited for only by the forward that needs it (--no-overlap-param-gather: "
+                                     "all at once after the optimizer step).")
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1:
@@ -140,7 +142,8 @@ class ParallelConfig:
 class DataConfig:
     """Where samples come from and how they are built."""
 
-    data_path: list = arg(help="Dataset prefix (P for P.bin/P.idx) or weighted prefixes: 0.3 A 0.7 B.",
+    data_path: list = arg(help="Dataset prefix (P for P.bin/P.idx) or weighted prefixes: 0.3 A 0.7 B; or NVIDIA "
+                               "DeepLearningExamples .hdf5 / LDDL .parquet shards: a directory, glob or files.",
                           factory=list)
     split: str = arg("969,30,1", "Train,valid,test proportions, e.g. 949,50,1.")
     vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json).")
@@ -213,13 +216,6 @@ class OptimConfig:
     def __post_init__(self):
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if not 0.0 <= self.lr_warmup_init <= self.lr:
-            raise ConfigError(f"--lr-warmup-init must be in [0, --lr], got {self.lr_warmup_init} with --lr {self.lr}")
-        if not 0.0 <= self.lamb_min_coeff <= self.lamb_max_coeff:
-            raise ConfigError(f"LAMB's trust-ratio bounds need 0 <= --lamb-min-coeff <= --lamb-max-coeff, got "
-                              f"{self.lamb_min_coeff} and {self.lamb_max_coeff}")
-        if self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"--min-lr must be in [0, --lr], got {self.min_lr} with --lr {self.lr}")
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction <= 1.0:
             raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
         if self.clip_grad < 0:
@@ -274,29 +270,13 @@ class TrainConfig:
                                             "a budget is compared with the peak resident set size.")
 
     def __post_init__(self):
-        if self.bf16 and self.fp16:
-            raise ConfigError("--bf16 and --fp16 are mutually exclusive: pick one")
         if self.micro_batch_size < 1:
             raise ConfigError("--micro-batch-size must be >= 1")
         if self.train_iters < 0:
             raise ConfigError("--train-iters must be >= 0")
-        if self.pretrained_checkpoint and self.finetune:
-            raise ConfigError("--pretrained-checkpoint already takes the weights only and resumes the run's own "
-                              "checkpoint once there is one; drop --finetune")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ConfigError(f"--memory-budget-gb must be a positive number of GB per rank, "
                               f"got {self.memory_budget_gb}")
-        if self.deepspeed_config and not self.deepspeed:
-            raise ConfigError("--deepspeed_config needs --deepspeed")
-        if self.zero_stage and not self.deepspeed:
-            raise ConfigError(f"--zero-stage {self.zero_stage} needs --deepspeed")
-        for name, what in (("zero_offload_optimizer", "optimizer"), ("zero_offload_params", "params")):
-            if getattr(self, name) != "none" and not self.deepspeed:
-                raise ConfigError(f"--zero-offload-{what} {getattr(self, name)} needs --deepspeed")
-        # With a --deepspeed_config the stage may come from the JSON: checked once merged.
-        if self.deepspeed and not self.deepspeed_config:
-            check_zero(self.zero_stage, offload_optimizer=self.zero_offload_optimizer == "cpu",
-                       offload_params=self.zero_offload_params == "cpu", compile=self.compile)
 
 
 @dataclass
@@ -312,16 +292,49 @@ class Configs:
     explicit: frozenset = frozenset()
 
 
+@dataclass(kw_only=True)
+class TaskConfig:
+    """The flags every fine-tuning task has (the fine-tuning driver, megabert.training.finetune,
+    reads these): tokenizer, feature length, how long to train, prediction batches and where
+    the outputs go. A task's config dataclass (SQuAD's SquadConfig, GLUE's GlueConfig)
+    subclasses it with its data files and options, and may give a field another default."""
+
+    output_dir: Optional[str] = arg(None, "Where the predictions, eval_results.json and the task's other outputs go.")
+    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or tokenizer.json); default the vocab.txt that came "
+                                    "with --load (a Hugging Face or Google TF directory's, or beside a converted "
+                                    "checkpoint).")
+    tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type (lower-cased or cased WordPiece, or a "
+                              "tokenizer.json); must match the pre-trained model.",
+                              choices=("BertWordPieceLowerCase", "BertWordPieceCase", "HuggingFaceTokenizer"))
+    max_seq_length: int = arg(128, "Tokens per feature, padded.")
+    epochs: float = arg(3.0, "Passes over the training data (may be fractional).")
+    train_iters: Optional[int] = arg(None, "Optimizer steps; default --epochs over the training data.")
+    predict_batch_size: Optional[int] = arg(None, "Features per forward pass when predicting; default "
+                                            "--micro-batch-size.")
+    recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or selective "
+                                               "(attention core only); the losses are unchanged.",
+                                               choices=(None, "full", "selective"))
+
+    def __post_init__(self):
+        if self.max_seq_length < 8:
+            raise ConfigError(f"--max-seq-length must be at least 8, got {self.max_seq_length}")
+        if self.epochs <= 0:
+            raise ConfigError(f"--epochs must be positive, got {self.epochs}")
+        if self.train_iters is not None and self.train_iters < 1:
+            raise ConfigError(f"--train-iters must be >= 1, got {self.train_iters}")
+        if self.predict_batch_size is not None and self.predict_batch_size < 1:
+            raise ConfigError(f"--predict-batch-size must be >= 1, got {self.predict_batch_size}")
+
+
 @dataclass
 class FinetuneConfigs:
     """A fine-tuning entry script's configs: the model comes from --load, so no model or data
     section. `finetune` is the task's own config dataclass (SQuAD's SquadConfig, GLUE's
-    GlueConfig), which the generic fine-tuning code reads through the fields every task
-    config has (megabert.training.finetune.TaskConfig)."""
+    GlueConfig), a TaskConfig."""
     parallel: ParallelConfig
     optim: OptimConfig
     train: TrainConfig
-    finetune: Any
+    finetune: TaskConfig
     explicit: frozenset = frozenset()
 
 

@@ -1,20 +1,34 @@
-"""Every rule that spans more than one flag, written once.
+"""Every rule that spans more than one flag, written once and applied once.
 
 Single-field checks (a positive size, a value in range) stay in the config dataclasses'
-`__post_init__`. The rules here relate several flags, or a flag and the world size, and
-are called wherever such values are decided: at parsing (flags only), when a DeepSpeed JSON
-has been merged (its stage and offload are what runs), by the layout planner for
-candidate layouts that no flag describes yet, and by checkpoint conversion. Each raises
-ConfigError with one line that names the flags (or the JSON key) and what to do.
+`__post_init__`. The rules here relate several flags, or flags and the world, and each
+runs at one point of the one resolution:
+
+- `check_flags(cfg)`: the rules between flags alone, when the flags are parsed
+  (megabert.arguments), before any process group exists: a wrong combination costs no
+  launch, and under torchrun every rank reports it alike.
+- the world-size rule, where the rank grid is built (megabert.parallel.layout
+  `data_parallel_size`, called by ParallelState.build: the Python API's door too).
+- `resolve_run` (megabert.training.resolve) applies the rest once the world is known:
+  the model's split over TP/PP (`check_model_split`), the batch over the data-parallel
+  ranks (megabert.parallel.layout.BatchLayout), and the ZeRO plan that runs
+  (`check_zero`) when the engine's JSON chose its stage or an offload; a plan from the
+  flags alone was checked with the flags.
+
+The layout planner applies the same functions to candidate layouts that no flag describes
+yet, checkpoint conversion to the layout it writes, and a model being built to its own
+shape (`check_model_split`: the Python API builds models without a resolved run). Each raises ConfigError with one
+line that names the flags (or the JSON key) and what to do.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import os
+from typing import Optional
 
+from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megabert.errors import ConfigError
-
-if TYPE_CHECKING:  # config.py calls these rules from __post_init__: no import at run time
-    from megabert.config import ModelConfig, ParallelConfig, TrainConfig
+from megabert.parallel.layout import BatchLayout, data_parallel_size
+from megabert.parallel.zero import ZeroPlan
 
 # Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
 # submodule, so what compiles is a dozen fragments per layer and recompilations past
@@ -23,21 +37,24 @@ COMPILE_ZERO3_WHY = ("ZeRO-3 gathers each submodule's parameters in hooks that t
                      "splits every layer into a graph per linear layer until dynamo gives up and runs them eagerly")
 
 
-def check_zero(stage: int, *, pp: int = 1, offload_optimizer: bool = False, offload_params: bool = False,
-               compile: bool = False, deepspeed: bool = True, stage_source: Optional[str] = None,
-               where: str = "") -> None:
-    """What a ZeRO stage combines with. `stage_source` names where the stage came from for
-    the message (default "--zero-stage N"); `where` follows the offload flags when a JSON
-    set them (" (--deepspeed_config X)"). `deepspeed=False` (stage 0 of the planner:
-    megabert's own trainer) needs no stage for pipelining."""
-    source = stage_source or f"--zero-stage {stage}"
+def zero_plan_from_flags(train: TrainConfig) -> ZeroPlan:
+    """The ZeRO plan the flags alone describe (no sizes: those need the model)."""
+    return ZeroPlan(stage=train.zero_stage, offload_optimizer=train.zero_offload_optimizer == "cpu",
+                    offload_params=train.zero_offload_params == "cpu", source="flag")
+
+
+def check_zero(plan: ZeroPlan, *, pp: int = 1, compile: bool = False, deepspeed: bool = True) -> None:
+    """What a ZeRO stage combines with. The plan's `stage_origin` and `offload_origin` name
+    where the stage and the offloads came from in the message. `deepspeed=False` (stage 0 of
+    the planner: megabert's own trainer) needs no stage for pipelining."""
+    stage, source, where = plan.stage, plan.stage_origin, plan.offload_origin
     if compile and stage == 3:
         raise ConfigError(f"--compile cannot combine with {source}: {COMPILE_ZERO3_WHY}; use ZeRO stage 1 or 2 with "
                           f"--compile, or drop --compile")
-    if offload_optimizer and stage < 1:
+    if plan.offload_optimizer and stage < 1:
         raise ConfigError(f"--zero-offload-optimizer cpu{where} needs --zero-stage 1, 2 or 3 (ZeRO partitions the "
                           f"optimizer state it offloads)")
-    if offload_params and stage != 3:
+    if plan.offload_params and stage != 3:
         raise ConfigError(f"--zero-offload-params cpu{where} needs --zero-stage 3 (only ZeRO-3 partitions "
                           f"parameters); got {source}")
     if pp > 1 and stage > 1:
@@ -56,28 +73,92 @@ def check_sequence_parallel(sequence_parallel: bool, *, deepspeed: bool) -> None
                           "before the sequence-parallel LayerNorm gradients are summed; drop one of them")
 
 
-def check_flags(*, train: TrainConfig, pp: int, optimizer: str, sequence_parallel: bool = False,
-                seq_length: Optional[int] = None, max_position_embeddings: Optional[int] = None) -> None:
-    """The rules that need no process group and no DeepSpeed JSON (run at parsing)."""
-    if seq_length is not None and max_position_embeddings is not None and seq_length > max_position_embeddings:
-        raise ConfigError(f"--seq-length {seq_length} exceeds --max-position-embeddings {max_position_embeddings}")
+def check_distributed_optimizer(use_distributed_optimizer: bool, *, deepspeed: bool, overlap_grad_reduce: bool
+                                ) -> None:
+    """megabert's own distributed optimizer is its own strategy's: DeepSpeed shards with ZeRO."""
+    if not use_distributed_optimizer:
+        return
+    if deepspeed:
+        raise ConfigError("--use-distributed-optimizer cannot combine with --deepspeed (DeepSpeed shards the "
+                          "optimizer with its own ZeRO): drop --deepspeed, or use --zero-stage 1 instead")
+    if not overlap_grad_reduce:
+        raise ConfigError("--use-distributed-optimizer reduce-scatters gradient buckets as backward produces them "
+                          "and has no path without --overlap-grad-reduce; drop --no-overlap-grad-reduce")
+
+
+def check_train(train: TrainConfig) -> None:
+    """The training flags among themselves: precision, how a run starts, what needs --deepspeed."""
+    if train.bf16 and train.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive: pick one")
+    if train.pretrained_checkpoint and train.finetune:
+        raise ConfigError("--pretrained-checkpoint already takes the weights only and resumes the run's own "
+                          "checkpoint once there is one; drop --finetune")
     if train.finetune and not train.load:
         raise ConfigError("--finetune needs --load")
+    if train.deepspeed_config and not train.deepspeed:
+        raise ConfigError("--deepspeed_config needs --deepspeed")
+    if train.zero_stage and not train.deepspeed:
+        raise ConfigError(f"--zero-stage {train.zero_stage} needs --deepspeed")
+    for name, what in (("zero_offload_optimizer", "optimizer"), ("zero_offload_params", "params")):
+        if getattr(train, name) != "none" and not train.deepspeed:
+            raise ConfigError(f"--zero-offload-{what} {getattr(train, name)} needs --deepspeed")
+
+
+def check_optim(optim: OptimConfig) -> None:
+    """The optimizer flags that bound one another."""
+    if not 0.0 <= optim.lr_warmup_init <= optim.lr:
+        raise ConfigError(f"--lr-warmup-init must be in [0, --lr], got {optim.lr_warmup_init} with --lr {optim.lr}")
+    if not 0.0 <= optim.lamb_min_coeff <= optim.lamb_max_coeff:
+        raise ConfigError(f"LAMB's trust-ratio bounds need 0 <= --lamb-min-coeff <= --lamb-max-coeff, got "
+                          f"{optim.lamb_min_coeff} and {optim.lamb_max_coeff}")
+    if optim.min_lr < 0 or optim.min_lr > optim.lr:
+        raise ConfigError(f"--min-lr must be in [0, --lr], got {optim.min_lr} with --lr {optim.lr}")
+
+
+def check_model(model: ModelConfig) -> None:
+    """The architecture's flags among themselves."""
+    if model.hidden_size % model.num_attention_heads:
+        raise ConfigError(f"--hidden-size {model.hidden_size} is not divisible by "
+                          f"--num-attention-heads {model.num_attention_heads}")
+    if model.unpad_input and model.sequence_parallel:
+        raise ConfigError("--unpad-input cannot combine with --sequence-parallel (the sequence is split over "
+                          "tensor-parallel ranks, the real tokens are not); use --no-unpad-input")
+
+
+def check_flags(cfg: Configs | FinetuneConfigs) -> None:
+    """The rules that need no process group and no DeepSpeed JSON (run at parsing). A ZeRO
+    plan from the flags alone is checked here; one that a --deepspeed_config may change, in
+    resolve_run once merged."""
+    train, model, data = cfg.train, getattr(cfg, "model", None), getattr(cfg, "data", None)
+    check_train(train)
+    if isinstance(cfg, FinetuneConfigs) and train.save and train.load and \
+            os.path.realpath(train.save) == os.path.realpath(train.load):
+        # Fine-tuning resumes what --save holds: the pre-trained checkpoint would be taken for
+        # the run's own, and the fine-tuned model saved over it.
+        raise ConfigError(f"--save {train.save} is also --load: fine-tuning reads the pre-trained model from --load "
+                          f"and keeps (and resumes) its own run in --save; give --save a directory of its own")
+    check_optim(cfg.optim)
+    if model is not None:
+        check_model(model)
+    if model is not None and data is not None and data.seq_length > model.max_position_embeddings:
+        raise ConfigError(f"--seq-length {data.seq_length} exceeds --max-position-embeddings "
+                          f"{model.max_position_embeddings}")
+    check_distributed_optimizer(cfg.parallel.use_distributed_optimizer, deepspeed=train.deepspeed,
+                                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
     if not train.deepspeed:
         return
-    if optimizer == "lamb":
+    if cfg.optim.optimizer == "lamb":
         raise ConfigError("--optimizer lamb with --deepspeed is not supported: ZeRO and DeepSpeed's precision "
                           "wrappers hand the optimizer flattened buffers, so LAMB's per-tensor trust ratio would "
                           "be wrong; train LAMB without --deepspeed, or use --optimizer adam with ZeRO")
-    check_sequence_parallel(sequence_parallel, deepspeed=True)
-    if train.deepspeed_config:
-        return  # the JSON may choose the stage and offload: checked once merged
-    check_zero(train.zero_stage, pp=pp, offload_optimizer=train.zero_offload_optimizer == "cpu",
-               offload_params=train.zero_offload_params == "cpu", compile=train.compile)
+    check_sequence_parallel(bool(model and model.sequence_parallel), deepspeed=True)
+    if not train.deepspeed_config:
+        check_zero(zero_plan_from_flags(train), pp=cfg.parallel.pipeline_model_parallel_size, compile=train.compile)
 
 
 def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None) -> None:
     """The model divides over TP (heads, MLP) and PP (layers, virtual chunks)."""
+    check_model(model)
     if model.num_attention_heads % tp:
         raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
@@ -97,15 +178,12 @@ def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_s
 
 def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int,
                     train: TrainConfig | None = None) -> int:
-    """Checks the model and the batch against the rank grid; returns the data-parallel size."""
+    """The model and the batch against a rank grid that no ParallelState describes yet
+    (checkpoint conversion, a layout written for later); returns the data-parallel size.
+    The rules are the ones above and megabert.parallel.layout's, not restated here."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
+    dp = data_parallel_size(world_size, tp, pp)
     check_model_split(model, tp, pp, parallel.num_layers_per_virtual_pipeline_stage)
-    dp = world_size // (tp * pp)
-    if train is not None and train.global_batch_size is not None:
-        if train.global_batch_size % (train.micro_batch_size * dp):
-            raise ConfigError(f"--global-batch-size {train.global_batch_size} is not divisible by "
-                              f"--micro-batch-size {train.micro_batch_size} x data-parallel size {dp}")
+    if train is not None:
+        BatchLayout.of(train.micro_batch_size, train.global_batch_size, dp)
     return dp

@@ -13,10 +13,9 @@ import torch._dynamo
 
 import megabert.fused_kernels as fk
 from megabert.arguments import parse_args
-from megabert.config import TrainConfig
 from megabert.errors import ConfigError
 from megabert.ops import dropout_add, kernel_ops, layer_norm, scaled_masked_softmax
-from megabert.training.deepspeed.config import resolve_deepspeed_config
+from megabert.training.resolve import resolve_run
 
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.train_utils import build_trainer
@@ -135,13 +134,13 @@ def test_compile_with_zero3_is_one_line_naming_both_flags(tmp_path):
     and run past dynamo's recompile limit (eager again), so the flags refuse it; a
     DeepSpeed JSON that chooses stage 3 likewise."""
     with pytest.raises(ConfigError) as e:
-        TrainConfig(deepspeed=True, zero_stage=3, compile=True)
+        parse_args(["--deepspeed", "--zero-stage", "3", "--compile"])
     assert "\n" not in str(e.value) and "--compile" in str(e.value) and "--zero-stage 3" in str(e.value)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     cfg = parse_args(["--deepspeed", "--deepspeed_config", str(path), "--compile"])
     with pytest.raises(ConfigError) as e:
-        resolve_deepspeed_config(cfg, SimpleNamespace(dp_size=2, pp_size=1, device=torch.device("cpu")), 64)
+        resolve_run(cfg, SimpleNamespace(world_size=2, dp_size=2, pp_size=1, device=torch.device("cpu")))
     assert "\n" not in str(e.value) and "--compile" in str(e.value) and "zero_optimization.stage=3" in str(e.value)
 
 

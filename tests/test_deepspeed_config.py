@@ -11,11 +11,12 @@ from megabert.arguments import parse_args
 from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
 from megabert.tasks.squad.config import SquadConfig
 from megabert.errors import ConfigError
-from megabert.parallel.buckets import zero_sizing
-from megabert.training.deepspeed.config import build_config, offloads_optimizer, resolve_deepspeed_config
+from megabert.parallel.zero import ZeroBuckets
+from megabert.training.deepspeed.config import bucket_keys, build_config, offloads_optimizer, resolve_deepspeed_config
+from megabert.training.resolve import resolve_run
 
-CPU = SimpleNamespace(dp_size=2, pp_size=1, device=torch.device("cpu"))
-GPU = SimpleNamespace(dp_size=2, pp_size=1, device=torch.device("cuda", 0))  # only read for its type here
+CPU = SimpleNamespace(world_size=2, dp_size=2, pp_size=1, device=torch.device("cpu"))
+GPU = SimpleNamespace(world_size=2, dp_size=2, pp_size=1, device=torch.device("cuda", 0))  # only read for its type here
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "4"]
 # DeepSpeed's BERT tutorial (bing_bert), batch sizes cut to this test's.
 TUTORIAL = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
@@ -35,10 +36,13 @@ def tutorial(**changes):
 
 
 def resolve(tmp_path, ds: dict, *flags, ps=CPU, hidden=64):
+    """(DeepSpeed's config, the OptimConfig) of the resolved run: the JSON merged, every rule applied."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
-    cfg = parse_args(["--deepspeed", "--deepspeed_config", str(path), *BATCH, *flags])
-    return resolve_deepspeed_config(cfg, ps, hidden)
+    cfg = parse_args(["--deepspeed", "--deepspeed_config", str(path), *BATCH, *flags, "--hidden-size", str(hidden),
+                      "--num-attention-heads", "2"])
+    run = resolve_run(cfg, ps)
+    return run.deepspeed_config, run.optim
 
 
 def error(tmp_path, ds, *flags, ps=CPU) -> str:
@@ -152,20 +156,25 @@ def test_schedulers_that_do_not_map_stop(tmp_path, scheduler, flags, expected):
 def test_zero_sized_to_the_model_with_only_the_stage_keys(stage):
     cfg = parse_args(["--deepspeed", "--zero-stage", str(stage), *BATCH])
     zero = build_config(cfg.train, cfg.optim, CPU, hidden_size=1024)["zero_optimization"]
-    sizing = zero_sizing(1024)
+    sizing = bucket_keys(ZeroBuckets.for_hidden_size(1024))
     expected = {0: set(), 1: {"reduce_bucket_size", "allgather_bucket_size"},
                 2: {"reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients"},
                 3: {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                     "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size", "overlap_comm",
                     "contiguous_gradients"}}[stage]
-    assert set(zero) == {"stage"} | expected
+    # ZeRO-1/2: each gradient bucket reduce-scattered, not all-reduced (the DeepSpeed here has the key).
+    ring = {"reduce_scatter": True, "use_multi_rank_bucket_allreduce": False} if stage in (1, 2) else {}
+    assert set(zero) == {"stage"} | expected | set(ring)
     assert all(zero[k] == sizing[k] for k in expected)
+    assert {k: zero[k] for k in ring} == ring
 
 
 def test_offload_flags_map_onto_deepspeed_keys(tmp_path):
     cfg = parse_args(["--deepspeed", "--zero-stage", "3", "--zero-offload-optimizer", "cpu",
                       "--zero-offload-params", "cpu", *BATCH])
-    ds, _ = resolve_deepspeed_config(cfg, CPU, 64)
+    ds, _, plan = resolve_deepspeed_config(cfg, CPU, 64)
+    assert (plan.stage, plan.offload_optimizer, plan.offload_params, plan.source) == (3, True, True, "flag")
+    assert plan.buckets == ZeroBuckets.for_hidden_size(64)
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert ds["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert offloads_optimizer(ds)
@@ -181,8 +190,7 @@ def test_offload_flags_map_onto_deepspeed_keys(tmp_path):
 ])
 def test_offload_needs_its_stage(flags, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(deepspeed=True, **{f.lstrip("-").replace("-", "_"): (int(v) if v.isdigit() else v)
-                                       for f, v in zip(flags[::2], flags[1::2])})
+        parse_args(["--deepspeed", *flags])
 
 
 def test_offload_in_the_json_checked_against_stage_and_typed_flags(tmp_path):
@@ -204,14 +212,15 @@ def test_finetune_configs_resolve_too(tmp_path):
                           train=TrainConfig(deepspeed=True, deepspeed_config=str(path), micro_batch_size=2,
                                             global_batch_size=4, zero_stage=2),
                           finetune=SquadConfig(train_file="t.json"), explicit=frozenset())
-    ds, optim = resolve_deepspeed_config(cfg, CPU, 128)
+    ds, optim, plan = resolve_deepspeed_config(cfg, CPU, 128)
+    assert plan.stage == 2 and plan.source == "flag"  # the JSON chose neither the stage nor an offload
     assert optim.lr == 2e-4 and not optim.bias_correction
     assert ds["zero_optimization"]["reduce_bucket_size"] == 128 * 128
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_json_zero_stage_other_than_1_with_pipeline_is_refused(tmp_path, stage):
-    pipelined = SimpleNamespace(dp_size=2, pp_size=2, device=torch.device("cpu"))
+    pipelined = SimpleNamespace(world_size=4, dp_size=2, pp_size=2, device=torch.device("cpu"))
     message = error(tmp_path, tutorial(fp16=None, zero_optimization={"stage": stage}), ps=pipelined)
     assert f"zero_optimization.stage={stage}" in message and "--pipeline-model-parallel-size 2" in message
     ds, _ = resolve(tmp_path, tutorial(fp16=None, zero_optimization={"stage": 1}), ps=pipelined)

@@ -54,7 +54,7 @@ def test_zero3_with_cpu_offload_trains_and_saves(dataset, tmp_path):
     metrics = tmp_path / "m.jsonl"
     r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
                  *pretrain_args(dataset, metrics, "--deepspeed", "--zero-stage", "3", "--zero-offload-optimizer", "cpu",
-                             "--zero-offload-params", "cpu", "--save", str(tmp_path / "ck"))])
+                                "--zero-offload-params", "cpu", "--save", str(tmp_path / "ck"))])
     assert r.returncode == 0, r.stderr[-4000:]
     assert [x["iteration"] for x in rows(metrics) if "lm_loss" in x] == [1, 2, 3]
     assert os.path.isdir(tmp_path / "ck" / "deepspeed" / "iter_0000003")

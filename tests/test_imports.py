@@ -1,7 +1,8 @@
 """The package layering holds: no import cycle between megabert's packages or modules,
 and the lower packages never reach up (checkpoint/ and planning/ know no model, trainer
-or task). Read from the source with ast, imports inside functions included, so a lazy
-import cannot hide a cycle; imports under `if TYPE_CHECKING:` are type hints, not edges."""
+or task); DeepSpeed is named only behind its door. Read from the source with ast, every
+import statement counted: those inside functions (a lazy import cannot hide a cycle) and
+those under `if TYPE_CHECKING:` (a type-only import is still a circle between modules)."""
 from __future__ import annotations
 
 import ast
@@ -10,12 +11,6 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megabert")
-
-# megabert/__init__.py is the public façade: `megabert.BertForPreTraining` and friends are
-# imported on first access (PEP 562 __getattr__), from the task packages. Nothing inside
-# the package imports `megabert` itself for them, so these edges close no loop that code
-# runs through; they are exempt by name.
-FACADE_LAZY = {"megabert.model", "megabert.tasks.pretraining", "megabert.tasks.squad", "megabert.tasks.glue"}
 
 # (importer package, imported package): edges that must never exist.
 FORBIDDEN = [
@@ -33,19 +28,10 @@ def _module_name(path: str) -> str:
     return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     out: set[str] = set()
 
     def visit(node):
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -81,10 +67,28 @@ def import_graph(root: str = ROOT) -> dict[str, set[str]]:
         # A submodule's import of its own parent package (`from megabert.ops import
         # kernel_ops` inside megabert.ops) runs nothing new: Python imported the parent first.
         edges = {t for t in targets if t in files and t != module and not module.startswith(t + ".")}
-        if module == "megabert":
-            edges -= FACADE_LAZY
         graph[module] = edges
     return graph
+
+
+def cycle_path(graph: dict[str, set[str]], component: list[str]) -> str:
+    """One circle through a strongly connected component, as "a -> b -> a"."""
+    members, start = set(component), component[0]
+    parents, frontier = {start: None}, [start]
+    while frontier:  # breadth first from start, inside the component, back to start
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    path = [v]
+                    while parents[path[-1]] is not None:
+                        path.append(parents[path[-1]])
+                    return " -> ".join([start, *reversed(path[:-1]), start] if len(path) > 1 else [start, v, start])
+                if w in members and w not in parents:
+                    parents[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return " -> ".join(component)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -143,16 +147,22 @@ def test_the_walk_sees_the_package_and_finds_a_planted_cycle(graph):
     # A function-level import counts: this file's own walk of a lazy import.
     tree = ast.parse("def f():\n    from megabert.model import bert\n")
     assert "megabert.model.bert" in _imports(tree, "megabert.x", False)
+    # A type-only import counts too: a circle through it is still a circle.
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megabert.config import ModelConfig\n")
-    assert "megabert.config" not in _imports(tree, "megabert.x", False)
+    assert "megabert.config" in _imports(tree, "megabert.x", False)
+    planted = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    assert cycle_path(planted, cycles(planted)[0]) == "a -> b -> c -> a"
 
 
 def test_no_import_cycle_between_modules(graph):
-    assert cycles(graph) == []
+    found = [cycle_path(graph, c) for c in cycles(graph)]
+    assert not found, "import cycle: " + "; ".join(found)
 
 
 def test_no_import_cycle_between_packages(graph):
-    assert cycles(package_graph(graph)) == []
+    packages = package_graph(graph)
+    found = [cycle_path(packages, c) for c in cycles(packages)]
+    assert not found, "import cycle between packages: " + "; ".join(found)
 
 
 @pytest.mark.parametrize("importer,imported", FORBIDDEN)
@@ -170,3 +180,29 @@ def test_deepspeed_is_entered_through_one_door(graph):
     users = sorted(f"{m} -> {t}" for m, targets in graph.items() if m not in inside | door
                    for t in targets if t in inside)
     assert users == []
+
+
+# The core packages: DeepSpeed enters through megabert.training.deepspeed only, and its JSON
+# is read there alone (everything else gets the resolved run's typed ZeroPlan).
+CORE = ("parallel", "model", "checkpoint", "tensor_parallel", "pipeline_parallel", "ops")
+
+
+def _sources(*parts):
+    base = os.path.join(ROOT, *parts)
+    for dirpath, _, names in os.walk(base):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    yield os.path.relpath(path, os.path.dirname(ROOT)), f.read()
+
+
+def test_core_packages_name_deepspeed_nowhere():
+    named = [path for package in CORE for path, text in _sources(package) if "deepspeed" in text.lower()]
+    assert named == []
+
+
+def test_only_the_deepspeed_package_reads_its_json():
+    door = os.path.join("megabert", "training", "deepspeed") + os.sep
+    readers = [path for path, text in _sources() if "zero_optimization" in text and not path.startswith(door)]
+    assert readers == []

@@ -1,4 +1,4 @@
-from megabert.parallel.launch import discover_launch, expand_slurm_nodelist
+from megabert.launch import discover_launch, expand_slurm_nodelist
 
 
 def test_launchers():

@@ -104,7 +104,11 @@ def test_unpadding_and_sequence_parallel_do_not_combine():
     assert not parse_args(["--data-path", "x", "--sequence-parallel"]).model.unpad_input
     # ... where asking for both is one line naming the flags.
     with pytest.raises(megabert.ConfigError, match="--unpad-input cannot combine with --sequence-parallel"):
-        _cfg(unpad_input=True, sequence_parallel=True)
+        parse_args(["--data-path", "x", "--sequence-parallel", "--unpad-input"])
+    from megabert.rules import check_model  # the Python API: the model's own check when it is built
+
+    with pytest.raises(megabert.ConfigError, match="--unpad-input cannot combine with --sequence-parallel"):
+        check_model(_cfg(unpad_input=True, sequence_parallel=True))
 
 
 def _graph_names(t: torch.Tensor) -> set:

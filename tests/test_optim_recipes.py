@@ -135,10 +135,12 @@ def test_warmup_exp_decay_exp_keeps_bing_berts_offset():
 
 
 def test_recipe_flag_checks():
+    from megabert.rules import check_optim
+
     with pytest.raises(ValueError, match="--lr-warmup-init must be in"):
-        OptimConfig(lr=1e-4, lr_warmup_init=1e-3)
+        check_optim(OptimConfig(lr=1e-4, lr_warmup_init=1e-3))
     with pytest.raises(ValueError, match="--lamb-min-coeff <= --lamb-max-coeff"):
-        OptimConfig(lamb_min_coeff=0.5, lamb_max_coeff=0.3)
+        check_optim(OptimConfig(lamb_min_coeff=0.5, lamb_max_coeff=0.3))
 
 
 def test_adam_without_bias_correction_under_zero2_matches_one_process(tmp_path):

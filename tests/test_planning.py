@@ -155,8 +155,9 @@ def test_communication_hand_checked():
     assert communication(cfg, work, Layout(pp=2, virtual_stages=2)).pipeline_parallel == pytest.approx(8 * 3 * act32)
     z3 = communication(cfg, run, Layout(dp=4, zero_stage=3))
     z1 = communication(cfg, run, Layout(dp=4, zero_stage=1))
-    # DeepSpeed 0.19's ZeRO-1 all-reduces bf16 gradients, then all-gathers the parameters.
-    assert z1.data_parallel == pytest.approx(2 * 3 / 4 * 2 * P + 3 / 4 * 2 * P)
+    # ZeRO-1 as megabert configures DeepSpeed (use_multi_rank_bucket_allreduce off):
+    # reduce-scatters bf16 gradients, then all-gathers the parameters: a ring all-reduce.
+    assert z1.data_parallel == pytest.approx(3 / 4 * 2 * P + 3 / 4 * 2 * P)
     # ZeRO-3: reduce-scatter, gather for forward, again for backward but the embedding tables
     # and the MLM bias, the small unpartitioned parameters after the step.
     small = stage_params(cfg, 1, 1, 0).below(10 * 768)
@@ -225,17 +226,17 @@ def test_zero3_step_works_one_sub_group_at_a_time():
     Backward holds the gathered parameters and the reduce bucket instead; the peak is the
     larger phase."""
     from megabert.planning.memory import _model_states
-    from megabert.parallel.buckets import zero_sizing
+    from megabert.parallel.zero import ZeroBuckets
 
     cfg, run = bert_large(), Workload(precision="bf16")
-    sizing = zero_sizing(cfg.hidden_size)
+    sizing = ZeroBuckets.for_hidden_size(cfg.hidden_size)
     sp = stage_params(cfg, 1, 1, 0)
     states = _model_states(sp, cfg, run, Layout(dp=2, zero_stage=3))
     grads = 2 * sp.total / 2
-    live = sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"]
-    assert sizing["sub_group_size"] < total_params(cfg) / 2
-    assert states.step == pytest.approx(grads + 4 * sizing["sub_group_size"])
-    assert states.backward == pytest.approx(grads + 2 * (live + sizing["reduce_bucket_size"]))
+    live = sizing.max_live_parameters + sizing.prefetch_bucket
+    assert sizing.sub_group_size < total_params(cfg) / 2
+    assert states.step == pytest.approx(grads + 4 * sizing.sub_group_size)
+    assert states.backward == pytest.approx(grads + 2 * (live + sizing.reduce_bucket))
     off = _model_states(sp, cfg, run, Layout(dp=2, zero_stage=3, offload_optimizer=True))
     assert off.step == pytest.approx(grads)
     est = estimate(cfg, run, Layout(dp=2, zero_stage=3))

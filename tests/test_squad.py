@@ -1,10 +1,13 @@
 """SQuAD: features (windows, answer tokens, equal to transformers' tokenizer), post-processing,
 the official evaluation on hand-computed cases, and finetune_squad.py end to end under
-torchrun with TP=2 and DP=2, with one-line errors for bad input files."""
+torchrun with TP=2 and DP=2, resuming a killed run from --save, with one-line errors for
+bad input files."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -287,6 +290,51 @@ def test_finetune_dp2_train_save_and_predict_equal_tp2(tiny_checkpoint, demo_voc
     assert outs[2][1] == pytest.approx(outs[1][1])
 
 
+def _losses(metrics) -> dict:
+    """The last qa_loss logged for each iteration (a resumed run logs some twice)."""
+    return {r["iteration"]: r["qa_loss"] for r in map(json.loads, open(metrics)) if "qa_loss" in r}
+
+
+def test_killed_finetuning_resumes_with_the_same_command(tiny_checkpoint, demo_vocab, tmp_path):
+    """A SQuAD fine-tuning SIGKILLed between two saves, then run again with the same command,
+    ends with the losses (bitwise) and predictions of a run that was never interrupted,
+    dropout on: weights, optimizer, RNG streams and data position come back from --save."""
+    iters = 30  # saves every 3: the kill lands after the first, with iterations to spare
+
+    def command(name):
+        return [sys.executable, os.path.join(ROOT, "finetune_squad.py"),
+                *map(str, common(tiny_checkpoint, demo_vocab, tmp_path / name)), "--train-file",
+                os.path.join(DEMO, "train.json"), "--predict-file", os.path.join(DEMO, "dev.json"), "--train-iters",
+                str(iters), "--global-batch-size", "8", "--lr", "1e-3", "--save", str(tmp_path / f"{name}_ck"),
+                "--save-interval", "3", "--metrics-file", str(tmp_path / f"{name}.jsonl")]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tracker = tmp_path / "killed_ck" / "latest_checkpointed_iteration.txt"
+    proc = subprocess.Popen(command("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not tracker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]  # killed mid-run, not ended
+    saved_at = int(tracker.read_text())
+    assert saved_at < iters and saved_at % 3 == 0
+    again = subprocess.run(command("killed"), env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"loaded {tmp_path / 'killed_ck'}: iteration" in again.stderr  # resumed, not restarted
+    ref = subprocess.run(command("ref"), env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed, uninterrupted = _losses(tmp_path / "killed.jsonl"), _losses(tmp_path / "ref.jsonl")
+    assert sorted(killed) == list(range(1, iters + 1))
+    assert killed == uninterrupted  # bitwise
+    for name in ("predictions.json", "nbest_predictions.json", "eval_results.json"):
+        assert json.load(open(tmp_path / "killed" / name)) == json.load(open(tmp_path / "ref" / name)), name
+
+
 @pytest.fixture(scope="module")
 def no_dropout_qa(tmp_path_factory):
     """A tiny random BertForQuestionAnswering from transformers without dropout, so
@@ -408,6 +456,10 @@ def test_finetune_flag_errors(tiny_checkpoint, demo_vocab, tmp_path):
     r = finetune_in_process(*common(tiny_checkpoint, demo_vocab, tmp_path), "--predict-file",
                             os.path.join(DEMO, "dev.json"), "--max-seq-length", 256)
     assert r.returncode == 2 and "--max-seq-length 256 exceeds the model's 128 position embeddings" in r.stderr
+    # --save resumes the run it holds: the pre-trained --load must not be taken for it (nor saved over).
+    r = finetune_in_process(*common(tiny_checkpoint, demo_vocab, tmp_path), "--train-file",
+                            os.path.join(DEMO, "train.json"), "--save", tiny_checkpoint)
+    assert r.returncode == 2 and f"--save {tiny_checkpoint} is also --load" in r.stderr
 
 
 def test_finetune_flags_parse_with_bert_recipe_defaults():

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--overhead-gb", type=float, help="fixed per-process overhead (default: calibrated per device)")
     r.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="the DP reduction after backward, as pretrain_bert.py's flag (default: overlapped)")
+    r.add_argument("--no-overlap-param-gather", dest="overlap_param_gather", action="store_false",
+                   help="with --use-distributed-optimizer: parameters all-gathered after the step, not in forward")
     lay = p.add_argument_group("one layout (without --devices)")
     lay.add_argument("--tensor-model-parallel-size", type=int, default=1)
     lay.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--data-parallel-size", type=int, default=1)
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--zero-stage", type=int, default=0, help="0: megabert's trainer; 1-3: DeepSpeed ZeRO")
+    lay.add_argument("--use-distributed-optimizer", action="store_true",
+                     help="megabert's trainer with the optimizer states sharded over DP (zero-stage 0)")
     lay.add_argument("--zero-offload-optimizer", choices=("none", "cpu"), default="none")
     lay.add_argument("--zero-offload-params", choices=("none", "cpu"), default="none")
     t = p.add_argument_group("step time (with --tflops)")
@@ -83,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tp", type=int, default=8, help="largest TP size (one node's NVLink domain)")
     s.add_argument("--allow-offload", action="store_true", help="also consider ZeRO CPU offload")
     s.add_argument("--top", type=int, default=10, help="rows to print (0: all)")
+    s.add_argument("--best-per-strategy", action="store_true",
+                   help="only the best layout of each optimizer-state strategy: megabert's DP, "
+                        "--use-distributed-optimizer, DeepSpeed ZeRO-1, 2 and 3")
     return p
 
 
@@ -103,7 +110,7 @@ def run_from_args(args) -> Workload:
     return Workload(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                     global_batch_size=args.global_batch_size, precision=precision,
                     recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb,
-                    overlap_grad_reduce=args.overlap_grad_reduce)
+                    overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
 
 
 def links_from_args(args) -> Links | None:
@@ -124,7 +131,8 @@ def layout_from_args(args, model: ModelConfig) -> Layout:
     return Layout(tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size, virtual_stages=v,
                   sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
                   offload_optimizer=args.zero_offload_optimizer == "cpu",
-                  offload_params=args.zero_offload_params == "cpu")
+                  offload_params=args.zero_offload_params == "cpu",
+                  distributed_optimizer=args.use_distributed_optimizer)
 
 
 def describe(model: ModelConfig, run: Workload) -> str:
@@ -174,10 +182,22 @@ def print_one(model: ModelConfig, run: Workload, layout: Layout, budget: float |
         print(f"fits {budget:g} GB" if warning is None else f"warning: {warning}")
 
 
+def strategy(layout: Layout) -> str:
+    """How a layout keeps its optimizer states: the rows of --best-per-strategy."""
+    if layout.zero_stage:
+        return f"ZeRO-{layout.zero_stage}" + (" + offload" if layout.offload_optimizer else "")
+    return "distributed optimizer" if layout.distributed_optimizer else "megabert DP"
+
+
 def print_plan(model: ModelConfig, run: Workload, devices: int, budget: float, max_tp: int, allow_offload: bool,
-               top: int, links: Links | None, tflops: float | None) -> int:
+               top: int, links: Links | None, tflops: float | None, best_per_strategy: bool = False) -> int:
     fits = plan(model, run, devices, budget, max_tp=max_tp, allow_offload=allow_offload, links=links,
                 flops_per_s=tflops * 1e12 if tflops else None)
+    if best_per_strategy:  # fits is best first: keep each strategy's first
+        best: dict = {}
+        for c in fits:
+            best.setdefault(strategy(c.layout), c)
+        fits = list(best.values())
     print(describe(model, run))
     print(f"{devices} devices x {budget:g} GB: {len(fits)} layouts fit (predicted, not measured; memory: the "
           f"fullest rank's peak; communication: GB one rank sends per step, TP / PP / DP+ZeRO)")
@@ -214,7 +234,7 @@ def main(argv=None) -> int:
         if args.memory_gb is None:
             raise ConfigError("--devices needs --memory-gb (the memory of one device)")
         return print_plan(model, run, args.devices, args.memory_gb, args.max_tp, args.allow_offload, args.top,
-                          links, args.tflops)
+                          links, args.tflops, args.best_per_strategy)
     layout = layout_from_args(args, model)
     print_one(model, run, layout, args.memory_gb, links, args.tflops)
     return 0

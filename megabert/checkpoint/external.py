@@ -11,12 +11,14 @@ import os
 from typing import Optional
 
 from megabert.checkpoint import hf as hf_io
+from megabert.checkpoint import megatron
 from megabert.checkpoint import tf as tf_io
 
 
 def is_external(path: str) -> bool:
-    """A Hugging Face BERT directory or a Google TF BERT directory (or checkpoint prefix)."""
-    return hf_io.is_hf_dir(path) or tf_io.is_tf_dir(path)
+    """A Hugging Face BERT directory, a Google TF BERT directory (or checkpoint prefix), or a
+    Megatron-LM directory (read by megabert.checkpoint.megatron, weights only)."""
+    return hf_io.is_hf_dir(path) or tf_io.is_tf_dir(path) or megatron.is_megatron_dir(path)
 
 
 def read_external_config(path: str) -> dict:

@@ -11,6 +11,7 @@ leaves the previous checkpoint and pointer intact. Files are read with
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -187,7 +188,8 @@ def commit(root: str, tag: Union[int, str]) -> str:
     stage, final = staging_dir(root, tag), os.path.join(root, tag_dir_name(tag))
     for d in os.listdir(stage):
         _fsync_dir(os.path.join(stage, d))
-    if os.path.exists(final):  # re-saving an iteration: the new one wins
+    resaved = os.path.exists(final)
+    if resaved:  # re-saving an iteration: the new one wins
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -197,13 +199,34 @@ def commit(root: str, tag: Union[int, str]) -> str:
         os.replace(stage, final)
     _fsync_dir(root)
     tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(tag))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER))
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(tag))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, TRACKER))
+    except OSError:
+        # The pointer still names the previous checkpoint: take back the directory it does
+        # not name, so a failed save leaves nothing of its own behind.
+        if not resaved:
+            shutil.rmtree(final, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     _fsync_dir(root)
     return final
+
+
+def os_error_behind(error: BaseException) -> Optional[OSError]:
+    """The OSError behind `error`, if any: torch.save reports a failed write (a full disk)
+    as its own RuntimeError ("unexpected pos"), raised while the OSError was handled."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def parallel_meta(tp_size: int, pp_size: int, layers_per_virtual_stage: Optional[int] = None) -> dict:
@@ -231,17 +254,26 @@ def model_payload(state: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int, 
 def save_full_model(root: str, full: dict, cfg: ModelConfig, table: dict, *, tp_size: int, pp_size: int,
                     model_class: str, tag: Union[int, str] = "release") -> str:
     """Writes every rank's shard of a full state dict from one process (conversion, resharding)."""
-    os.makedirs(root, exist_ok=True)
     stage = staging_dir(root, tag)
-    shutil.rmtree(stage, ignore_errors=True)
     full = repad_vocab(full, table, cfg.padded_vocab_size(tp_size))
-    for pp in range(pp_size):
-        for tp in range(tp_size):
-            local = shard_state(full, table, tp_rank=tp, tp_size=tp_size,
-                                stage=StageLayout(cfg.num_layers, pp_size, pp))
-            specs = table_to_dict({k: table[k] for k in local})
-            write_rank_file(stage, tp, pp, pp_size, model_payload(local, cfg, tp_size=tp_size, pp_size=pp_size,
-                                                                  model_class=model_class, param_specs=specs,
-                                                                  iteration=0 if tag == "release" else int(tag)))
-    return commit(root, tag)
+    try:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
+        for pp in range(pp_size):
+            for tp in range(tp_size):
+                local = shard_state(full, table, tp_rank=tp, tp_size=tp_size,
+                                    stage=StageLayout(cfg.num_layers, pp_size, pp))
+                specs = table_to_dict({k: table[k] for k in local})
+                write_rank_file(stage, tp, pp, pp_size, model_payload(
+                    local, cfg, tp_size=tp_size, pp_size=pp_size, model_class=model_class, param_specs=specs,
+                    iteration=0 if tag == "release" else int(tag)))
+        return commit(root, tag)
+    except Exception as e:
+        os_error = os_error_behind(e)
+        if os_error is None:
+            raise
+        shutil.rmtree(stage, ignore_errors=True)
+        raise CheckpointError(f"cannot write the checkpoint {os.path.join(root, tag_dir_name(tag))}: {os_error}; "
+                              f"nothing of it was kept: make room, fix the permissions or choose another "
+                              f"output directory") from e
 

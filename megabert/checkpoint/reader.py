@@ -22,13 +22,15 @@ import torch
 
 from megabert.checkpoint import external
 from megabert.checkpoint import hf as hf_io
+from megabert.checkpoint import megatron
 from megabert.checkpoint.layout import load_file, parallel_meta, resolve_checkpoint_dir, saved_layout, \
     saved_virtual_stage_layers
 from megabert.checkpoint.optimizer_state import shard_optimizer_state, unshard_optimizer_states
 from megabert.checkpoint.sharding import checkpoint_table, repad_vocab, shard_state, unshard_states
 from megabert.config import ModelConfig, ParallelConfig
+from megabert.errors import CheckpointError
 from megabert.parallel.layout import StageLayout
-from megabert.parallel.param_spec import ParamSpec, table_to_dict
+from megabert.parallel.param_spec import ParamSpec, reference_table, table_to_dict
 from megabert.rules import validate_layout
 
 
@@ -46,9 +48,12 @@ class RankCheckpoint:
     saved_pp: Optional[int] = None
 
 
-def read_model_config(path: str) -> dict:
+def read_model_config(path: str, overrides: Optional[dict] = None) -> dict:
     """The ModelConfig fields a checkpoint was saved with (rank 0's file; for a Hugging Face
-    or TF directory, its config translated). Reads no tensor."""
+    or TF directory, its config translated; for a Megatron-LM directory, its args or tensor
+    shapes checked against `overrides`). Reads no tensor."""
+    if megatron.is_megatron_dir(path):
+        return dataclasses.asdict(megatron.read_config(path, overrides))
     if external.is_external(path):
         return dataclasses.asdict(hf_io.model_config_from_hf(external.read_external_config(path)))
     layout = saved_layout(resolve_checkpoint_dir(path))
@@ -56,12 +61,16 @@ def read_model_config(path: str) -> dict:
 
 
 def read_rank(path: str, *, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int] = None,
-              table: Optional[dict[str, ParamSpec]] = None, optimizer: bool = True) -> RankCheckpoint:
+              table: Optional[dict[str, ParamSpec]] = None, optimizer: bool = True,
+              model_config: Optional[ModelConfig] = None) -> RankCheckpoint:
     """Rank (tp_rank, stage.pp_rank)'s view of the checkpoint at `path` for a model of
     `tp_size` x `stage` (see the module docstring). `padded_vocab_size`: the reading model's
     (default: the saved config's for `tp_size`). `table`: the reading model's spec table,
     needed for a Hugging Face / TF directory, whose files carry none. `optimizer=False`
-    leaves the moments unread when resharding (weights-only starts)."""
+    leaves the moments unread when resharding (weights-only starts). `model_config`: the
+    reading model's, which a Megatron directory without args needs (its number of heads)."""
+    if megatron.is_megatron_dir(path):
+        return _read_megatron(path, tp_rank, tp_size, stage, padded_vocab_size, table, model_config)
     if external.is_external(path):
         return _read_external(path, tp_rank, tp_size, stage, padded_vocab_size, table)
     layout = saved_layout(resolve_checkpoint_dir(path))
@@ -98,6 +107,31 @@ def _read_external(path: str, tp_rank: int, tp_size: int, stage: StageLayout, pa
     model = shard_state(full, table, tp_rank=tp_rank, tp_size=tp_size, stage=stage)
     return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": 0},
                           external=True)
+
+
+def _read_megatron(path: str, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int],
+                   table: Optional[dict[str, ParamSpec]], model_config: Optional[ModelConfig]) -> RankCheckpoint:
+    """A Megatron-LM directory: its weights for this rank, as an external checkpoint's
+    (megabert.checkpoint.megatron); `iteration` and `args` as Megatron saved them. Without a
+    `table` (conversion, export) it is read as the pre-training model it is."""
+    header = megatron.read_header(path)
+    if table is None:
+        table = reference_table(megatron.read_config(path), "BertForPreTraining")
+    reading = {"vocab_size": next((s.valid_rows for s in table.values() if s.valid_rows is not None), None)}
+    if model_config is not None:
+        if model_config.layernorm_position != "pre" or model_config.embedding_layernorm:
+            raise CheckpointError(f"{path} is a Megatron-LM BERT (pre-LN, no LayerNorm after the embeddings): build "
+                                  f"the model with --layernorm-position pre --no-embedding-layernorm")
+        reading.update({f: getattr(model_config, f) for f in ("num_layers", "hidden_size", "num_attention_heads",
+                                                               "ffn_hidden_size", "max_position_embeddings",
+                                                               "vocab_size")})
+    cfg = megatron.read_config(path, reading)
+    # The reading model's tensors only: a task model has no MLM / binary head to take.
+    full = {k: v for k, v in megatron.read_state(path, cfg).items() if k in table}
+    full = repad_vocab(full, table, padded_vocab_size or cfg.padded_vocab_size(tp_size))
+    model = shard_state(full, table, tp_rank=tp_rank, tp_size=tp_size, stage=stage)
+    return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": header["iteration"],
+                           "megatron_args": header["args"]}, external=True, saved_tp=None, saved_pp=None)
 
 
 def _reshard(grid: list[list[dict]], tp_rank: int, tp_size: int, stage: StageLayout,

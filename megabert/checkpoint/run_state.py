@@ -19,18 +19,18 @@ import random
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megabert.checkpoint import external
+from megabert.checkpoint import external, megatron
 from megabert.checkpoint.layout import (TRACKER, checkpoint_root, commit, damaged_file, has_checkpoint,
-                                        model_payload, newest_intact, read_tracker, resolve_checkpoint_dir,
-                                        staging_dir, write_rank_file)
+                                        model_payload, newest_intact, os_error_behind, read_tracker,
+                                        resolve_checkpoint_dir, staging_dir, tag_dir_name, write_rank_file)
 from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
-from megabert.parallel import ParallelState
+from megabert.parallel import ParallelState, comm
 from megabert.parallel.param_spec import spec_table, table_to_dict
 
 logger = logging.getLogger(__name__)
@@ -125,9 +125,11 @@ def _choose_start(train: TrainConfig) -> StartPoint:
                     f"holds no checkpoint (no {TRACKER}, no mp_rank_* directories, no Hugging Face or TF BERT files)")
             raise CheckpointError(f"--load {train.load} {what}; point it at a checkpoint, or at this run's --save "
                                   f"directory to start fresh now and resume on a re-run")
-        # A Hugging Face / TF directory or a converted ('release') checkpoint has weights only.
-        weights_only = train.finetune or bool(train.load and (external.is_external(train.load)
-                                                              or read_tracker(train.load) == "release"))
+        # A Hugging Face / TF directory or a converted ('release') checkpoint has weights only;
+        # a Megatron-LM run's directory continues from its iteration, as Megatron's --load.
+        weights_only = train.finetune or bool(train.load and (
+            (external.is_external(train.load) and not megatron.is_megatron_dir(train.load))
+            or read_tracker(train.load) == "release"))
         return StartPoint(train.load, weights_only, "--finetune" if train.finetune else "--load")
     own, own_flag = (train.load, "--load") if train.load else (train.save, "--save")
     if own and holds_checkpoint(own):
@@ -166,29 +168,102 @@ def _prune(root: str, keep_last: int) -> None:
 def save_checkpoint(root: str, state: TrainingState, strategy, *, extra: Optional[dict] = None,
                     keep_last: Optional[int] = None) -> None:
     """Collective: every rank calls it. Atomic: see megabert.checkpoint.layout. `strategy`
-    gives the weights, the optimizer state and any files of its own (see training.strategy)."""
+    gives the weights, the optimizer state and any files of its own (see training.strategy).
+
+    A save that cannot write (a full disk, a permission, a read-only file system: an
+    OSError on any rank) raises CheckpointError on every rank: one line naming --save, the
+    iteration, the cause and the newest complete checkpoint. The ranks agree on each step's
+    outcome before the next (so none waits in a collective that a failed peer never joins,
+    and nothing is committed unless every rank wrote its part); this save's staging
+    directory is removed and the committed checkpoints are left as they were."""
     model, ps = strategy.model, strategy.ps
-    if ps.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging_dir(root, state.iteration), ignore_errors=True)  # a save killed earlier
-    dist.barrier()
-    weights = strategy.cpu_state_dict(keep=ps.dp_rank == 0)  # collective when parameters are partitioned
-    if ps.dp_rank == 0:
+    save = _Save(root, state.iteration, ps)
+
+    def prepare():
+        if ps.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(staging_dir(root, state.iteration), ignore_errors=True)  # a save killed earlier
+
+    def write():
+        if ps.dp_rank != 0:
+            return
         payload = model_payload(
             weights, model.config, tp_size=ps.tp_size,
             pp_size=ps.pp_size, model_class=type(model).__name__, param_specs=table_to_dict(spec_table(model)),
             layers_per_virtual_stage=model.virtual_stage_layers, iteration=state.iteration,
             consumed_samples=state.consumed_samples, skipped_iterations=state.skipped_iterations,
-            rng=_rng_state(model), optimizer=strategy.optimizer_state(),
+            rng=_rng_state(model), optimizer=optimizer,
             loss_scaler=strategy.scaler.state_dict() if strategy.scaler is not None else None, args=extra or {})
         write_rank_file(staging_dir(root, state.iteration), ps.tp_rank, ps.pp_rank, ps.pp_size, payload)
-    dist.barrier()
-    strategy.save_own_files(root, state)
-    if ps.rank == 0:
-        commit(root, state.iteration)
-        if keep_last:
-            _prune(root, keep_last)
-    dist.barrier()
+
+    def publish():
+        if ps.rank == 0:
+            commit(root, state.iteration)
+            if keep_last:
+                _prune(root, keep_last)
+
+    save.step(prepare)
+    weights = strategy.cpu_state_dict(keep=ps.dp_rank == 0)  # collective when parameters are partitioned
+    optimizer = strategy.optimizer_state()  # collective when the states are sharded over DP
+    save.step(write)
+    # A strategy's own files (an engine's partitioned optimizer) are taken back when they or the commit fail.
+    save.step(lambda: strategy.save_own_files(root, state), undo=lambda: strategy.discard_own_files(root, state))
+    save.step(publish, undo=lambda: strategy.discard_own_files(root, state))
+
+
+class _Save:
+    """The steps of one save, each followed by the ranks' agreement on its outcome (an
+    all-gather that also serves as the barrier between steps)."""
+
+    def __init__(self, root: str, iteration: int, ps: ParallelState):
+        self.root, self.iteration, self.ps = root, iteration, ps
+
+    def step(self, fn: Callable[[], None], undo: Optional[Callable[[], None]] = None) -> None:
+        error = None
+        try:
+            fn()
+        except Exception as e:  # noqa: B902  (every rank must learn of it, whatever it is)
+            error = e
+        failed = self._first_failure(error)
+        if failed is None:
+            return
+        rank, cause = failed
+        if self.ps.rank == 0:
+            if undo is not None:
+                undo()
+            shutil.rmtree(staging_dir(self.root, self.iteration), ignore_errors=True)
+        if self.ps.world_size > 1:
+            # Every rank leaves after the clean-up: a launcher stops the others as soon as one exits.
+            dist.barrier()
+        if error is not None and os_error_behind(error) is None:
+            raise error  # not the file system: a bug, with its traceback
+        where = f" (rank {rank})" if self.ps.world_size > 1 else ""
+        raise CheckpointError(f"cannot save iteration {self.iteration} to --save {self.root}: {cause}{where}; "
+                              f"{self._newest()}") from error
+
+    def _first_failure(self, error: Optional[BaseException]) -> Optional[tuple[int, str]]:
+        """(rank, cause) of the lowest rank whose step failed, the same on every rank; None
+        when every rank succeeded."""
+        os_error = os_error_behind(error) if error is not None else None
+        mine = None if error is None else str(os_error) if os_error is not None else f"{type(error).__name__}: {error}"
+        if self.ps.world_size == 1:
+            return None if mine is None else (self.ps.rank, mine)
+        everyone: list[Optional[str]] = [None] * self.ps.world_size
+        comm.all_gather_object(everyone, mine)
+        return next(((r, m) for r, m in enumerate(everyone) if m is not None), None)
+
+    def _newest(self) -> str:
+        """What a user can resume now."""
+        try:
+            tag = read_tracker(self.root)
+        except (CheckpointError, OSError):
+            tag = None
+        if tag is None:
+            return (f"{self.root} holds no complete checkpoint yet: make room (or fix its permissions, or point --save "
+                    f"elsewhere) and start again")
+        return (f"the newest complete checkpoint, {os.path.join(self.root, tag_dir_name(tag))} (iteration {tag}), is "
+                f"intact: make room (or fix the permissions, or point --save elsewhere) and resume it with --load "
+                f"{self.root}")
 
 
 def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_optimizer: bool = True,
@@ -207,6 +282,13 @@ def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_
     if ckpt.external:  # a Hugging Face or Google TF directory: weights only
         model.load_local_state_dict(payload["model"], source=path)
         weights_loaded()
+        if "megatron_args" in payload:  # a Megatron-LM run: its iteration and samples (megabert.checkpoint.megatron)
+            if ps.rank == 0 and load_optimizer and strategy is not None:
+                logger.warning("%s is a Megatron-LM checkpoint: its weights, iteration and consumed samples are "
+                               "continued; its optimizer state is not (the optimizer starts afresh)", path)
+            return LoadedCheckpoint(TrainingState(int(payload["iteration"]),
+                                                  int(payload["megatron_args"].get("consumed_train_samples") or 0)),
+                                    {})
         return LoadedCheckpoint(TrainingState(), {})
     if ckpt.resharded and ps.rank == 0:
         vpp = model.virtual_stage_layers

@@ -19,8 +19,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from megabert.config import ModelConfig, ParallelConfig
-from megabert.rules import validate_layout
+from megabert.config import ModelConfig
 from megabert.errors import ConfigError
 from megabert.model.context import BuildContext
 from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings
@@ -35,6 +34,7 @@ from megabert.ops.compile_hints import maybe_mark_dynamic
 from megabert.parallel import ParallelState, get_parallel_state
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import spec_table
+from megabert.rules import check_model_split
 from megabert.tensor_parallel import gather_from_sp_to_replicated
 from megabert.tensor_parallel.random import TP_STREAM, RNGStatesTracker, tp_stream_seed
 
@@ -136,10 +136,9 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
                  num_layers_per_virtual_stage: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
         super().__init__()
         ps = parallel_state or get_parallel_state()
-        validate_layout(config, ParallelConfig(tensor_model_parallel_size=ps.tp_size,
-                                               pipeline_model_parallel_size=ps.pp_size,
-                                               num_layers_per_virtual_pipeline_stage=num_layers_per_virtual_stage),
-                        ps.world_size)
+        # The model's own door (the Python API builds it without a resolved run): its shape
+        # must split over this rank grid.
+        check_model_split(config, ps.tp_size, ps.pp_size, num_layers_per_virtual_stage)
         self.config, self.parallel_state, self.seed = config, ps, seed
         self.stage = StageLayout(config.num_layers, ps.pp_size, ps.pp_rank, num_layers_per_virtual_stage)
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
@@ -156,11 +155,6 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
                               f"only where its spec says, or fix the spec")
         ps = self.parallel_state
         initialize_parameters(self, self.seed, self.config.init_method_std, ps.tp_rank, ps.tp_size)
-        if ps.pp_size > 1 and not self.stage.is_first_stage:
-            for name, p in self.named_parameters():
-                # The last stage's copy of the tied word embeddings: DeepSpeed leaves
-                # parameters so marked out of its gradient norm (the first stage counts them).
-                p.ds_pipe_replicated = table[name].placement == "tied"
 
     # ------------------------------------------------------------ pipeline interface
 

@@ -43,14 +43,16 @@ class BertEmbeddings(nn.Module):
                                                  dtype=ctx.params_dtype, device=ctx.device)
         describe(self.position_embeddings.weight, placement="first")
         describe(self.tokentype_embeddings.weight, placement="first")
-        # The embedding LayerNorm runs before the sequence is scattered: full-sequence params.
-        self.layernorm = ctx.layer_norm(sequence_parallel=False)
-        for p in self.layernorm.parameters():
-            describe(p, placement="first")
         set_hf_names(self, {"position_embeddings.weight": "bert.embeddings.position_embeddings.weight",
-                            "tokentype_embeddings.weight": "bert.embeddings.token_type_embeddings.weight",
-                            "layernorm.weight": "bert.embeddings.LayerNorm.weight",
-                            "layernorm.bias": "bert.embeddings.LayerNorm.bias"})
+                            "tokentype_embeddings.weight": "bert.embeddings.token_type_embeddings.weight"})
+        # The embedding LayerNorm runs before the sequence is scattered: full-sequence params.
+        # Megatron-LM's BERT has none (its pre-LN layers normalise their input anyway).
+        self.layernorm = ctx.layer_norm(sequence_parallel=False) if cfg.embedding_layernorm else None
+        if self.layernorm is not None:
+            for p in self.layernorm.parameters():
+                describe(p, placement="first")
+            set_hf_names(self, {"layernorm.weight": "bert.embeddings.LayerNorm.weight",
+                                "layernorm.bias": "bert.embeddings.LayerNorm.bias"})
         self.dropout_p = cfg.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,9 @@ class BertEmbeddings(nn.Module):
         positions = torch.arange(seq_len, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) \
             + self.tokentype_embeddings(token_type_ids)  # [b, s, h]
-        x = self.layernorm(x.transpose(0, 1).contiguous())  # [s, b, h]: Megatron's layout
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]: Megatron's layout
+        if self.layernorm is not None:
+            x = self.layernorm(x)
         if self.ctx.sequence_parallel:
             x = scatter_to_sp(x, self.ctx.tp_group)  # [s/tp, b, h]
             with self.ctx.rng.fork():  # each rank drops in its own slice

@@ -1,5 +1,6 @@
 """Model outputs: dicts with attribute access, as transformers' ModelOutput, so tools that
-walk a module's outputs for tensors (DeepSpeed ZeRO-3's backward hooks, for one) find them.
+walk a module's outputs for tensors (an engine's backward hooks that gather partitioned
+parameters, for one) find them.
 Each task's output subclasses it in its own package (megabert.tasks.*.model)."""
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class PretrainedMixin:
         hidden_dropout=0.0). pretrain_bert.py's speed choices saved in a checkpoint
         (RUN_TIME_CHOICES) go back to the library's defaults unless overridden."""
         ps = parallel_state or get_parallel_state()
-        model = cls(_library_config(read_model_config(path), config_overrides), ps, seed=seed, device=device,
+        model = cls(_library_config(read_model_config(path, config_overrides), config_overrides), ps, seed=seed, device=device,
                     params_dtype=params_dtype, num_layers_per_virtual_stage=num_layers_per_virtual_stage)
         model.load_local_state_dict(model.read_checkpoint(path, optimizer=False).payload["model"], source=path)
         return model
@@ -54,7 +54,8 @@ class PretrainedMixin:
         this model's shapes (megabert.checkpoint.reader)."""
         ps = self.parallel_state
         return read_rank(path, tp_rank=ps.tp_rank, tp_size=ps.tp_size, stage=self.stage,
-                         padded_vocab_size=self.padded_vocab_size, table=spec_table(self), optimizer=optimizer)
+                         padded_vocab_size=self.padded_vocab_size, table=spec_table(self), optimizer=optimizer,
+                         model_config=self.config)
 
     def load_local_state_dict(self, local: dict, source: str = "state dict") -> None:
         """Loads a state dict of this rank's shapes. Missing backbone tensors are an error;

@@ -44,16 +44,18 @@ def fused_adamw_supports(p: torch.Tensor) -> bool:
     return p.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(p)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
-                    tp_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group: Optional[dist.ProcessGroup] = None, *,
+                    groups: Optional[list[dict]] = None, lamb: type = Lamb) -> torch.optim.Optimizer:
     """The optimizer `cfg` describes, over BERT's parameter groups; which implementation
     runs is logged once ("optimizer: AdamW (fused)"). ZeRO-Offload's CPU optimizer is
-    DeepSpeed's (megabert.training.deepspeed.cpu_adam)."""
-    groups = param_groups(model, cfg.weight_decay)
+    DeepSpeed's (megabert.training.deepspeed.cpu_adam). The distributed optimizer hands
+    `groups` of its shards' pieces (param_groups' order and hyper-parameters) and its
+    LAMB, whose trust ratios sum the pieces' norms over data parallelism."""
+    groups = groups if groups is not None else param_groups(model, cfg.weight_decay)
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "lamb":
         _say_once("optimizer: LAMB (multi-tensor)")
-        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+        return lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                     bias_correction=cfg.bias_correction, min_trust_ratio=cfg.lamb_min_coeff,
                     max_trust_ratio=cfg.lamb_max_coeff, tp_group=tp_group)
     if not cfg.bias_correction:

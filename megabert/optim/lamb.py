@@ -72,41 +72,54 @@ class Lamb(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
+            work = self._updates(group)
+            if work is None:
                 continue
-            beta1, beta2 = group["betas"]
-            states = [self._state(p) for p in params]
-            grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
-            exp_avgs = [s["exp_avg"] for s in states]
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1)
-            torch._foreach_mul_(exp_avgs, beta1)
-            torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-            # update = m_hat / (sqrt(v_hat) + eps), computed in one group-sized buffer (the
-            # per-tensor version held the updates too): 1 / (bc1 (sqrt(v) / sqrt(bc2) + eps)) * m.
-            updates = torch._foreach_sqrt(exp_avg_sqs)
-            if group["bias_correction"]:
-                t = torch.stack(steps).double()  # [n]; float64 as the host-side corrections were
-                bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
-                torch._foreach_mul_(updates, list((bc1 / bc2.sqrt()).unbind(0)))
-                torch._foreach_add_(updates, list((bc1 * group["eps"]).unbind(0)))
-            else:
-                torch._foreach_add_(updates, group["eps"])
-            torch._foreach_reciprocal_(updates)
-            torch._foreach_mul_(updates, exp_avgs)
-            fp32_params = [p if p.dtype == torch.float32 else p.float() for p in params]
-            if group["weight_decay"]:
-                torch._foreach_add_(updates, fp32_params, alpha=group["weight_decay"])
+            params, updates, fp32_params = work
             w_norm, u_norm = self._norms(fp32_params, updates)
-            # trust = ||w|| / ||u|| clamped to the bounds; 1 where either norm is zero (fresh
-            # zero-init biases). A group restored from a checkpoint written before the lower
-            # bound existed has no "min_trust_ratio": it trained without one.
-            both = (w_norm > 0) & (u_norm > 0)
-            ratio = (w_norm / u_norm).clamp(min=group.get("min_trust_ratio", 0.0), max=group["max_trust_ratio"])
-            scale = torch.where(both, ratio, torch.ones_like(w_norm)) * -group["lr"]
-            torch._foreach_addcmul_(params, updates, list(scale.unbind(0)))
+            self._apply(group, params, updates, w_norm, u_norm)
         return loss
+
+    def _updates(self, group: dict) -> Optional[tuple[list, list, list]]:
+        """Steps the moments of `group`'s parameters that have a gradient; returns (params,
+        their updates, the params in fp32), or None when none has a gradient."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return None
+        beta1, beta2 = group["betas"]
+        states = [self._state(p) for p in params]
+        grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        # update = m_hat / (sqrt(v_hat) + eps), computed in one group-sized buffer (the
+        # per-tensor version held the updates too): 1 / (bc1 (sqrt(v) / sqrt(bc2) + eps)) * m.
+        updates = torch._foreach_sqrt(exp_avg_sqs)
+        if group["bias_correction"]:
+            t = torch.stack(steps).double()  # [n]; float64 as the host-side corrections were
+            bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+            torch._foreach_mul_(updates, list((bc1 / bc2.sqrt()).unbind(0)))
+            torch._foreach_add_(updates, list((bc1 * group["eps"]).unbind(0)))
+        else:
+            torch._foreach_add_(updates, group["eps"])
+        torch._foreach_reciprocal_(updates)
+        torch._foreach_mul_(updates, exp_avgs)
+        fp32_params = [p if p.dtype == torch.float32 else p.float() for p in params]
+        if group["weight_decay"]:
+            torch._foreach_add_(updates, fp32_params, alpha=group["weight_decay"])
+        return params, updates, fp32_params
+
+    @staticmethod
+    def _apply(group: dict, params: list, updates: list, w_norm: torch.Tensor, u_norm: torch.Tensor) -> None:
+        # trust = ||w|| / ||u|| clamped to the bounds; 1 where either norm is zero (fresh
+        # zero-init biases). A group restored from a checkpoint written before the lower
+        # bound existed has no "min_trust_ratio": it trained without one.
+        both = (w_norm > 0) & (u_norm > 0)
+        ratio = (w_norm / u_norm).clamp(min=group.get("min_trust_ratio", 0.0), max=group["max_trust_ratio"])
+        scale = torch.where(both, ratio, torch.ones_like(w_norm)) * -group["lr"]
+        torch._foreach_addcmul_(params, updates, list(scale.unbind(0)))

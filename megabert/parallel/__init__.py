@@ -1,4 +1,6 @@
-"""Process groups for tensor, pipeline and data parallelism, and launcher discovery."""
+"""Process groups for tensor, pipeline and data parallelism: the ParallelState built once from
+the rank grid (launcher discovery: megabert.launch), the layout arithmetic, ParamSpec, the
+communication door and its ledger."""
 from __future__ import annotations
 
 import datetime
@@ -9,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megabert.errors import ConfigError
-from megabert.parallel.launch import LaunchInfo, discover_launch, mpi_rendezvous, rendezvous_store
+from megabert.launch import LaunchInfo, discover_launch, mpi_rendezvous, rendezvous_store
 from megabert.parallel.state import ParallelState, rank_of
 
 __all__ = ["ParallelState", "LaunchInfo", "init_parallel", "get_parallel_state", "destroy_parallel",
@@ -27,8 +29,8 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
                   backend: Optional[str] = None, timeout_minutes: float = 10.0) -> ParallelState:
     """Initialises torch.distributed from whatever launched this process and builds the groups.
 
-    Works under torchrun, the deepspeed launcher, mpirun (Open MPI, MPICH), srun, and as a
-    plain single process. gloo on CPU, nccl on GPU unless `backend` says otherwise. A
+    Works under every launcher megabert.launch recognises (torchrun, mpirun, srun, ...) and
+    as a plain single process. gloo on CPU, nccl on GPU unless `backend` says otherwise. A
     collective that waits longer than `timeout_minutes` raises instead of hanging.
     """
     global _current

@@ -12,7 +12,7 @@ assumes (megabert.planning.communication), not the bytes a backend puts on the w
     all-reduce      2(n-1)/n x buffer
     all-gather       (n-1)/n x gathered output
     reduce-scatter   (n-1)/n x input
-    reduce           (n-1)/n x buffer (DeepSpeed issues one per partition, each rank the
+    reduce           (n-1)/n x buffer (ZeRO issues one per partition, each rank the
                      root of its own: together a reduce-scatter)
     all-to-all       (n-1)/n x input
     broadcast        the buffer, on the source rank only
@@ -96,7 +96,8 @@ class CommLedger:
 
     @contextmanager
     def recording(self) -> Iterator["CommLedger"]:
-        """Counts what megabert's door (and DeepSpeed's, where installed) sends meanwhile."""
+        """Counts what megabert's door (and an outside engine's, where its strategy counts it) sends
+        meanwhile."""
         global _active
         previous, _active = _active, self
         try:
@@ -145,6 +146,21 @@ def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group=None, labe
 def reduce_scatter(out: torch.Tensor, chunks: list[torch.Tensor], group=None, label: Optional[str] = None):
     _record(group, "reduce_scatter", sum(_nbytes(c) for c in chunks), label)
     return dist.reduce_scatter(out, chunks, group=group)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False,
+                          label: Optional[str] = None):
+    """Sums `x` over the group; rank r keeps chunk r in `out` (which may be that chunk of `x`:
+    the distributed optimizer reduce-scatters its gradient buckets in place)."""
+    _record(group, "reduce_scatter", _nbytes(x), label)
+    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False,
+                           label: Optional[str] = None):
+    """Rank r's `x` lands in chunk r of `out` (`x` may be that chunk of `out`)."""
+    _record(group, "all_gather", _nbytes(out), label)
+    return dist.all_gather_single(out, x, group=group, async_op=async_op)
 
 
 def reduce_scatter_by_all_reduce(x: torch.Tensor, group=None, label: Optional[str] = None) -> torch.Tensor:

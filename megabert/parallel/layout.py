@@ -1,6 +1,7 @@
-"""The arithmetic of a run's layout, computed once and passed on: how a global batch
-splits into micro-batches over data-parallel ranks, and which layers (and interleaved
-chunks) each pipeline rank holds."""
+"""The arithmetic of a run's layout, computed once and passed on: how many data-parallel
+replicas a world holds, how a global batch splits into micro-batches over them, and which
+layers (and interleaved chunks) each pipeline rank holds. Each holds its rule (the world
+size, the batch) once; megabert.rules and the ParallelState call these."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,15 @@ from typing import Optional
 
 from megabert.errors import ConfigError
 from megabert.parallel.param_spec import ParamSpec
+
+
+def data_parallel_size(world_size: int, tp_size: int, pp_size: int) -> int:
+    """The replicas of a TP x PP model in `world_size` ranks: the world-size rule."""
+    if world_size % (tp_size * pp_size):
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp_size} x "
+                          f"--pipeline-model-parallel-size {pp_size}; launch a multiple of {tp_size * pp_size} "
+                          f"processes")
+    return world_size // (tp_size * pp_size)
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,8 @@ def describe(param: nn.Parameter, **fields) -> nn.Parameter:
     current = getattr(param, ATTR, None)
     spec = dataclasses.replace(current, **fields) if current is not None else _new_spec(**fields)
     setattr(param, ATTR, spec)
-    # Derived attributes under the names DeepSpeed (and Megatron-style tools) look for:
-    # its gradient norm counts a `tensor_model_parallel` parameter on every TP rank.
+    # Derived attributes under Megatron's names, which Megatron-style engines read: their
+    # gradient norm counts a `tensor_model_parallel` parameter on every TP rank.
     param.tensor_model_parallel = spec.is_tensor_parallel
     param.partition_dim = spec.partition_dim if spec.is_tensor_parallel else -1
     param.partition_stride = spec.partition_stride

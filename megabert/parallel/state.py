@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megabert.errors import ConfigError
+from megabert.parallel.layout import data_parallel_size
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:
@@ -80,11 +80,7 @@ class ParallelState:
               local_rank: int = 0, launcher: str = "single") -> "ParallelState":
         """Creates every group. Collective: all ranks must call it with the same sizes."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world % (tp_size * pp_size):
-            raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size} "
-                              f"x --pipeline-model-parallel-size {pp_size}; launch a multiple of "
-                              f"{tp_size * pp_size} processes")
-        dp_size = world // (tp_size * pp_size)
+        dp_size = data_parallel_size(world, tp_size, pp_size)
         tp_rank = rank % tp_size
         dp_rank = (rank // tp_size) % dp_size
         pp_rank = rank // (tp_size * dp_size)
@@ -114,41 +110,3 @@ class ParallelState:
                    tp_group=groups["tp"], dp_group=groups["dp"], pp_group=groups["pp"],
                    pp_backward_group=groups.get("pp_backward"), mp_group=groups["mp"],
                    embedding_group=groups.get("emb"), local_rank=local_rank, launcher=launcher)
-
-    # DeepSpeed's `mpu=` protocol, so ZeRO partitions over our data-parallel group and
-    # computes gradient norms over our model-parallel group.
-    def get_model_parallel_rank(self) -> int:
-        return self.pp_rank * self.tp_size + self.tp_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.tp_size * self.pp_size
-
-    def get_model_parallel_group(self):
-        return self.mp_group
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self.tp_rank
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.tp_size
-
-    def get_tensor_model_parallel_group(self):
-        return self.tp_group
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return self.pp_rank
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return self.pp_size
-
-    def get_pipeline_model_parallel_group(self):
-        return self.pp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp_size
-
-    def get_data_parallel_group(self):
-        return self.dp_group

@@ -22,13 +22,16 @@ communication ledger, megabert.parallel.comm, measured half of what the planner 
 it counted both directions on every stage). Stages exchange bf16 under bf16 and fp32
 otherwise, fp16 included (megabert.pipeline_parallel.p2p).
 
-Data parallelism all-reduces fp32 gradients once per step (megabert's trainer). DeepSpeed
-(0.19) reduces ZeRO-1/2 gradients with an all-reduce of each bucket, not the
-reduce-scatter of the ZeRO paper (its `use_multi_rank_bucket_allreduce`, on by default:
-one all-reduce instead of a reduce per owning rank), then all-gathers the updated
-parameters: ZeRO-1 once per step, ZeRO-2 reducing in each micro-batch's backward. The
-planner had counted reduce-scatters: bench/comm.py measured 1.5x (ZeRO-1) and 1.67x
-(ZeRO-2, two micro-batches) its figures. ZeRO-3 reduce-scatters gradients in every
+Data parallelism all-reduces fp32 gradients once per step (megabert's trainer); the
+distributed optimizer (--use-distributed-optimizer) reduce-scatters them and all-gathers
+the parameters: the same bytes. DeepSpeed (0.19) by default reduces ZeRO-1/2 gradients
+with an all-reduce of each bucket, not the reduce-scatter of the ZeRO paper (its
+`use_multi_rank_bucket_allreduce`: one all-reduce instead of a reduce per owning rank),
+which measured 1.5x (ZeRO-1) and 1.67x (ZeRO-2, two micro-batches) a reduce-scatter's
+figures; megabert's DeepSpeed config turns it off where the version has the key
+(megabert.training.deepspeed.config.ring_volume_settings), so ZeRO-1 sends a ring
+all-reduce's bytes (reduce-scatter once per step + the parameters' all-gather) and ZeRO-2
+a reduce-scatter in each micro-batch's backward + the all-gather. ZeRO-3 reduce-scatters gradients in every
 backward and all-gathers the partitioned parameters for every forward and again for every
 backward, but for what backward does not read (the embedding tables and the MLM bias:
 _not_read_by_backward), then all-gathers its unpartitioned small parameters after the
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 from megabert.config import ModelConfig
 from megabert.planning.params import embedding_tensors, stage_params
 from megabert.planning.spec import Layout, Workload
-from megabert.parallel.buckets import zero_sizing
+from megabert.parallel.zero import ZeroBuckets
 
 
 def all_reduce_bytes(size: float, n: int) -> float:
@@ -135,12 +138,12 @@ def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -
     p = 2.0 if (layout.zero_stage and run.precision != "fp32") else 4.0  # DeepSpeed's 16-bit params/grads
     if layout.zero_stage == 0:
         dp_bytes = all_reduce_bytes(4.0 * P, dp)
-    elif layout.zero_stage == 1:
-        dp_bytes = all_reduce_bytes(p * P, dp) + gather_bytes(p * P, dp)  # once per step (see the docstring)
+    elif layout.zero_stage == 1:  # reduce-scatter once per step + all-gather (see the docstring)
+        dp_bytes = gather_bytes(p * P, dp) + gather_bytes(p * P, dp)
     elif layout.zero_stage == 2:
-        dp_bytes = m * all_reduce_bytes(p * P, dp) + gather_bytes(p * P, dp)
+        dp_bytes = m * gather_bytes(p * P, dp) + gather_bytes(p * P, dp)
     else:
-        threshold = zero_sizing(h)["stage3_param_persistence_threshold"]
+        threshold = ZeroBuckets.for_hidden_size(h).param_persistence_threshold
         persistent = sp.below(threshold)
         partitioned = P - persistent
         unread = sum(n for n in _not_read_by_backward(model, tp, pp, stage) if n >= threshold)

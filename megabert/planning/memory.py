@@ -2,7 +2,8 @@
 
 Model states, bytes per parameter element held by a rank (P its parameters, d = dp):
   megabert's trainer (zero_stage 0)  fp32 params 4 P, fp32 grads 4 P, AdamW moments 8 P
-      (bf16/fp16 autocast leaves parameters, grads and moments in fp32).
+      (bf16/fp16 autocast leaves parameters, grads and moments in fp32); with the
+      distributed optimizer (--use-distributed-optimizer) the moments are 8 P/d.
   DeepSpeed ZeRO (p = 2 bytes in bf16/fp16, 4 in fp32), as DeepSpeed's stage_1_and_2.py and
   stage3.py allocate them; AdamW's moments 8 P/d, and an fp32 master 4 P/d except in fp32
   runs, where it shares the parameter partition (megabert.training.deepspeed.zero_masters):
@@ -11,7 +12,7 @@ Model states, bytes per parameter element held by a rank (P its parameters, d = 
       2: params p P, a contiguous gradient partition p P/d (+ its flat fp32 copy, 4 P/d)
       3: params p P/d (+ tensors under the persistence threshold whole, + the live gathered
          parameters), grads p P/d; the step walks the partition one sub-group (S elements,
-         zero_sizing's sub_group_size) at a time: that sub-group's fp32 gradients, 4 S.
+         ZeroBuckets.sub_group_size) at a time: that sub-group's fp32 gradients, 4 S.
       Offload optimizer: master, moments and an fp32 gradient partition live in host memory
       (DeepSpeedCPUAdam steps in place: no temporaries); offload params: ZeRO-3's parameter
       partition too.
@@ -36,7 +37,7 @@ instead of 2.48, at 37% more time per step, so the planner predicts the default
 allocator. A GPU's caching allocator reuses those blocks instead (bounded by the
 live-parameter and bucket sizes), so the heap terms apply to CPU runs only.
 
-ZeRO bucket and live-parameter sizes come from megabert.parallel.buckets.zero_sizing,
+ZeRO bucket and live-parameter sizes come from megabert.parallel.zero.ZeroBuckets,
 the numbers the DeepSpeed config is built from; this module never restates them.
 """
 from __future__ import annotations
@@ -47,8 +48,8 @@ from megabert.config import ModelConfig
 from megabert.planning.activations import stage_activation_bytes
 from megabert.planning.params import StageParams, stage_params
 from megabert.planning.spec import Layout, Workload
-from megabert.parallel.buckets import zero_sizing
 from megabert.parallel.buckets import BUCKET_ELEMENTS
+from megabert.parallel.zero import ZeroBuckets
 
 GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
 
@@ -69,6 +70,12 @@ DEEPSPEED_OVERHEAD_GB = {"cpu": 0.1, "cuda": 0.0}
 CPU_ZERO2_HEAP_BYTES_PER_PARAM = 2.0
 CPU_ZERO3_HEAP_BYTES_PER_PARAM = 6.0
 CPU_OFFLOAD_HEAP_BYTES_PER_PARAM = 2.0
+# The distributed optimizer on the CPU: gloo stages each asynchronous reduce-scatter and
+# all-gather in temporaries of the bucket's size, allocated on its worker threads, which
+# leave the heap above the live tensors (bench/memory.py, BERT-base with two all-gathers in
+# flight: 5.6 bytes per parameter at DP=2, 4.9 at DP=4; with all of them in flight, 6).
+# NCCL reduces and gathers in place: on GPUs the term is 0.
+CPU_DISTOPT_HEAP_BYTES_PER_PARAM = 5.0
 
 
 @dataclass(frozen=True)
@@ -136,28 +143,33 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
         if sp.tied_embedding or (layout.pp > 1 and sp.stage == 0):
             tied = 4.0 * min(BUCKET_ELEMENTS, model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size)
         # torch's fused AdamW (build_optimizer's default) steps in place: no temporaries.
-        return _States(parameters=4.0 * P, optimizer=8.0 * P, gradients=grads, backward=grads + dp_bucket,
-                       step=grads + tied, forward=grads if overlapped else 0.0)
-    sizing = zero_sizing(model.hidden_size)
+        # The distributed optimizer keeps the moments of its 1/DP shard only; its parameter
+        # and gradient buffers are the trainer's (padding: < 128 elements per bucket), the
+        # reduce-scatter and all-gather run in place.
+        optimizer = 8.0 * P / d if layout.distributed_optimizer else 8.0 * P
+        heap = CPU_DISTOPT_HEAP_BYTES_PER_PARAM * P if cpu and layout.distributed_optimizer and d > 1 else 0.0
+        return _States(parameters=4.0 * P, optimizer=optimizer, gradients=grads, backward=grads + dp_bucket,
+                       step=grads + tied, forward=grads if overlapped else 0.0, heap=heap)
+    sizing = ZeroBuckets.for_hidden_size(model.hidden_size)
     p = 2.0 if run.precision in ("bf16", "fp16") else 4.0
     # AdamW's two moments and the fp32 master, partitioned; in fp32 the master shares the
     # parameter partition (training.deepspeed.zero_masters) unless the optimizer is offloaded.
     master = 0.0 if p == 4.0 and not layout.offload_optimizer else 4.0
     optimizer = (8.0 + master) * P / d
     fp32_grad_partition = 4.0 * P / d  # the flat copy the optimizer step reads
-    reduce_bucket = p * sizing["reduce_bucket_size"]
+    reduce_bucket = p * sizing.reduce_bucket
     host = 0.0
     heap = 0.0
     if layout.zero_stage == 3:
-        persistent = sp.below(sizing["stage3_param_persistence_threshold"])
+        persistent = sp.below(sizing.param_persistence_threshold)
         partition = p * (P - persistent) / d
-        live = p * min(sizing["stage3_max_live_parameters"] + sizing["stage3_prefetch_bucket_size"], P)
+        live = p * min(sizing.max_live_parameters + sizing.prefetch_bucket, P)
         parameters = p * persistent + (0.0 if layout.offload_params else partition)
         host += partition if layout.offload_params else 0.0
         grads = p * P / d
         backward = grads + live + reduce_bucket
         # One sub-group's fp32 gradients (fused AdamW); DeepSpeedCPUAdam reads the host copy.
-        step = grads + (0.0 if layout.offload_optimizer else 4.0 * min(sizing["sub_group_size"], P / d))
+        step = grads + (0.0 if layout.offload_optimizer else 4.0 * min(sizing.sub_group_size, P / d))
         if cpu:
             heap = (CPU_ZERO3_HEAP_BYTES_PER_PARAM
                     + (CPU_OFFLOAD_HEAP_BYTES_PER_PARAM if layout.offload_optimizer else 0.0)) * P
@@ -168,7 +180,7 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
             backward = p * P
         else:
             grads = p * P / d
-            backward = grads + reduce_bucket + p * sizing["allgather_bucket_size"]
+            backward = grads + reduce_bucket + p * sizing.allgather_bucket
             if cpu:
                 heap = CPU_ZERO2_HEAP_BYTES_PER_PARAM * P
         step = grads + (0.0 if layout.offload_optimizer else fp32_grad_partition)

@@ -46,7 +46,9 @@ def layer_tensors(model: ModelConfig, tp: int) -> list[int]:
 def embedding_tensors(model: ModelConfig, tp: int) -> list[int]:
     """Word (vocab-parallel, padded vocab), position and token-type embeddings, LayerNorm."""
     h = model.hidden_size
-    return [model.padded_vocab_size(tp) // tp * h, model.max_position_embeddings * h, model.type_vocab_size * h, h, h]
+    layernorm = [h, h] if model.embedding_layernorm else []
+    return [model.padded_vocab_size(tp) // tp * h, model.max_position_embeddings * h, model.type_vocab_size * h,
+            *layernorm]
 
 
 def head_tensors(model: ModelConfig, tp: int) -> list[int]:

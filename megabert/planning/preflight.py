@@ -11,16 +11,37 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
+from megabert.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from megabert.parallel.layout import BatchLayout
+from megabert.parallel.zero import ZeroPlan
 from megabert.planning.memory import MemoryEstimate, estimate
 from megabert.planning.search import fit_warning
 from megabert.planning.spec import Layout, Workload
 
-if TYPE_CHECKING:  # the planner reads a resolved run; it never imports training
-    from megabert.training.resolve import ResolvedRun
+
+class ResolvedRun(Protocol):
+    """What the planner reads of a resolved run (megabert.training.resolve.ResolvedRun has
+    it): described here, so the planner never imports training, not even for a type."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig
+    batch: BatchLayout
+    zero: ZeroPlan
+
+    @property
+    def seq_length(self) -> int: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def dp_size(self) -> int: ...
 
 
 def run_and_layout(run: "ResolvedRun", device: str = "cuda") -> tuple[Workload, Layout]:
@@ -33,11 +54,12 @@ def run_and_layout(run: "ResolvedRun", device: str = "cuda") -> tuple[Workload, 
     work = Workload(seq_length=run.seq_length, micro_batch_size=t.micro_batch_size,
                     global_batch_size=run.batch.global_batch_size, precision=run.precision,
                     recompute=m.recompute_granularity or "none", mlm_logits_at_masked_only=True,
-                    mask_prob=run.data.mask_prob, device=device, overlap_grad_reduce=p.overlap_grad_reduce)
+                    mask_prob=run.data.mask_prob, device=device, overlap_grad_reduce=p.overlap_grad_reduce,
+                    overlap_param_gather=p.overlap_param_gather)
     layout = Layout(tp=p.tensor_model_parallel_size, pp=pp, dp=run.dp_size, virtual_stages=virtual,
                     sequence_parallel=m.sequence_parallel and p.tensor_model_parallel_size > 1,
-                    zero_stage=run.zero_stage, offload_optimizer=run.offload_optimizer,
-                    offload_params=run.offload_params)
+                    zero_stage=run.zero.stage, offload_optimizer=run.zero.offload_optimizer,
+                    offload_params=run.zero.offload_params, distributed_optimizer=p.use_distributed_optimizer)
     return work, layout
 
 

@@ -34,10 +34,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp: int = 8,
-                      allow_offload: bool = False, zero_stages: Iterable[int] = (0, 1, 2, 3)) -> list[Layout]:
+                      allow_offload: bool = False, zero_stages: Iterable[int] = (0, 1, 2, 3),
+                      distributed_optimizer: bool = True) -> list[Layout]:
     """Every layout of `devices` ranks the model and the batch allow. TP stays within
     `max_tp` (one node's fast interconnect); sequence parallelism is tried with TP > 1;
-    interleaving with 2 and 4 chunks where the layers divide."""
+    interleaving with 2 and 4 chunks where the layers divide; megabert's own trainer with
+    and without --use-distributed-optimizer at DP > 1."""
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     zero_stages = tuple(zero_stages)
@@ -57,15 +59,18 @@ def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp
                     for z in zero_stages:
                         if dp == 1 and z > 0:
                             continue  # ZeRO partitions over DP: nothing to gain on one rank
-                        offloads = [(False, False)]
+                        offloads = [(False, False, False)]
+                        if z == 0 and dp > 1 and distributed_optimizer:
+                            offloads.append((False, False, True))  # --use-distributed-optimizer
                         if allow_offload and z >= 1:
-                            offloads.append((True, False))
+                            offloads.append((True, False, False))
                             if z == 3:
-                                offloads.append((True, True))
-                        for oo, op in offloads:
+                                offloads.append((True, True, False))
+                        for oo, op, do in offloads:
                             try:  # megabert.rules decides what combines (ZeRO-2/3 with PP, SP with ZeRO)
                                 out.append(Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp,
-                                                  zero_stage=z, offload_optimizer=oo, offload_params=op))
+                                                  zero_stage=z, offload_optimizer=oo, offload_params=op,
+                                                  distributed_optimizer=do))
                             except ConfigError:
                                 continue
     return out
@@ -103,15 +108,19 @@ def _state_fixes(lay: Layout) -> list[tuple[str, Layout]]:
     not combine with --sequence-parallel, so a layout that uses it gets no ZeRO change."""
     out = []
     zero_ok = not lay.sequence_parallel
+    if lay.dp > 1 and lay.zero_stage == 0 and not lay.distributed_optimizer:
+        out.append(("--use-distributed-optimizer", replace(lay, distributed_optimizer=True)))
     if zero_ok and lay.dp > 1 and lay.zero_stage < 3 and lay.pp == 1:
-        out.append((f"--deepspeed --zero-stage {lay.zero_stage + 1}", replace(lay, zero_stage=lay.zero_stage + 1)))
+        out.append((f"--deepspeed --zero-stage {lay.zero_stage + 1}", replace(lay, zero_stage=lay.zero_stage + 1,
+                                                                                 distributed_optimizer=False)))
     elif zero_ok and lay.dp > 1 and lay.zero_stage == 0:
-        out.append(("--deepspeed --zero-stage 1", replace(lay, zero_stage=1)))
+        out.append(("--deepspeed --zero-stage 1", replace(lay, zero_stage=1, distributed_optimizer=False)))
     elif zero_ok and lay.dp == 1 and lay.pp == 1:
         out.append(("--deepspeed --zero-stage 3", replace(lay, dp=2, zero_stage=3)))
     if zero_ok and lay.pp == 1 and not lay.offload_params:
         out.append(("--deepspeed --zero-stage 3 --zero-offload-optimizer cpu --zero-offload-params cpu",
-                    replace(lay, zero_stage=3, offload_optimizer=True, offload_params=True)))
+                    replace(lay, zero_stage=3, offload_optimizer=True, offload_params=True,
+                                distributed_optimizer=False)))
     elif lay.zero_stage and not lay.offload_optimizer:
         out.append(("--zero-offload-optimizer cpu", replace(lay, offload_optimizer=True)))
     out.append((f"--tensor-model-parallel-size {2 * lay.tp}", replace(lay, tp=2 * lay.tp)))

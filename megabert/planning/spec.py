@@ -12,7 +12,8 @@ from typing import Optional
 
 from megabert.config import ModelConfig
 from megabert.errors import ConfigError
-from megabert.rules import check_model_split, check_sequence_parallel, check_zero
+from megabert.parallel.zero import ZeroPlan
+from megabert.rules import check_distributed_optimizer, check_model_split, check_sequence_parallel, check_zero
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
@@ -45,6 +46,9 @@ class Workload:
     """DP > 1 without ZeRO (--overlap-grad-reduce): gradients live in one buffer for the
     whole run, reduced in place bucket by bucket (no flat copy); off, they exist from
     backward to the step and each bucket is copied flat to be reduced."""
+    overlap_param_gather: bool = True
+    """With the distributed optimizer (--overlap-param-gather): each parameter bucket's
+    all-gather is waited for by the forward that needs it; off, all after the step."""
     overhead_gb: Optional[float] = None
     """Fixed per-process memory outside the model's tensors; None: the calibrated default
     of `device` (megabert.planning.memory.FRAMEWORK_OVERHEAD_GB)."""
@@ -104,21 +108,24 @@ class Layout:
     """--zero-offload-optimizer cpu: fp32 master, moments (and ZeRO-2/3 gradient partitions) in host memory."""
     offload_params: bool = False
     """--zero-offload-params cpu: ZeRO-3 parameter partitions in host memory."""
+    distributed_optimizer: bool = False
+    """--use-distributed-optimizer (zero_stage 0 only): megabert's own trainer with the
+    AdamW/LAMB moments sharded over DP, gradients reduce-scattered, parameters all-gathered."""
 
     def __post_init__(self):
         for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
                            ("dp", "data-parallel size"), ("virtual_stages", "virtual pipeline stages")):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.virtual_stages > 1 and self.pp == 1:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        check_zero(self.zero_stage, pp=self.pp, offload_optimizer=self.offload_optimizer,
-                   offload_params=self.offload_params, deepspeed=self.zero_stage > 0)
+        check_zero(ZeroPlan(stage=self.zero_stage, offload_optimizer=self.offload_optimizer,
+                            offload_params=self.offload_params), pp=self.pp, deepspeed=self.zero_stage > 0)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         check_sequence_parallel(self.sequence_parallel, deepspeed=self.zero_stage > 0)
+        check_distributed_optimizer(self.distributed_optimizer, deepspeed=self.zero_stage > 0,
+                                    overlap_grad_reduce=True)
 
     @property
     def world_size(self) -> int:
@@ -146,6 +153,8 @@ class Layout:
             parts.append("--sequence-parallel")
         if self.zero_stage:
             parts.append(f"--deepspeed --zero-stage {self.zero_stage}")
+        if self.distributed_optimizer:
+            parts.append("--use-distributed-optimizer")
         if self.offload_optimizer:
             parts.append("--zero-offload-optimizer cpu")
         if self.offload_params:
@@ -158,6 +167,8 @@ class Layout:
         name += f".dp{self.dp}.z{self.zero_stage}"
         if self.sequence_parallel:
             name += "+sp"
+        if self.distributed_optimizer:
+            name += "+do"
         if self.offload_optimizer:
             name += "+oo"
         if self.offload_params:

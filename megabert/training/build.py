@@ -73,6 +73,13 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
 
         return build_deepspeed_strategy(model, ps, ds_cfg, run.optim, t, runner() if ps.pp_size > 1 else None,
                                         task)
+    if run.parallel.use_distributed_optimizer:
+        from megabert.training.distributed_optimizer import build_distributed_optimizer_strategy
+
+        return build_distributed_optimizer_strategy(model, ps, run.optim, runner(),
+                                                    bucket_elements=run.parallel.ddp_bucket_size,
+                                                    overlap_param_gather=run.parallel.overlap_param_gather,
+                                                    fp16=t.fp16, clip_grad=run.optim.clip_grad)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     reducer = None

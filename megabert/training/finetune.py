@@ -1,38 +1,164 @@
-"""What every fine-tuning task shares, knowing no task: the vocab beside --load, the task
-model from --load, the step count from --epochs, feature batches sharded over data-parallel
-ranks, and forward-only prediction over every layout (gathered over data-parallel ranks).
+"""The one fine-tuning driver: every task (SQuAD, GLUE, the next one) runs the same steps,
 
-A task's config dataclass (the "finetune" section of FinetuneConfigs) has at least the
-fields of `TaskConfig`; SQuAD's and GLUE's entry scripts hand theirs to these helpers.
+    parallel state -> tokenizer -> the task's inputs checked -> the task model from --load
+    -> the run resolved -> train (resuming --save) -> the task's predictions, scores, outputs
+
+and plugs in what is its own through `FinetuneTask`: its training features, its model and
+head, and how it predicts, scores and writes its outputs. The task's config section is a
+megabert.config.TaskConfig. The driver knows no task; the tasks live in megabert.tasks.
+
+Every task resumes exactly from --save: once --save holds a checkpoint of the run, the
+same command again restores its weights, optimizer, loss scale, RNG streams and data
+position (the consumed samples) and continues where it stopped, with the losses and
+predictions of a run that was never interrupted (dropout on).
 """
 from __future__ import annotations
 
+import abc
+import dataclasses
+import json
+import logging
 import math
 import os
-from typing import Callable, Iterator, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
 from megabert.checkpoint import external
-from megabert.config import FinetuneConfigs
+from megabert.checkpoint.layout import has_checkpoint
+from megabert.config import FinetuneConfigs, TaskConfig, TrainConfig
+from megabert.data import build_tokenizer
 from megabert.errors import ConfigError, DataError
-from megabert.parallel import ParallelState, comm
+from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import apply_compile, build_predictor
+from megabert.training.build import apply_compile, build_predictor, build_trainer
+from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
+from megabert.training.resolve import ResolvedRun, resolve_run
 from megabert.training.strategy import Task
+from megabert.training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
-class TaskConfig(Protocol):
-    """The fields of a task config that the shared fine-tuning code reads."""
+@dataclass(frozen=True)
+class Predictor:
+    """Forward-only passes over the model (fine-tuned here, or --load as it is) at the run's
+    layout and precision, for a task's predictions."""
 
-    vocab_file: Optional[str]
-    tokenizer_type: str
-    max_seq_length: int
-    epochs: float
-    train_iters: Optional[int]
-    predict_batch_size: Optional[int]
-    output_dir: Optional[str]
+    model: torch.nn.Module
+    ps: ParallelState
+    task: Task
+    batch_size: int
+    bf16: bool = False
+    fp16: bool = False
+
+    def outputs(self, tensors: dict[str, torch.Tensor], outputs_of: Callable[[object], Sequence[torch.Tensor]]
+                ) -> Optional[list[np.ndarray]]:
+        """The arrays `outputs_of(model output)` picks for every feature in order, on every
+        rank (None when there are no features); see predict_outputs."""
+        return predict_outputs(self.model, tensors, self.ps, self.batch_size, self.task, outputs_of, bf16=self.bf16,
+                               fp16=self.fp16)
+
+    @property
+    def writes(self) -> bool:
+        """This rank writes the outputs (rank 0; every rank holds the same predictions)."""
+        return self.ps.rank == 0
+
+
+class FinetuneTask(abc.ABC):
+    """What a fine-tuning task plugs into the driver. Built from the run's configs (its own
+    section, `self.config`, a TaskConfig, has the vocab already resolved)."""
+
+    name: str = "task"
+    """For log lines."""
+
+    def __init__(self, cfg: FinetuneConfigs):
+        self.cfg, self.config = cfg, cfg.finetune
+
+    @property
+    @abc.abstractmethod
+    def trainer_task(self) -> Task:
+        """The inputs a micro-batch feeds the model and how its output gives the loss."""
+
+    @abc.abstractmethod
+    def check_inputs(self) -> None:
+        """Reads the data files the run will use, so a missing or malformed one stops the run
+        (a DataError naming it) before the model loads."""
+
+    @abc.abstractmethod
+    def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
+        """The task model from --load (any checkpoint kind: see load_task_model)."""
+
+    @abc.abstractmethod
+    def train_tensors(self, tokenizer) -> Optional[dict[str, torch.Tensor]]:
+        """The training features as tensors of equal length (the trainer_task's inputs), or
+        None when the run does not train."""
+
+    @abc.abstractmethod
+    def predict(self, tokenizer, predictor: Predictor) -> None:
+        """Predicts, scores and writes the task's outputs (on `predictor.writes` ranks);
+        nothing when the run does not predict. Every rank calls it: prediction is collective."""
+
+
+def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
+    """Runs a fine-tuning entry script's configs end to end with `task_class`'s pieces."""
+    par = cfg.parallel
+    ps = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                       backend=par.distributed_backend, timeout_minutes=par.distributed_timeout_minutes)
+    configure_process_logging(ps.is_logging_rank)
+    # The vocab in use is recorded with the checkpoint (--save), where convert_hf.py export finds it.
+    cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, vocab_file=resolve_vocab_file(cfg)))
+    task = task_class(cfg)
+    tokenizer = build_tokenizer(cfg.finetune.tokenizer_type, cfg.finetune.vocab_file)
+    task.check_inputs()
+    model = task.load_model(ps, tokenizer.vocab_size)
+    run = resolve_run(cfg, ps, model.config)  # the layout, the batch and the DeepSpeed JSON, checked once
+    trainer = train(run, ps, model, task, tokenizer)
+    try:
+        t = cfg.train
+        task.predict(tokenizer, Predictor(model, ps, task.trainer_task, cfg.finetune.predict_batch_size or
+                                          t.micro_batch_size, t.bf16, t.fp16))
+    finally:
+        if trainer is not None:  # after predicting: a ZeRO-3 engine holds the partitioned weights until then
+            trainer.close()
+    destroy_parallel()
+
+
+def resume_from_save(train: TrainConfig) -> TrainConfig:
+    """--load named the pre-trained model (already in the task model); --save keeps the
+    fine-tuned one. Once --save holds a checkpoint, the training starts from it with
+    everything restored (the restart pattern of pre-training's --save X --load X, whose
+    rules apply: a damaged newest checkpoint is named and the newest intact one resumed)."""
+    return dataclasses.replace(train, load=train.save if train.save and has_checkpoint(train.save) else None)
+
+
+def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: FinetuneTask, tokenizer
+          ) -> Optional[Trainer]:
+    """Fine-tunes `model` in place; returns the Trainer (None: nothing to train)."""
+    tensors = task.train_tensors(tokenizer)
+    if tensors is None:
+        return None
+    ft, t, batch = run.finetune, run.train, run.batch
+    n = len(tensors["input_ids"])
+    train_cfg = dataclasses.replace(resume_from_save(t), train_iters=num_train_steps(n, ft, batch.global_batch_size))
+    logger.info("fine-tuning %s for %d steps of %d features (%.2f epochs of %d)", task.name, train_cfg.train_iters,
+                batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / n, n)
+    trainer = build_trainer(
+        model, ps, dataclasses.replace(run, train=train_cfg), task.trainer_task,
+        lambda consumed: feature_batches(tensors, global_batch=batch.global_batch_size, micro_batch=t.micro_batch_size,
+                                         dp_rank=ps.dp_rank, dp_size=ps.dp_size, seed=t.seed, consumed=consumed),
+        flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
+        checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
+                          "finetune": dataclasses.asdict(ft)})
+    trainer.train()
+    return trainer
+
+
+def write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
 
 
 def resolve_vocab_file(cfg: FinetuneConfigs) -> str:
@@ -51,8 +177,10 @@ def load_task_model(model_class: type, cfg: FinetuneConfigs, ps: ParallelState, 
                     **config_overrides) -> torch.nn.Module:
     """`model_class` from --load (megabert checkpoint of any TP layout, or a Hugging Face /
     TF directory); its task head is new unless the checkpoint already has one.
-    `config_overrides`: ModelConfig fields the task sets (e.g. the number of labels)."""
+    `config_overrides`: ModelConfig fields the task sets (e.g. the number of labels);
+    --recompute-granularity unless the task sets it."""
     seed_default_stream(cfg.train.seed, ps.pp_rank, ps.device)
+    config_overrides.setdefault("recompute_granularity", cfg.finetune.recompute_granularity)
     model = model_class.from_pretrained(
         cfg.train.load, ps, seed=cfg.train.seed,
         num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage, **config_overrides)
@@ -66,7 +194,7 @@ def load_task_model(model_class: type, cfg: FinetuneConfigs, ps: ParallelState, 
     return model
 
 
-def num_train_steps(num_features: int, finetune, global_batch: int) -> int:
+def num_train_steps(num_features: int, finetune: TaskConfig, global_batch: int) -> int:
     """--train-iters, else ceil(--epochs x features / global batch)."""
     if finetune.train_iters is not None:
         return finetune.train_iters

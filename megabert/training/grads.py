@@ -70,12 +70,14 @@ def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: Parall
     _all_reduce_coalesced(grads, ps.dp_group, scale=1.0 / ps.dp_size)
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> torch.Tensor:
+def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState, dp_sharded: bool = False) -> torch.Tensor:
     """Global L2 norm of the model's gradients, a float64 scalar on the device (read it
     with one .item(), or not at all). A replicated parameter is counted once (on TP rank
     0) and split ones on every rank, so the sum over the model-parallel group is the norm
     of the full model's gradient. The last pipeline stage's copy of the tied word
-    embeddings is left out: the first stage counts it."""
+    embeddings is left out: the first stage counts it. `dp_sharded`: `params` are this
+    rank's shards of the DP-averaged gradients (the distributed optimizer's pieces, each
+    carrying its parameter's spec): the squares are then summed over every rank."""
     grads = []
     for p in params:
         if p.grad is None:
@@ -89,7 +91,9 @@ def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> torch.
     if grads:
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
         total = torch.stack(norms).double().pow(2).sum()
-    if ps.tp_size * ps.pp_size > 1:
+    if dp_sharded and ps.dp_size > 1:
+        comm.all_reduce(total)  # the world: DP x TP x PP
+    elif ps.tp_size * ps.pp_size > 1:
         comm.all_reduce(total, group=ps.mp_group)
     return total.sqrt()
 

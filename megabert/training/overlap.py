@@ -104,9 +104,17 @@ class OverlappedGradReducer:
 
     def _issue_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            bucket = self.buckets[self._next]
-            bucket.handle = comm.all_reduce(bucket.flat, group=self.ps.dp_group, async_op=True)
+            self._issue(self.buckets[self._next])
             self._next += 1
+
+    def _issue(self, bucket: _Bucket) -> None:
+        """Starts a ready bucket's reduction (megabert.training.sharded_buffers reduce-scatters it)."""
+        bucket.handle = comm.all_reduce(bucket.flat, group=self.ps.dp_group, async_op=True)
+
+    def _complete(self, bucket: _Bucket, scale: float) -> None:
+        """Waits for a bucket's reduction and averages what this rank keeps of it."""
+        bucket.handle.wait()
+        bucket.flat.mul_(scale)
 
     def finish(self) -> None:
         """Issues what backward did not (parameters that got fewer gradients than
@@ -119,8 +127,7 @@ class OverlappedGradReducer:
         self._issue_ready()
         scale = 1.0 / self.ps.dp_size
         for bucket in self.buckets:
-            bucket.handle.wait()
-            bucket.flat.mul_(scale)
+            self._complete(bucket, scale)
         for p, n in self._counts.items():
             if n == 0:
                 p.grad = None

@@ -1,19 +1,24 @@
-"""The run, resolved once: flags + the DeepSpeed JSON + the world size -> one frozen,
-checked description. The memory preflight, the trainer, fine-tuning and the logs read
-this object; none of them re-reads a flag that the JSON may have overridden (a ZeRO stage
-or an offload set only in --deepspeed_config is what runs, so it is what the planner
-predicts)."""
+"""The run, resolved once: flags + the DeepSpeed JSON + the world -> one frozen, checked
+description. The memory preflight, the trainer, fine-tuning and the logs read this object;
+none of them re-reads a flag that the JSON may have overridden (a ZeRO stage or an offload
+set only in --deepspeed_config is what runs, so it is what the planner predicts), and none
+reads DeepSpeed's JSON: its ZeRO arrives typed, as `zero` (a ZeroPlan).
+
+The rules between flags alone ran when they were parsed and the world-size rule when the
+ParallelState was built (megabert.rules says where each rule runs); resolve_run applies the
+rest, each once."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megabert.checkpoint.run_state import resolve_start
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
     TrainConfig
 from megabert.parallel.layout import BatchLayout
-from megabert.rules import validate_layout
-from megabert.checkpoint.run_state import resolve_start
+from megabert.parallel.zero import ZeroPlan
+from megabert.rules import check_model_split, check_zero
 
 
 @dataclass(frozen=True)
@@ -31,22 +36,26 @@ class ResolvedRun:
     data: Optional[DataConfig] = None
     finetune: Any = None
     """The task's config dataclass when fine-tuning (it has max_seq_length), else None."""
+    zero: ZeroPlan = ZeroPlan()
+    """The ZeRO that runs, from the flags or the DeepSpeed JSON (stage 0 without DeepSpeed)."""
     deepspeed_config: Optional[dict] = None
-    """DeepSpeed's final config (built from the flags, merged with --deepspeed_config); None without --deepspeed."""
+    """DeepSpeed's final config (built from the flags, merged with --deepspeed_config), handed
+    to the DeepSpeed strategy as it is; None without --deepspeed. Only megabert.training.deepspeed
+    reads it."""
     explicit: frozenset = frozenset()
 
     @property
     def zero_stage(self) -> int:
         """The ZeRO stage that runs: 0 without DeepSpeed or without ZeRO."""
-        return (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage", 0)
+        return self.zero.stage
 
     @property
     def offload_optimizer(self) -> bool:
-        return _offload_device(self.deepspeed_config, "offload_optimizer") == "cpu"
+        return self.zero.offload_optimizer
 
     @property
     def offload_params(self) -> bool:
-        return _offload_device(self.deepspeed_config, "offload_param") == "cpu"
+        return self.zero.offload_params
 
     @property
     def precision(self) -> str:
@@ -68,28 +77,29 @@ class ResolvedRun:
         return self.data.binary_head_task
 
 
-def _offload_device(ds_config: Optional[dict], section: str) -> Optional[str]:
-    return ((ds_config or {}).get("zero_optimization", {}).get(section) or {}).get("device")
-
-
 def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig] = None) -> ResolvedRun:
-    """Checks the configs against the world (megabert.rules) and merges the DeepSpeed JSON
-    (its conflicts with the flags are one-line errors). `ps`: the ParallelState (its world,
-    DP and PP sizes and device). `model`: the loaded model's config when fine-tuning."""
+    """Applies the rules that need the world or the DeepSpeed JSON (megabert.rules), each
+    once, and merges the JSON (its conflicts with the flags are one-line errors). `ps`: the
+    ParallelState (its DP and PP sizes and device; the world-size rule held when it was
+    built). `model`: the loaded model's config when fine-tuning."""
     model = model if model is not None else getattr(cfg, "model", None)
     if model is not None:
-        validate_layout(model, cfg.parallel, ps.world_size, cfg.train)
+        check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
+                          cfg.parallel.num_layers_per_virtual_pipeline_stage)
     batch = BatchLayout.of(cfg.train.micro_batch_size, cfg.train.global_batch_size, ps.dp_size)
-    optim, train, ds_config = cfg.optim, cfg.train, None
+    optim, train, ds_config, zero = cfg.optim, cfg.train, None, ZeroPlan()
     if cfg.train.deepspeed:
         from megabert.training.deepspeed.config import resolve_deepspeed_config
 
-        ds_config, optim = resolve_deepspeed_config(cfg, ps, model.hidden_size if model is not None else None)
-        train = dataclasses.replace(train, zero_stage=ds_config["zero_optimization"].get("stage", 0))
+        ds_config, optim, zero = resolve_deepspeed_config(cfg, ps, model.hidden_size if model is not None else None)
+        if cfg.train.deepspeed_config:  # the JSON may have chosen the stage or an offload: the plan that runs
+            check_zero(zero, pp=ps.pp_size, compile=cfg.train.compile)
+        train = dataclasses.replace(train, zero_stage=zero.stage)
     if getattr(cfg, "data", None) is not None:
         # A --load / --pretrained-checkpoint that holds nothing stops the run here, before
         # index mappings are built (fine-tuning reads --load when it builds its model).
         resolve_start(train)
     return ResolvedRun(model=model, parallel=cfg.parallel, optim=optim, train=train, batch=batch,
                        world_size=ps.world_size, data=getattr(cfg, "data", None),
-                       finetune=getattr(cfg, "finetune", None), deepspeed_config=ds_config, explicit=cfg.explicit)
+                       finetune=getattr(cfg, "finetune", None), zero=zero, deepspeed_config=ds_config,
+                       explicit=cfg.explicit)

@@ -153,11 +153,15 @@ class Strategy:
 
     def optimizer_state(self) -> Optional[dict]:
         """The optimizer state for our rank files (by parameter name), or None when the
-        strategy saves it in files of its own (save_own_files)."""
+        strategy saves it in files of its own (save_own_files). Every rank calls it (the
+        distributed optimizer gathers its shards here); DP rank 0 writes it."""
         return optimizer_state_by_name(self.optimizer, self.model) if self.optimizer is not None else None
 
     def save_own_files(self, root: str, state: TrainingState) -> None:
         """Collective, after the rank files: state our rank files do not hold."""
+
+    def discard_own_files(self, root: str, state: TrainingState) -> None:
+        """A save failed (rank 0 calls this): take back what save_own_files wrote for it."""
 
     def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
         """Restores the optimizer of a resumed run from what save wrote."""

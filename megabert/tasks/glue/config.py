@@ -1,11 +1,12 @@
 """finetune_glue.py's own flags: the task, its files, the features and what to run. The
-shared parallel, optimizer and training flags come from megabert.config."""
+flags every task has come from megabert.config's TaskConfig, the shared parallel, optimizer
+and training flags from its other sections."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megabert.config import arg
+from megabert.config import TaskConfig, arg
 from megabert.errors import ConfigError
 from megabert.tasks.glue.tasks import ALIASES, TASKS
 
@@ -17,7 +18,7 @@ GLUE_DEFAULTS = {"optim.lr": 2e-5, "optim.lr_warmup_fraction": 0.1, "optim.lr_de
 
 
 @dataclass(kw_only=True)
-class GlueConfig:
+class GlueConfig(TaskConfig):
     """GLUE fine-tuning: the task, its data (the distribution's TSVs or CSV / JSON-lines files) and outputs."""
 
     task_name: str = arg(None, "The GLUE task (run_glue.py's sst2 and stsb are accepted too).",
@@ -32,24 +33,13 @@ class GlueConfig:
     test_file: Optional[str] = arg(None, "Test data to predict instead of --data-dir's (TSV, .csv or .json; "
                                    "labels not needed).")
     output_dir: Optional[str] = arg(None, "Where eval_results.json and the GLUE submission files ({TASK}.tsv) go.")
-    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or tokenizer.json); default vocab.txt in a "
-                                    "Hugging Face --load directory.")
-    tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type (lower-cased or cased WordPiece, or a "
-                              "tokenizer.json); must match the pre-trained model.",
-                              choices=("BertWordPieceLowerCase", "BertWordPieceCase", "HuggingFaceTokenizer"))
     max_seq_length: int = arg(128, "Tokens per feature: [CLS] A [SEP] (B [SEP]), longer pairs truncated, padded.")
-    epochs: float = arg(3.0, "Passes over the training examples (may be fractional).")
-    train_iters: Optional[int] = arg(None, "Optimizer steps; default --epochs over the training examples.")
-    predict_batch_size: Optional[int] = arg(None, "Examples per forward pass when evaluating and predicting; "
-                                            "default --micro-batch-size.")
-    recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or selective "
-                                               "(attention core only); the losses are unchanged.",
-                                               choices=(None, "full", "selective"))
     do_train: bool = arg(True, "Fine-tune on the training data (--no-do-train: evaluate / predict --load as it is).")
     do_eval: bool = arg(True, "Score the dev set(s) into eval_results.json.")
     do_predict: bool = arg(True, "Write GLUE submission files for the test set(s) that exist.")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.task_name is None:
             raise ConfigError(f"--task-name is required: one of {', '.join(TASKS)}")
         self.task_name = ALIASES.get(self.task_name.lower(), self.task_name.lower())
@@ -63,11 +53,3 @@ class GlueConfig:
         if (self.do_eval or self.do_predict) and not self.output_dir:
             raise ConfigError("--output-dir is required for eval_results.json and the submission files "
                               "(or --no-do-eval --no-do-predict)")
-        if self.max_seq_length < 8:
-            raise ConfigError(f"--max-seq-length must be at least 8, got {self.max_seq_length}")
-        if self.epochs <= 0:
-            raise ConfigError(f"--epochs must be positive, got {self.epochs}")
-        if self.train_iters is not None and self.train_iters < 1:
-            raise ConfigError(f"--train-iters must be >= 1, got {self.train_iters}")
-        if self.predict_batch_size is not None and self.predict_batch_size < 1:
-            raise ConfigError(f"--predict-batch-size must be >= 1, got {self.predict_batch_size}")

@@ -1,9 +1,8 @@
-"""GLUE pieces handed to the generic fine-tuning code: the task for the Trainer, the data
-files of a run, the model from --load with the task's labels, and evaluation and test
-predictions (eval_results.json with run_glue.py's keys, the GLUE submission files)."""
+"""GLUE as a fine-tuning task (megabert.training.finetune runs it): the data files of a
+run, the model from --load with the task's labels, and evaluation and test predictions
+(eval_results.json with run_glue.py's keys, the GLUE submission files)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from megabert.tasks.glue.features import examples_to_tensors
 from megabert.tasks.glue.metrics import glue_metrics
 from megabert.tasks.glue.model import BertForSequenceClassification
 from megabert.tasks.glue.tasks import TASKS, GlueTask
-from megabert.training.finetune import load_task_model, predict_outputs
+from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.strategy import Task
 
 logger = logging.getLogger(__name__)
@@ -71,8 +70,7 @@ def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) ->
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     try:
         return load_task_model(BertForSequenceClassification, cfg, ps, vocab_size, num_labels=task.num_labels,
-                               id2label=id2label, unpad_input=True,
-                               recompute_granularity=cfg.finetune.recompute_granularity)
+                               id2label=id2label, unpad_input=True)
     except CheckpointError as e:
         if "classifier.weight has shape" not in str(e):
             raise
@@ -87,14 +85,6 @@ def tensors_of(path: str, task: GlueTask, tokenizer, max_seq_length: int, *, tes
     examples = read_examples(path, task, test=test)
     logger.info("%s: %d examples", path, len(examples))
     return examples, examples_to_tensors(examples, tokenizer, max_seq_length, task.is_regression)
-
-
-def predict_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps: ParallelState, batch_size: int,
-                   bf16: bool = False, fp16: bool = False) -> np.ndarray:
-    """Logits [n, num_labels] of every example, on every rank."""
-    arrays = predict_outputs(model, tensors, ps, batch_size, glue_task(), lambda out: (out.logits,), bf16=bf16,
-                             fp16=fp16)
-    return arrays[0] if arrays is not None else np.zeros((0, model.config.num_labels), np.float32)
 
 
 def predictions_of(task: GlueTask, logits: np.ndarray) -> np.ndarray:
@@ -130,6 +120,57 @@ def write_submission(path: str, task: GlueTask, logits: np.ndarray) -> None:
             f.write(f"{i}\t{p:3.3f}\n" if task.is_regression else f"{i}\t{task.labels[int(p)]}\n")
 
 
-def write_json(path: str, value: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
+class GlueTask(FinetuneTask):
+    """A GLUE task (--task-name): train.tsv (or --train-file) to fine-tune on, the dev set(s)
+    scored into eval_results.json, the test set(s) written as submission files."""
+
+    name = "glue"
+
+    def __init__(self, cfg: FinetuneConfigs):
+        super().__init__(cfg)
+        self.glue, self.files = TASKS[self.config.task_name], glue_files(cfg)
+        self.name = self.glue.name
+
+    @property
+    def trainer_task(self) -> Task:
+        return glue_task()
+
+    def check_inputs(self) -> None:
+        for path in [self.files.train] + [p for p, _ in self.files.dev]:
+            if path:
+                read_examples(path, self.glue)
+
+    def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
+        return load_glue_model(self.cfg, ps, vocab_size)
+
+    def train_tensors(self, tokenizer):
+        if not self.files.train:
+            return None
+        return tensors_of(self.files.train, self.glue, tokenizer, self.config.max_seq_length)[1]
+
+    def predict(self, tokenizer, predictor: Predictor) -> None:
+        """eval_results.json over the dev set(s), then the submission file of each test set."""
+        ft, task, files = self.config, self.glue, self.files
+
+        def logits_of(path, test=False):
+            _, tensors = tensors_of(path, task, tokenizer, ft.max_seq_length, test=test)
+            arrays = predictor.outputs(tensors, lambda out: (out.logits,))
+            return (arrays[0] if arrays is not None else np.zeros((0, task.num_labels), np.float32)), tensors
+
+        results = {}
+        for path, suffix in files.dev:
+            logits, tensors = logits_of(path)
+            results.update(eval_results(task, logits, tensors["labels"].numpy(), suffix))
+        submissions = [(os.path.join(ft.output_dir, f"{name}.tsv"), logits_of(path, test=True)[0])
+                       for path, name in files.test]
+        if not predictor.writes or not (files.dev or submissions):
+            return
+        os.makedirs(ft.output_dir, exist_ok=True)
+        for out, logits in submissions:
+            write_submission(out, task, logits)
+        if files.dev:
+            write_json(os.path.join(ft.output_dir, "eval_results.json"), results)
+            figures = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k not in ("eval_samples",))
+            print(f"{task.name} dev: {figures} -> {ft.output_dir}", flush=True)
+        for out, _ in submissions:
+            print(f"{task.name} test predictions -> {out}", flush=True)

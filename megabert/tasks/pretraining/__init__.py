@@ -1,6 +1,7 @@
-"""BERT pre-training (masked LM + SOP/NSP): samples built from Megatron's indexed dataset,
-the BertForPreTraining model, its loss and evaluation counts, and the assembly that
-pretrain_bert.py runs."""
+"""BERT pre-training (masked LM + SOP/NSP): samples built from Megatron's indexed dataset or
+read from NVIDIA's HDF5 / LDDL parquet shards, the BertForPreTraining model, its loss and
+evaluation counts, and the assembly that pretrain_bert.py runs."""
 from megabert.tasks.pretraining.model import BertForPreTraining, BertPreTrainingOutput
+from megabert.tasks.pretraining.nvidia_data import pretraining_samples
 
-__all__ = ["BertForPreTraining", "BertPreTrainingOutput"]
+__all__ = ["BertForPreTraining", "BertPreTrainingOutput", "pretraining_samples"]

@@ -1,15 +1,20 @@
 """pretrain_bert.py's data: train/valid loaders over BERT samples of Megatron's indexed
-dataset, positioned by consumed samples (Megatron's sample counts), so a resumed run sees
-exactly the samples the interrupted one would have."""
+dataset or of NVIDIA's HDF5 / LDDL parquet shards, positioned by consumed samples
+(Megatron's sample counts), so a resumed run sees exactly the samples the interrupted one
+would have."""
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
 from megabert.parallel import ParallelState
 from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
+from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets, detect_nvidia_data
 from megabert.tasks.pretraining.task import checked_batches, infinite
 from megabert.training.resolve import ResolvedRun
+
+logger = logging.getLogger(__name__)
 
 
 def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
@@ -19,8 +24,17 @@ def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
     global_batch = run.batch.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     num_samples = (t.train_iters * global_batch, evals * t.eval_iters * global_batch, t.eval_iters * global_batch)
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
-                                                            run.model.bert_binary_head)
+    nvidia = detect_nvidia_data(data.data_path)
+    if nvidia is not None:
+        logger.info("--data-path: %s shards (%d training, %d held-out files)", nvidia.format,
+                    sum(map(len, nvidia.train_files)), sum(map(len, nvidia.test_files)))
+        train_ds, valid_ds = build_nvidia_datasets(nvidia, data, tokenizer, num_samples, t.seed, global_batch,
+                                                   run.model.bert_binary_head)
+        if evals and valid_ds is None:
+            logger.info("--data-path holds no held-out shard (a file named *test*): no evaluation")
+    else:
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
+                                                                run.model.bert_binary_head)
     source = " ".join(data.data_path)
 
     def loader(ds, consumed):

@@ -67,7 +67,7 @@ def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> It
     (a dataset preprocessed with another vocab), instead of an index error deep in the
     embedding. Checked on the CPU batch, so it costs no device sync."""
     for batch in batches:
-        top = int(batch["input_ids"].max())
+        top = max(int(batch["input_ids"].max()), int(batch["labels"].max()))
         if top >= vocab_size:
             raise DataError(f"{source} holds token id {top} but the vocab has {vocab_size} entries: the data was "
                             f"preprocessed with another vocab; pass that --vocab-file or preprocess again")

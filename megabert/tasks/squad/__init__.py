@@ -1,6 +1,6 @@
 """SQuAD v1.1/v2.0: reading the JSON, features over context windows, the span model
-(BertForQuestionAnswering), answers from logits, the official scores, and the glue that
-finetune_squad.py runs."""
+(BertForQuestionAnswering), answers from logits, the official scores, and SquadTask, what
+the fine-tuning driver (megabert.training.finetune) runs for finetune_squad.py."""
 from megabert.tasks.squad.model import BertForQuestionAnswering, QuestionAnsweringOutput
 
 __all__ = ["BertForQuestionAnswering", "QuestionAnsweringOutput"]

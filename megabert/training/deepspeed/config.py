@@ -1,5 +1,7 @@
 """DeepSpeed's config: built from our flags, or the user's --deepspeed_config checked
-against them and merged (its optimizer and scheduler sections translated into ours)."""
+against them and merged (its optimizer and scheduler sections translated into ours). The
+only module that reads DeepSpeed's JSON dict: what the rest of megabert needs of it leaves
+here typed, as the resolved run's ZeroPlan (megabert.parallel.zero)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,17 +13,26 @@ from typing import Optional
 from megabert.config import OptimConfig, TrainConfig
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
-from megabert.parallel.buckets import zero_sizing
 from megabert.parallel.layout import BatchLayout
-from megabert.rules import check_zero
+from megabert.parallel.zero import ZeroBuckets, ZeroPlan
 from megabert.training.deepspeed.sections import translate_sections
 
 logger = logging.getLogger(__name__)
 
 
-# zero_sizing's keys that each ZeRO stage reads. Stage 1 leaves overlap_comm off: its
+# The DeepSpeed keys of ZeroBuckets' fields, and those each ZeRO stage reads. Stage 1 leaves overlap_comm off: its
 # gradients are reduced after backward (by the pipeline schedule too, see
 # reduce_gradients), and overlapping would register reduction hooks during it.
+def bucket_keys(buckets: ZeroBuckets) -> dict:
+    """ZeroBuckets under DeepSpeed's zero_optimization key names."""
+    return {"reduce_bucket_size": buckets.reduce_bucket, "allgather_bucket_size": buckets.allgather_bucket,
+            "stage3_prefetch_bucket_size": buckets.prefetch_bucket,
+            "stage3_param_persistence_threshold": buckets.param_persistence_threshold,
+            "stage3_max_live_parameters": buckets.max_live_parameters,
+            "stage3_max_reuse_distance": buckets.max_reuse_distance, "sub_group_size": buckets.sub_group_size,
+            "overlap_comm": buckets.overlap_comm, "contiguous_gradients": buckets.contiguous_gradients}
+
+
 ZERO_STAGE_KEYS = {
     0: (),
     1: ("reduce_bucket_size", "allgather_bucket_size"),
@@ -42,8 +53,10 @@ def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState, hidd
     batch = BatchLayout.of(train.micro_batch_size, train.global_batch_size, ps.dp_size)
     zero: dict = {"stage": train.zero_stage}
     if hidden_size is not None:
-        sizing = zero_sizing(hidden_size)
+        sizing = bucket_keys(ZeroBuckets.for_hidden_size(hidden_size))
         zero.update({key: sizing[key] for key in ZERO_STAGE_KEYS[train.zero_stage]})
+    if train.zero_stage in (1, 2):
+        zero.update(ring_volume_settings())
     for section, (field, _) in OFFLOAD_KEYS.items():
         if getattr(train, field) != "none":
             zero[section] = {"device": getattr(train, field), "pin_memory": True}
@@ -72,6 +85,38 @@ def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState, hidd
             fp16["initial_scale_power"] = int(math.log2(optim.initial_loss_scale))
         cfg["fp16"] = fp16
     return cfg
+
+
+def ring_volume_settings() -> dict:
+    """ZeRO-1/2 at a ring all-reduce's bytes: DeepSpeed's `reduce_scatter` path slices each
+    gradient bucket by partition, and by default (`use_multi_rank_bucket_allreduce`) still
+    all-reduces the whole bucket and keeps its slice: 2(n-1)/n of the bucket, then the
+    parameters' all-gather on top (75 MB a step where a ring all-reduce sends 50, issue 32).
+    Off, each partition's slice is reduced to its owner (one dist.reduce per rank, together
+    a reduce-scatter: (n-1)/n). The key exists since DeepSpeed 0.14 (checked up to 0.19.8);
+    an older DeepSpeed would reject it, so it is only set where its config model has it."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    if "use_multi_rank_bucket_allreduce" not in DeepSpeedZeroConfig.model_fields:
+        _say_once("DeepSpeed %s has no use_multi_rank_bucket_allreduce: ZeRO-1/2 all-reduce their gradient "
+                  "buckets (2(n-1)/n of the gradients, not a reduce-scatter's (n-1)/n)", _deepspeed_version())
+        return {}
+    return {"reduce_scatter": True, "use_multi_rank_bucket_allreduce": False}
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+_said: set[str] = set()
+
+
+def _say_once(msg: str, *args) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        logger.info(msg, *args)
 
 
 def _get(d: dict, dotted: str):
@@ -148,7 +193,8 @@ TRANSLATED_KEYS = ("optimizer", "scheduler", "gradient_clipping")
 
 
 def check_offload(config: dict, path: Optional[str]) -> None:
-    """Offload goes to the CPU only; which stage it needs is megabert.rules.check_zero's."""
+    """Offload goes to the CPU only; which stage it needs is megabert.rules.check_zero's, on the
+    ZeroPlan (zero_plan)."""
     zero = config["zero_optimization"]
     where = f" (--deepspeed_config {path})" if path else ""
     for section, (_, flag) in OFFLOAD_KEYS.items():
@@ -164,8 +210,27 @@ def offloads_optimizer(config: dict) -> bool:
     return _get(config, "zero_optimization.offload_optimizer.device") == "cpu"
 
 
-def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int]) -> tuple[dict, OptimConfig]:
-    """DeepSpeed's config and the OptimConfig to build our optimizer and LR schedule from.
+def zero_plan(config: dict, path: Optional[str], user: dict, hidden_size: Optional[int]) -> ZeroPlan:
+    """The ZeRO that `config` (built, or merged with the user's JSON `user` read from `path`)
+    runs, typed: source "json" when the JSON chose the stage or an offload."""
+    zero = config["zero_optimization"]
+    stage = zero.get("stage", 0)
+    stage_from_json = path is not None and _get(user, "zero_optimization.stage") is not None
+    offload_from_json = path is not None and any(section in user.get("zero_optimization", {})
+                                                 for section in OFFLOAD_KEYS)
+    return ZeroPlan(stage=stage, offload_optimizer=offloads_optimizer(config),
+                    offload_params=_get(zero, "offload_param.device") == "cpu",
+                    buckets=ZeroBuckets.for_hidden_size(hidden_size) if hidden_size is not None else None,
+                    source="json" if stage_from_json or offload_from_json else "flag",
+                    origin=f"--deepspeed_config {path} sets zero_optimization.stage={stage}" if stage_from_json else None,
+                    offload_origin=f" (--deepspeed_config {path})" if path else "")
+
+
+def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int]
+                             ) -> tuple[dict, OptimConfig, ZeroPlan]:
+    """DeepSpeed's config, the OptimConfig to build our optimizer and LR schedule from, and
+    the ZeRO plan that runs (checked against the other flags by megabert.rules.check_zero,
+    in resolve_run).
 
     `cfg` is a Configs or FinetuneConfigs (its .optim, .train and .explicit are read);
     `hidden_size` sizes ZeRO's buffers. --deepspeed_config's optimizer, scheduler and
@@ -190,12 +255,4 @@ def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int])
     built = build_config(train, optim, ps, hidden_size)
     config = merge_user_config(path, built, cfg.train, cfg.explicit, user) if path else built
     check_offload(config, path)
-    # The stage and offload that will run, from the flags or the JSON: megabert.rules.
-    stage = config["zero_optimization"].get("stage", 0)
-    from_json = path is not None and (_get(user, "zero_optimization.stage") is not None)
-    check_zero(stage, pp=ps.pp_size, offload_optimizer=offloads_optimizer(config),
-               offload_params=_get(config, "zero_optimization.offload_param.device") == "cpu",
-               compile=cfg.train.compile,
-               stage_source=f"--deepspeed_config {path} sets zero_optimization.stage={stage}" if from_json else None,
-               where=f" (--deepspeed_config {path})" if path else "")
-    return config, optim
+    return config, optim, zero_plan(config, path, user, hidden_size)

@@ -1,6 +1,6 @@
 """DeepSpeed's engine: initialised around our model and optimizer, with our ParallelState
-as its `mpu`, so ZeRO partitions over our data-parallel group and gradient norms reduce
-over our model-parallel group.
+as its `mpu` (through the adapter in .mpu), so ZeRO partitions over our data-parallel group
+and gradient norms reduce over our model-parallel group.
 """
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import torch
 
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
+from megabert.parallel.param_spec import spec_table
 from megabert.training.deepspeed.comm import count_deepspeed_comm
 from megabert.training.deepspeed.cpu_adam import note_jit_build
+from megabert.training.deepspeed.mpu import DeepSpeedMpu, mark_pipe_replicated
 from megabert.training.deepspeed.zero_masters import share_fp32_masters
 from megabert.training.deepspeed.version import private_patches_allowed
 
@@ -35,8 +37,9 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
     if ps.device.type == "cpu":
         _skip_shm_comm_build()
+    mark_pipe_replicated(model, spec_table(model), ps)
     # Always our optimizer: a JSON's optimizer section was translated, not merged.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ps,
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=DeepSpeedMpu(ps),
                                            dist_init_required=False)
     # ZeRO's collectives bypass megabert's door: count them where DeepSpeed sends them.
     count_deepspeed_comm()

@@ -3,11 +3,12 @@ data-parallel group) and keeps its own checkpoint files beside our rank files.""
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional
 
 import torch
 
-from megabert.checkpoint.layout import checkpoint_root
+from megabert.checkpoint.layout import checkpoint_root, tag_dir_name
 from megabert.checkpoint.run_state import TrainingState
 from megabert.errors import CheckpointError
 from megabert.config import OptimConfig, TrainConfig
@@ -102,6 +103,11 @@ class DeepSpeedStrategy(Strategy):
         self.engine.save_checkpoint(os.path.join(root, DEEPSPEED_SUBDIR), tag=f"iter_{state.iteration:07d}",
                                     client_state={"iteration": state.iteration,
                                                   "consumed_samples": state.consumed_samples})
+
+    def discard_own_files(self, root: str, state: TrainingState) -> None:
+        # Kept when a committed checkpoint of this iteration uses them (a failed re-save).
+        if not os.path.isdir(os.path.join(root, tag_dir_name(state.iteration))):
+            shutil.rmtree(os.path.join(root, DEEPSPEED_SUBDIR, tag_dir_name(state.iteration)), ignore_errors=True)
 
     def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
         # NOTE: DeepSpeed reads its ZeRO files with torch.load(weights_only=False), which

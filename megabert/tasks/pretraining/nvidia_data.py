@@ -1,0 +1,277 @@
+"""NVIDIA's BERT pre-training files as they are: DeepLearningExamples' HDF5 shards and LDDL's
+parquet shards, found in --data-path, ordered by megabert's seeded global order, and the
+public one-file reader `pretraining_samples`.
+
+--data-path takes a directory (searched recursively, as LDDL does), a glob, a list of files,
+or weight/path pairs as for Megatron prefixes (`0.3 dirA 0.7 dirB`); the format is detected
+from the file names. Files whose name contains "test" are DLE's held-out shards: they are
+not trained on and make the validation set.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+from bisect import bisect_right
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from megabert.config import DataConfig
+from megabert.data.tokenizers import read_wordpiece_vocab
+from megabert.errors import ConfigError, DataError
+from megabert.tasks.pretraining.bert_dataset import _TokenTable
+from megabert.tasks.pretraining.datasets import BlendedDataset
+from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, is_parquet_shard, non_special
+from megabert.tasks.pretraining.masking import IGNORE_INDEX, mask_tokens
+from megabert.tasks.pretraining.nvidia_hdf5 import HDF5_SUFFIXES, Hdf5Shard
+from megabert.tasks.pretraining.shard_order import Block, BlockCache, ShardOrder
+
+HDF5, PARQUET = "DeepLearningExamples HDF5", "LDDL parquet"
+_GLOB_CHARS = set("*?[")
+
+
+def _format_of(path: str) -> Optional[str]:
+    if path.endswith(HDF5_SUFFIXES):
+        return HDF5
+    if is_parquet_shard(path):
+        return PARQUET
+    return None
+
+
+def _expand(item: str) -> Optional[list[str]]:
+    """The shard files one --data-path item names; None for a Megatron prefix."""
+    if os.path.isdir(item):
+        files = sorted(os.path.join(root, name) for root, _, names in os.walk(item) for name in names
+                       if _format_of(name))
+        if not files:
+            raise DataError(f"--data-path {item} is a directory with no .hdf5 or LDDL .parquet shard in it: "
+                            f"name its shards, or the prefix P of Megatron's P.bin/P.idx")
+        return files
+    if _GLOB_CHARS & set(item):
+        files = sorted(p for p in glob.glob(item) if _format_of(p))
+        if not files:
+            raise DataError(f"--data-path {item} matches no .hdf5 or LDDL .parquet file")
+        return files
+    if _format_of(item):
+        if not os.path.isfile(item):
+            raise DataError(f"--data-path names {item}, which does not exist")
+        return [item]
+    return None
+
+
+@dataclass(frozen=True)
+class NvidiaSource:
+    """--data-path resolved to NVIDIA shards: the format and, per blend component, its weight,
+    training files and held-out ("test") files."""
+    format: str
+    weights: list[float]
+    train_files: list[list[str]]
+    test_files: list[list[str]]
+
+
+def detect_nvidia_data(data_path: Sequence[str]) -> Optional[NvidiaSource]:
+    """NvidiaSource when --data-path names NVIDIA shards, None when it names Megatron prefixes."""
+    items = list(data_path)
+    try:
+        weights = [float(w) for w in items[0::2]] if len(items) > 1 and len(items) % 2 == 0 else None
+    except ValueError:
+        weights = None
+    paths = items[1::2] if weights else items
+    expanded = [_expand(p) for p in paths]
+    if all(e is None for e in expanded):
+        return None
+    if any(e is None for e in expanded):
+        raise ConfigError(f"--data-path mixes NVIDIA shards with Megatron prefixes ({' '.join(items)}): "
+                          f"train on one kind at a time")
+    if weights is None:  # a list of paths is one component
+        weights, expanded = [1.0], [[f for e in expanded for f in e]]
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    formats = {_format_of(f) for e in expanded for f in e}
+    if len(formats) > 1:
+        raise ConfigError(f"--data-path mixes {' and '.join(sorted(formats))} files: train on one format at a time")
+    train, test = [], []
+    for files, path in zip(expanded, paths):
+        test.append([f for f in files if "test" in os.path.basename(f)])
+        train.append([f for f in files if "test" not in os.path.basename(f)])
+        if not train[-1]:
+            raise DataError(f"--data-path {path} holds only held-out files (named *test*), no training file")
+    return NvidiaSource(formats.pop(), [w / sum(weights) for w in weights], train, test)
+
+
+def open_shard(path: str):
+    return Hdf5Shard(path) if _format_of(path) == HDF5 else ParquetShard(path)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """How a stored row becomes a training sample."""
+    seq_length: int
+    max_predictions: Optional[int]  # the --max-predictions-per-seq a user gave (None: not given)
+    mask_prob: float
+    seed: int
+    split_id: int  # 0 train, 1 valid: a separate masking stream per split
+
+
+def check_shard(shard, spec: RowSpec) -> None:
+    """The flags against what a shard's metadata says, before any row is read."""
+    if isinstance(shard, Hdf5Shard):
+        if shard.seq_length != spec.seq_length:
+            raise ConfigError(f"{shard.path} holds rows of {shard.seq_length} tokens but --seq-length is "
+                              f"{spec.seq_length}: pass --seq-length {shard.seq_length}")
+        if spec.max_predictions is not None and shard.max_predictions > spec.max_predictions:
+            raise ConfigError(f"{shard.path} holds up to {shard.max_predictions} masked positions per row but "
+                              f"--max-predictions-per-seq is {spec.max_predictions}: pass "
+                              f"--max-predictions-per-seq {shard.max_predictions}")
+    elif shard.max_tokens is not None and shard.max_tokens > spec.seq_length:
+        raise ConfigError(f"{shard.path} holds rows of up to {shard.max_tokens} tokens but --seq-length is "
+                          f"{spec.seq_length}: pass --seq-length {shard.max_tokens} (LDDL's --target-seq-length)")
+
+
+class NvidiaShardDataset(torch.utils.data.Dataset):
+    """`size` samples of a set of shards in megabert's order (see shard_order): items are dicts
+    of int64 arrays padded to --seq-length, as BertDataset's. Dynamic-masking LDDL rows are
+    masked here from a generator seeded by (seed, split, sample index), so a sample depends on
+    its index alone, across epochs, workers and resumes."""
+
+    def __init__(self, files: list[str], spec: RowSpec, size: Optional[int], tokens: Optional[_TokenTable] = None,
+                 words: Optional[WordPieceIds] = None, shuffle: bool = True, global_batch: int = 1):
+        self.shards = [open_shard(f) for f in files]
+        self.spec, self.tokens, self.words = spec, tokens, words
+        for shard in self.shards:
+            check_shard(shard, spec)
+        bins = {getattr(s, "bin", None) for s in self.shards}
+        if len(bins) > 1 and None in bins:
+            raise DataError(f"{os.path.dirname(files[0]) or '.'} mixes binned (*.parquet_B) and unbinned "
+                            f"(*.parquet) shards: give --data-path one LDDL output at a time")
+        blocks = {}
+        for k, shard in enumerate(self.shards):
+            for b in range(shard.num_blocks):
+                lo, hi = shard.block_range(b)
+                if hi > lo:
+                    blocks.setdefault(getattr(shard, "bin", None), []).append(Block(k, b, lo, hi - lo))
+        streams = [blocks[b] for b in sorted(blocks, key=lambda b: -1 if b is None else b)]
+        if not streams:
+            raise DataError(f"{files[0]} and the other shards of --data-path hold no row")
+        binned = len(streams) > 1
+        self.order = ShardOrder(streams, spec.seed, shuffle=shuffle, chunk=global_batch if binned else 1)
+        if self.order.epoch_length == 0:
+            raise DataError(f"no bin of {os.path.dirname(files[0])} holds a global batch of {global_batch} samples")
+        self.size = self.order.epoch_length if size is None else size
+        self.cache = BlockCache(self._read_block)  # a method, not a lambda: workers may be spawned (pickled)
+
+    def _read_block(self, block: Block):
+        return self.shards[block.shard].read_block(block.block)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> dict:
+        block, offset = self.order.locate(int(idx))
+        shard = self.shards[block.shard]
+        data = self.cache.get(block)
+        if isinstance(shard, Hdf5Shard):
+            return shard.block_row(data, offset)
+        return self._fit(shard, shard.block_row(data, offset, self.words), int(idx), block.start + offset)
+
+    def _fit(self, shard: ParquetShard, row: dict, idx: int, row_in_shard: int) -> dict:
+        """An LDDL row padded to --seq-length (0, as LDDL pads), masked when the shard is dynamic."""
+        spec, n = self.spec, len(row["input_ids"])
+        if n > spec.seq_length:
+            raise ConfigError(f"{shard.path} row {row_in_shard} has {n} tokens but --seq-length is "
+                              f"{spec.seq_length}: pass --seq-length {n} or more")
+        if not shard.static_masking:
+            tok = self.tokens
+            maskable = non_special(row["token_type_ids"])
+            rng = np.random.default_rng([spec.seed, spec.split_id, idx])
+            budget = spec.max_predictions or max(1, int(round(spec.mask_prob * spec.seq_length)))
+            row["input_ids"], row["labels"] = mask_tokens(row["input_ids"], maskable, rng, mask_prob=spec.mask_prob,
+                                                          max_predictions=budget, mask_id=tok.mask,
+                                                          random_ids=tok.random_ids, word_start=tok.word_start)
+        elif spec.max_predictions is not None and (row["labels"] != IGNORE_INDEX).sum() > spec.max_predictions:
+            raise ConfigError(f"{shard.path} row {row_in_shard} has {(row['labels'] != IGNORE_INDEX).sum()} masked "
+                              f"positions but --max-predictions-per-seq is {spec.max_predictions}: raise it")
+        pad = spec.seq_length - n
+        fill = {"labels": IGNORE_INDEX}
+        return {k: (np.pad(v, (0, pad), constant_values=fill.get(k, 0)) if v.ndim else v) for k, v in row.items()}
+
+
+def build_nvidia_datasets(source: NvidiaSource, data: DataConfig, tokenizer, num_samples: tuple[int, int, int],
+                          seed: int, global_batch: int, binary_head: bool):
+    """(train, valid) datasets of NVIDIA shards; valid is None without held-out (*test*) files or
+    when no evaluation is asked for."""
+    if binary_head and data.binary_head_task != "nsp":
+        raise ConfigError(f"{source.format} shards hold next-sentence pairs (B is random or the next segment), "
+                          f"not sentence order: pass --binary-head-task nsp (or --bert-no-binary-head)")
+    words = WordPieceIds(tokenizer.vocab, data.vocab_file) if source.format == PARQUET else None
+    tokens = _TokenTable(tokenizer, data.whole_word_masking) if source.format == PARQUET else None
+
+    def build(split_id: int, files_per_component, n):
+        spec = RowSpec(seq_length=data.seq_length, max_predictions=data.max_predictions_per_seq,
+                       mask_prob=data.mask_prob, seed=seed, split_id=split_id)
+        present = [(w, files) for w, files in zip(source.weights, files_per_component) if files]
+        weights = [w / sum(w for w, _ in present) for w, _ in present]
+        # Each blend component gets its share plus one: the greedy blend never runs further ahead than that.
+        sizes = [n] if len(present) == 1 else [int(math.ceil(w * n)) + 1 for w in weights]
+        parts = [NvidiaShardDataset(files, spec, size, tokens, words, shuffle=split_id == 0,
+                                    global_batch=global_batch) for (_, files), size in zip(present, sizes)]
+        if len(parts) == 1:
+            return parts[0]
+        if any(len(p.order.streams) > 1 for p in parts):
+            raise ConfigError("binned LDDL data cannot be blended with weights (a global batch comes from one bin): "
+                              "give --data-path one binned directory")
+        return BlendedDataset(parts, weights, n)
+
+    train = build(0, source.train_files, num_samples[0])
+    valid = build(1, source.test_files, num_samples[1]) if num_samples[1] and any(source.test_files) else None
+    return train, valid
+
+
+class ShardSamples(SequenceABC):
+    """The rows of one shard file as megabert trains on them (see pretraining_samples)."""
+
+    def __init__(self, path: str, vocab_file: Optional[str] = None):
+        fmt = _format_of(path)
+        if fmt is None or not os.path.isfile(path):
+            raise DataError(f"{path} is not a DeepLearningExamples .hdf5 shard or an LDDL .parquet shard")
+        self.shard = open_shard(path)
+        self.words = None
+        if fmt == PARQUET:
+            if vocab_file is None:
+                raise ConfigError(f"{path} holds WordPiece strings: pass vocab_file= (the vocab it was made with)")
+            self.words = WordPieceIds(read_wordpiece_vocab(vocab_file), vocab_file)
+        self._starts = [self.shard.block_range(b)[0] for b in range(self.shard.num_blocks)]
+        self._cached = (None, None)
+
+    def __len__(self) -> int:
+        return self.shard.num_rows
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {self.shard.path}, which has {len(self)}")
+        block = bisect_right(self._starts, i) - 1
+        if self._cached[0] != block:
+            self._cached = (block, self.shard.read_block(block))
+        offset = i - self._starts[block]
+        if self.words is None:
+            row = self.shard.block_row(self._cached[1], offset)
+        else:
+            row = self.shard.block_row(self._cached[1], offset, self.words)
+        return {k: torch.from_numpy(v) for k, v in row.items()}
+
+
+def pretraining_samples(path: str, vocab_file: Optional[str] = None) -> ShardSamples:
+    """Row i of one DLE HDF5 shard or one LDDL parquet shard as megabert trains on it: a dict of
+    1-D LongTensors `input_ids`, `token_type_ids`, `attention_mask`, `labels` (-100 where nothing
+    is predicted) and a 0-d `next_sentence_label` (1 = B is random). HDF5 rows keep their stored
+    length; parquet rows have their own length (|A| + |B| + 3) and need `vocab_file`. Rows of
+    dynamic-masking LDDL shards have all labels -100: training masks them per sample."""
+    return ShardSamples(path, vocab_file)

@@ -1,0 +1,147 @@
+"""--use-distributed-optimizer: optimizer states sharded over DP, gradients reduce-scattered,
+parameters all-gathered. The losses are plain DP's (fp32, dropout 0) at DP=2, TP2xDP2 and
+PP2xDP2 with AdamW and LAMB; a step sends a ring all-reduce's bytes; a resume is bitwise;
+checkpoints move between runs with and without it and between DP sizes."""
+import json
+
+import pytest
+import torch
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.train_utils import build_trainer, read_metrics, train_worker
+
+from megabert.arguments import parse_args
+from megabert.errors import ConfigError
+
+DO = ["--use-distributed-optimizer"]
+# 2 micro-batches per DP rank (8 = micro 2 x 2 x DP 2), buckets of ~1/4 of the model.
+STEP = ["--global-batch-size", "8", "--ddp-bucket-size", "8000"]
+ITERS = ["--train-iters", "3"]
+
+
+def _pair_worker(rank, world, runs, tp, out_dir):
+    # Every run of a layout in one process group: one spawn, not one per run.
+    for name, argv in runs:
+        train_worker(rank, world, argv + ["--metrics-file", f"{out_dir}/{name}.jsonl"], tp)
+
+
+@pytest.mark.parametrize("name,world,tp,extra", [
+    ("dp2", 2, 1, []),
+    ("tp2-dp2-sequence-parallel", 4, 2, ["--sequence-parallel"]),
+    # Two stages of two layers, interleaved in chunks of one: the tied embeddings' shards
+    # are summed over the embedding group.
+    ("pp2-dp2-interleaved", 4, 1, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                   "--num-layers-per-virtual-pipeline-stage", "1"]),
+])
+def test_losses_equal_plain_data_parallel(tmp_path, name, world, tp, extra):
+    runs = [(f"{opt}-{mode}", ITERS + STEP + extra + ["--optimizer", opt] + flags)
+            for opt in ("adam", "lamb") for mode, flags in (("plain", []), ("sharded", DO))]
+    run_distributed(_pair_worker, world, runs, tp, str(tmp_path))
+    for opt in ("adam", "lamb"):
+        plain, sharded = str(tmp_path / f"{opt}-plain.jsonl"), str(tmp_path / f"{opt}-sharded.jsonl")
+        assert len(read_metrics(sharded)) == 3
+        # Not bitwise: the global norm (clipping is on) sums the shards' squares in another order.
+        assert read_metrics(sharded) == pytest.approx(read_metrics(plain), abs=1e-6, rel=0)
+        assert read_metrics(sharded, "grad_norm") == pytest.approx(read_metrics(plain, "grad_norm"), abs=1e-6, rel=0)
+
+
+def _bytes_worker(rank, world, out_dir):
+    for mode, flags in (("plain", []), ("sharded", DO)):
+        _, ps, trainer = build_trainer(["--train-iters", "3", "--metrics-file", f"{out_dir}/{mode}.jsonl"]
+                                       + STEP + flags)
+        try:
+            trainer.train()
+            if mode == "sharded" and rank == 0:
+                buffers = trainer.strategy.reducer
+                padded = sum(b.numel() * b.element_size() for b in buffers.buffers.values())
+                params = sum(p.numel() * p.element_size() for p in buffers.params)
+                with open(f"{out_dir}/sizes.json", "w") as f:
+                    json.dump({"padded": padded, "params": params, "buckets": len(buffers.buckets),
+                               "forward_waits": buffers.forward_waits}, f)
+        finally:
+            trainer.close()
+
+
+def test_a_step_sends_a_ring_all_reduce_of_the_gradients(tmp_path):
+    run_distributed(_bytes_worker, 2, str(tmp_path))
+    sizes = json.loads((tmp_path / "sizes.json").read_text())
+    n = 2
+    ring = lambda nbytes: 2 * (n - 1) / n * nbytes  # noqa: E731  (reduce-scatter + all-gather)
+    rows = [[json.loads(line) for line in open(tmp_path / f"{m}.jsonl")] for m in ("plain", "sharded")]
+    assert len(rows[1]) == 3
+    # From the second step on: a step's all-gathers are issued two at a time, the rest as
+    # the next step's forward waits for them (in that step's count); the first step has
+    # no gathers of a step before it.
+    for plain, sharded in list(zip(*rows))[1:]:
+        plain_dp, sharded_dp = plain["comm_gb_by_group"]["dp"] * 1e9, sharded["comm_gb_by_group"]["dp"] * 1e9
+        # Both runs average the same losses over DP; beyond that, plain DP all-reduces the
+        # gradients and the distributed optimizer reduce-scatters and all-gathers the
+        # buffer, padded to 128 elements per bucket.
+        assert sharded_dp - plain_dp == pytest.approx(ring(sizes["padded"]) - ring(sizes["params"]), abs=1.0)
+        assert sizes["padded"] - sizes["params"] < 128 * 4 * sizes["buckets"]
+        # The global norm: one float64 over every rank instead of none at TP = PP = 1.
+        assert sharded["comm_gb"] * 1e9 - sharded_dp == pytest.approx(ring(8), abs=1e-3)
+    # The last step's forward waited for the parameter buckets one module at a time
+    # (--overlap-param-gather, the default), each gathered bucket once.
+    assert sum(sizes["forward_waits"]) == sizes["buckets"] and len(sizes["forward_waits"]) > 1, sizes
+
+
+def _resume_worker(rank, world, d):
+    def run(name, *flags):
+        train_worker(rank, world, STEP + ["--train-iters", "4", "--metrics-file", f"{d}/{name}.jsonl", *flags])
+
+    run("full", *DO)
+    run("resumed", *DO, "--exit-interval", "2", "--save", f"{d}/sharded")
+    run("resumed", *DO, "--load", f"{d}/sharded", "--save", f"{d}/sharded")
+    # The same checkpoint (of iteration 2) resumed without the flag.
+    run("plain-from-sharded", "--load", f"{d}/sharded/iter_0000002", "--save", f"{d}/plain2")
+    # And the reverse: a plain run's checkpoint resumed with the flag.
+    run("plain", "--exit-interval", "2", "--save", f"{d}/plain")
+    run("sharded-from-plain", *DO, "--load", f"{d}/plain", "--save", f"{d}/sharded2")
+
+
+def _dp1_worker(rank, world, d):
+    train_worker(rank, world, STEP + ["--train-iters", "4", "--metrics-file", f"{d}/dp1.jsonl", *DO,
+                                      "--load", f"{d}/sharded/iter_0000002", "--save", f"{d}/dp1"])
+
+
+def test_resume_is_bitwise_and_checkpoints_move_between_layouts(tmp_path):
+    run_distributed(_resume_worker, 2, str(tmp_path))
+    full = read_metrics(str(tmp_path / "full.jsonl"))
+    assert read_metrics(str(tmp_path / "resumed.jsonl")) == full  # bitwise, not approx
+    # The states are saved whole, by parameter name, as plain DP saves them.
+    saved = torch.load(tmp_path / "sharded" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=True)
+    assert set(saved["optimizer"]["state"]) == set(saved["model"])
+    for name, state in saved["optimizer"]["state"].items():
+        assert state["exp_avg"].shape == saved["model"][name].shape and float(state["step"]) == 2.0
+    assert read_metrics(str(tmp_path / "plain-from-sharded.jsonl")) == pytest.approx(full[2:], abs=1e-6, rel=0)
+    assert read_metrics(str(tmp_path / "sharded-from-plain.jsonl")) == pytest.approx(full[2:], abs=1e-6, rel=0)
+    # Another DP size: one rank takes the 4 micro-batches (sums in another order).
+    run_distributed(_dp1_worker, 1, str(tmp_path))
+    assert read_metrics(str(tmp_path / "dp1.jsonl")) == pytest.approx(full[2:], abs=1e-6, rel=0)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (DO + ["--deepspeed"], "--use-distributed-optimizer cannot combine with --deepspeed"),
+    (DO + ["--no-overlap-grad-reduce"], "drop --no-overlap-grad-reduce"),
+])
+def test_flag_rules(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--train-iters", "1"] + flags)
+
+
+def test_planner_shards_the_moments_and_keeps_the_ring_bytes():
+    from megabert.config import bert_large
+    from megabert.planning import Layout, Workload, communication, estimate
+    from megabert.planning.step_time import Links, step_time
+
+    model, run = bert_large(), Workload(precision="bf16", micro_batch_size=8, global_batch_size=64)
+    plain, sharded = Layout(dp=4), Layout(dp=4, distributed_optimizer=True)
+    assert estimate(model, run, sharded).optimizer_gb == pytest.approx(estimate(model, run, plain).optimizer_gb / 4)
+    assert communication(model, run, sharded).data_parallel == communication(model, run, plain).data_parallel
+    assert "--use-distributed-optimizer" in sharded.flags() and sharded.short().endswith("+do")
+    # The all-gather hides behind forward too: never more exposed than plain DP.
+    links = Links(gpus_per_node=1, intra_gbit=10, inter_gbit=10)
+    assert step_time(model, run, sharded, links, 0.5).exposed_s <= step_time(model, run, plain, links, 0.5).exposed_s
+    with pytest.raises(ConfigError, match="--deepspeed"):
+        Layout(dp=2, zero_stage=1, distributed_optimizer=True)

@@ -1,0 +1,56 @@
+"""pretrain_bert.py trains on NVIDIA's files as they are, under torchrun at TP=2 with dropout:
+a run resumed with --load from a checkpoint of iteration 2 gives exactly the losses (train and
+validation) of the uninterrupted run. DLE: the HDF5 shards DLE's create_pretraining_data.py
+made (tests/fixtures/nvidia), its *test* file as the validation set. LDDL: the dynamic-masking
+shards LDDL's preprocessor made (masks drawn per sample index, so the resumed run masks alike)."""
+import os
+
+import pytest
+from tests.helpers.nvidia_shards import DLE_PHASE1, LDDL, NVIDIA_VOCAB as VOCAB
+from tests.helpers.pretrain_runs import BIN, ROOT, one_line_error, rows, run_cmd, run_main
+
+LOSSES = ("lm_loss", "nsp_loss", "grad_norm")
+
+
+def _launch(nproc, args):
+    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(nproc), *args])
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def _curve(path, since=1):
+    """(iteration, key, value) of every train and validation row from `since` on: compared exactly."""
+    return [(row["iteration"], key, value) for row in rows(path) if row["iteration"] >= since
+            for key, value in row.items() if key in LOSSES or key.startswith("valid_")]
+
+
+def nvidia_args(data, metrics, *extra):
+    return [os.path.join(ROOT, "pretrain_bert.py"), "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3",
+            "--data-path", str(data), "--vocab-file", VOCAB, "--binary-head-task", "nsp",
+            "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
+            "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--tensor-model-parallel-size", "2",
+            "--metrics-file", str(metrics), *extra]
+
+
+@pytest.mark.parametrize("kind", ["dle_hdf5", "lddl_dynamic"])
+def test_stop_and_resume_is_bitwise_at_tp2(kind, tmp_path):
+    data = DLE_PHASE1 if kind == "dle_hdf5" else os.path.join(LDDL, "phase1_dynamic")
+    full, part, ckpt, ckpt2 = tmp_path / "full.jsonl", tmp_path / "part.jsonl", tmp_path / "ckpt", tmp_path / "ck2"
+    _launch(2, nvidia_args(data, full, "--save", str(ckpt), "--save-interval", "2"))
+    # Resume from the iteration-2 checkpoint of that run (Megatron's tracker file names the one to load).
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    _launch(2, nvidia_args(data, part, "--load", str(ckpt), "--save", str(ckpt2)))
+    expected = _curve(full)
+    assert {it for it, _, _ in expected} == {1, 2, 3, 4}
+    assert {key for _, key, _ in expected} >= {"lm_loss", "nsp_loss"}
+    if kind == "dle_hdf5":
+        assert any(key == "valid_lm_loss" for _, key, _ in expected)  # pydocs_test_0.hdf5
+    assert min(it for it, _, _ in _curve(part)) == 3
+    assert _curve(part) == _curve(full, since=3)  # bitwise: the same floats
+
+
+def test_data_path_of_shards_with_another_seq_length_is_a_one_line_error(tmp_path):
+    r = run_main(*nvidia_args(DLE_PHASE1, tmp_path / "m.jsonl", "--seq-length", "256",
+                              "--max-position-embeddings", "256", "--tensor-model-parallel-size", "1"))
+    one_line_error(r, "holds rows of 128 tokens but --seq-length is 256: pass --seq-length 128")
