@@ -16,9 +16,6 @@ import os
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from megabert.checkpoint.megatron import names
 from megabert.checkpoint.megatron.safe_load import foreign_to_plain, load_dcp_metadata, safe_torch_load
@@ -32,13 +29,23 @@ def is_dist_dir(path: str) -> bool:
         os.path.isfile(os.path.join(path, "common.pt")) or os.path.isfile(os.path.join(path, "metadata.json")))
 
 
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        metadata = load_dcp_metadata(os.path.join(self.path, METADATA))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+# NOTE: torch.distributed.checkpoint is imported where a torch_dist directory is read, not at
+# module import: it pulls in DTensor and sympy, 1.2 s added to every process that imports
+# megabert (every rank of every run), most of which never meet a torch_dist directory.
+def _safe_reader(iter_dir: str):
+    """torch's FileSystemReader whose `.metadata` goes through megabert's allow-listed unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = load_dcp_metadata(os.path.join(self.path, METADATA))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(iter_dir)
 
 
 def read_header(iter_dir: str) -> dict:
@@ -51,6 +58,8 @@ def read_header(iter_dir: str) -> dict:
                               f"and 'torch': convert it with Megatron's tools/checkpoint first")
     common_path = os.path.join(iter_dir, "common.pt")
     common = foreign_to_plain(safe_torch_load(common_path, mmap=False)) if os.path.isfile(common_path) else {}
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     metadata = load_dcp_metadata(os.path.join(iter_dir, METADATA))
     shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
               if isinstance(v, TensorStorageMetadata)}
@@ -60,6 +69,9 @@ def read_header(iter_dir: str) -> dict:
 
 def read_full(iter_dir: str) -> dict[str, torch.Tensor]:
     """The full canonical state dict (vocab rows as saved) of a torch_dist directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     metadata = load_dcp_metadata(os.path.join(iter_dir, METADATA))
     stored = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
               for k, v in metadata.state_dict_metadata.items()
@@ -70,7 +82,7 @@ def read_full(iter_dir: str) -> dict[str, torch.Tensor]:
     # warns about that choice when no process group exists; it is the intended one).
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(stored, storage_reader=_SafeReader(iter_dir), no_dist=True)
+        dcp.load(stored, storage_reader=_safe_reader(iter_dir), no_dist=True)
     full: dict[str, torch.Tensor] = {}
     for key, t in stored.items():
         if key.startswith(("encoder.layers.", "decoder.layers.")) and not key.split(".")[2].isdigit():

@@ -20,7 +20,6 @@ import re
 from typing import Optional
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from megabert.errors import DataError
 from megabert.tasks.pretraining.masking import IGNORE_INDEX
@@ -81,6 +80,8 @@ class ParquetShard:
     def __init__(self, path: str):
         self.path = path
         try:
+            import pyarrow.parquet as pq  # imported on use: every megabert process imports this module
+
             meta = pq.ParquetFile(path).metadata
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
             raise DataError(f"{path} cannot be read as parquet ({e}): check --data-path") from None
@@ -118,6 +119,8 @@ class ParquetShard:
     def read_block(self, block: int) -> dict:
         """The rows of one row group: {column: Arrow array}. Kept as Arrow buffers, not Python
         strings (a third of the memory); a row's values are taken out as it is read."""
+        import pyarrow.parquet as pq
+
         table = pq.ParquetFile(self.path).read_row_group(block, columns=list(self.columns))
         return {c: table.column(c).combine_chunks() for c in self.columns}
 

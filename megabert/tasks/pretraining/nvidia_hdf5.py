@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 
-import h5py
 import numpy as np
 
 from megabert.errors import DataError
@@ -51,6 +50,8 @@ class Hdf5Shard:
     def __init__(self, path: str):
         self.path = path
         try:
+            import h5py  # imported on use: every megabert process imports this module
+
             with h5py.File(path, "r") as f:
                 missing = [k for k in HDF5_KEYS if k not in f]
                 if missing:
@@ -79,8 +80,10 @@ class Hdf5Shard:
         start = block * self.block_rows
         return start, min(start + self.block_rows, self.num_rows)
 
-    def _handle(self) -> h5py.File:
+    def _handle(self):  # -> h5py.File
         if self._file is None or self._pid != os.getpid():
+            import h5py
+
             self._file, self._pid = h5py.File(self.path, "r"), os.getpid()
         return self._file
 
