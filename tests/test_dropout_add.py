@@ -10,6 +10,8 @@ from megabert.ops import dropout_add
 from megabert.ops.dropout_add import FusedDropoutAdd, resolve_dropout_add_backend
 from megabert.tensor_parallel.random import RNGStatesTracker
 
+from tests.helpers.kernel_checks import philox4x32_10, threshold
+
 pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
@@ -65,6 +67,27 @@ def test_mask_statistics():
         halves = mask.view(2, -1).double().mean(dim=1)
         assert abs(halves[0] - halves[1]) < 6 * (p * (1 - p) / (n / 2)) ** 0.5
         assert torch.equal(out, mask.float() * (1.0 / (1 - p)))
+
+
+def test_philox_reference_meets_random123_known_answers():
+    """The Python Philox4x32-10 that the mask tests below trust: Random123's known answers."""
+    assert philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    assert philox4x32_10((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)
+    assert philox4x32_10((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == (
+        0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
+
+
+def test_mask_is_philox4x32_10_of_the_element_index():
+    """Element i keeps when word (i % 64) // 16 of Philox4x32-10 at counter
+    ((i // 64) * 16 + i % 16, 0, 0, 0) under the call's key is >= round(p * 2^32), the
+    layout dropout_kernels.h documents, whatever the vector width that computed it."""
+    n, p, seed = 300, 0.3, 2**40 + 12345
+    x = torch.ones(n)
+    _, mask = fk.kernels_for("cpu").dropout_add_forward(x, torch.zeros(n), p, torch.tensor([seed]))
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    words = [philox4x32_10((tile * 16 + j, 0, 0, 0), key) for tile in range((n + 63) // 64) for j in range(16)]
+    want = [words[(i // 64) * 16 + i % 16][(i % 64) // 16] >= threshold(p) for i in range(n)]
+    assert mask.tolist() == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

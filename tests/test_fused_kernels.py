@@ -10,7 +10,7 @@ import torch
 import megabert.fused_kernels as fk
 from megabert.ops import layer_norm, scaled_masked_softmax
 
-from tests.helpers.kernel_checks import check_layer_norm, check_softmax, ln_case, softmax_case
+from tests.helpers.kernel_checks import check_layer_norm, check_softmax, ln_case, philox_mask_digest, softmax_case
 
 pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
 
@@ -114,17 +114,23 @@ def test_layer_norm_gradcheck_float64():
 _ISA_CHECK = """
 import torch
 from megabert.fused_kernels import _cpu
-from tests.helpers.kernel_checks import check_layer_norm, check_softmax, ln_case, softmax_case
+from tests.helpers.kernel_checks import (check_layer_norm, check_softmax, check_varlen_attention, ln_case,
+                                         philox_mask_digest, softmax_case)
 for dtype in (torch.float32, torch.bfloat16):
     check_softmax(*softmax_case((2, 3, 4, 200), (2, 1, 4, 200), dtype))
     check_layer_norm(*ln_case((5, 2, 776), dtype))
+for p in (0.0, 0.3):
+    check_varlen_attention(torch.float32, p)
+print(philox_mask_digest())
 print(_cpu.isa())
 """
 
 
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_narrower_instruction_sets_agree(isa, tmp_path):
-    """MEGABERT_CPU_ISA caps the row kernels' instruction set; each path meets the oracle."""
+    """MEGABERT_CPU_ISA caps the row kernels' instruction set; each path meets the oracle
+    (softmax, LayerNorm, varlen attention with and without dropout) and draws the same
+    dropout masks as the widest path this CPU runs."""
     import os
     import subprocess
     import sys
@@ -134,9 +140,11 @@ def test_narrower_instruction_sets_agree(isa, tmp_path):
     run = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True, text=True, timeout=120,
                          cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
-    ran = run.stdout.split()[-1]
+    digest, ran = run.stdout.split()[-2:]
     if ran != isa:
         pytest.skip(f"this CPU cannot run {isa} (ran {ran})")
+    # Philox's words do not depend on the vector width: every ISA draws this process's masks.
+    assert digest == philox_mask_digest()
 
 
 def test_no_simd_instructions_outside_the_isa_kernels():

@@ -14,73 +14,62 @@ from megabert.ops import resolve_attention_backend
 from megabert.ops.varlen_attention import choose_varlen_impl, grouped_sdpa, varlen_attention
 
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.kernel_checks import (VARLEN_LENGTHS, check_varlen_attention, cu_seqlens, philox4x32_10,
+                                         threshold, varlen_attention_reference)
 from tests.helpers.train_utils import batches, build_trainer
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason="CPU kernels not built")
-LENGTHS = [5, 70, 0, 1, 130, 64]  # empty, single-token, partial and whole key tiles of 64
-
-
-def _cu(lengths):
-    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-
-
-def _reference(qkv, lengths, keep=None, p=0.0):
-    """Per sequence in PyTorch: softmax(Q K^T / sqrt(d)), times keep / (1 - p), times V."""
-    outs, start = [], 0
-    for i, n in enumerate(lengths):
-        q, k, v = (qkv[start:start + n, j].transpose(0, 1) for j in range(3))  # [heads, n, d]
-        probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(qkv.size(-1)), dim=-1)
-        if keep is not None:
-            probs = probs * keep[i, :, :n, :n] / (1 - p)
-        outs.append((probs @ v).transpose(0, 1))
-        start += n
-    return torch.cat(outs)
-
-
-def _kernel(qkv, lengths, p=0.0, seed=None):
-    q, k, v = qkv.unbind(1)
-    return fk.kernels_for("cpu").varlen_attention_forward(q, k, v, _cu(lengths), 1 / math.sqrt(qkv.size(-1)), p, seed)
 
 
 def _fused(qkv, lengths, p, seed):
     from megabert.ops.varlen_attention import FusedVarlenAttention
 
-    return FusedVarlenAttention.apply(qkv, _cu(lengths), 1 / math.sqrt(qkv.size(-1)), p, seed)
+    return FusedVarlenAttention.apply(qkv, cu_seqlens(lengths), 1 / math.sqrt(qkv.size(-1)), p, seed)
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("head_dim", [16, 64, 80])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_kernel_matches_pytorch_per_sequence(dtype, tol, head_dim, p):
-    """Outputs and grads of Q, K, V (one packed grad); with dropout, against PyTorch with the
-    kernel's own mask (varlen_attention_dropout_mask)."""
-    gen = torch.Generator().manual_seed(head_dim)
-    qkv = torch.randn(sum(LENGTHS), 3, 3, head_dim, dtype=dtype, generator=gen).requires_grad_()
-    seed = torch.tensor([1234]) if p else None
-    keep = fk.kernels_for("cpu").varlen_attention_dropout_mask(_cu(LENGTHS), 3, p, seed) if p else None
-    want = _reference(qkv, LENGTHS, keep, p)
-    got = _fused(qkv, LENGTHS, p, seed)
-    torch.testing.assert_close(got, want, rtol=0, atol=tol)
-    grad = torch.randn(want.shape, dtype=dtype, generator=gen)
-    (want_grad,) = torch.autograd.grad(want, qkv, grad)
-    (got_grad,) = torch.autograd.grad(got, qkv, grad)
-    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=tol)
+def test_kernel_matches_pytorch_per_sequence(dtype, head_dim, p):
+    """Outputs and grads of Q, K, V (one packed grad) within 1e-5 in fp32; with dropout,
+    against PyTorch with the kernel's own mask (varlen_attention_dropout_mask)."""
+    check_varlen_attention(dtype, p, head_dim)
+
+
+@needs_kernels
+def test_dropout_mask_is_philox_of_sequence_head_row_key():
+    """The keep bit of (sequence, head, query i, key j) is word (j % 64) // 16 of Philox4x32-10
+    at counter ((j // 64) * 16 + j % 16, i, sequence * heads + head, 0x61747431) under the
+    call's key, kept when >= round(p * 2^32): the layout attention_kernels.h documents."""
+    lengths, heads, p, seed = [70, 3], 2, 0.3, 2**33 + 5
+    mask = fk.kernels_for("cpu").varlen_attention_dropout_mask(cu_seqlens(lengths), heads, p, torch.tensor([seed]))
+    key, words = (seed & 0xFFFFFFFF, seed >> 32), {}
+    for s, n in enumerate(lengths):
+        want = torch.zeros(heads, max(lengths), max(lengths), dtype=torch.bool)
+        for h in range(heads):
+            for i in range(n):
+                for j in range(n):
+                    c = ((j // 64) * 16 + j % 16, i, s * heads + h, 0x61747431)
+                    if c not in words:
+                        words[c] = philox4x32_10(c, key)
+                    want[h, i, j] = words[c][(j % 64) // 16] >= threshold(p)
+        assert torch.equal(mask[s], want), s
 
 
 @needs_kernels
 def test_bfloat16_within_its_tolerance():
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(sum(LENGTHS), 3, 2, 64, generator=gen)
-    want = _reference(qkv, LENGTHS)
-    got = _fused(qkv.bfloat16(), LENGTHS, 0.0, None)
+    qkv = torch.randn(sum(VARLEN_LENGTHS), 3, 2, 64, generator=gen)
+    want = varlen_attention_reference(qkv, VARLEN_LENGTHS)
+    got = _fused(qkv.bfloat16(), VARLEN_LENGTHS, 0.0, None)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 @needs_kernels
 def test_dropout_mask_keeps_one_minus_p_and_follows_the_seed():
-    cu = _cu([200, 130])
+    cu = cu_seqlens([200, 130])
     masks = [fk.kernels_for("cpu").varlen_attention_dropout_mask(cu, 2, 0.1, torch.tensor([s])) for s in (1, 1, 2)]
     assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
     real = masks[0][0].float()  # sequence 0 fills its [200, 200] block
@@ -93,14 +82,14 @@ def test_same_masks_at_one_and_two_threads():
     """Dropout on: outputs and grads bitwise equal whatever the thread count (the Philox
     counter is (sequence, head, row, column), never the thread)."""
     gen = torch.Generator().manual_seed(1)
-    qkv = torch.randn(sum(LENGTHS), 3, 4, 32, generator=gen).requires_grad_()
-    grad = torch.randn(sum(LENGTHS), 4, 32, generator=gen)
+    qkv = torch.randn(sum(VARLEN_LENGTHS), 3, 4, 32, generator=gen).requires_grad_()
+    grad = torch.randn(sum(VARLEN_LENGTHS), 4, 32, generator=gen)
     before = torch.get_num_threads()
     results = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            out = _fused(qkv, LENGTHS, 0.2, torch.tensor([99]))
+            out = _fused(qkv, VARLEN_LENGTHS, 0.2, torch.tensor([99]))
             results.append((out, torch.autograd.grad(out, qkv, grad)[0]))
     finally:
         torch.set_num_threads(before)
@@ -111,8 +100,8 @@ def test_same_masks_at_one_and_two_threads():
 def test_front_end_draws_its_key_from_the_stream_it_runs_in():
     """One key per call from the default generator (the TP-rank stream under rng_fork): the
     same seed gives the same output, and the draw advances the generator by one int64."""
-    qkv = torch.randn(sum(LENGTHS), 3, 2, 16)
-    cu = _cu(LENGTHS)
+    qkv = torch.randn(sum(VARLEN_LENGTHS), 3, 2, 16)
+    cu = cu_seqlens(VARLEN_LENGTHS)
     outs = []
     for _ in range(2):
         torch.manual_seed(3)
@@ -121,21 +110,22 @@ def test_front_end_draws_its_key_from_the_stream_it_runs_in():
     torch.manual_seed(3)
     torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64)  # the key draw
     assert torch.equal(outs[0], outs[1]) and torch.equal(after, torch.randint(0, 2**62, (1,)))
-    torch.testing.assert_close(varlen_attention(qkv, cu, cu.tolist, dropout_p=0.0), _reference(qkv, LENGTHS))
+    torch.testing.assert_close(varlen_attention(qkv, cu, cu.tolist, dropout_p=0.0),
+                               varlen_attention_reference(qkv, VARLEN_LENGTHS))
 
 
 def test_grouped_sdpa_matches_pytorch_per_sequence():
     """The CUDA fallback (and any dtype the CPU kernel lacks): SDPA per length group."""
     lengths = [7, 3, 7, 0, 3, 5]
     qkv = torch.randn(sum(lengths), 3, 2, 8, dtype=torch.float64, requires_grad=True)
-    want = _reference(qkv, lengths)
-    got = grouped_sdpa(qkv, _cu(lengths).tolist(), 0.0)
+    want = varlen_attention_reference(qkv, lengths)
+    got = grouped_sdpa(qkv, cu_seqlens(lengths).tolist(), 0.0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     grad = torch.randn_like(want)
     torch.testing.assert_close(torch.autograd.grad(got, qkv, grad)[0], torch.autograd.grad(want, qkv, grad)[0],
                                rtol=0, atol=1e-12)
     # float16 on the CPU is outside the kernel: grouped SDPA, same numbers to fp16 rounding.
-    half = varlen_attention(qkv.detach().half(), _cu(lengths), _cu(lengths).tolist)
+    half = varlen_attention(qkv.detach().half(), cu_seqlens(lengths), cu_seqlens(lengths).tolist)
     torch.testing.assert_close(half.double(), want.detach(), rtol=0, atol=5e-3)
 
 

@@ -72,3 +72,80 @@ def check_layer_norm(x, weight, bias, grad, eps=1e-5):
     torch.testing.assert_close(y.double(), ref, **TOL[x.dtype])
     for ours, theirs in zip(leaves, leaves64):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, **tol)
+
+
+# ---- attention over real tokens (varlen) and the Philox masks --------------------------
+
+VARLEN_LENGTHS = [5, 70, 0, 1, 130, 64]  # empty, single-token, partial and whole key tiles of 64
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
+
+
+def varlen_attention_reference(qkv, lengths, keep=None, p=0.0):
+    """Per sequence in PyTorch: softmax(Q K^T / sqrt(d)), times keep / (1 - p), times V.
+    qkv: [T, 3, heads, d]; keep: the kernel's bool mask [sequences, heads, s, s]."""
+    outs, start = [], 0
+    for i, n in enumerate(lengths):
+        q, k, v = (qkv[start:start + n, j].transpose(0, 1) for j in range(3))  # [heads, n, d]
+        probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(qkv.size(-1)), dim=-1)
+        if keep is not None:
+            probs = probs * keep[i, :, :n, :n] / (1 - p)
+        outs.append((probs @ v).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def check_varlen_attention(dtype, p, head_dim=64, lengths=VARLEN_LENGTHS):
+    """The varlen kernel's output and packed QKV grad against the reference (fp32 within
+    1e-5; with dropout, against the mask the kernel draws)."""
+    import megabert.fused_kernels as fk
+    from megabert.ops.varlen_attention import FusedVarlenAttention
+
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(sum(lengths), 3, 3, head_dim, dtype=dtype, generator=gen).requires_grad_()
+    seed = torch.tensor([1234]) if p else None
+    cu = cu_seqlens(lengths)
+    keep = fk.kernels_for("cpu").varlen_attention_dropout_mask(cu, 3, p, seed) if p else None
+    want = varlen_attention_reference(qkv, lengths, keep, p)
+    got = FusedVarlenAttention.apply(qkv, cu, 1 / math.sqrt(head_dim), p, seed)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    grad = torch.randn(want.shape, dtype=dtype, generator=gen)
+    (want_grad,) = torch.autograd.grad(want, qkv, grad)
+    (got_grad,) = torch.autograd.grad(got, qkv, grad)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=tol)
+
+
+def philox_mask_digest() -> str:
+    """A digest of the masks the kernels draw from Philox for fixed keys (dropout + add and
+    attention dropout): equal on every instruction set and thread count."""
+    import hashlib
+
+    import megabert.fused_kernels as fk
+    from megabert.ops import dropout_add
+
+    torch.manual_seed(5)
+    _, add_mask = dropout_add(torch.ones(1000, 257), torch.zeros(1000, 257), 0.1, True, return_mask=True)
+    attn_mask = fk.kernels_for("cpu").varlen_attention_dropout_mask(cu_seqlens([200, 130, 7]), 2, 0.3,
+                                                                    torch.tensor([2**40 + 17]))
+    return hashlib.sha256(add_mask.numpy().tobytes() + attn_mask.numpy().tobytes()).hexdigest()[:16]
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 (Salmon et al., SC 2011) in plain Python: the oracle of the kernels'
+    vectorised generator. counter: 4 uint32 words; key: 2. -> 4 uint32 words."""
+    m0, m1, w0, w1, mask = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = m0 * c0, m1 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & mask, (p0 >> 32) ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
+    return c0, c1, c2, c3
+
+
+def threshold(p: float) -> int:
+    """The kernels' keep threshold: a word w keeps its element when w >= round(p * 2^32)."""
+    return min(int(p * 4294967296.0 + 0.5), 0xFFFFFFFF)

@@ -20,24 +20,80 @@ constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kTile = 4 * kLanes;
 
-// Ten Philox4x32-10 rounds on kLanes counters (c0..c3, in place) under key `seed`. Plain
-// lane loops: the vectoriser turns the 32x32->64 products into vpmuludq.
+#ifndef MEGABERT_VEC_BYTES
+#define MEGABERT_VEC_BYTES 16
+#endif
+
+// Philox on whole vectors of 32-bit counters. Each round needs the high and the low half
+// of two 32x32 -> 64-bit products per counter; written as lane loops over uint64_t, GCC
+// packs the halves back with shuffles, and the generator cost more than the two attention
+// GEMMs it masks (issue 31's seq 512 profile). x86's (v)pmuludq multiplies the even 32-bit
+// lanes into 64-bit lanes; one on the counters and one on them shifted down by 32 give
+// every product, and the halves are put back in place with shifts and masks.
+typedef uint32_t U32Vec __attribute__((vector_size(MEGABERT_VEC_BYTES)));
+typedef uint64_t U64Vec __attribute__((vector_size(MEGABERT_VEC_BYTES)));
+constexpr int64_t kU32PerVec = MEGABERT_VEC_BYTES / 4;
+static_assert(kLanes % kU32PerVec == 0, "kLanes must be a multiple of the vector width");
+
+// 64-bit lane i = (32-bit lane 2i of a) * (32-bit lane 2i of b).
+inline U64Vec mul_even_u32(U32Vec a, U32Vec b) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && MEGABERT_VEC_BYTES == 64
+  typedef int v16si __attribute__((vector_size(64)));
+  typedef long long v8di __attribute__((vector_size(64)));
+  return (U64Vec)__builtin_ia32_pmuludq512_mask((v16si)a, (v16si)b, (v8di){}, static_cast<unsigned char>(0xff));
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && MEGABERT_VEC_BYTES == 32
+  typedef int v8si __attribute__((vector_size(32)));
+  return (U64Vec)__builtin_ia32_pmuludq256((v8si)a, (v8si)b);
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && MEGABERT_VEC_BYTES == 16
+  typedef int v4si __attribute__((vector_size(16)));
+  return (U64Vec)__builtin_ia32_pmuludq128((v4si)a, (v4si)b);
+#else
+  // Other compilers and architectures: the plain product of the zero-extended lanes.
+  const U64Vec low = U64Vec{} + 0xFFFFFFFFull;
+  return ((U64Vec)a & low) * ((U64Vec)b & low);
+#endif
+}
+
+// hi, lo: the high and low 32 bits of a * m, lane by lane.
+inline void mul_hi_lo(U32Vec a, U32Vec m, U32Vec& hi, U32Vec& lo) {
+  const U64Vec even = mul_even_u32(a, m);
+  const U64Vec odd = mul_even_u32((U32Vec)((U64Vec)a >> 32), m);
+  const U64Vec low = U64Vec{} + 0xFFFFFFFFull;
+  lo = (U32Vec)((even & low) | (odd << 32));
+  hi = (U32Vec)((even >> 32) | (odd & ~low));
+}
+
+// Ten Philox4x32-10 rounds on kLanes counters (c0..c3, in place) under key `seed`.
 inline void philox_rounds(uint64_t seed, uint32_t* c0, uint32_t* c1, uint32_t* c2, uint32_t* c3) {
+  constexpr int64_t n = kLanes / kU32PerVec, bytes = MEGABERT_VEC_BYTES;
+  U32Vec x0[n], x1[n], x2[n], x3[n];
+  for (int64_t i = 0; i < n; ++i) {
+    __builtin_memcpy(&x0[i], c0 + i * kU32PerVec, bytes);
+    __builtin_memcpy(&x1[i], c1 + i * kU32PerVec, bytes);
+    __builtin_memcpy(&x2[i], c2 + i * kU32PerVec, bytes);
+    __builtin_memcpy(&x3[i], c3 + i * kU32PerVec, bytes);
+  }
+  const U32Vec m0 = U32Vec{} + kPhiloxM0, m1 = U32Vec{} + kPhiloxM1;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
-#pragma omp simd
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * c0[j];
-      const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * c2[j];
-      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[j] ^ k0;
-      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[j] ^ k1;
-      c1[j] = static_cast<uint32_t>(p1);
-      c3[j] = static_cast<uint32_t>(p0);
-      c0[j] = n0;
-      c2[j] = n2;
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < n; ++i) {
+      U32Vec hi0, lo0, hi1, lo1;
+      mul_hi_lo(x0[i], m0, hi0, lo0);
+      mul_hi_lo(x2[i], m1, hi1, lo1);
+      x0[i] = hi1 ^ x1[i] ^ k0;
+      x2[i] = hi0 ^ x3[i] ^ k1;
+      x1[i] = lo1;
+      x3[i] = lo0;
     }
     k0 += kPhiloxW0;
     k1 += kPhiloxW1;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    __builtin_memcpy(c0 + i * kU32PerVec, &x0[i], bytes);
+    __builtin_memcpy(c1 + i * kU32PerVec, &x1[i], bytes);
+    __builtin_memcpy(c2 + i * kU32PerVec, &x2[i], bytes);
+    __builtin_memcpy(c3 + i * kU32PerVec, &x3[i], bytes);
   }
 }
 
