@@ -94,6 +94,50 @@ def test_unpadded_encoder_equals_padded():
         _unpadded_vs_padded(*args)
 
 
+def _head_rows_vs_all_rows(layernorm_position, recompute, backend):
+    ps = megabert.init_parallel()
+    b = next(batches(0, 4, 0, 1))
+    args = (b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
+    results, last_mlp_rows = [], []
+    for masked_only in (False, True):
+        cfg = _cfg(unpad_input=True, mlm_logits_at_masked_only=masked_only, layernorm_position=layernorm_position,
+                   recompute_granularity=recompute)
+        cfg.attention_backend = backend
+        model = megabert.BertForPreTraining(cfg, ps, seed=5).train()
+        last = model.bert.encoder.layers[str(cfg.num_layers - 1)].mlp.dense_h_to_4h
+        last.register_forward_hook(lambda m, inputs, out: last_mlp_rows.append(inputs[0].shape[0]))
+        o = model(*args)
+        o.loss.backward()
+        selected = b["labels"] != -100
+        logits = o.mlm_logits if masked_only else o.mlm_logits[selected]
+        results.append((o.loss.detach(), o.nsp_logits.detach(), logits.detach(),
+                        {n: p.grad for n, p in model.named_parameters()}))
+    # All real tokens, then [CLS] and the masked positions alone (the first forward of each).
+    head_positions = (b["labels"] != -100) | (torch.arange(b["labels"].size(1)) == 0)
+    assert last_mlp_rows[0] == int(b["attention_mask"].sum())
+    assert last_mlp_rows[-1] == int((head_positions & (b["attention_mask"] != 0)).sum()) < last_mlp_rows[0]
+    (loss0, nsp0, logits0, g0), (loss1, nsp1, logits1, g1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits1, logits0, rtol=0, atol=1e-5)
+    assert g0 and set(g1) == set(g0) and all(g is not None for g in g1.values())
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_last_layer_runs_on_the_head_positions_alone():
+    """Unpadded, with logits at masked positions only: the last layer's output is computed at
+    [CLS] and the masked positions alone (attention still reads every token), and loss,
+    sentence-pair logits, MLM logits and every gradient equal computing it everywhere."""
+    import megabert.fused_kernels as fk
+
+    cases = [("post", None, "torch"), ("pre", "full", "sdpa"), ("post", "selective", "fused")]
+    if fk.is_available():
+        cases += [("post", None, "varlen"), ("pre", "selective", "varlen")]
+    for args in cases:
+        _head_rows_vs_all_rows(*args)
+
+
 def test_unpadding_and_sequence_parallel_do_not_combine():
     import pytest
 

@@ -45,11 +45,13 @@ class SelfAttention(nn.Module):
         return ops.core_attention(q, k, v, mask, backend=self.ctx.attention_backend,
                                   dropout_p=self._dropout_p(), rng_fork=self.ctx.rng.fork)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [s, b, h] (or [s/tp, b, h] with sequence parallelism), or [T, h] of the real
         tokens that `tokens` places (unpadded: the GEMMs skip padding; the varlen core works
-        on [T, ...] as it is, the others pad back); mask: bool [b, 1, 1|s, s]."""
+        on [T, ...] as it is, the others pad back); mask: bool [b, 1, 1|s, s]. `rows`
+        (unpadded only): the output is wanted at these rows of [T, h] alone -> [n, h]; every
+        token is still attended to."""
         qkv = self.qkv(x)  # [s, b, 3h/tp] or [T, 3h/tp]
         if tokens is not None and self.varlen:
             # The stride-3 QKV weight gives each token [Q_r | K_r | V_r], each heads x d.
@@ -58,7 +60,8 @@ class SelfAttention(nn.Module):
                 ctx = checkpoint(self._varlen_core, self.ctx.rng, qkv, tokens)
             else:
                 ctx = self._varlen_core(qkv, tokens)  # [T, n/tp, d]
-            return self.dense(ctx.view(ctx.size(0), self.heads_per_rank * self.head_dim))
+            ctx = ctx.view(ctx.size(0), self.heads_per_rank * self.head_dim)  # [T, h/tp]
+            return self.dense(ctx if rows is None else ctx.index_select(0, rows))
         if tokens is not None:
             qkv = tokens.pad(qkv)  # [s, b, 3h/tp]: padded keys are masked, padded queries dropped below
         s, b = qkv.shape[:2]
@@ -73,4 +76,6 @@ class SelfAttention(nn.Module):
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)  # [s, b, h/tp]
         if tokens is not None:
             ctx = tokens.unpad(ctx)  # [T, h/tp]
+            if rows is not None:
+                ctx = ctx.index_select(0, rows)  # [n, h/tp]
         return self.dense(ctx)

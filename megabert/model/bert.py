@@ -85,10 +85,13 @@ class BertBackbone(nn.Module):
         self.unpad = ctx.config.unpad_input
 
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
-                      token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor]):
+                      token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                      head_positions: Optional[torch.Tensor] = None):
         """Chunk v of this rank: [s, b, h] -> [s, b, h]. Global chunk 0 starts from the
         embeddings of `input_ids`; the model's last chunk returns (sequence [s, b, h]
-        gathered over sequence-parallel ranks, pooled [b, h] or None)."""
+        gathered over sequence-parallel ranks, pooled [b, h] or None). `head_positions`
+        ([b, s] bool, or None for all): the positions the heads read; with the unpadded
+        encoder the last layer computes only those, and the sequence is zero elsewhere."""
         if self.stage.is_first_chunk(v):
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             hidden = self.embeddings(input_ids, tt)
@@ -100,10 +103,17 @@ class BertBackbone(nn.Module):
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
             maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
-        x = self.encoder(hidden, attention_mask_to_bool(attention_mask), self.stage.chunk_layers(v),
-                         apply_final_layernorm=last, tokens=tokens)
+        # The heads of pre-training read [CLS] and the masked positions (~15% of tokens): the
+        # last layer's projection, MLP, LayerNorms and dropout run on those rows alone.
+        layer_ids = self.stage.chunk_layers(v)
+        rows = tokens.rows_at(head_positions) if last and tokens is not None and head_positions is not None \
+            and len(layer_ids) > 0 else None
+        if rows is not None:
+            maybe_mark_dynamic(rows, 0)  # as T: a compiled last layer takes any number of rows
+        x = self.encoder(hidden, attention_mask_to_bool(attention_mask), layer_ids, apply_final_layernorm=last,
+                         tokens=tokens, rows=rows)
         if tokens is not None:
-            x = tokens.pad(x)
+            x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows)
         if not last:
             return x
         if self.ctx.sequence_parallel:
@@ -184,15 +194,21 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], batch: dict):
         """Chunk v on one micro-batch: hidden [s, b, h] (None for global chunk 0) -> [s, b, h],
         or the task's output from the model's last chunk."""
+        last = self.stage.is_last_chunk(v)
         out = self.bert.forward_chunk(v, hidden, batch.get("input_ids"), batch.get("token_type_ids"),
-                                      batch.get("attention_mask"))
-        if not self.stage.is_last_chunk(v):
+                                      batch.get("attention_mask"), self.head_positions(batch) if last else None)
+        if not last:
             return out
         sequence, pooled = out
         return self.head(sequence, pooled, batch)
 
     def head(self, sequence: torch.Tensor, pooled: Optional[torch.Tensor], batch: dict):
         raise NotImplementedError
+
+    def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
+        """[b, s] bool: the only positions of the sequence output that `head` reads, or None
+        (it reads them all)."""
+        return None
 
     def _whole_model_forward(self, batch: dict):
         if self.parallel_state.pp_size > 1:

@@ -61,13 +61,17 @@ class TransformerLayer(nn.Module):
         with fork:
             return ops.dropout_add(x, residual, self.dropout_p, self.training, backend=self.ctx.dropout_add_backend)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None
-                ) -> torch.Tensor:
-        """x: [s, b, h], or [T, h] of the real tokens that `tokens` places (unpadded)."""
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [s, b, h], or [T, h] of the real tokens that `tokens` places (unpadded). `rows`
+        (unpadded only): the rows of [T, h] whose output is wanted -> [n, h]. Attention still
+        reads every token's keys and values; all that follows it is token-wise, so it runs on
+        those rows alone."""
+        residual = x if rows is None else x.index_select(0, rows)
         if self.pre_ln:
-            x = self._dropout_add(self.attention(self.attention_layernorm(x), mask, tokens), x)
+            x = self._dropout_add(self.attention(self.attention_layernorm(x), mask, tokens, rows), residual)
             return self._dropout_add(self.mlp(self.mlp_layernorm(x)), x)
-        x = self.attention_layernorm(self._dropout_add(self.attention(x, mask, tokens), x))
+        x = self.attention_layernorm(self._dropout_add(self.attention(x, mask, tokens, rows), residual))
         return self.mlp_layernorm(self._dropout_add(self.mlp(x), x))
 
 
@@ -88,15 +92,18 @@ class TransformerBlock(nn.Module):
         self.full_recompute = ctx.config.recompute_granularity == "full"
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], layer_ids: Optional[Sequence[int]] = None,
-                apply_final_layernorm: bool = True, tokens: Optional[TokenLayout] = None) -> torch.Tensor:
+                apply_final_layernorm: bool = True, tokens: Optional[TokenLayout] = None,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Runs `layer_ids` (default: all held layers, in order), then the final LayerNorm.
-        With `tokens`, x is [T, h] of the real tokens (see megabert.model.unpad)."""
-        layers = self.layers.values() if layer_ids is None else (self.layers[str(i)] for i in layer_ids)
-        for layer in layers:
+        With `tokens`, x is [T, h] of the real tokens (see megabert.model.unpad); `rows`: the
+        last layer computes its output at these rows of [T, h] alone -> [n, h]."""
+        layers = list(self.layers.values() if layer_ids is None else (self.layers[str(i)] for i in layer_ids))
+        for i, layer in enumerate(layers):
+            layer_rows = rows if i == len(layers) - 1 else None
             if self.full_recompute and self.training:
-                x = checkpoint(layer, self.ctx.rng, x, mask, tokens)
+                x = checkpoint(layer, self.ctx.rng, x, mask, tokens, layer_rows)
             else:
-                x = layer(x, mask, tokens)
+                x = layer(x, mask, tokens, layer_rows)
         if apply_final_layernorm and self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
@@ -108,7 +115,8 @@ def compile_layers(model: nn.Module) -> int:
     Layers rather than the whole model: the pipeline schedule, activation recompute
     (`checkpoint` around a layer) and the embeddings and heads stay eager Python around
     them, and every layer runs the same compiled graph (one compilation per mode, train
-    and eval, whatever the depth). `nn.Module.compile` keeps parameter names and state
+    and eval, whatever the depth; a second one for a last layer computed at the heads'
+    positions alone, see BertBackbone.forward_chunk). `nn.Module.compile` keeps parameter names and state
     dicts as they are, so checkpoints do not change.
 
     fallback_random: dropout draws from the default generator through ATen's kernels, as

@@ -38,6 +38,7 @@ class TokenLayout:
         # GPU (none when the mask is still on the CPU), whatever the number of layers.
         flat = attention_mask.reshape(-1).nonzero().squeeze(1)  # [T] positions of [b, s], batch-major
         self.indices = (flat % s) * b + flat // s  # the same positions in [s, b]
+        self._real = attention_mask.reshape(-1) != 0  # [b * s], batch-major
         self.num_tokens = self.indices.numel()
         self.cu_seqlens = F.pad((attention_mask != 0).sum(1, dtype=torch.int64).cumsum(0), (1, 0))  # [b + 1]
         self._host_cu_seqlens: Optional[list[int]] = None
@@ -60,3 +61,14 @@ class TokenLayout:
         """[T, ...] -> [s, b, ...] with zeros at padding positions."""
         out = x.new_zeros(self.s * self.b, *x.shape[1:])
         return out.index_copy(0, self.indices, x).reshape(self.s, self.b, *x.shape[1:])
+
+    def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of [T, ...] at the real tokens among `positions` ([b, s] bool), in T's
+        (batch-major) order; padding positions have no row and are left out."""
+        row_of = self._real.cumsum(0) - 1  # [b * s]: a real token's row in T
+        return row_of[positions.reshape(-1) & self._real]
+
+    def pad_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[n, ...] holding rows `rows` of [T, ...] -> [s, b, ...], zeros everywhere else."""
+        out = x.new_zeros(self.s * self.b, *x.shape[1:])
+        return out.index_copy(0, self.indices.index_select(0, rows), x).reshape(self.s, self.b, *x.shape[1:])

@@ -93,6 +93,16 @@ class BertForPreTraining(BertPreTrainedModel):
                                               attention_mask=attention_mask, labels=labels,
                                               next_sentence_label=next_sentence_label))
 
+    def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
+        """With logits at masked positions only: those positions and [CLS] (the pooler's)."""
+        labels = batch.get("labels")
+        if not self.config.mlm_logits_at_masked_only or labels is None:
+            return None
+        positions = labels != -100
+        if self.bert.pooler is not None:
+            positions[:, 0] = True
+        return positions
+
     def head(self, sequence: torch.Tensor, pooled: Optional[torch.Tensor], batch: dict) -> BertPreTrainingOutput:
         """MLM logits (tied to the word embeddings) and the sentence-pair head, with losses."""
         cfg, labels = self.config, batch.get("labels")
