@@ -10,6 +10,7 @@ Logits are compared at real tokens (megatron-core's b1ss mask also masks padded 
 import importlib.abc
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -181,11 +182,12 @@ def _pretrain(dataset, metrics, *extra):
 
 
 def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="megabert")
     load = os.path.join(FIXTURES, "tp2_torch")
     r = _pretrain(dataset, tmp_path / "go_on.jsonl", "--load", load, "--save", str(tmp_path / "s1"),
                   "--train-iters", "12")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "its optimizer state is not" in caplog.text
+    assert "optimizer state not continued: " in caplog.text and "holds no optimizer state" in caplog.text
     assert [x["iteration"] for x in rows(tmp_path / "go_on.jsonl") if "lm_loss" in x] == [11, 12]
     r = _pretrain(dataset, tmp_path / "new.jsonl", "--load", load, "--finetune", "--train-iters", "2")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -193,6 +195,24 @@ def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_pat
     r = _pretrain(dataset, tmp_path / "bad.jsonl", "--load", load, "--layernorm-position", "post")
     assert r.returncode != 0
     assert "--layernorm-position pre --no-embedding-layernorm" in r.stderr.strip().splitlines()[-1]
+
+
+def test_pretrain_continues_megatron_adam_moments_or_says_why_not(dataset, tmp_path, caplog):
+    """megatron-core's checkpoint with its optimizer state (tests/test_megatron_optimizer.py checks
+    the step itself): continued by pretrain_bert.py --load, or not, with one line saying why."""
+    caplog.set_level(logging.INFO, logger="megabert")
+    load = os.path.join(FIXTURES, "optim", "tp2_fp32_torch_dist")
+    r = _pretrain(dataset, tmp_path / "on.jsonl", "--load", load, "--train-iters", "3", "--adam-beta2", "0.98",
+                  "--adam-eps", "1e-8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Adam moments continued (optimizer step 2)" in caplog.text
+    assert [x["iteration"] for x in rows(tmp_path / "on.jsonl") if "lm_loss" in x] == [3]
+    caplog.clear()
+    r = _pretrain(dataset, tmp_path / "off.jsonl", "--load", load, "--train-iters", "3", "--optimizer", "lamb")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optimizer state not restored (--optimizer lamb here: Megatron's Adam moments are not lamb's state)" \
+        in caplog.text
+    assert "Adam moments continued" not in caplog.text
 
 
 def test_finetune_glue_from_a_torch_dist_dir(tmp_path):
