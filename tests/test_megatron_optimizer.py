@@ -140,3 +140,24 @@ def test_what_does_not_continue_says_why():
     payload = read_rank(path, tp_rank=0, tp_size=1, stage=StageLayout(2), table=spec_table(model),
                         model_config=model.config).payload
     assert payload["optimizer"] is None and "holds no optimizer state" in payload["optimizer_note"]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_bf16_run_gives_its_fp32_master_weights(fmt):
+    """megatron-core's bf16 run (Float16OptimizerWithFloat16Params): with its optimizer state the
+    weights are its fp32 masters (`fp32_from_fp16_params` / `optimizer.state.fp32_param.*`),
+    which round to the bf16 model weights and hold the bits bf16 drops; the moments come along."""
+    path = os.path.join(OPTIM_DIR, f"tp2_bf16_{fmt}")
+    model = megabert.BertForPreTraining.from_pretrained(path, attention_backend="torch")
+    cfg, table = model.config, spec_table(model)
+    bf16_weights = model.state_dict()
+    payload = read_rank(path, tp_rank=0, tp_size=1, stage=StageLayout(cfg.num_layers), table=table,
+                        model_config=cfg).payload
+    masters = payload["model"]
+    assert set(masters) == set(table)
+    for name, t in masters.items():
+        assert t.dtype == torch.float32, name
+        assert torch.equal(t.to(torch.bfloat16), bf16_weights[name].to(torch.bfloat16)), name
+    assert sum(not torch.equal(t, bf16_weights[n]) for n, t in masters.items()) > len(masters) // 2
+    assert set(payload["optimizer"]["state"]) == set(table)
+    assert all(s["step"] == OPTIM_STEPS for s in payload["optimizer"]["state"].values())

@@ -14,7 +14,7 @@ state is refused.
 `torch_dist` saves the same moments as tensors of the parameter's global shape under
 `optimizer.state.exp_avg.<model key>` / `optimizer.state.exp_avg_sq.<model key>` (and
 `optimizer.state.fp32_param.<model key>` for fp16/bf16 master weights), the step once in
-common.pt (`optimizer.state.common_step`).
+common.pt (`optimizer.state.common_step`; `optimizer.optimizer.state.common_step` under fp16/bf16).
 
 Whether megabert's optimizer may continue from them is `mismatch`'s call: the algorithm must
 be the one megabert runs (Megatron's `adam` is AdamW, decoupled weight decay, bias-corrected,
@@ -101,7 +101,11 @@ def dist_keys(kind: str, model_key: str) -> str:
 
 
 def dist_step(common: dict) -> Optional[float]:
-    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    """common.pt's step: `optimizer.state.common_step`, one level deeper
+    (`optimizer.optimizer.state`) under the fp16/bf16 optimizer."""
+    opt = common.get("optimizer") or {}
+    opt = opt.get("optimizer", opt) if isinstance(opt, dict) else {}
+    step = (opt.get("state") or {}).get("common_step")
     return float(step) if step is not None else None
 
 
