@@ -161,8 +161,8 @@ def read_tensors(path: str, cfg: ModelConfig, *, optimizer: bool = False, share:
             vocab_size=cfg.vocab_size, saved_padded_vocab=header["shapes"]["embedding.word_embeddings.weight"][0])
         read = torch_format.read_full(d, heads, args=args, optimizer=optimizer, needs=needs)
     weights = _to_megabert({**read.weights, **read.masters}, cfg, path, report=True)
-    if "bert.embeddings.tokentype_embeddings.weight" not in weights and (wanted is None or
-                                                                         "embedding.tokentype_embeddings.weight" in wanted):
+    tokentype = "embedding.tokentype_embeddings.weight"
+    if "bert.embeddings.tokentype_embeddings.weight" not in weights and (wanted is None or tokentype in wanted):
         # Megatron builds no token-type embeddings without a binary head: zeros add nothing.
         weights["bert.embeddings.tokentype_embeddings.weight"] = torch.zeros(cfg.type_vocab_size, cfg.hidden_size)
     out = MegatronTensors(weights, note=read.note)

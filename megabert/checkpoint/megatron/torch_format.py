@@ -22,6 +22,7 @@ from megabert.checkpoint.megatron.safe_load import foreign_to_plain, safe_torch_
 from megabert.errors import CheckpointError
 
 FILENAME = "model_optim_rng.pt"
+DISTRIB_OPTIM = "distrib_optim.pt"  # the distributed optimizer's state, beside FILENAME
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
@@ -115,11 +116,11 @@ _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 def rank_needs(iter_dir: str, args: dict, wanted: set[str], *, tp_rank: int, tp_size: int, padded_vocab_size: int,
                vocab_size: int, saved_padded_vocab: int) -> Callable[[int, int], bool]:
     """needs(tp, pp) of read_full for a rank of `tp_size` taking the canonical tensors `wanted`
-    (vocab padded to `padded_vocab_size` for it; `saved_padded_vocab` rows as saved): the saved stages holding them, and the saved
-    TP ranks whose slices overlap this rank's. Megatron and megabert both split a tensor into
-    equal contiguous parts (QKV: whole heads, in either row order), so the overlap is that of
-    the fractions [r / tp, (r + 1) / tp); vocab rows are padded differently at each TP size,
-    so theirs is that of the real rows each holds."""
+    (vocab padded to `padded_vocab_size` for it; `saved_padded_vocab` rows as saved): the saved
+    stages holding them, and the saved TP ranks whose slices overlap this rank's. Megatron and
+    megabert both split a tensor into equal contiguous parts (QKV: whole heads, in either row
+    order), so the overlap is that of the fractions [r / tp, (r + 1) / tp); vocab rows are
+    padded differently at each TP size, so theirs is that of the real rows each holds."""
     files = rank_files(iter_dir)
     saved_tp, saved_pp = grid_size(files)
     counts = stage_layer_counts(files, args)
@@ -136,7 +137,8 @@ def rank_needs(iter_dir: str, args: dict, wanted: set[str], *, tp_rank: int, tp_
                 stages.add(0)
         elif name != "output_layer.weight":
             stages.add(saved_pp - 1)  # final LayerNorm, pooler, LM and binary heads
-    tps = {s for s in range(saved_tp) if s * tp_size < (tp_rank + 1) * saved_tp and tp_rank * saved_tp < (s + 1) * tp_size}
+    tps = {s for s in range(saved_tp)
+           if s * tp_size < (tp_rank + 1) * saved_tp and tp_rank * saved_tp < (s + 1) * tp_size}
     if wanted & {"embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"}:
         saved_rows = saved_padded_vocab // saved_tp
         lo, hi = tp_rank * padded_vocab_size // tp_size, min((tp_rank + 1) * padded_vocab_size // tp_size, vocab_size)
@@ -181,11 +183,11 @@ def read_full(iter_dir: str, num_attention_heads: int, *, args: Optional[dict] =
     offset = 0
     for pp in range(pp_size):
         tps = [tp for tp in range(tp_size) if needs is None or needs(tp, pp)]
-        payloads = {tp: _load(files[(tp, pp)]) for tp in tps}
-        models = {tp: flatten(p["model"]) for tp, p in payloads.items()}
         if not tps:
             offset += counts[pp]
             continue
+        payloads = {tp: _load(files[(tp, pp)]) for tp in tps}
+        models = {tp: flatten(p["model"]) for tp, p in payloads.items()}
         version = float(payloads[tps[0]].get("checkpoint_version", 0))
         legacy = names.is_legacy(models[tps[0]])
         merge = lambda shards: _merge(shards, tp_size, offset, version, num_attention_heads // tp_size, legacy)  # noqa
@@ -195,7 +197,12 @@ def read_full(iter_dir: str, num_attention_heads: int, *, args: Optional[dict] =
             ranks = {tp: adam_state.rank_moments(payloads[tp], models[tp]) for tp in tps}
             refused = next(((tp, r.note) for tp, r in ranks.items() if r.note), None)
             if refused is not None:
-                read.note = f"{files[(refused[0], pp)]}: {refused[1]}"
+                path = files[(refused[0], pp)]
+                if os.path.isfile(os.path.join(os.path.dirname(path), DISTRIB_OPTIM)):
+                    read.note = (f"{path}: its optimizer state was saved by Megatron's distributed optimizer "
+                                 f"({DISTRIB_OPTIM}, laid out by its gradient buckets), which megabert does not read")
+                else:
+                    read.note = f"{path}: {refused[1]}"
             else:
                 for kind in adam_state.MOMENTS:
                     for name, t in merge({tp: {k: m[kind] for k, m in r.moments.items()}
