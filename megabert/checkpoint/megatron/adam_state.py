@@ -23,6 +23,7 @@ decay, LR) are the run's flags, differences named by `hyperparameter_note`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -131,3 +132,65 @@ def hyperparameter_note(args: dict, optim: OptimConfig) -> Optional[str]:
     changed = [f"--{name.replace('_', '-')} {ours:g} (Megatron's run: {args[name]:g})" for name, ours in pairs
                if args.get(name) is not None and float(args[name]) != float(ours)]
     return ", ".join(changed) if changed else None
+
+
+# ---------------------------------------------------------------- writing (export)
+
+# megatron-core's BertModel registers its parameters in this order (named_parameters, which its
+# optimizer's groups follow): the positional `torch`-format state must be laid out in it.
+_MCORE_LAYER_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
+                      "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+_MCORE_TOP_ORDER = ("embedding.word_embeddings", "embedding.position_embeddings", "embedding.tokentype_embeddings",
+                    None, "encoder.final_layernorm", "lm_head.dense", "lm_head.layer_norm", "output_layer",
+                    "binary_head", "pooler.dense")
+
+
+@dataclass
+class AdamExport:
+    """A megabert run's Adam state for a Megatron directory: canonical full moments
+    ({"exp_avg": {...}, "exp_avg_sq": {...}}, padded as their weights), the step count and
+    the hyper-parameters Megatron's param groups carry (lr, betas, eps, weight_decay)."""
+
+    moments: dict[str, dict[str, torch.Tensor]]
+    step: float
+    lr: float
+    betas: tuple
+    eps: float
+    weight_decay: float
+
+    def group(self, wd_mult: float) -> dict:
+        """One of Megatron's two param groups (megatron.core.optimizer._get_param_groups' fields,
+        torch AdamW's), without "params"."""
+        return {"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
+                "is_decoupled_lr": False, "max_lr": self.lr, "min_lr": self.lr, "lr": self.lr,
+                "betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay * wd_mult,
+                "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+                "fused": None, "decoupled_weight_decay": True}
+
+
+def _mcore_rank(key: str) -> tuple:
+    m = re.match(r"^encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$", key)
+    if m:
+        return (3, int(m.group(1)), _MCORE_LAYER_ORDER.index(m.group(2)), m.group(3) == "bias")
+    module, kind = key.rsplit(".", 1)
+    return (_MCORE_TOP_ORDER.index(module), 0, 0, kind == "bias")
+
+
+def torch_optimizer_entry(stage: dict[str, dict[str, torch.Tensor]], export: AdamExport) -> dict:
+    """One rank's `optimizer` entry (torch format, megatron-core names) from its local moments
+    {"exp_avg": {key: t}, "exp_avg_sq": {key: t}}: decayed weights, then biases and 1-D
+    tensors, each in megatron-core's parameter order."""
+    keys = sorted(stage["exp_avg"], key=_mcore_rank)
+    decayed = [k for k in keys if not (k.endswith(".bias") or stage["exp_avg"][k].dim() == 1)]
+    order = decayed + [k for k in keys if k not in decayed]
+    state = {i: {"step": torch.tensor(float(export.step)), **{m: stage[m][k].clone() for m in MOMENTS}}
+             for i, k in enumerate(order)}
+    groups = [{**export.group(1.0), "params": list(range(len(decayed)))},
+              {**export.group(0.0), "params": list(range(len(decayed), len(order)))}]
+    return {"state": state, "param_groups": groups}
+
+
+def dist_common(export: AdamExport) -> dict:
+    """common.pt's `optimizer` entry of a torch_dist directory (the moments are sharded tensors)."""
+    return {"state": {"common_step": torch.tensor(float(export.step))},
+            "param_groups": [export.group(1.0), export.group(0.0)]}
