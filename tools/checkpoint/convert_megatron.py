@@ -84,6 +84,10 @@ def _adam_export(load: str, cfg: ModelConfig, tp: int) -> tuple[Optional[AdamExp
     """The loaded run's Adam state for Megatron (AdamExport), or None and why not: a
     checkpoint without one (converted weights, DeepSpeed's, LAMB's) is exported as weights."""
     payload = read_rank(load, tp_rank=0, tp_size=1, stage=StageLayout(cfg.num_layers), optimizer=True).payload
+    optim = (payload.get("args") or {}).get("optim") or {}  # a megabert run's flags (a Megatron run's: read as Adam)
+    if optim.get("optimizer", "adam") != "adam" or optim.get("bias_correction") is False:
+        why = "LAMB" if optim.get("optimizer") == "lamb" else "Adam without bias correction"
+        return None, f"the run trained with {why}, whose state Megatron's AdamW does not continue"
     saved = payload.get("optimizer")
     if saved is None:
         return None, payload.get("optimizer_note") or "the checkpoint holds no optimizer state"

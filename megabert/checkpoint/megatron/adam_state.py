@@ -168,19 +168,24 @@ class AdamExport:
                 "fused": None, "decoupled_weight_decay": True}
 
 
-def _mcore_rank(key: str) -> tuple:
-    m = re.match(r"^encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$", key)
+_KINDS = ("weight", "bias", "_extra_state")
+
+
+def mcore_order(key: str) -> tuple:
+    """Sort key: megatron-core's BertModel state-dict order of a (stage-local) key, which is its
+    named_parameters order (the reader relies on it: rank_moments)."""
+    m = re.match(r"^encoder\.layers\.(\d+)\.(.+)\.(weight|bias|_extra_state)$", key)
     if m:
-        return (3, int(m.group(1)), _MCORE_LAYER_ORDER.index(m.group(2)), m.group(3) == "bias")
+        return (3, int(m.group(1)), _MCORE_LAYER_ORDER.index(m.group(2)), _KINDS.index(m.group(3)))
     module, kind = key.rsplit(".", 1)
-    return (_MCORE_TOP_ORDER.index(module), 0, 0, kind == "bias")
+    return (_MCORE_TOP_ORDER.index(module), 0, 0, _KINDS.index(kind))
 
 
 def torch_optimizer_entry(stage: dict[str, dict[str, torch.Tensor]], export: AdamExport) -> dict:
     """One rank's `optimizer` entry (torch format, megatron-core names) from its local moments
     {"exp_avg": {key: t}, "exp_avg_sq": {key: t}}: decayed weights, then biases and 1-D
     tensors, each in megatron-core's parameter order."""
-    keys = sorted(stage["exp_avg"], key=_mcore_rank)
+    keys = sorted(stage["exp_avg"], key=mcore_order)
     decayed = [k for k in keys if not (k.endswith(".bias") or stage["exp_avg"][k].dim() == 1)]
     order = decayed + [k for k in keys if k not in decayed]
     state = {i: {"step": torch.tensor(float(export.step)), **{m: stage[m][k].clone() for m in MOMENTS}}

@@ -171,6 +171,9 @@ def write_torch(root: str, canonical: dict, cfg: ModelConfig, *, tp_size: int, p
     for pp in range(pp_size):
         for tp in range(tp_size):
             stage = _mcore_stage(canonical, tp, tp_size, pp, pp_size, cfg.num_layers)
+            # In megatron-core's own order, so that a reader naming positional optimizer state
+            # from the model entry (as megabert's does) finds Megatron's parameter order.
+            stage = {k: stage[k] for k in sorted(stage, key=adam_state.mcore_order)}
             model = _legacy_stage(stage, pp == 0, pp == pp_size - 1) if legacy else stage
             rank_dir = os.path.join(it_dir, f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}")
             os.makedirs(rank_dir, exist_ok=True)
