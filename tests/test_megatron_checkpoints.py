@@ -217,6 +217,11 @@ def test_pretrain_continues_megatron_adam_moments_or_says_why_not(dataset, tmp_p
     assert "optimizer state not restored (--optimizer lamb here: Megatron's Adam moments are not lamb's state)" \
         in caplog.text
     assert "Adam moments continued" not in caplog.text
+    caplog.clear()
+    r = _pretrain(dataset, tmp_path / "no.jsonl", "--load", load, "--train-iters", "3", "--no-load-optim")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optimizer state not restored (--no-load-optim)" in caplog.text
+    assert [x["iteration"] for x in rows(tmp_path / "no.jsonl") if "lm_loss" in x] == [3]
     # Back to Megatron: the continued run's moments (step 3) round-trip through an export at another
     # TP; the LAMB run's state is not Adam's and stays behind, said in one line.
     r = _convert("export", "--load", tmp_path / "on", "--megatron-dir", tmp_path / "m", "--format", "torch",
