@@ -202,11 +202,12 @@ def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_pat
 
 def test_pretrain_continues_megatron_adam_moments_or_says_why_not(dataset, tmp_path, caplog):
     """megatron-core's checkpoint with its optimizer state (tests/test_megatron_optimizer.py checks
-    the step itself): continued by pretrain_bert.py --load, or not, with one line saying why."""
+    the step itself): continued by pretrain_bert.py --load (here into megabert's distributed
+    optimizer, which takes the same by-name state), or not, with one line saying why."""
     caplog.set_level(logging.INFO, logger="megabert")
     load = os.path.join(FIXTURES, "optim", "tp2_fp32_torch_dist")
     r = _pretrain(dataset, tmp_path / "on.jsonl", "--load", load, "--train-iters", "3", "--adam-beta2", "0.98",
-                  "--adam-eps", "1e-8", "--save", str(tmp_path / "on"))
+                  "--adam-eps", "1e-8", "--save", str(tmp_path / "on"), "--use-distributed-optimizer")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Adam moments continued (optimizer step 2)" in caplog.text
     assert [x["iteration"] for x in rows(tmp_path / "on.jsonl") if "lm_loss" in x] == [3]
