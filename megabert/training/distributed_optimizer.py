@@ -216,6 +216,11 @@ class DistributedOptimizerStrategy(LocalStrategy):
         self.reducer.wait_params()
         return super().forward_only(batches, output_fn)
 
+    def settle(self) -> None:
+        # The last step's parameter all-gathers are otherwise issued as forward waits for
+        # them: a rank with no batch to predict would leave the others waiting.
+        self.reducer.wait_params()
+
     def cpu_state_dict(self, keep: bool) -> dict:
         self.reducer.wait_params()
         return super().cpu_state_dict(keep)
