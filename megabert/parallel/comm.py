@@ -214,6 +214,14 @@ def all_gather_by_broadcasts(out: torch.Tensor, group=None, async_op: bool = Fal
     return Works(works) if async_op else None
 
 
+def gather(tensor: torch.Tensor, parts: Optional[list[torch.Tensor]], group=None, group_dst: int = 0):
+    """Group rank `group_dst` receives every rank's `tensor` into `parts` (None on the other
+    ranks). Counted as a send of `tensor` on the other ranks."""
+    if _active is not None and dist.get_rank(group) != group_dst:
+        _record(group, "send", _nbytes(tensor), None)
+    return dist.gather(tensor, gather_list=parts, group=group, group_dst=group_dst)
+
+
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     _record(group, "send", _nbytes(tensor), None)
     return dist.isend(tensor, dst, group=group, tag=tag)

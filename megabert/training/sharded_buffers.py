@@ -142,6 +142,9 @@ class ShardedBuffers(OverlappedGradReducer):
                         setattr(piece.tensor, ATTR, getattr(p, ATTR))  # the spec: norms and sums read it
                         self.pieces.append(piece)
 
+    def bucket_of(self, p: torch.nn.Parameter) -> _Bucket:
+        return self._bucket_of[p]
+
     def _add_bucket(self, bucket) -> None:  # type: ignore[override]
         self.buckets.append(bucket)
         for p in bucket.params:
