@@ -188,11 +188,11 @@ class Works:
 def reduce_scatter_by_reduces(x: torch.Tensor, group=None, async_op: bool = False,
                               label: Optional[str] = None):
     """Sums `x` over the group into rank r's chunk r, in place, as one reduce per chunk
-    rooted at its owner: what a reduce-scatter sends, and what ZeRO issues. The other
-    chunks of `x` are left undefined. For gloo: its reduce_scatter stages copies of the
-    whole input (1.8x the input per call in flight, measured with torch 2.13, and glibc
-    keeps the pages), its reduce works in place. Counted as the reduce-scatter it stands
-    for."""
+    rooted at its owner (what ZeRO issues). The other chunks of `x` are left undefined.
+    For gloo: its reduce_scatter stages copies of the whole input (1.8x the input per call
+    in flight, measured with torch 2.13, and glibc keeps the pages) and writes an
+    all-reduce's bytes; its reduce works in place and writes as many bytes at 2 ranks,
+    fewer beyond (docs/performance.md). Counted as the reduce-scatter it stands for."""
     _record(group, "reduce_scatter", _nbytes(x), label)
     n = _size(group)
     chunk = x.numel() // n

@@ -125,6 +125,7 @@ class DistributedOptimizer:
                 steps[index[id(piece.param)]] = float(s["step"])
         if ps.dp_size > 1:
             comm.all_reduce(steps, op=comm.ReduceOp.MAX, group=ps.dp_group)
+        steps = steps.cpu()  # read per parameter below: one device sync, not one each
         names = {id(p): n for n, p in self.model.named_parameters()}
         # The writer's copy of the states: 8 bytes per parameter for the save's duration
         # (plain DP saves its states as they live), filled one bucket at a time. A
