@@ -12,6 +12,10 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= deepspeed,mpi,test
 SOURCES := Makefile setup.py pyproject.toml $(shell find megabert -name '*.cpp' -o -name '*.cu' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?=
+# pytest-xdist workers, one test file per worker at a time (files share module fixtures and
+# fixed ports). Most tests are process start-ups, imports and small spawned runs that keep
+# one core busy; two workers keep both busy. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo bench bench-gpu cuda-check clean
 
@@ -38,7 +42,7 @@ $(STAMP): $(VPY) $(SOURCES)
 	@touch $(STAMP)
 
 test: install
-	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 demo: install
 	$(VPY) examples/demo.py --workdir demo_out

@@ -238,6 +238,8 @@ class TrainConfig:
     save_interval: Optional[int] = arg(None, "Save every this many iterations.")
     exit_interval: Optional[int] = arg(None, "Save (with --save) and exit when the iteration is a multiple of this.")
     finetune: bool = arg(False, "With --load: take the weights only; iteration, optimizer and data start afresh.")
+    load_optim: bool = arg(True, "With --load: restore the optimizer state; --no-load-optim starts the optimizer "
+                           "afresh while the weights, iteration and data position continue (Megatron's flag).")
     pretrained_checkpoint: Optional[str] = arg(
         None, "Start from this checkpoint's weights (megabert, Hugging Face or Google TF BERT dir; iteration, "
         "optimizer and data start afresh, as --finetune) only while the run has no checkpoint of its own in --load "

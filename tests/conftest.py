@@ -9,6 +9,12 @@ import torch
 
 torch.set_num_threads(2)
 
+# DeepSpeed's JIT ops (cpu_adam, for ZeRO-Offload) are cached per environment rather than in
+# the user-wide ~/.cache/torch_extensions: their build files name the sources by the venv's
+# path, so two checkouts sharing one cache rebuild the op (a minute) each time they alternate.
+if sys.prefix != sys.base_prefix:  # a venv (make install's .venv): writable, one per checkout
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
 
 @pytest.fixture(autouse=True)
 def _fresh_parallel_state():

@@ -10,6 +10,7 @@ Logits are compared at real tokens (megatron-core's b1ss mask also masks padded 
 import importlib.abc
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,9 @@ import torch
 
 import megabert
 from megabert.checkpoint.megatron import checkpoint_format, read_header
+from megabert.checkpoint.megatron.safe_load import safe_torch_load
+from megabert.checkpoint.reader import read_rank
+from megabert.parallel.layout import StageLayout
 from megabert.errors import CheckpointError
 from tests.helpers import cli_utils
 from tests.helpers.dist_utils import run_distributed
@@ -181,11 +185,12 @@ def _pretrain(dataset, metrics, *extra):
 
 
 def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="megabert")
     load = os.path.join(FIXTURES, "tp2_torch")
     r = _pretrain(dataset, tmp_path / "go_on.jsonl", "--load", load, "--save", str(tmp_path / "s1"),
                   "--train-iters", "12")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "its optimizer state is not" in caplog.text
+    assert "optimizer state not continued: " in caplog.text and "holds no optimizer state" in caplog.text
     assert [x["iteration"] for x in rows(tmp_path / "go_on.jsonl") if "lm_loss" in x] == [11, 12]
     r = _pretrain(dataset, tmp_path / "new.jsonl", "--load", load, "--finetune", "--train-iters", "2")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -193,6 +198,50 @@ def test_pretrain_continues_a_megatron_run_or_finetunes_from_it(dataset, tmp_pat
     r = _pretrain(dataset, tmp_path / "bad.jsonl", "--load", load, "--layernorm-position", "post")
     assert r.returncode != 0
     assert "--layernorm-position pre --no-embedding-layernorm" in r.stderr.strip().splitlines()[-1]
+
+
+def test_pretrain_continues_megatron_adam_moments_or_says_why_not(dataset, tmp_path, caplog):
+    """megatron-core's checkpoint with its optimizer state (tests/test_megatron_optimizer.py checks
+    the step itself): continued by pretrain_bert.py --load (here into megabert's distributed
+    optimizer, which takes the same by-name state), or not, with one line saying why."""
+    caplog.set_level(logging.INFO, logger="megabert")
+    load = os.path.join(FIXTURES, "optim", "tp2_fp32_torch_dist")
+    r = _pretrain(dataset, tmp_path / "on.jsonl", "--load", load, "--train-iters", "3", "--adam-beta2", "0.98",
+                  "--adam-eps", "1e-8", "--save", str(tmp_path / "on"), "--use-distributed-optimizer")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Adam moments continued (optimizer step 2)" in caplog.text
+    assert [x["iteration"] for x in rows(tmp_path / "on.jsonl") if "lm_loss" in x] == [3]
+    caplog.clear()
+    r = _pretrain(dataset, tmp_path / "off.jsonl", "--load", load, "--train-iters", "3", "--optimizer", "lamb",
+                  "--save", str(tmp_path / "off"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optimizer state not restored (--optimizer lamb here: Megatron's Adam moments are not lamb's state)" \
+        in caplog.text
+    assert "Adam moments continued" not in caplog.text
+    caplog.clear()
+    r = _pretrain(dataset, tmp_path / "no.jsonl", "--load", load, "--train-iters", "3", "--no-load-optim")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optimizer state not restored (--no-load-optim)" in caplog.text
+    assert [x["iteration"] for x in rows(tmp_path / "no.jsonl") if "lm_loss" in x] == [3]
+    # Back to Megatron: the continued run's moments (step 3) round-trip through an export at another
+    # TP; the LAMB run's state is not Adam's and stays behind, said in one line.
+    r = _convert("export", "--load", tmp_path / "on", "--megatron-dir", tmp_path / "m", "--format", "torch",
+                 "--tensor-model-parallel-size", 2)
+    assert "optimizer state: Adam moments at step 3" in r.stdout
+    written = safe_torch_load(str(tmp_path / "m" / "release" / "mp_rank_01" / "model_optim_rng.pt"))["model"]
+    own = safe_torch_load(os.path.join(FIXTURES, "optim", "tp2_fp32_torch", "iter_0000002", "mp_rank_01",
+                                       "model_optim_rng.pt"))["model"]  # megatron-core's own file
+    assert list(written) == list(own)  # megatron-core's key order: its optimizer's positions follow it
+    whole = read_rank(str(tmp_path / "on"), tp_rank=0, tp_size=1, stage=StageLayout(2)).payload["optimizer"]["state"]
+    back = read_rank(str(tmp_path / "m"), tp_rank=0, tp_size=1, stage=StageLayout(2),
+                     padded_vocab_size=256).payload["optimizer"]["state"]
+    assert set(back) == set(whole)
+    for name, s in back.items():
+        assert float(s["step"]) == 3.0
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(s[m], whole[name][m]), (name, m)
+    r = _convert("export", "--load", tmp_path / "off", "--megatron-dir", tmp_path / "m2", "--format", "torch_dist")
+    assert "optimizer state: none (the run trained with LAMB" in r.stdout
 
 
 def test_finetune_glue_from_a_torch_dist_dir(tmp_path):
@@ -282,7 +331,7 @@ def test_legacy_export_in_transformers_megatron_bert(imported, tmp_path):
     -> `encoder.ln`, `lm_head` -> `cls.predictions`), gives megatron-core's logits in
     transformers' MegatronBertForPreTraining: an architecture check by a third party."""
     transformers = pytest.importorskip("transformers")
-    from megabert.checkpoint.megatron.safe_load import foreign_to_plain, safe_torch_load
+    from megabert.checkpoint.megatron.safe_load import foreign_to_plain
 
     _convert("export", "--load", imported, "--megatron-dir", tmp_path / "m", "--format", "torch", "--legacy")
     payload = safe_torch_load(str(tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"), mmap=False)

@@ -1,7 +1,8 @@
 """SQuAD: features (windows, answer tokens, equal to transformers' tokenizer), post-processing,
 the official evaluation on hand-computed cases, and finetune_squad.py end to end under
 torchrun with TP=2 and DP=2, resuming a killed run from --save, with one-line errors for
-bad input files."""
+bad input files. The layout and ZeRO comparisons run finetune_squad.py's main() on the warm
+worker pool (the launcher itself is covered by the torchrun tests)."""
 import json
 import os
 import signal
@@ -20,7 +21,8 @@ from megabert.tasks.squad.postprocess import postprocess_predictions
 from megabert.corpus.tokenizer_training import BERT_SPECIALS, train_wordpiece
 from megabert.errors import ConfigError, DataError
 
-from tests.helpers.cli_utils import run_main
+from tests.helpers.cli_utils import main_worker, run_main
+from tests.helpers.dist_utils import run_distributed
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,9 +356,9 @@ def no_dropout_qa(tmp_path_factory):
 def finetune_losses(tmp_path, hf_dir, vocab, name, procs, *extra, predict=False):
     metrics = tmp_path / f"{name}.jsonl"
     more = ["--predict-file", os.path.join(DEMO, "dev.json")] if predict else []
-    r = finetune(procs, *common(hf_dir, vocab, tmp_path / name), "--train-file", os.path.join(DEMO, "train.json"),
-                 "--train-iters", 6, "--global-batch-size", 8, "--lr", 1e-3, "--metrics-file", metrics, *more, *extra)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    argv = [*common(hf_dir, vocab, tmp_path / name), "--train-file", os.path.join(DEMO, "train.json"),
+            "--train-iters", 6, "--global-batch-size", 8, "--lr", 1e-3, "--metrics-file", metrics, *more, *extra]
+    run_distributed(main_worker, procs, "finetune_squad.py", [str(a) for a in argv])
     return [json.loads(line)["qa_loss"] for line in open(metrics)]
 
 
@@ -376,7 +378,7 @@ def plain_dp2_losses(plain_dp2):
 
 def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, plain_dp2_losses, tmp_path):
     """Without dropout, fine-tuning losses over 6 steps at TP=2, DP=2, PP=2 and TP=2 x PP=2
-    equal one process (gradient accumulation over the same global batch): the same
+    equal one process's (gradient accumulation over the same global batch): the same
     features reach the same step, through the same model definition at every layout.
     Predictions through pipeline stages equal one process's."""
     one = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, "one", 1, predict=True)

@@ -1,6 +1,6 @@
 """ZeRO-3 with optimizer and parameter offload trains a tiny BERT on two CPU processes
 (DeepSpeedCPUAdam, a JIT-built op: the first run on a machine compiles it, about 1.5
-minutes on 2 cores) and follows the losses of ZeRO-3 without offload."""
+minutes on 2 cores), follows the losses of ZeRO-3 without offload and saves."""
 import dataclasses
 import json
 
@@ -30,12 +30,15 @@ def test_zero3_offload_trains_like_zero3(tmp_path):
     offload = ["--zero-offload-optimizer", "cpu", "--zero-offload-params", "cpu"]
     plain, offloaded = tmp_path / "plain.json", tmp_path / "offload.json"
     run_distributed(_zero3_worker, 2, zero3 + ["--metrics-file", str(tmp_path / "a.jsonl")], str(plain))
-    run_distributed(_zero3_worker, 2, zero3 + offload + ["--metrics-file", str(tmp_path / "b.jsonl")],
-                    str(offloaded))
+    run_distributed(_zero3_worker, 2, zero3 + offload + ["--metrics-file", str(tmp_path / "b.jsonl"),
+                                                        "--save", str(tmp_path / "ck")], str(offloaded))
     a, b = json.loads(plain.read_text()), json.loads(offloaded.read_text())
     assert len(b) == STEPS and all(x == x for x in b)
     assert b == pytest.approx(a, abs=1e-4)  # same AdamW update, vectorised on the CPU
     assert b[-1] < b[0]
+    # The offloaded states are saved as DeepSpeed's checkpoint, committed like any other.
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == str(STEPS)
+    assert (tmp_path / "ck" / "deepspeed" / f"iter_{STEPS:07d}").is_dir()
 
 
 def _optimizer_type_worker(rank, world):

@@ -70,7 +70,7 @@ def read_rank(path: str, *, tp_rank: int, tp_size: int, stage: StageLayout, padd
     leaves the moments unread when resharding (weights-only starts). `model_config`: the
     reading model's, which a Megatron directory without args needs (its number of heads)."""
     if megatron.is_megatron_dir(path):
-        return _read_megatron(path, tp_rank, tp_size, stage, padded_vocab_size, table, model_config)
+        return _read_megatron(path, tp_rank, tp_size, stage, padded_vocab_size, table, model_config, optimizer)
     if external.is_external(path):
         return _read_external(path, tp_rank, tp_size, stage, padded_vocab_size, table)
     layout = saved_layout(resolve_checkpoint_dir(path))
@@ -110,10 +110,14 @@ def _read_external(path: str, tp_rank: int, tp_size: int, stage: StageLayout, pa
 
 
 def _read_megatron(path: str, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int],
-                   table: Optional[dict[str, ParamSpec]], model_config: Optional[ModelConfig]) -> RankCheckpoint:
+                   table: Optional[dict[str, ParamSpec]], model_config: Optional[ModelConfig],
+                   optimizer: bool) -> RankCheckpoint:
     """A Megatron-LM directory: its weights for this rank, as an external checkpoint's
-    (megabert.checkpoint.megatron); `iteration` and `args` as Megatron saved them. Without a
-    `table` (conversion, export) it is read as the pre-training model it is."""
+    (megabert.checkpoint.megatron), only the files / slices holding them read; `iteration` and
+    `args` as Megatron saved them. With `optimizer`, its Adam moments by name, resharded as
+    megabert's own ("optimizer"; None, with "optimizer_note" saying why, when it has none
+    megabert reads). Without a `table` (conversion, export) it is read as the pre-training
+    model it is."""
     header = megatron.read_header(path)
     if table is None:
         table = reference_table(megatron.read_config(path), "BertForPreTraining")
@@ -126,12 +130,20 @@ def _read_megatron(path: str, tp_rank: int, tp_size: int, stage: StageLayout, pa
                                                                "ffn_hidden_size", "max_position_embeddings",
                                                                "vocab_size")})
     cfg = megatron.read_config(path, reading)
-    # The reading model's tensors only: a task model has no MLM / binary head to take.
-    full = {k: v for k, v in megatron.read_state(path, cfg).items() if k in table}
-    full = repad_vocab(full, table, padded_vocab_size or cfg.padded_vocab_size(tp_size))
+    padded = padded_vocab_size or cfg.padded_vocab_size(tp_size)
+    # The reading model's tensors on this stage only: a task model has no MLM / binary head to take.
+    held = frozenset(name for name, spec in table.items() if stage.holds(spec))
+    read = megatron.read_tensors(path, cfg, optimizer=optimizer, share=megatron.Share(tp_rank, tp_size, padded, held))
+    full = repad_vocab({k: v for k, v in read.weights.items() if k in held}, table, padded)
     model = shard_state(full, table, tp_rank=tp_rank, tp_size=tp_size, stage=stage)
+    moments = None
+    if read.moments is not None:
+        full_optim = {"state": repad_vocab({k: v for k, v in read.moments.items() if k in held}, table, padded),
+                      "param_groups": []}  # the run's own groups and flags: run_state.load_checkpoint
+        moments = shard_optimizer_state(full_optim, table, set(model), tp_rank, tp_size)
     return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": header["iteration"],
-                           "megatron_args": header["args"]}, external=True, saved_tp=None, saved_pp=None)
+                           "megatron_args": header["args"], "optimizer": moments, "optimizer_note": read.note},
+                          external=True, saved_tp=None, saved_pp=None)
 
 
 def _reshard(grid: list[list[dict]], tp_rank: int, tp_size: int, stage: StageLayout,

@@ -283,12 +283,11 @@ def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_
         model.load_local_state_dict(payload["model"], source=path)
         weights_loaded()
         if "megatron_args" in payload:  # a Megatron-LM run: its iteration and samples (megabert.checkpoint.megatron)
-            if ps.rank == 0 and load_optimizer and strategy is not None:
-                logger.warning("%s is a Megatron-LM checkpoint: its weights, iteration and consumed samples are "
-                               "continued; its optimizer state is not (the optimizer starts afresh)", path)
-            return LoadedCheckpoint(TrainingState(int(payload["iteration"]),
-                                                  int(payload["megatron_args"].get("consumed_train_samples") or 0)),
-                                    {})
+            state = TrainingState(int(payload["iteration"]),
+                                  int(payload["megatron_args"].get("consumed_train_samples") or 0))
+            if load_optimizer and strategy is not None:
+                _continue_megatron_optimizer(path, payload, state, strategy, ps)
+            return LoadedCheckpoint(state, {})
         return LoadedCheckpoint(TrainingState(), {})
     if ckpt.resharded and ps.rank == 0:
         vpp = model.virtual_stage_layers
@@ -312,3 +311,20 @@ def load_checkpoint(path: str, model, ps: ParallelState, *, strategy=None, load_
     if payload.get("rng") is not None:  # None when resharded: the streams were another layout's
         _set_rng_state(model, payload["rng"])
     return LoadedCheckpoint(state, saved_args)
+
+
+def _continue_megatron_optimizer(path: str, payload: dict, state: TrainingState, strategy, ps: ParallelState) -> None:
+    """Megatron's Adam moments (read and resharded by name: megabert.checkpoint.megatron) into
+    the run's optimizer, under the run's own param groups and flags (LR, betas, eps, weight
+    decay); a checkpoint without them starts the optimizer afresh with one info line."""
+    if payload.get("optimizer") is None:
+        if ps.rank == 0:
+            logger.info("%s: Megatron-LM optimizer state not continued: %s; the optimizer starts afresh", path,
+                        payload.get("optimizer_note"))
+        return
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in strategy.optimizer.param_groups]
+    strategy.load_optimizer_state(path, {**payload, "optimizer": {**payload["optimizer"], "param_groups": groups}},
+                                  state)
+    if ps.rank == 0:
+        logger.info("%s: Megatron-LM's Adam moments continued (optimizer step %d)", path,
+                    int(next(iter(payload["optimizer"]["state"].values()))["step"]))

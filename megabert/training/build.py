@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
+from megabert.checkpoint import megatron
+from megabert.checkpoint.megatron import adam_state
 from megabert.config import TrainConfig
 from megabert.model.transformer import compile_layers
 from megabert.optim import LRSchedule, build_optimizer
@@ -112,7 +114,8 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun",
     state = TrainingState()
     if start.path:
         if not start.weights_only:
-            loaded = strategy.load(start.path, load_optimizer=True, load_model=not preload)
+            loaded = strategy.load(start.path, load_optimizer=_load_optimizer(start.path, run, ps),
+                                   load_model=not preload)
         state = loaded.state
         if ps.is_logging_rank:
             logger.info("loaded %s: iteration %d, %d samples consumed", start.path, state.iteration,
@@ -126,6 +129,26 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun",
     return Trainer(strategy, Batches(train_batches(state.consumed_samples), valid_batches), run.train, run.batch,
                    LRSchedule(run.optim, run.train.train_iters), state=state, flops_per_sample=flops_per_sample,
                    checkpoint_extra=checkpoint_extra)
+
+
+def _load_optimizer(path: str, run: "ResolvedRun", ps: ParallelState) -> bool:
+    """Whether a resume restores the checkpoint's optimizer state: not with --no-load-optim;
+    for a Megatron-LM run's directory, only into the optimizer its Adam state belongs to
+    (megabert.checkpoint.megatron.adam_state), with one info line either way."""
+    reason, note = None, None
+    if not run.train.load_optim:
+        reason = "--no-load-optim"
+    elif megatron.is_megatron_dir(path):
+        args = megatron.read_header(path)["args"]
+        reason = ("--deepspeed: the optimizer is DeepSpeed's" if run.deepspeed_config is not None
+                  else adam_state.mismatch(args, run.optim))
+        note = adam_state.hyperparameter_note(args, run.optim)
+    if ps.is_logging_rank:
+        if reason is not None:
+            logger.info("%s: optimizer state not restored (%s); the optimizer starts afresh", path, reason)
+        elif note is not None:
+            logger.info("%s: its Adam moments continue under this run's %s", path, note)
+    return reason is None
 
 
 def _note_seq_length(saved_args: dict, seq_length: int, start: StartPoint) -> None:

@@ -1,7 +1,9 @@
 """Runs an entry script's main() in this process, the way its command line would, for
 tests of flag and file errors: the same parser, rules and `cli_main` wrapper, without a
 new interpreter's start-up (about 2 s each). One subprocess per script still checks the
-real command line (tests/test_config.py)."""
+real command line (tests/test_config.py), and one torchrun launch per script the launcher.
+`main_worker` runs main() on the ranks of dist_utils' warm worker pool: for tests that
+compare layouts, where a torchrun launch per layout would cost 5-10 s of start-up."""
 from __future__ import annotations
 
 import contextlib
@@ -33,3 +35,11 @@ def run_main(script: str, *argv: str) -> SimpleNamespace:
         except SystemExit as e:  # argparse's own exits (--help, a parse error)
             rc = e.code if isinstance(e.code, int) else 1
     return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def main_worker(rank: int, world_size: int, script: str, argv: list[str]) -> None:
+    """A body for dist_utils.run_distributed: `script`'s main(argv) on this rank, in the
+    pool's process group (init_parallel takes a group that already exists, as it takes
+    torchrun's), everything else as `torchrun script argv...` runs it."""
+    rc = _entry(script).main([str(a) for a in argv])
+    assert rc == 0, f"{script} exited with {rc} on rank {rank} of {world_size} (its error is on stderr above)"

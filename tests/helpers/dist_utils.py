@@ -54,8 +54,10 @@ def _serve(rank: int, world_size: int, parent: int, jobs, results) -> None:
             dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
             fn(rank, world_size, *args)
             # NOTE: a rank that tears gloo down while its peer is still sending can abort the
-            # peer ("terminate called without an active exception"): leave together.
-            dist.barrier()
+            # peer ("terminate called without an active exception"): leave together. (An entry
+            # script's main() destroys the group itself at its end, as it does under torchrun.)
+            if dist.is_initialized():
+                dist.barrier()
         except BaseException:  # noqa: B902  (SystemExit too: the driver reports it)
             error = traceback.format_exc()
         finally:

@@ -9,8 +9,11 @@ checkpoint_version, or megatron-core names; any saved TP/PP) or the `torch_dist`
 never imported and nothing foreign is unpickled. export writes `torch_dist` (what megatron-core's
 dist_checkpointing.load reads into its BertModel at any TP) or `torch` (megatron-core names at the
 given TP/PP; `--legacy`: the legacy model's names, what transformers' convert_megatron_bert_checkpoint.py
-reads), as `release/` unless --iteration is given. Weights only: optimizer and RNG state are not carried.
-export --load also takes a Megatron directory, so one Megatron layout or format becomes another directly.
+reads), as `release/` unless --iteration is given. export writes the Adam state of the loaded run too
+(megatron-core names: `torch` or `torch_dist`; not with --legacy), so Megatron-LM continues it; import
+writes weights only (a megabert run continues a Megatron directory's moments from --load directly).
+RNG state is not carried. export --load also takes a Megatron directory, so one Megatron layout or
+format becomes another directly.
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ from typing import Optional
 from megabert.checkpoint import megatron
 from megabert.checkpoint.layout import save_full_model
 from megabert.checkpoint.megatron import writer
-from megabert.checkpoint.reader import read_full
+from megabert.checkpoint.megatron.adam_state import AdamExport
+from megabert.checkpoint.reader import read_full, read_rank
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.data import build_tokenizer
 from megabert.errors import CheckpointError, ConfigError, cli_main
+from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import reference_table
 from megabert.rules import validate_layout
 from megabert.tasks import model_classes
@@ -63,11 +68,41 @@ def export_megatron(load: str, megatron_dir: str, fmt: str, tp: int, pp: int, *,
         raise ConfigError("--format torch_dist stores global shapes that any layout reads: leave out "
                           "--pipeline-model-parallel-size and --legacy")
     canonical = writer.megabert_to_canonical(full, cfg, tp)
+    adam, why_not = (None, "--legacy writes weights only") if legacy else _adam_export(load, cfg, tp)
     tag = "release" if iteration is None else iteration
     os.makedirs(megatron_dir, exist_ok=True)
     if fmt == "torch_dist":
-        return writer.write_torch_dist(megatron_dir, canonical, cfg, tp_size=tp, tag=tag)
-    return writer.write_torch(megatron_dir, canonical, cfg, tp_size=tp, pp_size=pp, tag=tag, legacy=legacy)
+        path = writer.write_torch_dist(megatron_dir, canonical, cfg, tp_size=tp, tag=tag, adam=adam)
+    else:
+        path = writer.write_torch(megatron_dir, canonical, cfg, tp_size=tp, pp_size=pp, tag=tag, legacy=legacy,
+                                  adam=adam)
+    print(f"optimizer state: {f'Adam moments at step {adam.step:g}' if adam else f'none ({why_not})'}")
+    return path
+
+
+def _adam_export(load: str, cfg: ModelConfig, tp: int) -> tuple[Optional[AdamExport], Optional[str]]:
+    """The loaded run's Adam state for Megatron (AdamExport), or None and why not: a
+    checkpoint without one (converted weights, DeepSpeed's, LAMB's) is exported as weights."""
+    payload = read_rank(load, tp_rank=0, tp_size=1, stage=StageLayout(cfg.num_layers), optimizer=True).payload
+    optim = (payload.get("args") or {}).get("optim") or {}  # a megabert run's flags (a Megatron run's: read as Adam)
+    if optim.get("optimizer", "adam") != "adam" or optim.get("bias_correction") is False:
+        why = "LAMB" if optim.get("optimizer") == "lamb" else "Adam without bias correction"
+        return None, f"the run trained with {why}, whose state Megatron's AdamW does not continue"
+    saved = payload.get("optimizer")
+    if saved is None:
+        return None, payload.get("optimizer_note") or "the checkpoint holds no optimizer state"
+    params = set(payload["model"])
+    if set(saved["state"]) != params or any(k not in s for s in saved["state"].values() for k in ("exp_avg", "step")):
+        return None, "its optimizer state is not Adam's for every parameter (LAMB, or parameters never stepped)"
+    moments = {kind: writer.megabert_to_canonical({n: s[kind] for n, s in saved["state"].items()}, cfg, tp)
+               for kind in ("exp_avg", "exp_avg_sq")}
+    group = (saved.get("param_groups") or [{}])[0]
+    args = payload.get("megatron_args") or {}
+    step = float(next(iter(saved["state"].values()))["step"])
+    return AdamExport(moments, step, lr=float(group.get("lr", args.get("lr") or 0.0)),
+                      betas=tuple(group.get("betas", (args.get("adam_beta1", 0.9), args.get("adam_beta2", 0.999)))),
+                      eps=float(group.get("eps", args.get("adam_eps", 1e-8))),
+                      weight_decay=float(group.get("weight_decay", args.get("weight_decay", 0.01)))), None
 
 
 @cli_main

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 
+from megabert.checkpoint import megatron
 from megabert.checkpoint.layout import commit, read_tracker, staging_dir, write_rank_file
 from megabert.checkpoint.reader import read_model_config, read_rank
 from megabert.errors import ConfigError, cli_main
@@ -38,11 +39,14 @@ def main(argv=None) -> None:
     tag = tag if tag == "release" else int(tag)
     os.makedirs(args.save, exist_ok=True)
     shutil.rmtree(staging_dir(args.save, tag), ignore_errors=True)
+    external = megatron.is_megatron_dir(args.load)
     # One new rank at a time, as the ranks of a run at the new layout would read it.
     for p in range(pp):
         stage = StageLayout(num_layers, pp, p, args.num_layers_per_virtual_pipeline_stage)
         for t in range(tp):
-            ckpt = read_rank(args.load, tp_rank=t, tp_size=tp, stage=stage)
+            # A Megatron directory's moments continue through --load itself (under the run's own
+            # param groups); convert_megatron.py import is its conversion, weights only.
+            ckpt = read_rank(args.load, tp_rank=t, tp_size=tp, stage=stage, optimizer=not external)
             write_rank_file(staging_dir(args.save, tag), t, p, pp, ckpt.payload)
     print(f"wrote {commit(args.save, tag)} (tp={tp}, pp={pp})")
 

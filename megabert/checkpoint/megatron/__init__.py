@@ -15,12 +15,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from megabert.checkpoint.layout import TRACKER, read_tracker, tag_dir_name
-from megabert.checkpoint.megatron import arch, dist_format, names, qkv, torch_format
+from megabert.checkpoint.megatron import adam_state, arch, dist_format, names, qkv, torch_format
 from megabert.checkpoint.megatron.safe_load import safe_torch_load
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
@@ -112,28 +113,96 @@ def read_config(path: str, overrides: Optional[dict] = None) -> ModelConfig:
     return cfg
 
 
+@dataclass(frozen=True)
+class Share:
+    """What one reading rank takes: its TP rank of `tp_size`, its padded vocab, and the
+    megabert names its pipeline stage holds. Only the rank files (torch) or the keys and
+    layer slices (torch_dist) that hold part of it are read."""
+
+    tp_rank: int
+    tp_size: int
+    padded_vocab_size: int
+    names: frozenset
+
+
+@dataclass
+class MegatronTensors:
+    """read_tensors' result in megabert names, full tensors: `weights` (fp32 master copies
+    where an fp16/bf16 run saved them); with `optimizer`, `moments` {name: {"step",
+    "exp_avg", "exp_avg_sq"}} or None and `note` saying why."""
+
+    weights: dict[str, torch.Tensor]
+    moments: Optional[dict[str, dict[str, torch.Tensor]]] = None
+    note: Optional[str] = None
+
+
 def read_state(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The full megabert-named state dict of the Megatron checkpoint at `path` for `cfg`
     (read_config's): QKV in megabert's order, vocab rows cut to cfg.vocab_size."""
+    return read_tensors(path, cfg).weights
+
+
+def read_tensors(path: str, cfg: ModelConfig, *, optimizer: bool = False, share: Optional[Share] = None
+                 ) -> MegatronTensors:
+    """The weights (and with `optimizer`, the Adam state: adam_state) of the Megatron
+    checkpoint at `path` for `cfg`, in megabert names, QKV in megabert's order (moments
+    permuted as their parameter), vocab rows cut to cfg.vocab_size. With `share`, only what
+    that rank takes is read (the rest of each tensor it touches is zeros)."""
     d = iteration_dir(path)
     heads = cfg.num_attention_heads
-    full = dist_format.read_full(d) if checkpoint_format(path) == "torch_dist" else torch_format.read_full(d, heads)
+    wanted = None if share is None else _canonical_names(share.names)
+    if checkpoint_format(path) == "torch_dist":
+        read = dist_format.read_full(d, optimizer=optimizer, wanted=None if wanted is None else wanted.__contains__)
+    else:
+        header = read_header(path)
+        args = header["args"]
+        needs = None if share is None else torch_format.rank_needs(
+            d, args, wanted, tp_rank=share.tp_rank, tp_size=share.tp_size, padded_vocab_size=share.padded_vocab_size,
+            vocab_size=cfg.vocab_size, saved_padded_vocab=header["shapes"]["embedding.word_embeddings.weight"][0])
+        read = torch_format.read_full(d, heads, args=args, optimizer=optimizer, needs=needs)
+    weights = _to_megabert({**read.weights, **read.masters}, cfg, path, report=True)
+    tokentype = "embedding.tokentype_embeddings.weight"
+    if "bert.embeddings.tokentype_embeddings.weight" not in weights and (wanted is None or tokentype in wanted):
+        # Megatron builds no token-type embeddings without a binary head: zeros add nothing.
+        weights["bert.embeddings.tokentype_embeddings.weight"] = torch.zeros(cfg.type_vocab_size, cfg.hidden_size)
+    out = MegatronTensors(weights, note=read.note)
+    if read.moments is not None:
+        per_kind = {kind: _to_megabert(read.moments[kind], cfg, path) for kind in adam_state.MOMENTS}
+        step = torch.tensor(float(read.step), dtype=torch.float32)
+        out.moments = {name: {"step": step.clone(), **{kind: per_kind[kind][name] for kind in adam_state.MOMENTS}}
+                       for name in per_kind["exp_avg"]}
+    return out
+
+
+def _canonical_names(megabert_names) -> set[str]:
+    """The canonical tensors behind these megabert names. The word embeddings of a stage
+    without the other embeddings (the last) come from the copy Megatron keeps beside its
+    output layer where it has one (PP > 1), else from the first stage."""
+    out = {c for n in megabert_names if (c := names.canonical_from_megabert(n)) is not None}
+    if "embedding.word_embeddings.weight" in out and "embedding.position_embeddings.weight" not in out:
+        out.add("output_layer.weight")
+    return out
+
+
+def _to_megabert(full: dict[str, torch.Tensor], cfg: ModelConfig, path: str, report: bool = False
+                 ) -> dict[str, torch.Tensor]:
+    """Canonical full tensors (weights, or one kind of moment: permuted alike) -> megabert's."""
+    full = dict(full)
+    copy = full.pop("output_layer.weight", None)  # the last stage's copy of the tied word embeddings
+    if "embedding.word_embeddings.weight" not in full and copy is not None:
+        full["embedding.word_embeddings.weight"] = copy
     out: dict[str, torch.Tensor] = {}
     unused = []
     for name, t in full.items():
         target = names.megabert_name(name)
         if target is None:
-            if name != "output_layer.weight":
-                unused.append(name)
+            unused.append(name)
             continue
         if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-            t = qkv.v2_to_megabert(t, heads)
+            t = qkv.v2_to_megabert(t, cfg.num_attention_heads)
         if name in ("embedding.word_embeddings.weight", "output_layer.bias"):
             t = t[: cfg.vocab_size]
         out[target] = t.contiguous()
-    if "bert.embeddings.tokentype_embeddings.weight" not in out:
-        # Megatron builds no token-type embeddings without a binary head: zeros add nothing.
-        out["bert.embeddings.tokentype_embeddings.weight"] = torch.zeros(cfg.type_vocab_size, cfg.hidden_size)
-    if unused:
+    if unused and report:
         logger.info("%s: not used by megabert: %s", path, ", ".join(sorted(unused)))
     return out

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from typing import Callable, Optional
 
 import torch
 
-from megabert.checkpoint.megatron import names
+from megabert.checkpoint.megatron import adam_state, names
+from megabert.checkpoint.megatron.torch_format import FullRead
 from megabert.checkpoint.megatron.safe_load import foreign_to_plain, load_dcp_metadata, safe_torch_load
 from megabert.errors import CheckpointError
 
@@ -67,28 +69,118 @@ def read_header(iter_dir: str) -> dict:
             "iteration": int(common.get("iteration", 0) or 0), "shapes": shapes}
 
 
-def read_full(iter_dir: str) -> dict[str, torch.Tensor]:
-    """The full canonical state dict (vocab rows as saved) of a torch_dist directory."""
-    import torch.distributed.checkpoint as dcp
+def _requests(metadata, optimizer: bool, wanted: Optional[Callable[[str], bool]]) -> dict[str, tuple]:
+    """{stored key: (offsets, sizes)} of what the reading rank takes: its tensors (and their
+    Adam moments), each stacked layer tensor [L, ...] cut to the layers it holds."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = load_dcp_metadata(os.path.join(iter_dir, METADATA))
-    stored = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-              for k, v in metadata.state_dict_metadata.items()
-              if isinstance(v, TensorStorageMetadata) and names.canonical_name(k) is not None}
-    # Tensors only: DCP's default planner would torch.load(weights_only=False) a byte item
-    # (megatron-core's `_extra_state` objects), so none is ever asked for.
+    requests = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue  # byte items (megatron-core's `_extra_state` objects) are never asked for
+        model_key = key
+        if key.startswith(adam_state.DIST_PREFIX):
+            kind, _, model_key = key[len(adam_state.DIST_PREFIX):].partition(".")
+            if not optimizer or kind not in (*adam_state.MOMENTS, "fp32_param"):
+                continue
+        size = tuple(md.size)
+        if _stacked(model_key):
+            rest = model_key.split(".", 2)[2]
+            layers = [i for i in range(size[0]) if _take(names.canonical_name(f"encoder.layers.{i}.{rest}"), wanted)]
+            if layers:
+                requests[key] = ((layers[0],) + (0,) * (len(size) - 1), (layers[-1] + 1 - layers[0],) + size[1:])
+        elif _take(names.canonical_name(model_key), wanted):
+            requests[key] = ((0,) * len(size), size)
+    return requests
+
+
+def _stacked(key: str) -> bool:
+    return key.startswith(("encoder.layers.", "decoder.layers.")) and not key.split(".")[2].isdigit()
+
+
+def _take(canonical: Optional[str], wanted: Optional[Callable[[str], bool]]) -> bool:
+    return canonical is not None and (wanted is None or wanted(canonical))
+
+
+def _load(iter_dir: str, metadata, requests: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The one place tensors are read from a torch_dist directory: each requested slice,
+    through torch.distributed.checkpoint (a planner asking for those slices only)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class SlicePlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, (offsets, sizes) in requests.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            return self.state_dict[index.fqn]  # the slice's own tensor: read items address it from its offsets
+
+    out = {key: torch.empty(sizes, dtype=metadata.state_dict_metadata[key].properties.dtype)
+           for key, (_, sizes) in requests.items()}
     # no_dist: each process reads on its own, inside a distributed run or outside one (torch
     # warns about that choice when no process group exists; it is the intended one).
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(stored, storage_reader=_safe_reader(iter_dir), no_dist=True)
-    full: dict[str, torch.Tensor] = {}
+        dcp.load(out, storage_reader=_safe_reader(iter_dir), planner=SlicePlanner(), no_dist=True)
+    return out
+
+
+def read_full(iter_dir: str, *, optimizer: bool = False, wanted: Optional[Callable[[str], bool]] = None
+              ) -> FullRead:
+    """The canonical tensors (vocab rows as saved) of a torch_dist directory that `wanted`
+    (canonical name -> bool; default: all) selects, read as slices: a stacked layer tensor
+    only for the wanted layers. `optimizer`: their Adam moments and step too."""
+    metadata = load_dcp_metadata(os.path.join(iter_dir, METADATA))
+    stored = _load(iter_dir, metadata, _requests(metadata, optimizer, wanted))
+    per_kind: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in stored.items():
-        if key.startswith(("encoder.layers.", "decoder.layers.")) and not key.split(".")[2].isdigit():
-            rest = key.split(".", 2)[2]
+        kind, model_key = "weights", key
+        if key.startswith(adam_state.DIST_PREFIX):
+            kind, _, model_key = key[len(adam_state.DIST_PREFIX):].partition(".")
+        target = per_kind.setdefault(kind, {})
+        if _stacked(model_key):
+            rest = model_key.split(".", 2)[2]
+            lo = _first_layer(model_key, wanted)
             for i in range(t.size(0)):  # stacked [L, ...]
-                full[names.canonical_name(f"encoder.layers.{i}.{rest}")] = t[i].clone()
+                target[names.canonical_name(f"encoder.layers.{lo + i}.{rest}")] = t[i].clone()
         else:
-            full[names.canonical_name(key)] = t
-    return full
+            target[names.canonical_name(model_key)] = t
+    read = FullRead(weights=per_kind.pop("weights", {}))
+    if optimizer:
+        read.note = _moments_note(read.weights, per_kind)
+        if read.note is None:
+            read.moments = {k: per_kind[k] for k in adam_state.MOMENTS}
+            read.masters = per_kind.get("fp32_param", {})
+            common_path = os.path.join(iter_dir, "common.pt")
+            common = foreign_to_plain(safe_torch_load(common_path, mmap=False)) if os.path.isfile(common_path) else {}
+            read.step = adam_state.dist_step(common)
+            if read.step is None:
+                read.moments, read.masters = None, {}
+                read.note = f"{common_path} keeps no optimizer step (optimizer.state.common_step)"
+    return read
+
+
+def _first_layer(model_key: str, wanted: Optional[Callable[[str], bool]]) -> int:
+    """The first layer of a stacked tensor that _requests asked for (its slice starts there)."""
+    rest = model_key.split(".", 2)[2]
+    i = 0
+    while not _take(names.canonical_name(f"encoder.layers.{i}.{rest}"), wanted):
+        i += 1
+    return i
+
+
+def _moments_note(weights: dict, per_kind: dict) -> Optional[str]:
+    if not any(k in per_kind for k in adam_state.MOMENTS):
+        return ("it holds no optimizer state under optimizer.state.* (saved with --no-save-optim, or by Megatron's "
+                "distributed optimizer, whose sharded layout megabert does not read)")
+    for name in weights:
+        if names.megabert_name(name) is not None and any(name not in per_kind.get(k, {}) for k in adam_state.MOMENTS):
+            return f"its optimizer state has no Adam moments for {name}"
+    return None

@@ -12,8 +12,9 @@ BertModel), or with `legacy` the nested names of the legacy model, era B (`encod
 reads). `torch_dist` writes every tensor at its global shape, the layers stacked, the
 per-layer LayerNorms under their fused names and megatron-core's (empty) `_extra_state`
 objects, so `dist_checkpointing.load` fills a BertModel of any TP from it. The vocab is padded
-as Megatron pads it (a multiple of 128 x TP) with zero rows; there is no optimizer or RNG state
-(load with --finetune, or --no-load-optim --no-load-rng).
+as Megatron pads it (a multiple of 128 x TP) with zero rows. The Adam state goes along where
+the caller gives it (adam_state.AdamExport; megatron-core names only), else there is none; there
+is never RNG state (load with --no-load-rng, or --finetune).
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ import json
 import os
 import re
 import warnings
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
 from megabert.checkpoint.layout import TRACKER, tag_dir_name
-from megabert.checkpoint.megatron import names, qkv
+from megabert.checkpoint.megatron import adam_state, names, qkv
+from megabert.checkpoint.megatron.adam_state import AdamExport
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
 
@@ -157,19 +159,31 @@ def _write_tracker(root: str, tag: Union[int, str]) -> None:
 
 
 def write_torch(root: str, canonical: dict, cfg: ModelConfig, *, tp_size: int, pp_size: int,
-                tag: Union[int, str] = "release", legacy: bool = False) -> str:
-    """Megatron's `--ckpt-format torch` directory; returns the iteration directory."""
+                tag: Union[int, str] = "release", legacy: bool = False, adam: Optional[AdamExport] = None) -> str:
+    """Megatron's `--ckpt-format torch` directory; returns the iteration directory. `adam`
+    (megatron-core names only): each rank's `optimizer` entry, as its FP32Optimizer saves it."""
+    if adam is not None and legacy:
+        raise CheckpointError("the legacy model's parameter order is not written: export its optimizer state with "
+                              "megatron-core names (leave out --legacy)")
     iteration = 0 if tag == "release" else int(tag)
     it_dir = os.path.join(root, tag_dir_name(tag))
     args = megatron_args(cfg, tp_size, pp_size, iteration, "torch")
     for pp in range(pp_size):
         for tp in range(tp_size):
             stage = _mcore_stage(canonical, tp, tp_size, pp, pp_size, cfg.num_layers)
+            # In megatron-core's own order, so that a reader naming positional optimizer state
+            # from the model entry (as megabert's does) finds Megatron's parameter order.
+            stage = {k: stage[k] for k in sorted(stage, key=adam_state.mcore_order)}
             model = _legacy_stage(stage, pp == 0, pp == pp_size - 1) if legacy else stage
             rank_dir = os.path.join(it_dir, f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}")
             os.makedirs(rank_dir, exist_ok=True)
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model},
-                       os.path.join(rank_dir, "model_optim_rng.pt"))
+            payload = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model}
+            if adam is not None:
+                local = {kind: {k: t for k, t in _mcore_stage(adam.moments[kind], tp, tp_size, pp, pp_size,
+                                                              cfg.num_layers).items() if t is not None}
+                         for kind in adam_state.MOMENTS}
+                payload["optimizer"] = adam_state.torch_optimizer_entry(local, adam)
+            torch.save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
     _write_tracker(root, tag)
     return it_dir
 
@@ -195,8 +209,10 @@ def _stacked(canonical: dict, num_layers: int) -> dict:
 
 
 def write_torch_dist(root: str, canonical: dict, cfg: ModelConfig, *, tp_size: int,
-                     tag: Union[int, str] = "release") -> str:
-    """megatron-core's `torch_dist` directory (one writer, global shapes: any TP reads it)."""
+                     tag: Union[int, str] = "release", adam: Optional[AdamExport] = None) -> str:
+    """megatron-core's `torch_dist` directory (one writer, global shapes: any TP reads it).
+    `adam`: the moments under `optimizer.state.exp_avg[_sq].*`, the step and param groups in
+    common.pt, as megatron-core's FP32Optimizer.sharded_state_dict saves them."""
     import torch.distributed.checkpoint as dcp
 
     iteration = 0 if tag == "release" else int(tag)
@@ -210,12 +226,19 @@ def write_torch_dist(root: str, canonical: dict, cfg: ModelConfig, *, tp_size: i
         for i in range(cfg.num_layers):
             state[f"encoder.layers.{linear}._extra_state/shard_{i}_{cfg.num_layers}"] = [None]
     state["output_layer._extra_state/shard_0_1"] = [None]
+    if adam is not None:
+        for kind in adam_state.MOMENTS:
+            state.update({adam_state.dist_keys(kind, k): t for k, t in _stacked(adam.moments[kind],
+                                                                                 cfg.num_layers).items()})
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():  # one process writes every shard: no process group is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(it_dir), planner=planner, no_dist=True)
-    torch.save({"args": megatron_args(cfg, tp_size, 1, iteration, "torch_dist"), "checkpoint_version": 3.0,
-                "iteration": iteration}, os.path.join(it_dir, "common.pt"))
+    common = {"args": megatron_args(cfg, tp_size, 1, iteration, "torch_dist"), "checkpoint_version": 3.0,
+              "iteration": iteration}
+    if adam is not None:
+        common["optimizer"] = adam_state.dist_common(adam)
+    torch.save(common, os.path.join(it_dir, "common.pt"))
     with open(os.path.join(it_dir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, f)
