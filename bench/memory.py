@@ -21,7 +21,10 @@ pretrain_bert.py's preflight logged before building the model (warned or fits).
     python bench/memory.py --layouts pp2 pp4 --seq 512 --micro-batch 4 --micro-batches 4   # 1F1B in flight
 
 Memory on a shared machine: BERT-large takes 7-9 GB per process; runs go one at a time.
-A layout that cannot run here prints "not run: <reason>", never a figure.
+A layout that cannot run here prints "not run: <reason>", never a figure. Where the ranks
+together need more than the RAM (BERT-large at DP=4 on 24 GB), a swap file lets them run:
+a rank with pages in swap is measured as its largest VmRSS + VmSwap (sampled every 0.2 s)
+and the row says how much was in swap.
 """
 from __future__ import annotations
 
@@ -138,30 +141,33 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
     return cmd
 
 
-def measure(cmd: list[str], nproc: int, log_path: str) -> tuple[int, float, dict[int, float]]:
-    """(exit code, peak RSS in GB of the largest process, {rank: peak RSS in GB}). The
-    per-rank peaks are the ranks' VmHWM (Linux's peak RSS), read from /proc every 0.2 s
+def measure(cmd: list[str], nproc: int, log_path: str) -> tuple[int, float, dict[int, float], float]:
+    """(exit code, peak GB of the largest process, {rank: peak GB}, largest swap GB seen).
+    The per-rank peaks are the ranks' VmHWM (Linux's peak RSS), read from /proc every 0.2 s
     while they run: it only grows, so the last reading is the peak of every step but a
-    spike in the final 0.2 s."""
+    spike in the final 0.2 s. Where a rank had pages in swap, its peak is the largest
+    VmRSS + VmSwap sampled (what it would hold without swap, to 0.2 s), if above its VmHWM."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)), "MEGABERT_BENCH_RUN": tag}
     ranks: dict[int, float] = {}
+    swap = [0.0]
     with open(log_path, "w") as log, tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, *cmd], stdout=out, stderr=log, text=True, env=env,
                                 cwd=ROOT)
         while proc.poll() is None:
-            ranks.update(_rank_peaks(tag, ranks))
+            ranks.update(_rank_peaks(tag, ranks, swap))
             time.sleep(0.2)
         out.seek(0)
         stdout = out.read()
         log.write(stdout)
     line = [x for x in stdout.splitlines() if x.startswith("BENCH_RSS ")][-1]
     info = json.loads(line[len("BENCH_RSS "):])
-    return info["rc"], info["maxrss_kib"] * 1024 / 1e9, ranks
+    return info["rc"], max([info["maxrss_kib"] * 1024 / 1e9, *ranks.values()]), ranks, swap[0]
 
 
-def _rank_peaks(tag: str, seen: dict[int, float]) -> dict[int, float]:
-    """{rank: VmHWM in GB} of this run's training processes alive now (never below `seen`)."""
+def _rank_peaks(tag: str, seen: dict[int, float], swap: list[float]) -> dict[int, float]:
+    """{rank: peak GB} of this run's training processes alive now (never below `seen`):
+    VmHWM, or VmRSS + VmSwap where larger; `swap[0]` keeps the largest VmSwap seen."""
     peaks = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -170,11 +176,17 @@ def _rank_peaks(tag: str, seen: dict[int, float]) -> dict[int, float]:
             if env.get(b"MEGABERT_BENCH_RUN") != tag.encode() or b"RANK" not in env:
                 continue
             with open(f"/proc/{pid}/status") as f:
-                hwm = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
-        except (OSError, StopIteration, ValueError):
+                status = {k: int(v.split()[0]) for k, v in (x.split(":", 1) for x in f)
+                          if k in ("VmHWM", "VmRSS", "VmSwap")}
+        except (OSError, ValueError):
             continue  # gone meanwhile, or not ours to read
+        if "VmHWM" not in status:
+            continue
         rank = int(env[b"RANK"])
-        peaks[rank] = max(seen.get(rank, 0.0), hwm * 1024 / 1e9)
+        swapped = status.get("VmSwap", 0)
+        swap[0] = max(swap[0], swapped * 1024 / 1e9)
+        peak = max(status["VmHWM"], status.get("VmRSS", 0) + swapped)
+        peaks[rank] = max(seen.get(rank, 0.0), peak * 1024 / 1e9)
     return peaks
 
 
@@ -255,7 +267,7 @@ def main() -> None:
                 cmd += ["--memory-budget-gb", f"{args.budget_gb:g}"]
             log_path = os.path.join(workdir, f"{size}-{name}.log")
             t0 = time.time()
-            rc, measured, per_rank = measure(cmd, bl.layout.world_size, log_path)
+            rc, measured, per_rank, swapped = measure(cmd, bl.layout.world_size, log_path)
             elapsed = time.time() - t0
             if rc != 0:
                 print(f"{head} {'failed':>12} {predicted:13.2f} {blank} {elapsed:7.0f}  not run: exit code "
@@ -272,6 +284,8 @@ def main() -> None:
             single = measured if name == "single" else single
             vs_single = f"{measured / single:9.2f}" if single else f"{'-':>9}"
             ranks = " ".join(f"{per_rank[r]:.2f}" for r in sorted(per_rank)) if device == "cpu" else ""
+            if swapped:
+                ranks += f" (RSS + swap: up to {swapped:.2f} GB in swap)"
             print(f"{head} {measured:12.2f} {predicted:13.2f} {measured / predicted:9.2f} {vs_single} "
                   f"{planner_said(log_path):>7} {logged_s} {elapsed:7.0f}  {ranks}", flush=True)
 

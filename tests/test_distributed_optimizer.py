@@ -1,6 +1,7 @@
 """--use-distributed-optimizer: optimizer states sharded over DP, gradients reduce-scattered,
 parameters all-gathered. The losses are plain DP's (fp32, dropout 0) at DP=2, TP2xDP2 and
-PP2xDP2 with AdamW and LAMB; a step sends a ring all-reduce's bytes; a resume is bitwise;
+PP2xDP2 (interleaved and 1F1B) with AdamW and LAMB, and with fp16 loss scaling (an
+overflow skipped alike); a step sends a ring all-reduce's bytes; a resume is bitwise;
 checkpoints move between runs with and without it and between DP sizes."""
 import json
 
@@ -24,24 +25,39 @@ def _pair_worker(rank, world, runs, tp, out_dir):
         train_worker(rank, world, argv + ["--metrics-file", f"{out_dir}/{name}.jsonl"], tp)
 
 
-@pytest.mark.parametrize("name,world,tp,extra", [
-    ("dp2", 2, 1, []),
-    ("tp2-dp2-sequence-parallel", 4, 2, ["--sequence-parallel"]),
-    # Two stages of two layers, interleaved in chunks of one: the tied embeddings' shards
-    # are summed over the embedding group.
-    ("pp2-dp2-interleaved", 4, 1, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                                   "--num-layers-per-virtual-pipeline-stage", "1"]),
+# fp16 with dynamic loss scaling: a first step that overflows at 2^18 (skipped, the scale
+# halved: hysteresis 1), then steps that do not.
+FP16 = ["--fp16", "--initial-loss-scale", str(2 ** 18), "--hysteresis", "1"]
+VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]
+ADAM, LAMB = ["--optimizer", "adam"], ["--optimizer", "lamb"]
+
+
+@pytest.mark.parametrize("name,world,tp,extra,variants", [
+    ("dp2", 2, 1, [], {"adam": ADAM, "lamb": LAMB, "fp16": ADAM + FP16}),
+    ("tp2-dp2-sequence-parallel", 4, 2, ["--sequence-parallel"], {"adam": ADAM, "lamb": LAMB}),
+    # Two stages of two layers, interleaved in chunks of one and not (1F1B): the tied
+    # embeddings' shards are summed over the embedding group.
+    ("pp2-dp2", 4, 1, ["--pipeline-model-parallel-size", "2", "--num-layers", "4"],
+     {"adam": ADAM + VPP, "lamb": LAMB + VPP, "1f1b": ADAM}),
 ])
-def test_losses_equal_plain_data_parallel(tmp_path, name, world, tp, extra):
-    runs = [(f"{opt}-{mode}", ITERS + STEP + extra + ["--optimizer", opt] + flags)
-            for opt in ("adam", "lamb") for mode, flags in (("plain", []), ("sharded", DO))]
+def test_losses_equal_plain_data_parallel(tmp_path, name, world, tp, extra, variants):
+    # Every variant of a layout in one spawn: its process group is the expensive part.
+    runs = [(f"{variant}-{mode}", ITERS + STEP + extra + flags + mode_flags)
+            for variant, flags in variants.items() for mode, mode_flags in (("plain", []), ("sharded", DO))]
     run_distributed(_pair_worker, world, runs, tp, str(tmp_path))
-    for opt in ("adam", "lamb"):
-        plain, sharded = str(tmp_path / f"{opt}-plain.jsonl"), str(tmp_path / f"{opt}-sharded.jsonl")
+    for variant in variants:
+        plain, sharded = str(tmp_path / f"{variant}-plain.jsonl"), str(tmp_path / f"{variant}-sharded.jsonl")
         assert len(read_metrics(sharded)) == 3
         # Not bitwise: the global norm (clipping is on) sums the shards' squares in another order.
-        assert read_metrics(sharded) == pytest.approx(read_metrics(plain), abs=1e-6, rel=0)
-        assert read_metrics(sharded, "grad_norm") == pytest.approx(read_metrics(plain, "grad_norm"), abs=1e-6, rel=0)
+        assert read_metrics(sharded) == pytest.approx(read_metrics(plain), abs=1e-6, rel=0), variant
+        assert read_metrics(sharded, "grad_norm") == pytest.approx(read_metrics(plain, "grad_norm"), abs=1e-6,
+                                                                   rel=0, nan_ok=True), variant
+    if "fp16" in variants:
+        # The overflow is found over every rank's shards, the step skipped on all of them.
+        for mode in ("plain", "sharded"):
+            path = str(tmp_path / f"fp16-{mode}.jsonl")
+            assert read_metrics(path, "loss_scale") == [2.0 ** 18, 2.0 ** 17, 2.0 ** 17], mode
+            assert read_metrics(path, "skipped") == [1], mode
 
 
 def _bytes_worker(rank, world, out_dir):

@@ -363,10 +363,17 @@ def finetune_losses(tmp_path, hf_dir, vocab, name, procs, *extra, predict=False)
 
 
 @pytest.fixture(scope="module")
-def plain_dp2_losses(tmp_path_factory, no_dropout_qa, demo_vocab):
-    """Plain DP=2 fine-tuning losses: one layout of the comparison below and the reference
-    of every ZeRO stage (launched once for all of them)."""
-    return finetune_losses(tmp_path_factory.mktemp("dp2"), no_dropout_qa, demo_vocab, "dp2", 2)
+def plain_dp2(tmp_path_factory, no_dropout_qa, demo_vocab):
+    """Plain DP=2 fine-tuning, (losses, its run directory): one layout of the comparison
+    below and the reference of every ZeRO stage and the distributed optimizer (launched
+    once for all of them)."""
+    d = tmp_path_factory.mktemp("dp2")
+    return finetune_losses(d, no_dropout_qa, demo_vocab, "dp2", 2, predict=True), d / "dp2"
+
+
+@pytest.fixture(scope="module")
+def plain_dp2_losses(plain_dp2):
+    return plain_dp2[0]
 
 
 def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, plain_dp2_losses, tmp_path):
@@ -397,6 +404,19 @@ def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab
                            *flags, predict=True)
     assert zero == pytest.approx(plain_dp2_losses, abs=1e-4)
     assert set(json.load(open(tmp_path / f"zero{stage}" / "predictions.json"))) == dev_ids()
+
+
+def test_finetune_with_distributed_optimizer_equals_plain_data_parallel(no_dropout_qa, demo_vocab, plain_dp2,
+                                                                        tmp_path):
+    """--use-distributed-optimizer fine-tunes as plain DP=2 does (fp32: the losses to 1e-6),
+    and predicts from the final weights (the last step's parameter all-gathers were still
+    in flight when training ended): plain DP's answers."""
+    losses, plain_dir = plain_dp2
+    sharded = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, "distopt", 2, "--use-distributed-optimizer",
+                              predict=True)
+    assert sharded == pytest.approx(losses, abs=1e-6, rel=0)
+    assert json.load(open(tmp_path / "distopt" / "predictions.json")) == \
+        json.load(open(plain_dir / "predictions.json"))
 
 
 def test_finetune_squad_v2(tiny_checkpoint, demo_vocab, tmp_path):

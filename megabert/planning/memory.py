@@ -28,7 +28,8 @@ On a GPU, megabert's trainer frees gradients before each forward
 peak = params + optimizer + max(activations, grads + buffers).
 On the CPU, glibc's heap does not hand activation pages freed during backward to the
 gradients made meanwhile, so backward adds them; and it keeps pages of tensors DeepSpeed
-makes and frees every step: ZeRO-2's per-parameter gradients before their bucket copy,
+makes and frees every step: ZeRO-2's per-parameter gradients before their bucket copy
+(and autograd's, added into megabert's gradient buffer: 2 bytes per parameter each),
 ZeRO-3's gathered parameters (its peak is 6 bytes per parameter above the live states,
 8 with the optimizer offloaded). Calibrated with bench/memory.py (fp32, DP=2, BERT-base
 and BERT-large; README "Choosing a layout"). With glibc told to return every block of 128
@@ -70,12 +71,17 @@ DEEPSPEED_OVERHEAD_GB = {"cpu": 0.1, "cuda": 0.0}
 CPU_ZERO2_HEAP_BYTES_PER_PARAM = 2.0
 CPU_ZERO3_HEAP_BYTES_PER_PARAM = 6.0
 CPU_OFFLOAD_HEAP_BYTES_PER_PARAM = 2.0
-# The distributed optimizer on the CPU: gloo stages each asynchronous reduce-scatter and
-# all-gather in temporaries of the bucket's size, allocated on its worker threads, which
-# leave the heap above the live tensors (bench/memory.py, BERT-base with two all-gathers in
-# flight: 5.6 bytes per parameter at DP=2, 4.9 at DP=4; with all of them in flight, 6).
-# NCCL reduces and gathers in place: on GPUs the term is 0.
-CPU_DISTOPT_HEAP_BYTES_PER_PARAM = 5.0
+# megabert's trainer with a gradient buffer on the CPU (DP > 1 with the overlapped
+# reduction, or the distributed optimizer): `.grad` is a view of the buffer, so autograd
+# makes each parameter's gradient in a fresh tensor and adds it in, and glibc keeps those
+# pages as it keeps ZeRO-2's per-parameter gradients (above). A single process has no
+# buffer (autograd's tensors become the `.grad`s) and measures at its prediction.
+# Calibrated with bench/memory.py (fp32, seq 128, micro-batch 2, GB over the prediction
+# without this term): BERT-large 2.0 bytes per parameter at DP=2 (plain and distributed
+# optimizer alike) and 2.2 at DP=4 (distributed optimizer), BERT-base 0.8 to 1.8.
+# (Before issue 32's fix the distributed optimizer also paid gloo's staging copies, 5
+# bytes per parameter more: its reduce-scatters and all-gathers now work in place.)
+CPU_GRAD_BUFFER_HEAP_BYTES_PER_PARAM = 2.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,8 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
         # and gradient buffers are the trainer's (padding: < 128 elements per bucket), the
         # reduce-scatter and all-gather run in place.
         optimizer = 8.0 * P / d if layout.distributed_optimizer else 8.0 * P
-        heap = CPU_DISTOPT_HEAP_BYTES_PER_PARAM * P if cpu and layout.distributed_optimizer and d > 1 else 0.0
+        buffered = overlapped or layout.distributed_optimizer
+        heap = CPU_GRAD_BUFFER_HEAP_BYTES_PER_PARAM * P if cpu and buffered else 0.0
         return _States(parameters=4.0 * P, optimizer=optimizer, gradients=grads, backward=grads + dp_bucket,
                        step=grads + tied, forward=grads if overlapped else 0.0, heap=heap)
     sizing = ZeroBuckets.for_hidden_size(model.hidden_size)

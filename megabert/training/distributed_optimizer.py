@@ -105,45 +105,55 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def state_by_name(self) -> dict:
-        """Collective over DP: the states as a run without this flag saves them
-        (megabert.checkpoint.optimizer_state): {"state": {name: {"step", "exp_avg",
-        "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}, whole TP-local tensors."""
+    def state_by_name(self) -> Optional[dict]:
+        """Collective over DP. On DP rank 0, which writes it, the states as a run without
+        this flag saves them (megabert.checkpoint.optimizer_state): {"state": {name: {"step",
+        "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}, whole
+        TP-local tensors. The other DP ranks send their shards one bucket at a time, hold
+        nothing more and return None."""
         ps, buffers = self.ps, self.buffers
         offsets = buffers.offsets
         state = self.optimizer.state
         index = {id(p): i for i, p in enumerate(self.params)}
-        steps = torch.zeros(len(self.params), dtype=torch.float64)
-        full: dict[str, dict[torch.dtype, torch.Tensor]] = {k: {} for k in ELEMENT_STATES}
-        for dtype, values in buffers.param_buffers.items():
-            for key in ELEMENT_STATES:
-                full[key][dtype] = torch.zeros(values.numel(), dtype=torch.float32, device=values.device)
+        writer = ps.dp_rank == 0
+        steps = torch.zeros(len(self.params), dtype=torch.float64, device=ps.device)
+        pieces_of: dict[int, list[Piece]] = {}  # bucket -> this rank's pieces in it
         for piece in self.pieces:
+            pieces_of.setdefault(id(buffers.bucket_of(piece.param)), []).append(piece)
             s = state.get(piece.tensor)
-            if not s:
-                continue
-            steps[index[id(piece.param)]] = float(s["step"])
-            start = offsets[piece.param] + piece.lo
-            for key in ELEMENT_STATES:
-                full[key][piece.param.dtype][start:start + piece.hi - piece.lo] = s[key].reshape(-1)
+            if s:
+                steps[index[id(piece.param)]] = float(s["step"])
         if ps.dp_size > 1:
             comm.all_reduce(steps, op=comm.ReduceOp.MAX, group=ps.dp_group)
-            for bucket in buffers.buckets:
-                dtype, start = bucket.params[0].dtype, bucket.start
-                n, shard = bucket.params_flat.numel(), bucket.param_shard.numel()
-                for key in ELEMENT_STATES:
-                    whole = full[key][dtype][start:start + n]
-                    comm.all_gather_into_tensor(whole, whole[ps.dp_rank * shard:(ps.dp_rank + 1) * shard].clone(),
-                                                group=ps.dp_group)
+        steps = steps.cpu()  # read per parameter below: one device sync, not one each
         names = {id(p): n for n, p in self.model.named_parameters()}
-        by_name = {}
-        for i, p in enumerate(self.params):
-            if steps[i] == 0:
-                continue  # never stepped (no gradient yet): no state, as torch's optimizers keep none
-            o = offsets[p]
-            by_name[names[id(p)]] = {"step": torch.tensor(float(steps[i]), dtype=torch.float32),
-                                     **{k: full[k][p.dtype][o:o + p.numel()].view_as(p).cpu().clone()
-                                        for k in ELEMENT_STATES}}
+        # The writer's copy of the states: 8 bytes per parameter for the save's duration
+        # (plain DP saves its states as they live), filled one bucket at a time. A
+        # parameter never stepped (no gradient yet) has no state, as torch's optimizers keep none.
+        by_name = {names[id(p)]: {"step": torch.tensor(float(steps[i]), dtype=torch.float32),
+                                  **{k: torch.zeros(p.shape, dtype=torch.float32) for k in ELEMENT_STATES}}
+                   for i, p in enumerate(self.params) if writer and steps[i] != 0}
+        for bucket in buffers.buckets:
+            start, n, shard = bucket.start, bucket.params_flat.numel(), bucket.param_shard.numel()
+            lo = start + ps.dp_rank * shard
+            for key in ELEMENT_STATES:
+                mine = torch.zeros(shard, dtype=torch.float32, device=bucket.param_shard.device)
+                for piece in pieces_of.get(id(bucket), []):
+                    s = state.get(piece.tensor)
+                    if s:
+                        at = offsets[piece.param] + piece.lo - lo
+                        mine[at:at + piece.hi - piece.lo] = s[key].reshape(-1)
+                whole = torch.empty(n, dtype=torch.float32, device=mine.device) if writer else None
+                if ps.dp_size == 1:
+                    whole.copy_(mine)
+                else:
+                    comm.gather(mine, list(whole.chunk(ps.dp_size)) if writer else None, group=ps.dp_group)
+                for p in bucket.params if writer else ():
+                    if names[id(p)] in by_name:
+                        o = offsets[p] - start
+                        by_name[names[id(p)]][key].view(-1).copy_(whole[o:o + p.numel()])
+        if not writer:
+            return None
         groups = [{**{k: v for k, v in live.items() if k != "params"},
                    "params": [names[id(p)] for p in mg["params"]]}
                   for live, mg in zip(self.optimizer.param_groups, self.model_groups)]
@@ -215,6 +225,11 @@ class DistributedOptimizerStrategy(LocalStrategy):
     def forward_only(self, batches, output_fn):
         self.reducer.wait_params()
         return super().forward_only(batches, output_fn)
+
+    def settle(self) -> None:
+        # The last step's parameter all-gathers are otherwise issued as forward waits for
+        # them: a rank with no batch to predict would leave the others waiting.
+        self.reducer.wait_params()
 
     def cpu_state_dict(self, keep: bool) -> dict:
         self.reducer.wait_params()

@@ -174,6 +174,11 @@ class Strategy:
         """New weights went into the model (a weights-only start): copies of them that the
         strategy keeps elsewhere must follow."""
 
+    def settle(self) -> None:
+        """Collective, when training ends: completes what the last step left in flight, so
+        that what runs next (predictions, an export) reads the final weights and issues no
+        collective of the step's."""
+
     def close(self) -> None:
         """Releases what the strategy holds before the process groups go away."""
 

@@ -79,15 +79,18 @@ class Trainer:
                 if logging_step and self._should_stop():
                     self.log.event(it, f"SIGTERM received: saving at iteration {it} and exiting")
                     self.save()
+                    self.strategy.settle()
                     return self.state
                 if self.cfg.exit_interval and it % self.cfg.exit_interval == 0 and it < self.cfg.train_iters:
                     self.log.event(it, f"--exit-interval {self.cfg.exit_interval}: saving at iteration {it} and exiting")
                     self.save()
+                    self.strategy.settle()
                     return self.state
                 if self.cfg.save and self.cfg.save_interval and it % self.cfg.save_interval == 0:
                     self.save()
             if self.cfg.save and (not self.cfg.save_interval or self.state.iteration % self.cfg.save_interval):
                 self.save()
+            self.strategy.settle()
             return self.state
         finally:
             signal.signal(signal.SIGTERM, previous)
