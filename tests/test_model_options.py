@@ -66,6 +66,17 @@ def test_masked_only_logits_match_full():
     run_distributed(_masked_only, 2)
 
 
+def _assert_same_step(reference, other):
+    """(loss, sentence-pair logits, {name: grad}) of two models' step: loss and logits to
+    1e-6, every gradient (none missing) to rtol 1e-5 / atol 1e-6."""
+    (loss0, nsp0, g0), (loss1, nsp1, g1) = reference, other
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-6)
+    assert g0 and set(g1) == set(g0) and all(g is not None for g in (*g0.values(), *g1.values()))
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _unpadded_vs_padded(layernorm_position, recompute, backend):
     ps = megabert.init_parallel()
     b = next(batches(0, 4, 0, 1))
@@ -78,12 +89,7 @@ def _unpadded_vs_padded(layernorm_position, recompute, backend):
         o = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
         o.loss.backward()
         results.append((o.loss.detach(), o.nsp_logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (loss0, nsp0, g0), (loss1, nsp1, g1) = results
-    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
-    torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-6)
-    assert g0 and set(g1) == set(g0) and all(g is not None for g in g0.values())
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same_step(*results)
 
 
 def test_unpadded_encoder_equals_padded():
@@ -117,12 +123,8 @@ def _head_rows_vs_all_rows(layernorm_position, recompute, backend):
     assert last_mlp_rows[0] == int(b["attention_mask"].sum())
     assert last_mlp_rows[-1] == int((head_positions & (b["attention_mask"] != 0)).sum()) < last_mlp_rows[0]
     (loss0, nsp0, logits0, g0), (loss1, nsp1, logits1, g1) = results
-    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
-    torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-6)
     torch.testing.assert_close(logits1, logits0, rtol=0, atol=1e-5)
-    assert g0 and set(g1) == set(g0) and all(g is not None for g in g1.values())
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same_step((loss0, nsp0, g0), (loss1, nsp1, g1))
 
 
 def test_last_layer_runs_on_the_head_positions_alone():
