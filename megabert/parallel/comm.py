@@ -194,11 +194,7 @@ def reduce_scatter_by_reduces(x: torch.Tensor, group=None, async_op: bool = Fals
     all-reduce's bytes; its reduce works in place and writes as many bytes at 2 ranks,
     fewer beyond (docs/performance.md). Counted as the reduce-scatter it stands for."""
     _record(group, "reduce_scatter", _nbytes(x), label)
-    n = _size(group)
-    chunk = x.numel() // n
-    works = [dist.reduce(x[r * chunk:(r + 1) * chunk], group=group, group_dst=r, async_op=async_op)
-             for r in range(n)]
-    return Works(works) if async_op else None
+    return _per_chunk(dist.reduce, "group_dst", x, group, async_op)
 
 
 def all_gather_by_broadcasts(out: torch.Tensor, group=None, async_op: bool = False, label: Optional[str] = None):
@@ -207,10 +203,14 @@ def all_gather_by_broadcasts(out: torch.Tensor, group=None, async_op: bool = Fal
     stages a copy of the output, its broadcast works in place. Counted as the all-gather it
     stands for."""
     _record(group, "all_gather", _nbytes(out), label)
+    return _per_chunk(dist.broadcast, "group_src", out, group, async_op)
+
+
+def _per_chunk(op, owner_arg: str, x: torch.Tensor, group, async_op: bool):
+    """`op` on chunk r of `x` with group rank r as its root (`owner_arg`), for every r."""
     n = _size(group)
-    chunk = out.numel() // n
-    works = [dist.broadcast(out[r * chunk:(r + 1) * chunk], group=group, group_src=r, async_op=async_op)
-             for r in range(n)]
+    chunk = x.numel() // n
+    works = [op(x[r * chunk:(r + 1) * chunk], group=group, async_op=async_op, **{owner_arg: r}) for r in range(n)]
     return Works(works) if async_op else None
 
 
