@@ -150,19 +150,25 @@ def reduce_scatter(out: torch.Tensor, chunks: list[torch.Tensor], group=None, la
     return dist.reduce_scatter(out, chunks, group=group)
 
 
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single and deprecated
+# the old names; releases before it (a GPU image's torch 2.11) have only the old ones.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False,
                           label: Optional[str] = None):
     """Sums `x` over the group; rank r keeps chunk r in `out` (which may be that chunk of `x`:
     the distributed optimizer reduce-scatters its gradient buckets in place)."""
     _record(group, "reduce_scatter", _nbytes(x), label)
-    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return _reduce_scatter_single(out, x, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False,
                            label: Optional[str] = None):
     """Rank r's `x` lands in chunk r of `out` (`x` may be that chunk of `out`)."""
     _record(group, "all_gather", _nbytes(out), label)
-    return dist.all_gather_single(out, x, group=group, async_op=async_op)
+    return _all_gather_single(out, x, group=group, async_op=async_op)
 
 
 def reduce_scatter_by_all_reduce(x: torch.Tensor, group=None, label: Optional[str] = None) -> torch.Tensor:
