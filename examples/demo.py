@@ -22,7 +22,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-BIN = os.path.dirname(PY)
+# torchrun as a module: a venv that reuses a GPU image's torch (make install does) has no
+# torchrun script of its own.
+TORCHRUN = [PY, "-m", "torch.distributed.run"]
+# The demo is sized for a CPU and says so: on a GPU machine the two TP ranks would both land
+# on a single GPU (NCCL refuses that), so the runs keep to gloo, which keeps them on the CPU.
+CPU = ["--distributed-backend", "gloo"]
 
 
 def step(title: str, cmd: list[str]) -> None:
@@ -61,13 +66,13 @@ def main() -> int:
     if os.path.exists(metrics):
         os.remove(metrics)
     step("4/7 pre-train a tiny BERT, tensor parallel over 2 CPU processes",
-         [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_bert.py"),
+         [*TORCHRUN, "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_bert.py"),
           "--preset", "bert-tiny", "--tensor-model-parallel-size", "2", "--data-path", f"{w}/demo_text_sentence",
           "--vocab-file", f"{w}/vocab.txt", "--seq-length", "128", "--micro-batch-size", "16",
           "--global-batch-size", "32", "--train-iters", str(args.train_iters), "--lr", "1e-3",
           "--lr-warmup-iters", "30", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--split", "95,5,0",
           "--eval-interval", "100", "--eval-iters", "4", "--log-interval", "20", "--mlm-logits-at-masked-only",
-          "--metrics-file", metrics, "--save", f"{w}/checkpoint", "--num-workers", "1"])
+          "--metrics-file", metrics, "--save", f"{w}/checkpoint", "--num-workers", "1"] + CPU)
     step("5/7 loss curve and Hugging Face export",
          [PY, tool("plot_metrics.py"), metrics, "--output", f"{w}/loss_curve.png"])
     step("    export", [PY, tool("checkpoint", "convert_hf.py"), "export", "--load", f"{w}/checkpoint",
@@ -76,12 +81,12 @@ def main() -> int:
     # model needs a higher learning rate than BERT-base's 3e-5.
     squad = os.path.join(ROOT, "data", "squad_demo")
     step("6/7 fine-tune on SQuAD-format data, tensor parallel over 2 CPU processes",
-         [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", os.path.join(ROOT, "finetune_squad.py"),
+         [*TORCHRUN, "--nproc-per-node", "2", os.path.join(ROOT, "finetune_squad.py"),
           "--tensor-model-parallel-size", "2", "--load", f"{w}/checkpoint", "--vocab-file", f"{w}/vocab.txt",
           "--train-file", f"{squad}/train.json", "--predict-file", f"{squad}/dev.json", "--output-dir", f"{w}/squad",
           "--max-seq-length", "128", "--doc-stride", "32", "--max-query-length", "32", "--epochs",
           str(args.squad_epochs), "--lr", "1e-3", "--micro-batch-size", "16", "--global-batch-size", "16",
-          "--seed", "1234", "--log-interval", "25"])
+          "--seed", "1234", "--log-interval", "25"] + CPU)
 
     # 400 sentences, about 20 tokens each: one epoch is 13 steps of 32. A tiny model takes a
     # higher learning rate than BERT-base's 2e-5.
@@ -92,7 +97,7 @@ def main() -> int:
                           f"{w}/glue/SST-2", "--load", f"{w}/checkpoint", "--vocab-file", f"{w}/vocab.txt",
                           "--output-dir", f"{w}/glue/out", "--max-seq-length", "64", "--epochs",
                           str(args.glue_epochs), "--lr", "2e-3", "--micro-batch-size", "32", "--seed", "1234",
-                          "--log-interval", "10"])
+                          "--log-interval", "10"] + CPU)
 
     rows = [json.loads(line) for line in open(metrics)]
     train = [r for r in rows if "lm_loss" in r]

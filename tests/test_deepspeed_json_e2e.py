@@ -5,7 +5,7 @@ with CPU offload trains and saves in test_zero_offload.py, on the warm worker po
 import json
 import os
 
-from tests.helpers.pretrain_runs import BIN, pretrain_args, rows, run_cmd
+from tests.helpers.pretrain_runs import TORCHRUN, pretrain_args, rows, run_cmd
 
 
 # bing_bert's deepspeed_bsz4096_adam_config.json, batch sizes cut to the tiny run's.
@@ -25,7 +25,7 @@ def test_tutorial_json_trains_with_its_lr(dataset, tmp_path):
     metrics = tmp_path / "m.jsonl"
     args = without_lr(pretrain_args(dataset, metrics, "--deepspeed", "--deepspeed_config", str(ds),
                                     "--lr-decay-style", "constant", "--save", str(tmp_path / "ck")))
-    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", *args])
+    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", "2", *args])
     assert r.returncode == 0, r.stderr[-4000:]
     train = [x for x in rows(metrics) if "lm_loss" in x]
     assert [x["iteration"] for x in train] == [1, 2, 3]
@@ -40,7 +40,7 @@ def test_typed_lr_that_disagrees_stops_with_one_line(dataset, tmp_path):
     ds.write_text(json.dumps(TUTORIAL))
     args = pretrain_args(dataset, tmp_path / "m.jsonl", "--deepspeed", "--deepspeed_config", str(ds))
     args[args.index("--lr") + 1] = "0.5"
-    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", *args])
+    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", "2", *args])
     # torchrun adds its own traceback for a failed child; the ranks print one line each.
     assert r.returncode != 0 and "[rank0]" not in r.stderr and 'pretrain_bert.py", line' not in r.stderr, \
         r.stderr[-4000:]

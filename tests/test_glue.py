@@ -25,10 +25,10 @@ from tests.helpers.cli_utils import main_worker
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.glue_files import write
 from tests.helpers.hf_models import make_hf_dir
+from tests.helpers.pretrain_runs import TORCHRUN
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
 transformers = pytest.importorskip("transformers")
 
 
@@ -239,7 +239,7 @@ def test_cli_errors_are_one_line(glue_setup, tmp_path, capsys):
 
 
 def torchrun(procs, *args):
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(procs),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(procs),
            os.path.join(ROOT, "finetune_glue.py")]
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

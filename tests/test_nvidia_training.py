@@ -7,13 +7,13 @@ import os
 
 import pytest
 from tests.helpers.nvidia_shards import DLE_PHASE1, LDDL, NVIDIA_VOCAB as VOCAB
-from tests.helpers.pretrain_runs import BIN, ROOT, one_line_error, rows, run_cmd, run_main
+from tests.helpers.pretrain_runs import TORCHRUN, ROOT, one_line_error, rows, run_cmd, run_main
 
 LOSSES = ("lm_loss", "nsp_loss", "grad_norm")
 
 
 def _launch(nproc, args):
-    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(nproc), *args])
+    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *args])
     assert r.returncode == 0, r.stderr[-4000:]
 
 

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.helpers.pretrain_runs import BIN, check_eval_row, one_line_error, pretrain_args, rows, run_cmd, run_main
+from tests.helpers.pretrain_runs import TORCHRUN, check_eval_row, one_line_error, pretrain_args, rows, run_cmd, run_main
 
 
 def test_pipeline_under_torchrun(dataset, tmp_path):
     """Interleaved pipeline on real data: two stages with two chunks each, evaluation
     through the forward-only schedule, losses logged by rank 0 (the first stage)."""
     metrics = tmp_path / "m.jsonl"
-    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
+    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
                  *pretrain_args(dataset, metrics, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                              "--num-layers-per-virtual-pipeline-stage", "1", "--save", str(tmp_path / "ck"))])
     assert r.returncode == 0, r.stderr[-4000:]
@@ -98,7 +98,7 @@ def test_memory_budget_fit_is_one_info_line(dataset, tmp_path):
     """The same budget with TP=2, which the planner says fits: one info line, and it trains."""
     budget = _budget_between_one_process_and_tp2(dataset)
     metrics = tmp_path / "m.jsonl"
-    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
+    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
                  *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--tensor-model-parallel-size", "2",
                              "--memory-budget-gb", str(budget))])
     assert r.returncode == 0, r.stderr[-4000:]

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers.pretrain_runs import BIN, pretrain_args, rows, run_cmd
+from tests.helpers.pretrain_runs import TORCHRUN, pretrain_args, rows, run_cmd
 
 
 ITERS = 20  # saves at 5, 10, 15: the kill lands after the first, with iterations to spare
@@ -23,7 +23,7 @@ def _losses(metrics) -> dict:
 
 
 def _torchrun(d, metrics, ck, *extra):
-    return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", *extra,
+    return [*TORCHRUN, "--standalone", "--nproc-per-node", "2", *extra,
             *pretrain_args(d, metrics, "--tensor-model-parallel-size", "2", "--train-iters", str(ITERS),
                            "--eval-interval", "1000", "--save", ck, "--load", ck, "--save-interval", "5",
                            "--log-interval", "1")]

@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from tests.helpers.pretrain_runs import BIN, curve, pretrain_args, run_cmd
+from tests.helpers.pretrain_runs import TORCHRUN, curve, pretrain_args, run_cmd
 
 
 def _launch(nproc, args):
-    r = run_cmd([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", str(nproc), *args])
+    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *args])
     assert r.returncode == 0, r.stderr[-4000:]
 
 

@@ -16,10 +16,10 @@ from megabert.errors import ConfigError
 
 from tests.helpers.cli_utils import main_worker, run_main
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.pretrain_runs import TORCHRUN
 from tests.helpers.squad_demo import DEMO, ROOT, train_demo_vocab
 
 
-BIN = os.path.dirname(sys.executable)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def tiny_checkpoint(tmp_path_factory, demo_vocab):
 def finetune(procs, *args):
     cmd = [sys.executable, os.path.join(ROOT, "finetune_squad.py")]
     if procs > 1:
-        cmd = [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(procs), "--standalone", cmd[1]]
+        cmd = [*TORCHRUN, "--nproc-per-node", str(procs), "--standalone", cmd[1]]
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -12,7 +12,7 @@ from megabert.checkpoint.run_state import resolve_start
 from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
 
-from tests.helpers.pretrain_runs import BIN, curve, one_line_error, pretrain_args, rows, run_cmd, run_main
+from tests.helpers.pretrain_runs import TORCHRUN, curve, one_line_error, pretrain_args, rows, run_cmd, run_main
 
 
 def _launch(cmd):
@@ -47,7 +47,7 @@ def test_start_point_prefers_the_runs_own_checkpoint(tmp_path):
 def test_interrupted_phase2_continues_from_its_own_checkpoint(dataset, tmp_path):
     p1, p2, ref = (str(tmp_path / n) for n in ("p1", "p2", "ref"))
     # Phase 1 at seq 32 and TP 2; phase 2 at seq 64 and TP 1 (P1 is resharded on load).
-    _launch([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
+    _launch([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
              *pretrain_args(dataset, tmp_path / "p1.jsonl", "--tensor-model-parallel-size", "2", "--save", p1)])
     phase2 = ["--seq-length", "64", "--train-iters", "4", "--pretrained-checkpoint", p1]
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"

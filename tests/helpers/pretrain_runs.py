@@ -10,6 +10,8 @@ from tests.helpers import cli_utils
 
 ROOT = cli_utils.ROOT
 BIN = os.path.dirname(sys.executable)
+# torchrun as a module: a venv that reuses a GPU image's torch has no torchrun script.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def pretrain_args(d, metrics, *extra):
