@@ -8,7 +8,11 @@ the ratio to transformers.
 Batches are full-length (NVIDIA's phase 1/2 data packs sentences to the length; 15%
 masked), so unpadding buys nothing here: these figures are the dense step.
 
-    python bench/gpu_bert_large.py [--rounds 20] [--phase1-batch 64] [--phase2-batch 16]
+    python bench/gpu_bert_large.py [--rounds 20] [--phase1-batch 64] [--phase2-batch 16] [--profile N]
+
+--profile N: after the timing, each side's N heaviest operators over 3 profiled steps
+(torch.profiler, self CUDA time per step; the CPU time beside it shows where the host is
+the bottleneck).
 """
 from __future__ import annotations
 
@@ -70,6 +74,25 @@ def transformers_step(seq: int, batches: list[dict], device):
     return step
 
 
+def profile(name: str, step, top: int) -> None:
+    """The `top` operators by self CUDA time over 3 steps, per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+    # Operators (host events) only: their self device time is that of the kernels they
+    # launched, so the kernels themselves are not counted a second time.
+    ops = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in ops) / 3 / 1e3
+    print(f"  {name}: kernels {total:.2f} ms per step; top {top} operators (ms per step, share, calls per step)")
+    for e in sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        ms = e.self_device_time_total / 3 / 1e3
+        print(f"    {ms:8.3f} {ms / total:6.1%} {e.count // 3:5d}  {e.key[:90]}")
+
+
 def synced(step):
     def run():
         step()
@@ -82,6 +105,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--phase1-batch", type=int, default=64)
     p.add_argument("--phase2-batch", type=int, default=16)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print each side's N heaviest operators (torch.profiler) after the timing")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_bert_large.py needs a CUDA GPU and a CUDA build of torch (this torch: "
@@ -104,6 +129,9 @@ def main() -> None:
             mfu = f"{tflops / peak:6.1%}" if peak else "    n/a"
             print(f"{phase:8} {name:14} {batch / t:9.1f} {tflops:9.1f} {mfu:>7} "
                   f"{medians['transformers'] / t:15.2f}x")
+        if args.profile:
+            for name, side in steps.items():
+                profile(f"phase {phase} {name}", side, args.profile)
         del steps, step
         torch.cuda.empty_cache()
 

@@ -56,9 +56,10 @@ class ModelConfig:
                             "and no --sequence-parallel.")
     attention_backend: str = arg("auto", "Core attention: torch (unfused reference), sdpa "
                                  "(torch scaled_dot_product_attention), fused (megabert softmax kernel), "
-                                 "varlen (real tokens only with --unpad-input: megabert's CPU kernel, "
-                                 "varlen flash or SDPA per length on CUDA), auto (varlen on CPU when "
-                                 "built, else sdpa).",
+                                 "varlen (real tokens only with --unpad-input: megabert's CPU kernel; "
+                                 "FlashAttention's varlen kernel on CUDA in fp16/bf16, one padded SDPA call "
+                                 "in fp32), auto (varlen on CPU when built for AVX2/AVX-512 and on CUDA "
+                                 "with FlashAttention, else sdpa).",
                                  choices=("auto", "torch", "sdpa", "fused", "varlen"))
     layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused on CPU when "
                                  "built, else torch).", choices=("auto", "torch", "fused"))

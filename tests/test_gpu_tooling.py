@@ -126,13 +126,14 @@ def test_bench_figures_read_each_benchmarks_lines():
     assert bert[0] == {"phase": 1, "side": "megabert", "seq_per_s": 812.3, "tflops": 201.1, "mfu": 0.203,
                        "vs_transformers": 1.25}
     assert bert[1]["mfu"] is None
-    varlen = bench_figures.varlen_attention(["dropout  attention      seq/s   TFLOP/s     MFU   vs sdpa",
-                                             "0.1      varlen          61.2      73.0  20.3%     1.31x",
-                                             "0.0      sdpa            40.0      50.0     n/a     1.00x"])
-    assert varlen == [{"attention_dropout": 0.1, "side": "varlen", "seq_per_s": 61.2, "tflops": 73.0, "mfu": 0.203,
-                       "vs_sdpa": 1.31},
-                      {"attention_dropout": 0.0, "side": "sdpa", "seq_per_s": 40.0, "tflops": 50.0, "mfu": None,
-                       "vs_sdpa": 1.0}]
+    varlen = bench_figures.varlen_attention([
+        "data                   dropout  attention      seq/s   TFLOP/s     MFU   vs sdpa",
+        "padded, 82.8% real     0.1      varlen         208.2     212.4   21.5%     1.11x",
+        "full, 100.0% real      0.0      sdpa            40.0      50.0     n/a     1.00x"])
+    assert varlen == [{"data": "padded", "real_tokens": 0.828, "attention_dropout": 0.1, "side": "varlen",
+                       "seq_per_s": 208.2, "tflops": 212.4, "mfu": 0.215, "vs_sdpa": 1.11},
+                      {"data": "full", "real_tokens": 1.0, "attention_dropout": 0.0, "side": "sdpa",
+                       "seq_per_s": 40.0, "tflops": 50.0, "mfu": None, "vs_sdpa": 1.0}]
     mem = bench_figures.memory(["bert-base  single             1        3.21          3.05      1.05      1.00",
                                 "bert-base  tp2                2      not run          3.05   not run: needs 2 GPUs"])
     assert mem == [{"model": "bert-base", "layout": "single", "world": 1, "measured_gb": 3.21, "predicted_gb": 3.05,

@@ -11,7 +11,7 @@ import megabert
 import megabert.fused_kernels as fk
 from megabert.config import ModelConfig
 from megabert.ops import resolve_attention_backend
-from megabert.ops.varlen_attention import choose_varlen_impl, grouped_sdpa, varlen_attention
+from megabert.ops.varlen_attention import choose_varlen_impl, grouped_sdpa, padded_sdpa, varlen_attention
 
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.kernel_checks import (VARLEN_LENGTHS, check_varlen_attention, cu_seqlens, philox4x32_10,
@@ -129,17 +129,31 @@ def test_grouped_sdpa_matches_pytorch_per_sequence():
     torch.testing.assert_close(half.double(), want.detach(), rtol=0, atol=5e-3)
 
 
-def test_cuda_choice_flash_where_it_applies_else_grouped_sdpa():
+def test_cuda_choice_flash_where_it_applies_else_padded_sdpa():
     bf16, f32 = torch.bfloat16, torch.float32
-    assert choose_varlen_impl("cuda", bf16, 64, 0.0, None, True) == ("flash", None)
-    assert choose_varlen_impl("cuda", torch.float16, 128, 0.0, None, True) == ("flash", None)
-    for args, why in [((bf16, 64, 0.1), "dropout"), ((f32, 64, 0.0), "float32"), ((bf16, 60, 0.0), "head dim 60"),
-                      ((bf16, 320, 0.0), "head dim 320")]:
+    assert choose_varlen_impl("cuda", bf16, 64, None, True) == ("flash", None)  # with or without dropout
+    assert choose_varlen_impl("cuda", torch.float16, 128, None, True) == ("flash", None)
+    for args, why in [((f32, 64), "float32"), ((bf16, 60), "head dim 60"), ((bf16, 320), "head dim 320")]:
         impl, reason = choose_varlen_impl("cuda", *args, None, True)
-        assert impl == "grouped_sdpa" and why in reason
-    assert choose_varlen_impl("cuda", bf16, 64, 0.0, None, False)[0] == "grouped_sdpa"
-    assert choose_varlen_impl("cpu", f32, 64, 0.1, None, True) == ("fused", None)
-    assert choose_varlen_impl("cpu", torch.float16, 64, 0.0, "float16", True) == ("grouped_sdpa", "float16")
+        assert impl == "padded" and why in reason
+    impl, reason = choose_varlen_impl("cuda", bf16, 64, None, False)
+    assert impl == "padded" and "FlashAttention" in reason
+    assert choose_varlen_impl("cpu", f32, 64, None, True) == ("fused", None)
+    assert choose_varlen_impl("cpu", torch.float16, 64, "float16", True) == ("grouped_sdpa", "float16")
+
+
+def test_padded_sdpa_matches_pytorch_per_sequence():
+    """CUDA's route where FlashAttention does not apply (fp32): one padded SDPA call with a key
+    padding mask; output and the grad of the packed QKV equal PyTorch per sequence (fp64,
+    an empty sequence included)."""
+    torch.manual_seed(0)
+    qkv = torch.randn(sum(VARLEN_LENGTHS), 3, 2, 16, dtype=torch.float64, requires_grad=True)
+    got = padded_sdpa(qkv, cu_seqlens(VARLEN_LENGTHS), max(VARLEN_LENGTHS), 0.0)
+    want = varlen_attention_reference(qkv, VARLEN_LENGTHS)
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(got, qkv, grad)[0], torch.autograd.grad(want, qkv, grad)[0],
+                               rtol=0, atol=1e-12)
 
 
 @pytest.mark.skipif(not fk.is_available() or fk.is_available("cuda"), reason="needs a CPU-only build")
@@ -149,7 +163,7 @@ def test_backend_resolution(monkeypatch):
     monkeypatch.setattr(fk, "_cpu_isa", "default")  # the baseline build: not measured to win at seq 512
     assert resolve_attention_backend("auto", "cpu") == "fused"
     assert resolve_attention_backend("varlen", "cpu") == "varlen"
-    assert resolve_attention_backend("auto", "cuda") == "sdpa"  # opt-in on CUDA until measured there
+    assert resolve_attention_backend("auto", "cuda", 64) == "sdpa"  # no FlashAttention without a GPU
     assert resolve_attention_backend("varlen", "cuda") == "varlen"
 
 
@@ -162,8 +176,8 @@ def _cfg(**kw):
 
 
 def _loss_and_grads(cfg, ps, dtype=torch.float32):
-    model = megabert.BertForPreTraining(cfg, ps, seed=5, params_dtype=dtype).train()
-    b = next(batches(0, 4, 0, 1))
+    model = megabert.BertForPreTraining(cfg, ps, seed=5, params_dtype=dtype).to(ps.device).train()
+    b = {k: v.to(ps.device) for k, v in next(batches(0, 4, 0, 1)).items()}
     o = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["labels"], b["next_sentence_label"])
     o.loss.backward()
     return o.loss.detach().float(), o.nsp_logits.detach().float(), {n: p.grad.float() for n, p in
@@ -243,3 +257,98 @@ def _recompute_with_dropout(rank, world):
 @needs_kernels
 def test_recompute_replays_the_kernel_dropout_at_tp2():
     run_distributed(_recompute_with_dropout, 2)
+
+
+# ---------------------------------------------------------------- CUDA: FlashAttention varlen
+
+def _flash_ok():
+    from megabert.ops.varlen_attention import flash_varlen_available
+
+    return flash_varlen_available()
+
+
+needs_flash = pytest.mark.skipif(not _flash_ok(), reason="needs a CUDA GPU with FlashAttention (sm80+)")
+CUDA_LENGTHS = [5, 200, 1, 512, 130, 64]
+
+
+def _cuda_qkv(lengths, dtype, heads=4, d=64, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(sum(lengths), 3, heads, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+
+
+@needs_flash
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_varlen_matches_pytorch_per_sequence(dtype):
+    """Dropout 0: output and the grad of the packed QKV against PyTorch per sequence in fp32
+    from the same half inputs, within half rounding."""
+    qkv = _cuda_qkv(CUDA_LENGTHS, dtype)
+    cu = cu_seqlens(CUDA_LENGTHS).cuda()
+    got = varlen_attention(qkv, cu, cu.tolist)
+    ref_in = qkv.detach().float().requires_grad_()
+    want = varlen_attention_reference(ref_in, CUDA_LENGTHS)
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
+    g_got = torch.autograd.grad(got, qkv, grad.to(dtype))[0].float()
+    g_want = torch.autograd.grad(want, ref_in, grad)[0]
+    assert ((g_got - g_want).norm() / g_want.norm()).item() < 2e-2
+
+
+@needs_flash
+def test_flash_varlen_dropout_is_sdpa_flash_dropout():
+    """Dropout inside the kernel: with sequences of one length the varlen kernel draws the
+    same Philox stream as SDPA's flash kernel on [b, heads, s, d] under the same seed, so
+    output and grads agree; the same seed gives the same masks, another seed others."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lengths, p = [256] * 3, 0.3
+    qkv = _cuda_qkv(lengths, torch.bfloat16)
+    cu = cu_seqlens(lengths).cuda()
+    grad = torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16)
+
+    def varlen(seed):
+        torch.cuda.manual_seed(seed)
+        out = varlen_attention(qkv, cu, cu.tolist, dropout_p=p)
+        return out, torch.autograd.grad(out, qkv, grad)[0]
+
+    out, g = varlen(7)
+    torch.cuda.manual_seed(7)
+    q, k, v = qkv.view(3, 256, 3, 4, 64).permute(2, 0, 3, 1, 4).unbind(0)  # [b, heads, s, d]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    ref = ref.transpose(1, 2).reshape(sum(lengths), 4, 64)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(g, torch.autograd.grad(ref, qkv, grad)[0], rtol=0, atol=0)
+    again, g_again = varlen(7)
+    assert torch.equal(again, out) and torch.equal(g_again, g)
+    assert not torch.equal(varlen(8)[0], out)
+    # About p of the probabilities dropped: the output's scale stays that of no dropout.
+    plain = varlen_attention(qkv, cu, cu.tolist).float()
+    assert 0.8 < (out.float().norm() / plain.norm()).item() < 1.5
+
+
+@needs_flash
+def test_cuda_auto_is_varlen_and_fp32_runs_padded_sdpa():
+    """On a GPU with FlashAttention `auto` is varlen; in fp32 (no autocast) the varlen core
+    runs one padded SDPA call: loss and every gradient equal the padded reference to 1e-5."""
+    assert resolve_attention_backend("auto", "cuda", 64) == "varlen"
+    ps = megabert.init_parallel()
+    loss0, nsp0, g0 = _loss_and_grads(_cfg(attention_backend="torch"), ps)
+    loss1, nsp1, g1 = _loss_and_grads(_cfg(attention_backend="auto", unpad_input=True), ps)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(nsp1, nsp0, rtol=0, atol=1e-5)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=1e-5, msg=name)
+
+
+@needs_flash
+def test_flash_varlen_model_bf16_within_tolerance():
+    """BERT in bf16 on the GPU, dropout 0: the varlen model (FlashAttention) is as close to
+    the fp32 reference as padded SDPA in bf16 is."""
+    ps = megabert.init_parallel()
+    loss0, _, g0 = _loss_and_grads(_cfg(attention_backend="torch"), ps)
+    errors = []
+    for kw in ({"attention_backend": "sdpa"}, {"attention_backend": "varlen", "unpad_input": True}):
+        loss, _, g = _loss_and_grads(_cfg(**kw), ps, torch.bfloat16)
+        errors.append((abs(loss - loss0), max(((g[n] - g0[n]).norm() / g0[n].norm()).item() for n in g0)))
+    (loss_err_ref, grad_err_ref), (loss_err, grad_err) = errors
+    assert loss_err < 3e-2 and grad_err < 1.5 * grad_err_ref + 1e-2, errors

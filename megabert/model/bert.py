@@ -59,7 +59,7 @@ def build_context(config: ModelConfig, ps: ParallelState, seed: int, params_dtyp
     rng = RNGStatesTracker(device)
     rng.add(TP_STREAM, tp_stream_seed(seed, ps.tp_rank, ps.pp_rank))
     return BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, rng=rng,
-                        attention_backend=resolve_attention_backend(config.attention_backend, device.type),
+                        attention_backend=resolve_attention_backend(config.attention_backend, device.type, config.head_dim),
                         layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),
                         dropout_add_backend=resolve_dropout_add_backend(config.dropout_add_backend, device.type),
                         params_dtype=params_dtype, device=device)

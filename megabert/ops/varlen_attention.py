@@ -9,18 +9,24 @@ activations, as FlashAttention's varlen form takes them. One implementation per 
 - CPU: megabert's fused kernel (fp32, bf16, fp64): per (sequence, head) an online-softmax
   forward saving logsumexp, a backward that recomputes the probabilities from it, and the
   attention dropout drawn inside both from Philox (no mask tensor, no bernoulli_).
-- CUDA: torch.nn.attention.varlen.varlen_attn (FlashAttention's varlen kernel) where it
-  applies (fp16/bf16, head dim a multiple of 8 up to 256, no dropout: varlen_attn has none);
-  else SDPA over the sequences grouped by length (no mask, so SDPA may pick flash, with
-  dropout).
-- Anything else (another dtype, unbuilt kernels): the same grouped SDPA.
-The choice is a function of device, dtype, head dim and dropout, logged once per outcome.
+- CUDA: FlashAttention's varlen kernel (aten._flash_attention_forward / _backward, the
+  kernel torch.nn.attention.varlen.varlen_attn calls, which it calls with dropout 0 only)
+  where it applies (fp16/bf16, head dim a multiple of 8 up to 256, a GPU of compute
+  capability 8.0 or newer), its attention dropout drawn inside the kernel from Philox; else
+  (fp32, other head dims) one padded SDPA call with a key padding mask: the padded path's
+  cost, which SDPA grouped by length (one call per distinct length) measured 3x over.
+- Anything else (the CPU in another dtype, unbuilt kernels): SDPA over the sequences
+  grouped by length (no mask).
+The choice is a function of device, dtype and head dim, logged once per outcome.
 
 The CPU kernel's dropout key is one int64 drawn per call from the generator the call runs
 under (the per-TP-rank stream inside `rng_fork()`), exactly as dropout_add draws its key:
 torch.manual_seed, TP-rank streams, activation recompute (which restores the streams) and
 checkpoints that save the generators reproduce the masks. The keep bit of (sequence, head,
-query, key) depends only on the key and those indices, never on threads.
+query, key) depends only on the key and those indices, never on threads. The CUDA kernel
+takes its Philox seed and offset from the CUDA generator the call runs under (the same
+stream, swapped in by `rng_fork()`), and backward regenerates the mask from the state that
+forward returned, so the same guarantees hold there.
 """
 from __future__ import annotations
 
@@ -39,8 +45,8 @@ from megabert.ops.dispatch import say_once, use_fused_kernel
 from megabert.ops.dropout_add import draw_seed
 
 _CPU_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
-# torch.nn.attention.varlen.varlen_attn runs FlashAttention's kernel: half types, head dims
-# that are multiples of 8 up to 256 (FlashAttention 2's limits).
+# FlashAttention 2's limits: half types, head dims that are multiples of 8 up to 256, Ampere
+# or newer.
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
@@ -69,31 +75,58 @@ class FusedVarlenAttention(torch.autograd.Function):
         return grad_qkv, None, None, None, None
 
 
+class FlashVarlenAttention(torch.autograd.Function):
+    """FlashAttention's varlen kernel with attention dropout inside it. Forward:
+    aten._flash_attention_forward over q, k, v [T, heads, d] and cu_seqlens (int32), which
+    draws its Philox seed and offset from the current CUDA generator and returns them; it saves
+    Q, K, V, the output, logsumexp [heads, T] and that state. Backward:
+    aten._flash_attention_backward, which regenerates the same keep mask from the saved state.
+    (The 3rd and 4th outputs are (rng_state, unused) in recent torch and (philox_seed,
+    philox_offset) in older releases; backward takes them positionally either way.)"""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                scale: float, p: float) -> torch.Tensor:
+        out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, p, False, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_a, rng_b)
+        ctx.max_len, ctx.scale, ctx.p = max_len, scale, p
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse, cu_seqlens, rng_a, rng_b = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len, ctx.p, False,
+            rng_a, rng_b, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
 def flash_varlen_available() -> bool:
-    """Whether this torch has torch.nn.attention.varlen.varlen_attn (torch >= 2.10)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+    """Whether this torch was built with FlashAttention and the current GPU runs it (compute
+    capability 8.0 or newer)."""
+    if not (torch.cuda.is_available() and torch.backends.cuda.is_flash_attention_available()):
         return False
-    return True
+    return torch.cuda.get_device_capability()[0] >= 8
 
 
-def choose_varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int, dropout_p: float,
-                       cpu_kernel_reason: Optional[str], flash_available: bool) -> tuple[str, Optional[str]]:
-    """('fused' | 'flash' | 'grouped_sdpa', why not the device's fast path or None).
+def choose_varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int, cpu_kernel_reason: Optional[str],
+                       flash_available: bool) -> tuple[str, Optional[str]]:
+    """('fused' | 'flash' | 'padded' | 'grouped_sdpa', why not the device's fast path or None).
     `cpu_kernel_reason`: why the CPU kernel does not apply (None when it does)."""
     if device_type == "cpu":
         return ("fused", None) if cpu_kernel_reason is None else ("grouped_sdpa", cpu_kernel_reason)
     if device_type != "cuda":
         return "grouped_sdpa", f"{device_type} tensors (varlen kernels exist for cpu and cuda)"
     if not flash_available:
-        return "grouped_sdpa", f"this torch ({torch.__version__}) has no torch.nn.attention.varlen"
+        return "padded", (f"this torch ({torch.__version__}) or GPU has no FlashAttention (it needs a "
+                                f"FlashAttention build of torch and compute capability 8.0 or newer)")
     if dtype not in _FLASH_DTYPES:
-        return "grouped_sdpa", f"{str(dtype).removeprefix('torch.')} (varlen_attn takes float16 and bfloat16)"
+        return "padded", f"{str(dtype).removeprefix('torch.')} (FlashAttention takes float16 and bfloat16)"
     if head_dim % 8 or head_dim > _FLASH_MAX_HEAD_DIM:
-        return "grouped_sdpa", f"head dim {head_dim} (varlen_attn takes multiples of 8 up to {_FLASH_MAX_HEAD_DIM})"
-    if dropout_p > 0.0:
-        return "grouped_sdpa", f"attention dropout {dropout_p} (varlen_attn has no dropout)"
+        return "padded", (f"head dim {head_dim} (FlashAttention takes multiples of 8 up to "
+                                f"{_FLASH_MAX_HEAD_DIM})")
     return "flash", None
 
 
@@ -101,17 +134,20 @@ def choose_varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int, drop
 # graph and the log line is said for real; it depends only on the arguments and on which
 # extensions loaded.
 @assume_constant_result
-def varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int, dropout_p: float) -> str:
-    """The implementation a call runs ('fused', 'flash' or 'grouped_sdpa'), said once per outcome."""
+def varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+    """The implementation a call runs ('fused', 'flash', 'padded' or 'grouped_sdpa'), said once
+    per outcome: at INFO for the device's kernel and for 'padded' (what CUDA runs in fp32 under
+    `--attention-backend auto`), at WARNING for 'grouped_sdpa'."""
     cpu_reason = None
     if device_type == "cpu":
         cpu_reason = _cpu_dtype_reason(dtype)
         if not use_fused_kernel("varlen_attention", device_type, cpu_reason):
             cpu_reason = cpu_reason or "unbuilt CPU kernels"
-    impl, reason = choose_varlen_impl(device_type, dtype, head_dim, dropout_p, cpu_reason,
+    impl, reason = choose_varlen_impl(device_type, dtype, head_dim, cpu_reason,
                                       device_type == "cuda" and flash_varlen_available())
     if device_type != "cpu":
-        say_once(("varlen_attention", device_type, impl, reason), logging.INFO if reason is None else logging.WARNING,
+        level = logging.WARNING if impl == "grouped_sdpa" else logging.INFO
+        say_once(("varlen_attention", device_type, impl, reason), level,
                  "varlen attention on %s: %s%s", device_type, impl, "" if reason is None else f" ({reason})")
     return impl
 
@@ -150,6 +186,24 @@ def grouped_sdpa(qkv: torch.Tensor, cu_seqlens: list[int], dropout_p: float) -> 
     return torch.cat(outputs).index_select(0, inverse.to(qkv.device))
 
 
+def padded_sdpa(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, dropout_p: float) -> torch.Tensor:
+    """Varlen attention as one padded SDPA call: the n sequences laid out as [n, heads,
+    max_len, d] with a key padding mask, the real rows taken back. What CUDA runs where
+    FlashAttention does not apply (fp32, odd head dims): the padded path's cost, with no host
+    work beyond `max_len`. qkv: [T, 3, heads, d] -> [T, heads, d]."""
+    total, _, heads, d = qkv.shape
+    n = cu_seqlens.numel() - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(n, device=qkv.device), lengths, output_size=total)
+    rows = torch.arange(total, device=qkv.device) - cu_seqlens[seq] + seq * max_len  # token -> row of [n * max_len]
+    padded = qkv.new_zeros(n * max_len, 3, heads, d).index_copy(0, rows, qkv)
+    q, k, v = padded.view(n, max_len, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # each [n, heads, s, d]
+    # True = attend. An empty sequence attends to its zero padding: finite rows no token reads.
+    keep = (torch.arange(max_len, device=qkv.device)[None, :] < lengths[:, None]) | (lengths == 0)[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :], dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(n * max_len, heads, d).index_select(0, rows)
+
+
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlens: Callable[[], list[int]], *,
                      dropout_p: float = 0.0, rng_fork=None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d)) V over each sequence's own tokens.
@@ -162,7 +216,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlen
     """
     fork = rng_fork if rng_fork is not None and dropout_p > 0.0 else contextlib.nullcontext
     head_dim = qkv.size(-1)
-    impl = varlen_impl(qkv.device.type, qkv.dtype, head_dim, float(dropout_p))
+    impl = varlen_impl(qkv.device.type, qkv.dtype, head_dim)
     if impl == "fused":
         if not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"varlen attention: dropout p must be in [0, 1), got {dropout_p}")
@@ -171,13 +225,14 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlen
             with fork():
                 seed = draw_seed()
         return FusedVarlenAttention.apply(qkv, cu_seqlens, 1.0 / math.sqrt(head_dim), float(dropout_p), seed)
-    if impl == "flash":
-        from torch.nn.attention.varlen import varlen_attn
-
-        cu = cu_seqlens.to(torch.int32)
+    if impl in ("flash", "padded"):
         host = host_cu_seqlens()
         max_len = max((b - a for a, b in zip(host, host[1:])), default=0)
-        q, k, v = qkv.unbind(1)
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len)
+        with fork():
+            if impl == "padded":
+                return padded_sdpa(qkv, cu_seqlens, max_len, dropout_p)
+            q, k, v = qkv.unbind(1)
+            return FlashVarlenAttention.apply(q, k, v, cu_seqlens.to(torch.int32), max_len,
+                                              1.0 / math.sqrt(head_dim), float(dropout_p))
     with fork():
         return grouped_sdpa(qkv, host_cu_seqlens(), dropout_p)

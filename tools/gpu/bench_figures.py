@@ -15,8 +15,10 @@ _KERNEL = re.compile(r"^(softmax|layernorm)\s+(\[[\d,]+\])\s+(\w+)\s+([\d.]+)")
 _BANDWIDTH = re.compile(r"^\s+.*GB/s")
 # bench/gpu_bert_large.py: "1        megabert          812.3     201.1   20.3%            1.25x"
 _BERT = re.compile(r"^([12])\s+(megabert|transformers)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+%|n/a)\s+([\d.]+)x")
-# bench/gpu_varlen_attention.py: "0.1      varlen         61.2      73.0  20.3%     1.31x"
-_VARLEN = re.compile(r"^([\d.]+)\s+(varlen|sdpa)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+%|n/a)\s+([\d.]+)x")
+# bench/gpu_varlen_attention.py:
+# "padded, 82.8% real     0.1      varlen         208.2     212.4   21.5%     1.11x"
+_VARLEN = re.compile(r"^(padded|full), ([\d.]+)% real\s+([\d.]+)\s+(varlen|sdpa)\s+([\d.]+)\s+([\d.]+)\s+"
+                     r"([\d.]+%|n/a)\s+([\d.]+)x")
 # bench/memory.py: "bert-base  single             1        3.21          3.05      1.05 ..."
 _MEMORY = re.compile(r"^(bert-[\w-]+)\s+(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 
@@ -55,13 +57,15 @@ def bert_large(lines: Iterable[str]) -> list[dict]:
 
 
 def varlen_attention(lines: Iterable[str]) -> list[dict]:
-    """Attention dropout, side (varlen or sdpa), sequences/s, TFLOP/s, MFU, ratio to sdpa."""
+    """Data (padded or full) and its share of real tokens, attention dropout, side (varlen or
+    sdpa), sequences/s, TFLOP/s, MFU, ratio to sdpa."""
     rows = []
     for line in lines:
         if m := _VARLEN.match(line):
-            mfu = None if m.group(5) == "n/a" else float(m.group(5).rstrip("%")) / 100
-            rows.append({"attention_dropout": float(m.group(1)), "side": m.group(2), "seq_per_s": float(m.group(3)),
-                         "tflops": float(m.group(4)), "mfu": mfu, "vs_sdpa": float(m.group(6))})
+            mfu = None if m.group(7) == "n/a" else float(m.group(7).rstrip("%")) / 100
+            rows.append({"data": m.group(1), "real_tokens": float(m.group(2)) / 100,
+                         "attention_dropout": float(m.group(3)), "side": m.group(4), "seq_per_s": float(m.group(5)),
+                         "tflops": float(m.group(6)), "mfu": mfu, "vs_sdpa": float(m.group(8))})
     return rows
 
 
