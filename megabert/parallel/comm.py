@@ -20,9 +20,9 @@ assumes (megabert.planning.communication), not the bytes a backend puts on the w
 so a measured step and a predicted step are in the same unit. gloo's own algorithms move
 other amounts on the wire; and where megabert composes an op from others on gloo (the
 sequence-parallel reduce-scatter as an all-reduce: `reduce_scatter_by_all_reduce`; the
-distributed optimizer's from reduces and broadcasts: `reduce_scatter_by_reduces`,
-`all_gather_by_broadcasts`) the op asked for is counted, so a CPU step counts what the
-same step sends on NCCL.
+distributed optimizer's reduce-scatter and all-gather as rings of send/recv:
+megabert.parallel.ring, which counts through `count`) the op asked for is counted, so a
+CPU step counts what the same step sends on NCCL (the ring sends exactly that).
 
 Why an active ledger installed by a context manager, and not one passed to each call:
 the TP mappings are autograd Functions whose layers take only their group (STYLE 2), and
@@ -116,6 +116,12 @@ def active_ledger() -> Optional[CommLedger]:
     return _active
 
 
+def count(group, op: str, nbytes: int, label: Optional[str] = None) -> None:
+    """Counts `op` on `nbytes` over `group` as if sent now, for a collective composed
+    outside this module from transfers it does not count (megabert.parallel.ring)."""
+    _record(group, op, nbytes, label)
+
+
 def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else dist.get_world_size()
 
@@ -177,47 +183,6 @@ def reduce_scatter_by_all_reduce(x: torch.Tensor, group=None, label: Optional[st
     _record(group, "reduce_scatter", _nbytes(x), label)
     dist.all_reduce(x, group=group)
     return x
-
-
-class Works:
-    """Several asynchronous collectives waited for as one (the in-place compositions below)."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-
-def reduce_scatter_by_reduces(x: torch.Tensor, group=None, async_op: bool = False,
-                              label: Optional[str] = None):
-    """Sums `x` over the group into rank r's chunk r, in place, as one reduce per chunk
-    rooted at its owner (what ZeRO issues). The other chunks of `x` are left undefined.
-    For gloo: its reduce_scatter stages copies of the whole input (1.8x the input per call
-    in flight, measured with torch 2.13, and glibc keeps the pages) and writes an
-    all-reduce's bytes; its reduce works in place and writes as many bytes at 2 ranks,
-    fewer beyond (docs/performance.md). Counted as the reduce-scatter it stands for."""
-    _record(group, "reduce_scatter", _nbytes(x), label)
-    return _per_chunk(dist.reduce, "group_dst", x, group, async_op)
-
-
-def all_gather_by_broadcasts(out: torch.Tensor, group=None, async_op: bool = False, label: Optional[str] = None):
-    """Rank r's chunk r of `out` lands in chunk r of every rank's `out`, in place, as one
-    broadcast per chunk from its owner: what an all-gather sends. For gloo: its all_gather
-    stages a copy of the output, its broadcast works in place. Counted as the all-gather it
-    stands for."""
-    _record(group, "all_gather", _nbytes(out), label)
-    return _per_chunk(dist.broadcast, "group_src", out, group, async_op)
-
-
-def _per_chunk(op, owner_arg: str, x: torch.Tensor, group, async_op: bool):
-    """`op` on chunk r of `x` with group rank r as its root (`owner_arg`), for every r."""
-    n = _size(group)
-    chunk = x.numel() // n
-    works = [op(x[r * chunk:(r + 1) * chunk], group=group, async_op=async_op, **{owner_arg: r}) for r in range(n)]
-    return Works(works) if async_op else None
 
 
 def gather(tensor: torch.Tensor, parts: Optional[list[torch.Tensor]], group=None, group_dst: int = 0):

@@ -75,6 +75,18 @@ class ParallelState:
         return cls(rank=0, world_size=pp_size, tp_size=1, pp_size=pp_size, dp_size=1, tp_rank=0, pp_rank=pp_rank,
                    dp_rank=0, device=torch.device("meta"), backend="none")
 
+    def new_dp_group(self, backend: Optional[str] = None) -> dist.ProcessGroup:
+        """A second communicator over this rank's data-parallel ranks, for traffic that runs
+        beside the DP group's own collectives (the distributed optimizer's ring thread on
+        gloo: megabert.parallel.ring). Collective over the world, as `build`: every rank
+        calls it, and it creates every DP group in build's order."""
+        mine = None
+        for ranks in _dp_ranks(self.tp_size, self.dp_size, self.pp_size):
+            g = dist.new_group(ranks, backend=backend)
+            if self.rank in ranks:
+                mine = g
+        return mine
+
     @classmethod
     def build(cls, tp_size: int, pp_size: int, *, device: torch.device, backend: str,
               local_rank: int = 0, launcher: str = "single") -> "ParallelState":
@@ -96,7 +108,7 @@ class ParallelState:
 
         r = lambda t, d, p: rank_of(t, d, p, tp_size, dp_size)  # noqa: E731
         make("tp", [[r(t, d, p) for t in range(tp_size)] for p in range(pp_size) for d in range(dp_size)])
-        make("dp", [[r(t, d, p) for d in range(dp_size)] for p in range(pp_size) for t in range(tp_size)])
+        make("dp", _dp_ranks(tp_size, dp_size, pp_size))
         pp_ranks = [[r(t, d, p) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)]
         make("pp", pp_ranks)
         if pp_size > 1:
@@ -110,3 +122,9 @@ class ParallelState:
                    tp_group=groups["tp"], dp_group=groups["dp"], pp_group=groups["pp"],
                    pp_backward_group=groups.get("pp_backward"), mp_group=groups["mp"],
                    embedding_group=groups.get("emb"), local_rank=local_rank, launcher=launcher)
+
+
+def _dp_ranks(tp_size: int, dp_size: int, pp_size: int) -> list[list[int]]:
+    """The global ranks of every data-parallel group, in the order groups are created."""
+    return [[rank_of(t, d, p, tp_size, dp_size) for d in range(dp_size)]
+            for p in range(pp_size) for t in range(tp_size)]

@@ -21,12 +21,13 @@ the buckets; with `overlap_param_gather` a forward pre-hook on each module waits
 for the buckets up to the one holding its parameters, so the first layers compute while
 the later buckets are still arriving.
 
-On gloo (CPU) both collectives are composed in place: the reduce-scatter from one reduce
-per shard rooted at its owner, the all-gather from one broadcast per shard from its owner
-(megabert.parallel.comm), the same bytes. gloo's own reduce_scatter and all_gather stage
-copies of the whole bucket for every call in flight, and backward issues the
-reduce-scatters faster than two cores complete them: with BERT-large at DP=2 that held
-more than the sharded moments saved (issue 32). NCCL's run in place as they are.
+On gloo (CPU) both collectives are rings of point-to-point transfers, in place, run in
+issue order by one thread on a communicator of their own (megabert.parallel.ring): gloo's
+own reduce_scatter and all_gather stage copies of the whole bucket for every call in
+flight, and backward issues the reduce-scatters faster than two cores complete them (with
+BERT-large at DP=2 that held more than the sharded moments saved), and composing them from
+gloo's reduce and broadcast kept the memory but sent more bytes, one link direction at a
+time (issue 32). NCCL's run in place as they are.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from megabert.parallel import ParallelState, comm
 from megabert.parallel.param_spec import ATTR
+from megabert.parallel.ring import RingCommunicator
 from megabert.training.overlap import OverlappedGradReducer, _Bucket
 
 logger = logging.getLogger(__name__)
@@ -49,10 +51,12 @@ logger = logging.getLogger(__name__)
 BUCKET_ALIGNMENT = 128
 
 
-# Parameter all-gathers in flight at once: two keep the link busy (one runs while the next
-# is waited for). The reduce-scatters are not throttled: backward issues them as buckets
-# fill, and a wait in a backward hook could stall one pipeline on another's progress;
-# neither holds memory beyond the buffers (both work in place).
+# Parameter all-gathers in flight at once on NCCL: two keep the link busy (one runs while
+# the next is waited for). The reduce-scatters are not throttled: backward issues them as
+# buckets fill, and a wait in a backward hook could stall one pipeline on another's
+# progress; neither holds memory beyond the buffers (both work in place). The ring thread
+# (gloo) takes every gather at once: it runs them one after another anyway, and a throttle
+# would leave the link idle until forward reached the next bucket.
 IN_FLIGHT = 2
 
 
@@ -84,11 +88,15 @@ class ShardedBuffers(OverlappedGradReducer):
         super().__init__(params, ps, bucket_elements)
         # Chosen once, from the DP group's backend: gloo's own collectives stage copies (see
         # the module docstring); where the group is a single rank nothing is sent either way.
-        self.in_place = ps.dp_size > 1 and dist.get_backend(ps.dp_group) == "gloo"
-        if self.in_place and ps.is_logging_rank:
-            logger.info("distributed optimizer on gloo: gradient buckets reduce-scattered as one reduce per DP "
-                        "shard, parameters all-gathered as one broadcast per shard, in place (gloo's "
-                        "reduce_scatter and all_gather copy whole buckets)")
+        # NOTE: new_dp_group is collective over the world; every rank builds its buffers here.
+        self.ring: Optional[RingCommunicator] = None
+        if ps.dp_size > 1 and dist.get_backend(ps.dp_group) == "gloo":
+            chunk_bytes = max(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets)
+            self.ring = RingCommunicator(ps.new_dp_group(backend="gloo"), chunk_bytes, device=ps.device, label="dp")
+            if ps.is_logging_rank:
+                logger.info("distributed optimizer on gloo: gradient buckets reduce-scattered and parameters "
+                            "all-gathered as rings of send/recv by a communication thread, in place (gloo's "
+                            "reduce_scatter and all_gather copy whole buckets)")
         self.overlap_param_gather = overlap_param_gather
         self._gathers: list[Optional[dist.Work]] = []  # per bucket, forward order; None once waited
         self._waited = 0  # the first bucket (forward order) not yet waited for
@@ -157,11 +165,11 @@ class ShardedBuffers(OverlappedGradReducer):
         super().start(num_micro_batches)
 
     def _issue(self, bucket: _Bucket) -> None:
-        group = self.ps.dp_group
-        if self.in_place:
-            bucket.handle = comm.reduce_scatter_by_reduces(bucket.flat, group=group, async_op=True)
+        if self.ring is not None:
+            bucket.handle = self.ring.reduce_scatter(bucket.flat)
         else:
-            bucket.handle = comm.reduce_scatter_tensor(bucket.grad_shard, bucket.flat, group=group, async_op=True)
+            bucket.handle = comm.reduce_scatter_tensor(bucket.grad_shard, bucket.flat, group=self.ps.dp_group,
+                                                       async_op=True)
 
     def _complete(self, bucket: _Bucket, scale: float) -> None:
         bucket.handle.wait()
@@ -181,8 +189,8 @@ class ShardedBuffers(OverlappedGradReducer):
 
     def gather_params(self) -> None:
         """All-gathers every bucket's parameters after the optimizer stepped the shards, in
-        the order forward needs them, IN_FLIGHT at a time (each wait issues the next);
-        waits for them all unless `overlap_param_gather`."""
+        the order forward needs them (on NCCL IN_FLIGHT at a time, each wait issuing the
+        next); waits for them all unless `overlap_param_gather`."""
         self.wait_params()
         self._forward_order = list(reversed(self.buckets))
         self._gathers, self._waited = [], 0
@@ -191,12 +199,14 @@ class ShardedBuffers(OverlappedGradReducer):
             self.wait_params()
 
     def _issue_gathers(self) -> None:
-        while len(self._gathers) < min(self._waited + IN_FLIGHT, len(self._forward_order)):
-            b, group = self._forward_order[len(self._gathers)], self.ps.dp_group
-            if self.in_place:
-                work = comm.all_gather_by_broadcasts(b.params_flat, group=group, async_op=True)
+        limit = len(self._forward_order) if self.ring is not None else self._waited + IN_FLIGHT
+        while len(self._gathers) < min(limit, len(self._forward_order)):
+            b = self._forward_order[len(self._gathers)]
+            if self.ring is not None:
+                work = self.ring.all_gather(b.params_flat)
             else:
-                work = comm.all_gather_into_tensor(b.params_flat, b.param_shard, group=group, async_op=True)
+                work = comm.all_gather_into_tensor(b.params_flat, b.param_shard, group=self.ps.dp_group,
+                                                   async_op=True)
             self._gathers.append(work)
 
     def wait_params(self, upto: Optional[int] = None) -> None:
@@ -237,6 +247,8 @@ class ShardedBuffers(OverlappedGradReducer):
         for h in self._pre_hooks:
             h.remove()
         self._pre_hooks = []
+        if self.ring is not None:
+            self.ring.close()
         super().close()
 
 
