@@ -77,12 +77,13 @@ def _stopped_peer_worker(rank, world):
     group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     if rank == 0:
         ring = RingCommunicator(group, 64, device=torch.device("cpu"))
-        first, second = ring.reduce_scatter(torch.ones(16)), ring.all_gather(torch.ones(16))
         with pytest.raises(RuntimeError, match="[Tt]imed out"):
-            first.wait()
-        # The ring is out of step: what was queued after the failure fails with it.
+            ring.reduce_scatter(torch.ones(16)).wait()
+        # The ring is out of step: what comes after the failure fails with it. (Submitted
+        # after the first failed, so the thread had stopped waiting for new work first: a
+        # thread that left its loop there would leave this wait hanging.)
         with pytest.raises(RuntimeError, match="[Tt]imed out"):
-            second.wait()
+            ring.all_gather(torch.ones(16)).wait()
         ring.close()
         with pytest.raises(RuntimeError, match="closed"):
             ring.all_gather(torch.ones(16))

@@ -166,8 +166,9 @@ class RingCommunicator:
 
     def _run(self) -> None:
         flight: deque[_Transfer] = deque()
-        while True:
-            item = work = None
+        stopping = False
+        while not stopping:
+            work = None
             try:
                 if flight:
                     try:
@@ -178,6 +179,7 @@ class RingCommunicator:
                 else:
                     item = self._queue.get()
                 if item is None:
+                    stopping = True
                     while flight:
                         self._complete(flight)
                     return
@@ -194,8 +196,6 @@ class RingCommunicator:
                 flight.clear()
                 if work is not None and not work.is_completed():
                     work._finish(e)
-                if item is None:
-                    return
 
     def _issue(self, x: torch.Tensor, reduce: bool, work: RingWork, op: int, flight: deque) -> None:
         issued = False
