@@ -27,6 +27,9 @@
 
 // Query rows per block and keys per tile; a tile's keys are one Philox tile (dropout_kernels.h).
 constexpr int64_t kBq = 16;
+// The backward's query blocks: dK and dV of a key tile sum over kBqB queries per pass over
+// their accumulators (16 -> 32: 1.1-1.2x on the backward, measured on AVX2 Zen 3).
+constexpr int64_t kBqB = 32;
 constexpr int64_t kBk = kTile;  // 64
 // Head-dim chunk: rows of scratch are padded to a multiple of it.
 constexpr int64_t kDc = 64;
@@ -50,12 +53,21 @@ struct Vec<double> {
   typedef double type __attribute__((vector_size(MEGABERT_VEC_BYTES)));
 };
 
+// Register-blocked tile GEMM: C[rows][nv vectors] (+)= sum_{i < n} a(r, i) * B[i][:], with
+// a(r, i) = a[r * ars + i * ais] and B's rows `bs` apart. As a GEMM micro-kernel does, a
+// block of kMR rows x kNR vectors of C stays in registers across the whole sum over i; per
+// i it loads kNR vectors of B once and broadcasts kMR coefficients, so the loop issues
+// kNR + kMR loads per kMR * kNR multiply-adds (AVX2: 7 per 12; the earlier two-row axpy
+// issued 6 per 8 and held 8 accumulators, too few to cover the FMA latency on 2 pipes).
+// Each output's sum still runs over i in order from 0 (or from C): the same sums, bitwise.
 template <typename A>
-struct Row64 {
+struct Gemm {
   using V = typename Vec<A>::type;
   static constexpr int64_t kW = MEGABERT_VEC_BYTES / static_cast<int64_t>(sizeof(A));
-  static constexpr int64_t kN = kDc / kW;  // vectors per 64-wide row
-  static_assert(kDc % kW == 0, "kDc must be a multiple of the vector width");
+  // kMR * kNR accumulators + kNR loaded vectors + one broadcast fit the register file: 16
+  // registers for SSE2 and AVX2 (4 x 3: 12 + 3 + 1), 32 for AVX-512 (4 x 4: 16 + 4 + 1).
+  static constexpr int kMR = 4;
+  static constexpr int kNR = MEGABERT_VEC_BYTES == 64 ? 4 : 3;
 
   static inline V load(const A* p) {
     V v;
@@ -64,123 +76,132 @@ struct Row64 {
   }
   static inline void store(A* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
 
-  // Accumulators per pass: at most 8 vectors, so that they and the loaded row fit in 16
-  // registers (SSE2's 16-float rows take two passes of 32; AVX2 and AVX-512 one).
-  static constexpr int64_t kAcc = kN < 8 ? kN : 8;
-
-  // out[0:64] (+)= sum_{i < n} coef[i * coef_stride] * rows[i * row_stride + 0:64]; the
-  // accumulators stay in vector registers across the sum.
-  template <bool kAccumulate>
-  static inline void axpy(A* out, const A* coef, int64_t coef_stride, const A* rows, int64_t row_stride,
-                          int64_t n) {
-    for (int64_t k0 = 0; k0 < kN; k0 += kAcc) {
-      V acc[kAcc];
-#pragma GCC unroll 8
-      for (int64_t k = 0; k < kAcc; ++k) acc[k] = kAccumulate ? load(out + (k0 + k) * kW) : V{};
-      for (int64_t i = 0; i < n; ++i) {
-        const A c = coef[i * coef_stride];
-        const A* r = rows + i * row_stride + k0 * kW;
-#pragma GCC unroll 8
-        for (int64_t k = 0; k < kAcc; ++k) acc[k] += c * load(r + k * kW);
-      }
-#pragma GCC unroll 8
-      for (int64_t k = 0; k < kAcc; ++k) store(out + (k0 + k) * kW, acc[k]);
-    }
-  }
-
   // NOTE: GCC folds a loaded vector into each multiply-add that reads it (a memory
-  // operand), loading it twice in axpy2; an empty asm that claims to change it keeps it in
-  // a register.
+  // operand), loading it kMR times; an empty asm that claims to change it keeps it in a
+  // register.
   static inline void keep_in_register(V& x) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && MEGABERT_VEC_BYTES == 64
+    asm("" : "+v"(x));
+#elif defined(__x86_64__) && defined(__GNUC__)
     asm("" : "+x"(x));
 #else
     (void)x;
 #endif
   }
 
-  // Two output rows over the same `rows`: each loaded vector feeds two multiply-adds, so
-  // the loop issues 3 loads (a vector, two broadcasts) per 4 FMAs where axpy issues 9 per
-  // 8; axpy is load-bound (measured on AVX2 Zen 3: 2-row tiles 1.3-1.4x faster). Each
-  // output's sum runs in axpy's order: the results are bitwise axpy's.
-  static constexpr int64_t kAcc2 = kN < 4 ? kN : 4;
-
-  template <bool kAccumulate>
-  static inline void axpy2(A* out0, A* out1, const A* coef0, const A* coef1, int64_t coef_stride, const A* rows,
-                           int64_t row_stride, int64_t n) {
-    for (int64_t k0 = 0; k0 < kN; k0 += kAcc2) {
-      V acc0[kAcc2], acc1[kAcc2];
+  template <int MR, int NR, bool kAccumulate>
+  static inline void block(A* c, int64_t cs, const A* a, int64_t ars, int64_t ais, const A* b, int64_t bs,
+                           int64_t n) {
+    V acc[MR][NR];
 #pragma GCC unroll 4
-      for (int64_t k = 0; k < kAcc2; ++k) {
-        acc0[k] = kAccumulate ? load(out0 + (k0 + k) * kW) : V{};
-        acc1[k] = kAccumulate ? load(out1 + (k0 + k) * kW) : V{};
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const A c0 = coef0[i * coef_stride], c1 = coef1[i * coef_stride];
-        const A* r = rows + i * row_stride + k0 * kW;
+    for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-        for (int64_t k = 0; k < kAcc2; ++k) {
-          V x = load(r + k * kW);
-          keep_in_register(x);
-          acc0[k] += c0 * x;
-          acc1[k] += c1 * x;
-        }
+      for (int v = 0; v < NR; ++v) acc[r][v] = kAccumulate ? load(c + r * cs + v * kW) : V{};
+    for (int64_t i = 0; i < n; ++i) {
+      V x[NR];
+#pragma GCC unroll 4
+      for (int v = 0; v < NR; ++v) {
+        x[v] = load(b + i * bs + v * kW);
+        keep_in_register(x[v]);
       }
 #pragma GCC unroll 4
-      for (int64_t k = 0; k < kAcc2; ++k) {
-        store(out0 + (k0 + k) * kW, acc0[k]);
-        store(out1 + (k0 + k) * kW, acc1[k]);
+      for (int r = 0; r < MR; ++r) {
+        const A s = a[r * ars + i * ais];
+#pragma GCC unroll 4
+        for (int v = 0; v < NR; ++v) acc[r][v] += s * x[v];
       }
     }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NR; ++v) store(c + r * cs + v * kW, acc[r][v]);
+  }
+
+  // MR rows over nv vectors: blocks NR wide, then the narrower rest.
+  template <int MR, int NR, bool kAccumulate>
+  static inline void cols(int64_t nv, A* c, int64_t cs, const A* a, int64_t ars, int64_t ais, const A* b,
+                          int64_t bs, int64_t n) {
+    int64_t v0 = 0;
+    for (; v0 + NR <= nv; v0 += NR) block<MR, NR, kAccumulate>(c + v0 * kW, cs, a, ars, ais, b + v0 * kW, bs, n);
+    if constexpr (NR > 1)
+      if (v0 < nv) cols<MR, NR - 1, kAccumulate>(nv - v0, c + v0 * kW, cs, a, ars, ais, b + v0 * kW, bs, n);
+  }
+
+  // rows x nv vectors: blocks of MR rows, then the fewer rows left.
+  template <bool kAccumulate, int MR = kMR>
+  static inline void run(int64_t rows, int64_t nv, A* c, int64_t cs, const A* a, int64_t ars, int64_t ais,
+                         const A* b, int64_t bs, int64_t n) {
+    int64_t r0 = 0;
+    for (; r0 + MR <= rows; r0 += MR)
+      cols<MR, kNR, kAccumulate>(nv, c + r0 * cs, cs, a + r0 * ars, ars, ais, b, bs, n);
+    if constexpr (MR > 1)
+      if (r0 < rows) run<kAccumulate, MR - 1>(rows - r0, nv, c + r0 * cs, cs, a + r0 * ars, ars, ais, b, bs, n);
   }
 };
 
-// C[kBq][kBk] = A[kBq][dp] . Bt[dp][kBk] (Bt: a key tile transposed; dp a multiple of kDc).
+// C[rows][0:n] = A[rows][dp] . Bt[dp][0:n] (Bt: a key tile transposed, kBk wide; dp a
+// multiple of kDc), n rounded up to whole vectors: the last tile of a sequence skips the
+// vectors past its keys (columns beyond are left as they were).
 template <typename A>
-inline void tile_abt(const A* a, int64_t dp, const A* bt, A* c, int64_t rows) {
-  int64_t r = 0;
-  for (; r + 1 < rows; r += 2)
-    Row64<A>::template axpy2<false>(c + r * kBk, c + (r + 1) * kBk, a + r * dp, a + (r + 1) * dp, 1, bt, kBk, dp);
-  if (r < rows) Row64<A>::template axpy<false>(c + r * kBk, a + r * dp, 1, bt, kBk, dp);
+inline void tile_abt(const A* a, int64_t dp, const A* bt, A* c, int64_t rows, int64_t n) {
+  const int64_t kW = Gemm<A>::kW;
+  Gemm<A>::template run<false>(rows, (n + kW - 1) / kW, c, kBk, a, dp, 1, bt, kBk, dp);
 }
 
 // C[rows][dp] += P[rows][kBk] . B[kBk][dp] (B: rows of a tile, dp wide), over n keys.
 template <typename A>
 inline void tile_ab_acc(const A* p, const A* b, int64_t dp, A* c, int64_t rows, int64_t n) {
-  for (int64_t d0 = 0; d0 < dp; d0 += kDc) {
-    int64_t r = 0;
-    for (; r + 1 < rows; r += 2)
-      Row64<A>::template axpy2<true>(c + r * dp + d0, c + (r + 1) * dp + d0, p + r * kBk, p + (r + 1) * kBk, 1,
-                                     b + d0, dp, n);
-    if (r < rows) Row64<A>::template axpy<true>(c + r * dp + d0, p + r * kBk, 1, b + d0, dp, n);
-  }
+  Gemm<A>::template run<true>(rows, dp / Gemm<A>::kW, c, dp, p, kBk, 1, b, dp, n);
 }
 
-// Y[kBk][dp] += P[rows][kBk]^T . X[rows][dp] (kBk is even: keys go in pairs).
+// Y[0:n][dp] += P[rows][0:n]^T . X[rows][dp] (P rows kBk apart; n keys of the tile).
 template <typename A>
-inline void tile_atb_acc(const A* p, const A* x, int64_t dp, A* y, int64_t rows) {
-  static_assert(kBk % 2 == 0, "keys are taken in pairs");
-  for (int64_t c = 0; c < kBk; c += 2)
-    for (int64_t d0 = 0; d0 < dp; d0 += kDc)
-      Row64<A>::template axpy2<true>(y + c * dp + d0, y + (c + 1) * dp + d0, p + c, p + c + 1, kBk, x + d0, dp, rows);
+inline void tile_atb_acc(const A* p, const A* x, int64_t dp, A* y, int64_t rows, int64_t n) {
+  Gemm<A>::template run<true>(n, dp / Gemm<A>::kW, y, dp, p, 1, kBk, x, dp, rows);
 }
 
-// The 64 keep words of (pair, row, key tile kt): u[k] decides key kt * kBk + k.
-inline void attn_philox_tile(uint64_t seed, uint32_t pair, uint32_t row, int64_t kt, uint32_t* u) {
-  uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+// The keep words of (pair, row, key tile kt) in two steps. Of an attention counter only c0
+// varies across a tile's lanes and only c1 (the row) across its rows, so Philox's first two
+// rounds split into a part per (pair, tile), drawn once per tile (prepare), and a part per
+// row that is lane-uniform (one scalar product); the row then runs rounds 2..9 on vectors.
+// The words are Philox4x32-10's, bit for bit: 8 vector rounds per row instead of 10.
+struct AttnPhiloxTile {
+  uint32_t x0[kLanes], x1[kLanes], x3k[kLanes];  // after round 1: words 0, 1; word 3 ^ round 1's key 1
+  uint32_t pair_hi;                               // round 0's high half of pair * M1
+};
+
+inline void attn_philox_prepare(uint64_t seed, uint32_t pair, int64_t kt, AttnPhiloxTile& t) {
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  const uint64_t pm = static_cast<uint64_t>(pair) * kPhiloxM1;
+  t.pair_hi = static_cast<uint32_t>(pm >> 32);
   for (int64_t j = 0; j < kLanes; ++j) {
-    c0[j] = static_cast<uint32_t>(kt * kLanes + j);
-    c1[j] = row;
-    c2[j] = pair;
-    c3[j] = kAttnDomain;
+    // Round 0 (keys k0, k1) of counter (c0, row, pair, kAttnDomain), its row-free words.
+    const uint64_t a = static_cast<uint64_t>(static_cast<uint32_t>(kt * kLanes + j)) * kPhiloxM0;
+    const uint32_t w1 = static_cast<uint32_t>(pm);                                // lo(pair * M1)
+    const uint32_t w2 = static_cast<uint32_t>(a >> 32) ^ kAttnDomain ^ k1;        // hi(c0 * M0) ^ c3 ^ k1
+    const uint32_t w3 = static_cast<uint32_t>(a);                                 // lo(c0 * M0)
+    // Round 1 (keys + W): word 0's product waits for the row; word 2's is here.
+    const uint64_t b = static_cast<uint64_t>(w2) * kPhiloxM1;
+    t.x0[j] = static_cast<uint32_t>(b >> 32) ^ w1 ^ (k0 + kPhiloxW0);
+    t.x1[j] = static_cast<uint32_t>(b);
+    t.x3k[j] = w3 ^ (k1 + kPhiloxW1);
   }
-  philox_rounds(seed, c0, c1, c2, c3);
+}
+
+// The 64 keep words of one row of a prepared tile: u[k] decides key kt * kBk + k.
+inline void attn_philox_row(uint64_t seed, const AttnPhiloxTile& t, uint32_t row, uint32_t* u) {
+  // Round 0's word 0 (hi(pair * M1) ^ row ^ k0) and round 1's product of it.
+  const uint32_t w0 = t.pair_hi ^ row ^ static_cast<uint32_t>(seed);
+  const uint64_t c = static_cast<uint64_t>(w0) * kPhiloxM0;
+  const uint32_t hi = static_cast<uint32_t>(c >> 32), lo = static_cast<uint32_t>(c);
+  // Counter word w of lane j lives at u[w * kLanes + j], where its output word goes.
   for (int64_t j = 0; j < kLanes; ++j) {
-    u[j] = c0[j];
-    u[kLanes + j] = c1[j];
-    u[2 * kLanes + j] = c2[j];
-    u[3 * kLanes + j] = c3[j];
+    u[j] = t.x0[j];
+    u[kLanes + j] = t.x1[j];
+    u[2 * kLanes + j] = hi ^ t.x3k[j];
+    u[3 * kLanes + j] = lo;
   }
+  philox_rounds(seed, u, u + kLanes, u + 2 * kLanes, u + 3 * kLanes, 2);
 }
 
 // Loads rows [r0, r0 + n) of one head of q/k/v ([T, heads, d] rows `stride` apart, this
@@ -228,7 +249,7 @@ int64_t attn_bwd_scratch(int64_t max_len, int64_t d) {
   const int64_t dp = round_up(d, kDc), lp = round_up(max_len, kBk);
   // Qs, K, dO, dQ (lp x dp each), Kt, Vt (lp x dp), D, lse (lp), dK, dV tiles (kBk x dp),
   // P and dS tiles (kBq x kBk).
-  return 6 * lp * dp + 2 * lp + 2 * kBk * dp + 2 * kBq * kBk;
+  return 6 * lp * dp + 2 * lp + 2 * kBk * dp + 2 * kBqB * kBk;
 }
 
 template <typename T>
@@ -263,6 +284,7 @@ void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
   const A scale = static_cast<A>(a.scale), keep_scale = static_cast<A>(a.keep_scale);
   const uint32_t pair = static_cast<uint32_t>(item);
   uint32_t u[kBk];
+  AttnPhiloxTile ptile;
   for (int64_t q0 = 0; q0 < len; q0 += kBq) {
     const int64_t rows = len - q0 < kBq ? len - q0 : kBq;
     load_rows<T, A>(q + q0 * a.q_stride, a.q_stride, d, rows, scale, qb, dp);
@@ -273,7 +295,8 @@ void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
     }
     for (int64_t kt = 0; kt < dims.tiles; ++kt) {
       const int64_t valid = len - kt * kBk < kBk ? len - kt * kBk : kBk;
-      tile_abt<A>(qb, dp, kt_all + kt * dp * kBk, s, rows);
+      tile_abt<A>(qb, dp, kt_all + kt * dp * kBk, s, rows, valid);
+      if (a.dropout) attn_philox_prepare(a.seed, pair, kt, ptile);
       for (int64_t r = 0; r < rows; ++r) {
         A* sr = s + r * kBk;
         // Keys past the sequence (the last tile) score -inf: out of the max, exp gives 0.
@@ -294,7 +317,7 @@ void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
         A* orow = ob + r * dp;
         for (int64_t c = 0; c < dp; ++c) orow[c] *= alpha;
         if (a.dropout) {
-          attn_philox_tile(a.seed, pair, static_cast<uint32_t>(q0 + r), kt, u);
+          attn_philox_row(a.seed, ptile, static_cast<uint32_t>(q0 + r), u);
 #pragma omp simd
           for (int64_t c = 0; c < kBk; ++c) sr[c] = u[c] >= a.threshold ? sr[c] * keep_scale : A(0);
         }
@@ -342,7 +365,7 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
   A* dkb = lse + lp;
   A* dvb = dkb + kBk * dp;
   A* p = dvb + kBk * dp;
-  A* ds = p + kBq * kBk;
+  A* ds = p + kBqB * kBk;
 
   const A scale = static_cast<A>(a.scale), keep_scale = static_cast<A>(a.keep_scale);
   load_rows<T, A>(q, a.q_stride, d, len, scale, qs, dp);
@@ -366,39 +389,42 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
 
   const uint32_t pair = static_cast<uint32_t>(item);
   uint32_t u[kBk];
+  AttnPhiloxTile ptile;
   for (int64_t kt = 0; kt < dims.tiles; ++kt) {
     const int64_t valid = len - kt * kBk < kBk ? len - kt * kBk : kBk;
     for (int64_t i = 0; i < kBk * dp; ++i) dkb[i] = dvb[i] = 0;
+    if (a.dropout) attn_philox_prepare(a.seed, pair, kt, ptile);
     const A* ktile = kt_all + kt * dp * kBk;
     const A* vtile = vt_all + kt * dp * kBk;
-    for (int64_t q0 = 0; q0 < len; q0 += kBq) {
-      const int64_t rows = len - q0 < kBq ? len - q0 : kBq;
-      tile_abt<A>(qs + q0 * dp, dp, ktile, p, rows);        // S
-      tile_abt<A>(dob + q0 * dp, dp, vtile, ds, rows);      // dP (of the dropped probabilities)
+    for (int64_t q0 = 0; q0 < len; q0 += kBqB) {
+      const int64_t rows = len - q0 < kBqB ? len - q0 : kBqB;
+      tile_abt<A>(qs + q0 * dp, dp, ktile, p, rows, valid);    // S
+      tile_abt<A>(dob + q0 * dp, dp, vtile, ds, rows, valid);  // dP (of the dropped probabilities)
       for (int64_t r = 0; r < rows; ++r) {
         A* pr = p + r * kBk;
         A* dsr = ds + r * kBk;
         const A lr = lse[q0 + r], dr = dvec[q0 + r];
         if (a.dropout) {
-          attn_philox_tile(a.seed, pair, static_cast<uint32_t>(q0 + r), kt, u);
+          attn_philox_row(a.seed, ptile, static_cast<uint32_t>(q0 + r), u);
 #pragma omp simd
           for (int64_t c = 0; c < kBk; ++c) {
+            // Past the keys the tiles hold stale values: selected away, never multiplied.
             const A prob = c < valid ? exp_approx(pr[c] - lr) : A(0);
             const A keep = u[c] >= a.threshold ? keep_scale : A(0);
-            pr[c] = prob * keep;                       // dropped probabilities, for dV
-            dsr[c] = prob * (dsr[c] * keep - dr);      // grad of the scaled scores
+            pr[c] = prob * keep;                                   // dropped probabilities, for dV
+            dsr[c] = c < valid ? prob * (dsr[c] * keep - dr) : A(0);  // grad of the scaled scores
           }
         } else {
 #pragma omp simd
           for (int64_t c = 0; c < kBk; ++c) {
             const A prob = c < valid ? exp_approx(pr[c] - lr) : A(0);
             pr[c] = prob;
-            dsr[c] = prob * (dsr[c] - dr);
+            dsr[c] = c < valid ? prob * (dsr[c] - dr) : A(0);
           }
         }
       }
-      tile_atb_acc<A>(p, dob + q0 * dp, dp, dvb, rows);           // dV += Pd^T dO
-      tile_atb_acc<A>(ds, qs + q0 * dp, dp, dkb, rows);           // dK += dS^T (scale Q)
+      tile_atb_acc<A>(p, dob + q0 * dp, dp, dvb, rows, valid);    // dV += Pd^T dO
+      tile_atb_acc<A>(ds, qs + q0 * dp, dp, dkb, rows, valid);    // dK += dS^T (scale Q)
       tile_ab_acc<A>(ds, kr + kt * kBk * dp, dp, dqb + q0 * dp, rows, valid);  // dQ += dS K
     }
     for (int64_t r = 0; r < valid; ++r) {
@@ -425,10 +451,13 @@ void attn_mask(const AttnFwdArgs& a, int64_t item, uint8_t* mask) {
   const int64_t seq = item / a.heads;
   const int64_t len = a.cu_seqlens[seq + 1] - a.cu_seqlens[seq];
   uint32_t u[kBk];
-  for (int64_t r = 0; r < len; ++r)
-    for (int64_t kt = 0; kt * kBk < len; ++kt) {
-      attn_philox_tile(a.seed, static_cast<uint32_t>(item), static_cast<uint32_t>(r), kt, u);
+  AttnPhiloxTile ptile;
+  for (int64_t kt = 0; kt * kBk < len; ++kt) {
+    attn_philox_prepare(a.seed, static_cast<uint32_t>(item), kt, ptile);
+    for (int64_t r = 0; r < len; ++r) {
+      attn_philox_row(a.seed, ptile, static_cast<uint32_t>(r), u);
       for (int64_t c = 0; c < kBk && kt * kBk + c < len; ++c)
         mask[r * len + kt * kBk + c] = u[c] >= a.threshold ? 1 : 0;
     }
+  }
 }

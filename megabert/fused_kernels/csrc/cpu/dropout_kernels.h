@@ -54,17 +54,32 @@ inline U64Vec mul_even_u32(U32Vec a, U32Vec b) {
 #endif
 }
 
+// Lanes 2i of `even` and 2i + 1 of `odd`: with AVX2 and AVX-512 one blend (vpblendd /
+// a masked move) where masks take an and, an and-not and an or.
+inline U32Vec merge_even_odd(U32Vec even, U32Vec odd) {
+#if MEGABERT_VEC_BYTES >= 32
+  U32Vec idx;
+  for (int64_t i = 0; i < kU32PerVec; ++i) idx[i] = static_cast<uint32_t>(i + (i & 1) * kU32PerVec);
+  return __builtin_shuffle(even, odd, idx);
+#else
+  // SSE2 has no 32-bit blend; the masks are as cheap as its shuffles.
+  const U32Vec low = (U32Vec)(U64Vec{} + 0xFFFFFFFFull);
+  return (even & low) | (odd & ~low);
+#endif
+}
+
 // hi, lo: the high and low 32 bits of a * m, lane by lane.
 inline void mul_hi_lo(U32Vec a, U32Vec m, U32Vec& hi, U32Vec& lo) {
   const U64Vec even = mul_even_u32(a, m);
   const U64Vec odd = mul_even_u32((U32Vec)((U64Vec)a >> 32), m);
-  const U64Vec low = U64Vec{} + 0xFFFFFFFFull;
-  lo = (U32Vec)((even & low) | (odd << 32));
-  hi = (U32Vec)((even >> 32) | (odd & ~low));
+  lo = merge_even_odd((U32Vec)even, (U32Vec)(odd << 32));
+  hi = merge_even_odd((U32Vec)(even >> 32), (U32Vec)odd);
 }
 
-// Ten Philox4x32-10 rounds on kLanes counters (c0..c3, in place) under key `seed`.
-inline void philox_rounds(uint64_t seed, uint32_t* c0, uint32_t* c1, uint32_t* c2, uint32_t* c3) {
+// Philox4x32-10's rounds first_round .. 9 on kLanes counters (c0..c3, in place) under key
+// `seed` (first_round > 0: the caller ran the earlier rounds itself).
+inline void philox_rounds(uint64_t seed, uint32_t* c0, uint32_t* c1, uint32_t* c2, uint32_t* c3,
+                          int first_round = 0) {
   constexpr int64_t n = kLanes / kU32PerVec, bytes = MEGABERT_VEC_BYTES;
   U32Vec x0[n], x1[n], x2[n], x3[n];
   for (int64_t i = 0; i < n; ++i) {
@@ -74,8 +89,9 @@ inline void philox_rounds(uint64_t seed, uint32_t* c0, uint32_t* c1, uint32_t* c
     __builtin_memcpy(&x3[i], c3 + i * kU32PerVec, bytes);
   }
   const U32Vec m0 = U32Vec{} + kPhiloxM0, m1 = U32Vec{} + kPhiloxM1;
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
+  uint32_t k0 = static_cast<uint32_t>(seed) + static_cast<uint32_t>(first_round) * kPhiloxW0;
+  uint32_t k1 = static_cast<uint32_t>(seed >> 32) + static_cast<uint32_t>(first_round) * kPhiloxW1;
+  for (int round = first_round; round < 10; ++round) {
 #pragma GCC unroll 4
     for (int64_t i = 0; i < n; ++i) {
       U32Vec hi0, lo0, hi1, lo1;
