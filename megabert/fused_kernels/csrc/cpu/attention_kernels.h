@@ -392,6 +392,7 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
   AttnPhiloxTile ptile;
   for (int64_t kt = 0; kt < dims.tiles; ++kt) {
     const int64_t valid = len - kt * kBk < kBk ? len - kt * kBk : kBk;
+    const int32_t vlim = static_cast<int32_t>(valid);
     for (int64_t i = 0; i < kBk * dp; ++i) dkb[i] = dvb[i] = 0;
     if (a.dropout) attn_philox_prepare(a.seed, pair, kt, ptile);
     const A* ktile = kt_all + kt * dp * kBk;
@@ -406,20 +407,25 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
         const A lr = lse[q0 + r], dr = dvec[q0 + r];
         if (a.dropout) {
           attn_philox_row(a.seed, ptile, static_cast<uint32_t>(q0 + r), u);
+          // Past the keys the tiles hold stale values: computed on, then selected away.
+          // NOTE: loads and exp stay unconditional and the column index 32-bit: a
+          // conditional exp made GCC emit masked loads and stores (vmaskmovps, microcoded
+          // on AMD) and 64-bit lane compares.
 #pragma omp simd
-          for (int64_t c = 0; c < kBk; ++c) {
-            // Past the keys the tiles hold stale values: selected away, never multiplied.
-            const A prob = c < valid ? exp_approx(pr[c] - lr) : A(0);
+          for (int32_t c = 0; c < kBk; ++c) {
+            const A e = exp_approx(pr[c] - lr);
             const A keep = u[c] >= a.threshold ? keep_scale : A(0);
-            pr[c] = prob * keep;                                   // dropped probabilities, for dV
-            dsr[c] = c < valid ? prob * (dsr[c] * keep - dr) : A(0);  // grad of the scaled scores
+            const A g = e * (dsr[c] * keep - dr);
+            pr[c] = c < vlim ? e * keep : A(0);  // dropped probabilities, for dV
+            dsr[c] = c < vlim ? g : A(0);        // grad of the scaled scores
           }
         } else {
 #pragma omp simd
-          for (int64_t c = 0; c < kBk; ++c) {
-            const A prob = c < valid ? exp_approx(pr[c] - lr) : A(0);
-            pr[c] = prob;
-            dsr[c] = c < valid ? prob * (dsr[c] - dr) : A(0);
+          for (int32_t c = 0; c < kBk; ++c) {
+            const A e = exp_approx(pr[c] - lr);
+            const A g = e * (dsr[c] - dr);
+            pr[c] = c < vlim ? e : A(0);
+            dsr[c] = c < vlim ? g : A(0);
           }
         }
       }
