@@ -35,6 +35,7 @@ def run_main(script: str, *argv: str) -> SimpleNamespace:
             rc = _entry(script).main(list(argv))
         except SystemExit as e:  # argparse's own exits (--help, a parse error)
             rc = e.code if isinstance(e.code, int) else 1
+    rc = 0 if rc is None else rc  # as sys.exit(main()) turns it (tests/test_config.py checks that wiring)
     return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
