@@ -1,3 +1,5 @@
+import ast
+import glob
 import os
 import subprocess
 import sys
@@ -125,3 +127,22 @@ def test_every_design_flag_parses():
     assert cfg.train.zero_stage == 2 and cfg.train.deepspeed_config == "ds.json" and cfg.data.mask_prob == 0.2
     assert not cfg.model.bert_binary_head and cfg.model.recompute_granularity == "selective"
     assert parse_args(["--fp16"]).train.fp16
+
+
+def _entry_scripts() -> list[str]:
+    scripts = [p for p in glob.glob(os.path.join(ROOT, "*.py")) if os.path.basename(p) != "setup.py"]
+    return sorted(scripts + glob.glob(os.path.join(ROOT, "tools", "*.py")) +
+                  glob.glob(os.path.join(ROOT, "tools", "checkpoint", "*.py")))
+
+
+def test_every_entry_script_exits_with_its_mains_code():
+    """Tests run the scripts' main() in process (cli_utils.run_main, the warm pool's
+    main_worker) and take its return as the exit code; that holds only if each script's
+    command line is exactly `sys.exit(main())` under the __main__ guard."""
+    scripts = _entry_scripts()
+    assert len(scripts) >= 15, scripts
+    for path in scripts:
+        tree = ast.parse(open(path).read(), path)
+        guards = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) in
+                  ("__name__ == '__main__'", '__name__ == "__main__"')]
+        assert [ast.unparse(g) for g in guards] == ["if __name__ == '__main__':\n    sys.exit(main())"], path

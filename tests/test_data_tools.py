@@ -3,14 +3,14 @@ splitter and the shipped SQuAD demo set."""
 import bz2
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from megabert.data import build_tokenizer
 from megabert.corpus.demo_corpus import stdlib_documents
 from megabert.corpus.sentence_splitter import split_sentences
+
+from tests.helpers.cli_utils import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,8 +40,8 @@ def page(pid, title, text, ns=0, redirect=False):
 
 
 def run_tool(name, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    """tools/NAME's main() in process (cli_utils): the same parser and errors, no interpreter start-up."""
+    return run_main(f"tools/{name}", *map(str, args))
 
 
 def test_wikipedia_dump_to_jsonl(tmp_path):

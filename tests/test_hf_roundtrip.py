@@ -1,8 +1,6 @@
 """HF -> megabert (TP=2, and TP=2 x PP=2) -> HF is bit-identical; transformers loads the
 export; the converted checkpoint loads at TP 1 and 2; a bad layout is a one-line error."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,18 +8,18 @@ from safetensors.torch import load_file
 
 import megabert
 
+from tests.helpers.cli_utils import run_main
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.hf_models import VOCAB, batch, close, make_hf_dir
 
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert_hf.py")
 
 
 def convert(*args):
-    r = subprocess.run([sys.executable, CONVERT, *args], capture_output=True, text=True)
-    return r
+    """convert_hf.py's main() in process (cli_utils): its command line is the demo's."""
+    return run_main("tools/checkpoint/convert_hf.py", *map(str, args))
 
 
 @pytest.mark.parametrize("arch,tp,pp", [("BertForPreTraining", 2, 1), ("BertForPreTraining", 2, 2),

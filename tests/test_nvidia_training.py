@@ -1,4 +1,5 @@
-"""pretrain_bert.py trains on NVIDIA's files as they are, under torchrun at TP=2 with dropout:
+"""pretrain_bert.py trains on NVIDIA's files as they are, at TP=2 with dropout (its main() on
+the warm pool's two ranks):
 a run resumed with --load from a checkpoint of iteration 2 gives exactly the losses (train and
 validation) of the uninterrupted run. DLE: the HDF5 shards DLE's create_pretraining_data.py
 made (tests/fixtures/nvidia), its *test* file as the validation set. LDDL: the dynamic-masking
@@ -7,14 +8,9 @@ import os
 
 import pytest
 from tests.helpers.nvidia_shards import DLE_PHASE1, LDDL, NVIDIA_VOCAB as VOCAB
-from tests.helpers.pretrain_runs import TORCHRUN, ROOT, one_line_error, rows, run_cmd, run_main
+from tests.helpers.pretrain_runs import ROOT, one_line_error, rows, run_main, run_ranks as _launch
 
 LOSSES = ("lm_loss", "nsp_loss", "grad_norm")
-
-
-def _launch(nproc, args):
-    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *args])
-    assert r.returncode == 0, r.stderr[-4000:]
 
 
 def _curve(path, since=1):

@@ -3,8 +3,6 @@ PP=2), activations follow Korthikanti et al.'s formulas on a hand-checked case, 
 divides model states by DP, communication and ranking, the CLI's output and its errors."""
 import math
 import os
-import subprocess
-import sys
 
 import json
 
@@ -278,8 +276,7 @@ def test_layout_must_divide_the_model():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_layout.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    return run_main("tools/plan_layout.py", *args)
 
 
 def test_cli_plan_table():
@@ -314,7 +311,7 @@ def test_cli_one_layout_with_warning():
     (["--preset", "bert-large", "--recompute-granularity", "half"], "--recompute-granularity must be one of"),
 ])
 def test_cli_bad_input_is_a_clear_error(args, message):
-    r = run_main("tools/plan_layout.py", *args)  # in process (cli_utils); the tests above run the command line
+    r = _cli(*args)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("error: ") and message in r.stderr and "Traceback" not in r.stderr
 

@@ -3,8 +3,6 @@ inputs, workers, and malformed records reported by line, never as a traceback.""
 import gzip
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -28,8 +26,8 @@ TEXTS = [
 
 
 def run_tool(name, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    """tools/NAME's main() in process (cli_utils): the same parser and errors, no interpreter start-up."""
+    return run_main(f"tools/{name}", *map(str, args))
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,15 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.helpers.pretrain_runs import TORCHRUN, check_eval_row, one_line_error, pretrain_args, rows, run_cmd, run_main
+from tests.helpers.pretrain_runs import check_eval_row, one_line_error, pretrain_args, rows, run_cmd, run_main, run_ranks
 
 
-def test_pipeline_under_torchrun(dataset, tmp_path):
+def test_interleaved_pipeline_on_real_data(dataset, tmp_path):
     """Interleaved pipeline on real data: two stages with two chunks each, evaluation
     through the forward-only schedule, losses logged by rank 0 (the first stage)."""
     metrics = tmp_path / "m.jsonl"
-    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
-                 *pretrain_args(dataset, metrics, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                             "--num-layers-per-virtual-pipeline-stage", "1", "--save", str(tmp_path / "ck"))])
-    assert r.returncode == 0, r.stderr[-4000:]
+    run_ranks(2, pretrain_args(dataset, metrics, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                               "--num-layers-per-virtual-pipeline-stage", "1", "--save", str(tmp_path / "ck")))
     train = [x for x in rows(metrics) if "lm_loss" in x]
     assert [x["iteration"] for x in train] == [1, 2, 3] and all(x["lm_loss"] > 0 for x in train)
     assert all({"pp", "embedding"} <= set(x["comm_gb_by_group"]) for x in train), train  # p2p and tied embeddings
@@ -79,18 +77,20 @@ def test_memory_budget_warning_names_the_flags_that_fit(dataset, tmp_path):
     built (the TP=2 and PP=2 flags, with their predictions), then trains anyway."""
     budget = _budget_between_one_process_and_tp2(dataset)
     metrics = tmp_path / "m.jsonl"
+    # A process of its own: the backends' lines that mark the model's build are logged once per process.
     r = run_cmd([sys.executable, *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--memory-budget-gb", str(budget))])
     assert r.returncode == 0, r.stderr[-4000:]
-    lines = r.stderr.splitlines()
+    log = r.stderr
+    lines = log.splitlines()
     warned = [i for i, line in enumerate(lines) if "WARNING predicted peak" in line]
-    assert len(warned) == 1, r.stderr[-4000:]
+    assert len(warned) == 1, log[-4000:]
     warning = lines[warned[0]]
     assert f"exceeds the {budget:g} GB budget (tp1.pp1.dp1.z0;" in warning
     assert warning.endswith("(budget from --memory-budget-gb)")
     assert "--tensor-model-parallel-size 2 (" in warning and "GB on 2 ranks, fits)" in warning
     assert "--pipeline-model-parallel-size 2 (" in warning
     built = [i for i, line in enumerate(lines) if "attention backend:" in line]  # logged as the model is built
-    assert built and warned[0] < built[0], r.stderr[-4000:]
+    assert built and warned[0] < built[0], log[-4000:]
     assert len([x for x in rows(metrics) if "lm_loss" in x]) == 3
 
 
@@ -98,13 +98,11 @@ def test_memory_budget_fit_is_one_info_line(dataset, tmp_path):
     """The same budget with TP=2, which the planner says fits: one info line, and it trains."""
     budget = _budget_between_one_process_and_tp2(dataset)
     metrics = tmp_path / "m.jsonl"
-    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
-                 *pretrain_args(dataset, metrics, *MEMORY_MODEL, "--tensor-model-parallel-size", "2",
-                             "--memory-budget-gb", str(budget))])
-    assert r.returncode == 0, r.stderr[-4000:]
-    fit = [line for line in r.stderr.splitlines() if "INFO predicted peak" in line]
+    log = run_ranks(2, pretrain_args(dataset, metrics, *MEMORY_MODEL, "--tensor-model-parallel-size", "2",
+                                     "--memory-budget-gb", str(budget)), log=tmp_path / "log")
+    fit = [line for line in log.splitlines() if "INFO predicted peak" in line]
     assert len(fit) == 1 and f"(tp2.pp1.dp1.z0) fits the {budget:g} GB budget from --memory-budget-gb" in fit[0], fit
-    assert "exceeds the" not in r.stderr
+    assert "exceeds the" not in log
     assert len([x for x in rows(metrics) if "lm_loss" in x]) == 3
 
 
@@ -113,16 +111,14 @@ def test_save_and_load_the_same_empty_dir_starts_fresh_then_resumes(dataset, tmp
     with one info line, so the same command re-run (torchrun --max-restarts, a requeued
     SLURM job) resumes from what it saved; a --load elsewhere that holds nothing is an error."""
     ck = str(tmp_path / "ck")
-    first = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--load", ck,
-                                                 "--train-iters", "2")])
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert f"--load {ck} holds no checkpoint yet (it is also --save): starting from the seed" in first.stderr
-    again = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m2.jsonl", "--save", ck, "--load", ck)])
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "holds no checkpoint yet" not in again.stderr
+    first = run_ranks(1, pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--load", ck, "--train-iters", "2"),
+                      log=tmp_path / "first.log")
+    assert f"--load {ck} holds no checkpoint yet (it is also --save): starting from the seed" in first
+    again = run_ranks(1, pretrain_args(dataset, tmp_path / "m2.jsonl", "--save", ck, "--load", ck), log=tmp_path / "again.log")
+    assert "holds no checkpoint yet" not in again
     assert [r["iteration"] for r in rows(tmp_path / "m2.jsonl") if "lm_loss" in r] == [3]
     elsewhere = tmp_path / "empty"
     elsewhere.mkdir()
-    r = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", str(elsewhere))])
+    r = run_main(*pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", str(elsewhere)))
     one_line_error(r, f"--load {elsewhere} holds no checkpoint")
     assert os.path.isfile(os.path.join(ck, "latest_checkpointed_iteration.txt"))  # a failed load deletes nothing

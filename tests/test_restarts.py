@@ -5,13 +5,12 @@ newest intact one is resumed (restart pattern) or pointed at (elsewhere), deleti
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-from tests.helpers.pretrain_runs import TORCHRUN, pretrain_args, rows, run_cmd
+from tests.helpers.pretrain_runs import TORCHRUN, pretrain_args, rows, run_main, run_ranks
 
 
 ITERS = 20  # saves at 5, 10, 15: the kill lands after the first, with iterations to spare
@@ -22,11 +21,10 @@ def _losses(metrics) -> dict:
     return {r["iteration"]: r["lm_loss"] for r in rows(metrics) if "lm_loss" in r}
 
 
-def _torchrun(d, metrics, ck, *extra):
-    return [*TORCHRUN, "--standalone", "--nproc-per-node", "2", *extra,
-            *pretrain_args(d, metrics, "--tensor-model-parallel-size", "2", "--train-iters", str(ITERS),
-                           "--eval-interval", "1000", "--save", ck, "--load", ck, "--save-interval", "5",
-                           "--log-interval", "1")]
+def _run_args(d, metrics, ck):
+    return pretrain_args(d, metrics, "--tensor-model-parallel-size", "2", "--train-iters", str(ITERS),
+                         "--eval-interval", "1000", "--save", ck, "--load", ck, "--save-interval", "5",
+                         "--log-interval", "1")
 
 
 def _kill_a_worker_after_first_save(proc, ck, deadline=240.0) -> int:
@@ -47,7 +45,8 @@ def _kill_a_worker_after_first_save(proc, ck, deadline=240.0) -> int:
 def test_sigkilled_worker_under_max_restarts_ends_with_uninterrupted_losses(dataset, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     killed_metrics, ck = tmp_path / "killed.jsonl", str(tmp_path / "ck")
-    proc = subprocess.Popen(_torchrun(dataset, killed_metrics, ck, "--max-restarts", "1"), env=env,
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *_run_args(dataset, killed_metrics, ck)]
+    proc = subprocess.Popen(cmd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         saved_at = _kill_a_worker_after_first_save(proc, ck)
@@ -58,9 +57,8 @@ def test_sigkilled_worker_under_max_restarts_ends_with_uninterrupted_losses(data
             p.kill()
     assert proc.returncode == 0, err[-4000:]
     assert saved_at < ITERS
-    ref_metrics = tmp_path / "ref.jsonl"
-    r = run_cmd(_torchrun(dataset, ref_metrics, str(tmp_path / "ref_ck")))
-    assert r.returncode == 0, r.stderr[-4000:]
+    ref_metrics = tmp_path / "ref.jsonl"  # the uninterrupted run: main() on the warm pool's ranks
+    run_ranks(2, _run_args(dataset, ref_metrics, str(tmp_path / "ref_ck")))
     killed, ref = _losses(killed_metrics), _losses(ref_metrics)
     assert sorted(killed) == list(range(1, ITERS + 1))
     assert killed == ref  # bitwise: the resumed part replays the same dropout and data
@@ -76,21 +74,18 @@ def _truncate(path):
 
 def test_a_damaged_newest_checkpoint_is_named_and_the_intact_one_resumed(dataset, tmp_path):
     ck = str(tmp_path / "ck")
-    first = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--save-interval",
-                                                 "2", "--train-iters", "4")])
-    assert first.returncode == 0, first.stderr[-3000:]
+    run_ranks(1, pretrain_args(dataset, tmp_path / "m1.jsonl", "--save", ck, "--save-interval", "2", "--train-iters", "4"))
     damaged = os.path.join(ck, "iter_0000004", "mp_rank_00", "model_optim_rng.pt")
     _truncate(damaged)
     # --load elsewhere than --save: an error naming the file and the newest intact iteration.
-    r = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m2.jsonl", "--load", ck, "--train-iters", "6")])
+    r = run_main(*pretrain_args(dataset, tmp_path / "m2.jsonl", "--load", ck, "--train-iters", "6"))
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert damaged in last and "iter_0000002" in last, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) <= 5
     # The restart pattern resumes the intact iteration 2 after a warning, deleting nothing.
-    again = run_cmd([sys.executable, *pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", ck,
-                                                 "--train-iters", "3")])
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "WARNING" in again.stderr and damaged in again.stderr and "iteration 2" in again.stderr
+    again = run_ranks(1, pretrain_args(dataset, tmp_path / "m3.jsonl", "--save", ck, "--load", ck, "--train-iters", "3"),
+                      log=tmp_path / "again.log")
+    assert "WARNING" in again and damaged in again and "iteration 2" in again, again
     assert [x["iteration"] for x in rows(tmp_path / "m3.jsonl") if "lm_loss" in x] == [3]
     assert os.path.isfile(damaged) and os.path.getsize(damaged) > 0

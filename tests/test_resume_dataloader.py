@@ -1,16 +1,9 @@
-"""Bitwise resume through the path users run: pretrain_bert.py under torchrun, the real
-indexed dataset and DataLoader, dropout 0.1. A run stopped by --exit-interval and resumed
+"""Bitwise resume through the path users run: pretrain_bert.py's main() on torchrun-like
+ranks (the warm worker pool), the real indexed dataset and DataLoader, dropout 0.1. A run stopped by --exit-interval and resumed
 with --load gives exactly the losses (train and validation) of an uninterrupted run."""
-import os
-
 import pytest
 
-from tests.helpers.pretrain_runs import TORCHRUN, curve, pretrain_args, run_cmd
-
-
-def _launch(nproc, args):
-    r = run_cmd([*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *args])
-    assert r.returncode == 0, r.stderr[-4000:]
+from tests.helpers.pretrain_runs import curve, pretrain_args, run_ranks as _launch
 
 
 COMMON = ["--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]

@@ -1,7 +1,7 @@
-"""finetune_squad.py end to end: under torchrun with TP=2 and DP=2, train, save and predict;
-a killed run resumed from --save; SQuAD v2; one-line errors for bad files and flags. The
-layout, ZeRO and distributed-optimizer comparisons run finetune_squad.py's main() on the
-warm worker pool (the launcher itself is covered by the torchrun tests). The data path
+"""finetune_squad.py end to end: under torchrun at TP=2 (the launcher's one test), then DP=2
+train, save and predict; a SIGKILLed run resumed from --save; SQuAD v2; one-line errors for
+bad files and flags. Everything but the torchrun test and the process to kill runs
+finetune_squad.py's main() on the warm worker pool's ranks, as torchrun would. The data path
 (features, post-processing, evaluation): tests/test_squad_data.py."""
 import json
 import os
@@ -16,7 +16,7 @@ from megabert.errors import ConfigError
 
 from tests.helpers.cli_utils import main_worker, run_main
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.pretrain_runs import TORCHRUN
+from tests.helpers.pretrain_runs import TORCHRUN, run_ranks
 from tests.helpers.squad_demo import DEMO, ROOT, train_demo_vocab
 
 
@@ -37,18 +37,21 @@ def tiny_checkpoint(tmp_path_factory, demo_vocab):
     cfg = transformers.BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=128)
     transformers.BertForPreTraining(cfg).save_pretrained(d / "hf")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert_hf.py"), "import",
-                        "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt")], capture_output=True, text=True)
+    r = run_main("tools/checkpoint/convert_hf.py", "import", "--hf-dir", str(d / "hf"), "--output", str(d / "ckpt"))
     assert r.returncode == 0, r.stderr[-3000:]
     return d / "ckpt"
 
 
-def finetune(procs, *args):
-    cmd = [sys.executable, os.path.join(ROOT, "finetune_squad.py")]
-    if procs > 1:
-        cmd = [*TORCHRUN, "--nproc-per-node", str(procs), "--standalone", cmd[1]]
+def finetune_under_torchrun(procs, *args):
+    cmd = [*TORCHRUN, "--nproc-per-node", str(procs), "--standalone", os.path.join(ROOT, "finetune_squad.py")]
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finetune_on_ranks(procs, *args, log):
+    """finetune_squad.py's main() on the warm pool's ranks, as `torchrun --nproc-per-node
+    procs` runs it (the launcher: test_finetune_tp2_end_to_end); what rank 0 logged."""
+    return run_ranks(procs, [os.path.join(ROOT, "finetune_squad.py"), *args], log=log)
 
 
 def finetune_in_process(*args):
@@ -69,9 +72,10 @@ def dev_ids():
 
 def test_finetune_tp2_end_to_end(tiny_checkpoint, demo_vocab, tmp_path):
     out = tmp_path / "out"
-    r = finetune(2, *common(tiny_checkpoint, demo_vocab, out), "--tensor-model-parallel-size", 2,
-                 "--train-file", os.path.join(DEMO, "train.json"), "--predict-file", os.path.join(DEMO, "dev.json"),
-                 "--epochs", 1, "--train-iters", 3, "--global-batch-size", 8, "--lr", 1e-3)
+    r = finetune_under_torchrun(2, *common(tiny_checkpoint, demo_vocab, out), "--tensor-model-parallel-size", 2,
+                                "--train-file", os.path.join(DEMO, "train.json"), "--predict-file",
+                                os.path.join(DEMO, "dev.json"), "--epochs", 1, "--train-iters", 3, "--global-batch-size", 8,
+                                "--lr", 1e-3)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert [line.split(" |")[0] for line in r.stdout.splitlines() if line.startswith("iteration ")] == \
         ["iteration 1", "iteration 2", "iteration 3"]
@@ -87,18 +91,16 @@ def test_finetune_tp2_end_to_end(tiny_checkpoint, demo_vocab, tmp_path):
 def test_finetune_dp2_train_save_and_predict_equal_tp2(tiny_checkpoint, demo_vocab, tmp_path):
     """DP=2 trains and saves a QA checkpoint; predicting from it at TP=2 (two processes) and
     at DP=1 (one process) gives the same answers and scores."""
-    r = finetune(2, *common(tiny_checkpoint, demo_vocab, tmp_path / "unused"), "--train-file",
-                 os.path.join(DEMO, "train.json"), "--train-iters", 2, "--global-batch-size", 8, "--lr", 1e-3,
-                 "--save", tmp_path / "qa")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    finetune_on_ranks(2, *common(tiny_checkpoint, demo_vocab, tmp_path / "unused"), "--train-file",
+                      os.path.join(DEMO, "train.json"), "--train-iters", 2, "--global-batch-size", 8, "--lr", 1e-3,
+                      "--save", tmp_path / "qa", log=tmp_path / "train.log")
     assert not (tmp_path / "unused").exists()  # train only: nothing predicted
     outs = {}
     for procs, extra in ((2, ["--tensor-model-parallel-size", 2]), (1, [])):
         out = tmp_path / f"pred{procs}"
-        r = finetune(procs, *common(tmp_path / "qa", demo_vocab, out), "--predict-file",
-                     os.path.join(DEMO, "dev.json"), *extra)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-        assert "initialised from the seed" not in r.stderr  # the QA head came from the checkpoint
+        log = finetune_on_ranks(procs, *common(tmp_path / "qa", demo_vocab, out), "--predict-file",
+                                os.path.join(DEMO, "dev.json"), *extra, log=tmp_path / f"pred{procs}.log")
+        assert "initialised from the seed" not in log  # the QA head came from the checkpoint
         outs[procs] = (json.load(open(out / "predictions.json")), json.load(open(out / "eval_results.json")))
     assert outs[2][0] == outs[1][0] and set(outs[1][0]) == dev_ids()
     assert outs[2][1] == pytest.approx(outs[1][1])
@@ -116,15 +118,16 @@ def test_killed_finetuning_resumes_with_the_same_command(tiny_checkpoint, demo_v
     iters = 30  # saves every 3: the kill lands after the first, with iterations to spare
 
     def command(name):
-        return [sys.executable, os.path.join(ROOT, "finetune_squad.py"),
-                *map(str, common(tiny_checkpoint, demo_vocab, tmp_path / name)), "--train-file",
+        return [*map(str, common(tiny_checkpoint, demo_vocab, tmp_path / name)), "--train-file",
                 os.path.join(DEMO, "train.json"), "--predict-file", os.path.join(DEMO, "dev.json"), "--train-iters",
                 str(iters), "--global-batch-size", "8", "--lr", "1e-3", "--save", str(tmp_path / f"{name}_ck"),
                 "--save-interval", "3", "--metrics-file", str(tmp_path / f"{name}.jsonl")]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tracker = tmp_path / "killed_ck" / "latest_checkpointed_iteration.txt"
-    proc = subprocess.Popen(command("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The run to kill is a process of its own; the same command again and the uninterrupted
+    # reference run as main() on the warm pool's rank (one thread each, as OMP_NUM_THREADS=1).
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "finetune_squad.py"), *command("killed")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not tracker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -137,11 +140,9 @@ def test_killed_finetuning_resumes_with_the_same_command(tiny_checkpoint, demo_v
     assert proc.returncode == -signal.SIGKILL, err[-3000:]  # killed mid-run, not ended
     saved_at = int(tracker.read_text())
     assert saved_at < iters and saved_at % 3 == 0
-    again = subprocess.run(command("killed"), env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"loaded {tmp_path / 'killed_ck'}: iteration" in again.stderr  # resumed, not restarted
-    ref = subprocess.run(command("ref"), env=env, capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    again = finetune_on_ranks(1, *command("killed"), log=tmp_path / "again.log")
+    assert f"loaded {tmp_path / 'killed_ck'}: iteration" in again  # resumed, not restarted
+    finetune_on_ranks(1, *command("ref"), log=tmp_path / "ref.log")
     killed, uninterrupted = _losses(tmp_path / "killed.jsonl"), _losses(tmp_path / "ref.jsonl")
     assert sorted(killed) == list(range(1, iters + 1))
     assert killed == uninterrupted  # bitwise
@@ -244,9 +245,9 @@ def test_finetune_squad_v2(tiny_checkpoint, demo_vocab, tmp_path):
     path = tmp_path / "v2.json"
     path.write_text(json.dumps(data))
     out = tmp_path / "out"
-    r = finetune(1, *common(tiny_checkpoint, demo_vocab, out), "--version-2-with-negative", "--train-file", path,
-                 "--predict-file", path, "--train-iters", 2, "--null-score-diff-threshold", 0.5)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    finetune_on_ranks(1, *common(tiny_checkpoint, demo_vocab, out), "--version-2-with-negative", "--train-file", path,
+                      "--predict-file", path, "--train-iters", 2, "--null-score-diff-threshold", 0.5,
+                      log=tmp_path / "log")
     results = json.load(open(out / "eval_results.json"))
     assert list(results) == ["exact", "f1", "total", "HasAns_exact", "HasAns_f1", "HasAns_total", "NoAns_exact",
                              "NoAns_f1", "NoAns_total"]
@@ -254,8 +255,8 @@ def test_finetune_squad_v2(tiny_checkpoint, demo_vocab, tmp_path):
     predictions, odds = json.load(open(out / "predictions.json")), json.load(open(out / "null_odds.json"))
     assert set(predictions) == set(odds) == dev_ids()
     assert all((text == "") == (odds[q] > 0.5) for q, text in predictions.items())
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "squad_evaluate.py"), str(path),
-                        str(out / "predictions.json")], capture_output=True, text=True, check=True)
+    r = run_main("tools/squad_evaluate.py", str(path), str(out / "predictions.json"))
+    assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == pytest.approx(results)
 
 
@@ -267,8 +268,7 @@ def test_predict_only_from_hugging_face_dir_uses_its_vocab(tiny_checkpoint, demo
     shutil.copy(demo_vocab, hf_dir / "vocab.txt")
     args = common(hf_dir, demo_vocab, tmp_path / "out")
     del args[2:4]  # no --vocab-file: the directory's vocab.txt
-    r = finetune(1, *args, "--predict-file", os.path.join(DEMO, "dev.json"))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    finetune_on_ranks(1, *args, "--predict-file", os.path.join(DEMO, "dev.json"), log=tmp_path / "log")
     assert set(json.load(open(tmp_path / "out" / "predictions.json"))) == dev_ids()
 
 

@@ -4,8 +4,6 @@ model loaded from them gives the twin's logits at TP 1 and 2 (ours and transform
 damaged file is a one-line error that names it."""
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from megabert.checkpoint.layout import resolve_checkpoint_dir, saved_layout
 from megabert.checkpoint.reader import read_full
 from megabert.errors import CheckpointError
 
+from tests.helpers.cli_utils import run_main
 from tests.helpers.dist_utils import run_distributed
 
 
@@ -26,7 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 PRETRAINING = os.path.join(FIXTURES, "tf_bert_tiny")
 SQUAD = os.path.join(FIXTURES, "tf_bert_tiny_squad")
-CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert_hf.py")
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "attention_backend": "torch"}
 
 
@@ -195,7 +193,7 @@ def test_squad_logits_equal_transformers_at_tp2():
 # ---------------------------------------------------------------- convert_hf.py import --tf-checkpoint
 
 def convert(*args):
-    return subprocess.run([sys.executable, CONVERT, *map(str, args)], capture_output=True, text=True)
+    return run_main("tools/checkpoint/convert_hf.py", *map(str, args))
 
 
 def test_convert_tf_checkpoint_at_tp2_then_export_gives_the_twin(tmp_path):

@@ -13,6 +13,7 @@ data/squad_demo/; run it after an edit (every demo dataset is made by a tools/ma
 import argparse
 import json
 import os
+import sys
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "squad_demo")
 
@@ -351,4 +352,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

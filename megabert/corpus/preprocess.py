@@ -180,8 +180,10 @@ class PreprocessStats:
 
 def preprocess(input_pattern: str, output_prefix: str, opts: EncodeOptions, workers: int = 1,
                log_interval: int = 1000, strict: bool = False, input_fmt: str = "auto",
-               block_bytes: int = 1 << 20, log=sys.stderr) -> PreprocessStats:
-    """Tokenizes every input file into `{output_prefix}_{key}_{sentence|document}.bin/.idx`."""
+               block_bytes: int = 1 << 20, log=None) -> PreprocessStats:
+    """Tokenizes every input file into `{output_prefix}_{key}_{sentence|document}.bin/.idx`;
+    progress and skipped records go to `log` (default: sys.stderr as it is at the call)."""
+    log = sys.stderr if log is None else log
     paths = expand_inputs(input_pattern)
     level = "sentence" if opts.split_sentences else "document"
     prefixes = [f"{output_prefix}_{key}_{level}" for key in opts.json_keys]

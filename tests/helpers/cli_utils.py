@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import logging
 import os
 from types import SimpleNamespace
 
@@ -34,12 +35,27 @@ def run_main(script: str, *argv: str) -> SimpleNamespace:
             rc = _entry(script).main(list(argv))
         except SystemExit as e:  # argparse's own exits (--help, a parse error)
             rc = e.code if isinstance(e.code, int) else 1
+    rc = 0 if rc is None else rc  # as sys.exit(main()) turns it (tests/test_config.py checks that wiring)
     return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def main_worker(rank: int, world_size: int, script: str, argv: list[str]) -> None:
+def main_worker(rank: int, world_size: int, script: str, argv: list[str], log_file: str | None = None) -> None:
     """A body for dist_utils.run_distributed: `script`'s main(argv) on this rank, in the
     pool's process group (init_parallel takes a group that already exists, as it takes
-    torchrun's), everything else as `torchrun script argv...` runs it."""
-    rc = _entry(script).main([str(a) for a in argv])
+    torchrun's), everything else as `torchrun script argv...` runs it. With `log_file`,
+    rank 0 also writes what megabert logs there, one `LEVEL message` line per record (what
+    a launched run's stderr shows, less the timestamp)."""
+    handler = None
+    if log_file is not None and rank == 0:
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        # On megabert's logger, not the root: main() configures the root's level and
+        # stderr handler itself (logging.basicConfig), as in a launched process.
+        logging.getLogger("megabert").addHandler(handler)
+    try:
+        rc = _entry(script).main([str(a) for a in argv])
+    finally:
+        if handler is not None:
+            logging.getLogger("megabert").removeHandler(handler)
+            handler.close()
     assert rc == 0, f"{script} exited with {rc} on rank {rank} of {world_size} (its error is on stderr above)"

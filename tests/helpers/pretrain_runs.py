@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from tests.helpers import cli_utils
+from tests.helpers.dist_utils import run_distributed
 
 ROOT = cli_utils.ROOT
 BIN = os.path.dirname(sys.executable)
@@ -37,6 +38,17 @@ def check_eval_row(all_rows):
     valid = [x for x in all_rows if "valid_lm_loss" in x]
     assert valid and valid[0]["valid_lm_loss"] > 0, all_rows
     assert all(0 <= valid[0][k] <= 1 for k in ("valid_lm_accuracy", "valid_sop_accuracy")), valid[0]
+
+
+def run_ranks(nproc, args, log=None):
+    """`torchrun --nproc-per-node nproc` + args (the script's path, then its flags) on the
+    ranks of the warm worker pool: the script's main() as torchrun runs it, without three
+    interpreters' start-up per launch (tests whose subject is not the launcher; the
+    launchers have tests/test_examples.py and tests/test_restarts.py). With `log` (a
+    path), returns what rank 0 logged, one `LEVEL message` line per record."""
+    run_distributed(cli_utils.main_worker, nproc, os.path.relpath(args[0], ROOT), [str(a) for a in args[1:]],
+                    None if log is None else str(log))
+    return None if log is None else open(log).read()
 
 
 def run_main(script, *argv):
