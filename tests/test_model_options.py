@@ -233,21 +233,3 @@ def test_squad_fine_tuning_keeps_the_padded_encoder(tmp_path):
     """pretrain_bert.py's checkpoints say unpad_input=True; SQuAD's span softmax reads the
     padding positions, so fine-tuning builds the padded encoder from them."""
     run_distributed(_qa_from_unpadded_pretraining, 1, str(tmp_path / "ckpt"))
-
-
-def test_gather_rows_gradient_equals_index_select():
-    """gather_rows (rows selected by distinct indices, as unpad and the last layer's rows
-    take them) copies gradient rows back where index_select adds them: the same gradient,
-    bit for bit, zeros at the rows not taken; without grad it is index_select itself."""
-    from megabert.model.unpad import gather_rows
-
-    x = torch.randn(12, 5, 3, dtype=torch.float64)
-    index = torch.tensor([7, 0, 3, 11, 4])
-    grad = torch.randn(5, 5, 3, dtype=torch.float64)
-    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = gather_rows(a, index)
-    assert torch.equal(out, x.index_select(0, index))
-    out.backward(grad)
-    b.index_select(0, index).backward(grad)
-    assert torch.equal(a.grad, b.grad)
-    assert torch.equal(gather_rows(x, index), x.index_select(0, index)) and gather_rows(x, index).grad_fn is None

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from megabert import ops
 from megabert.model.context import BuildContext
-from megabert.model.unpad import TokenLayout, gather_rows
+from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 
@@ -61,7 +61,7 @@ class SelfAttention(nn.Module):
             else:
                 ctx = self._varlen_core(qkv, tokens)  # [T, n/tp, d]
             ctx = ctx.view(ctx.size(0), self.heads_per_rank * self.head_dim)  # [T, h/tp]
-            return self.dense(ctx if rows is None else gather_rows(ctx, rows))
+            return self.dense(ctx if rows is None else ctx.index_select(0, rows))
         if tokens is not None:
             qkv = tokens.pad(qkv)  # [s, b, 3h/tp]: padded keys are masked, padded queries dropped below
         s, b = qkv.shape[:2]
@@ -77,5 +77,5 @@ class SelfAttention(nn.Module):
         if tokens is not None:
             ctx = tokens.unpad(ctx)  # [T, h/tp]
             if rows is not None:
-                ctx = gather_rows(ctx, rows)  # [n, h/tp]
+                ctx = ctx.index_select(0, rows)  # [n, h/tp]
         return self.dense(ctx)

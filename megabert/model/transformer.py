@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megabert import ops
 from megabert.model.attention import SelfAttention
 from megabert.model.context import BuildContext
-from megabert.model.unpad import TokenLayout, gather_rows
+from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import describe_module, set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 
@@ -67,7 +67,7 @@ class TransformerLayer(nn.Module):
         (unpadded only): the rows of [T, h] whose output is wanted -> [n, h]. Attention still
         reads every token's keys and values; all that follows it is token-wise, so it runs on
         those rows alone."""
-        residual = x if rows is None else gather_rows(x, rows)
+        residual = x if rows is None else x.index_select(0, rows)
         if self.pre_ln:
             x = self._dropout_add(self.attention(self.attention_layernorm(x), mask, tokens, rows), residual)
             return self._dropout_add(self.mlp(self.mlp_layernorm(x)), x)

@@ -25,34 +25,6 @@ import torch.nn.functional as F
 from megabert.ops.compile_hints import maybe_mark_dynamic
 
 
-class _GatherRows(torch.autograd.Function):
-    """x.index_select(0, index) for an `index` without repeats, whose backward copies the
-    gradient rows into zeros (index_copy_) instead of adding them (index_add_).
-
-    NOTE: on the CPU, torch routes index_select's backward (index_add_ along dim 0) to a
-    sort-based scatter_add_ with parallel passes: 34-69 ms a call in the seq 512 pre-training
-    step's profile on the 2-core VM under load, for [T, h] rows, where index_copy_ takes
-    well under a millisecond. With distinct indices the two give the same gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows = x.size(0)
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
-
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` of x (dim 0), each at most once: token positions, rows of [T, h]."""
-    if not (torch.is_grad_enabled() and x.requires_grad):
-        return x.index_select(0, index)
-    return _GatherRows.apply(x, index)
-
-
 class TokenLayout:
     """Where the real tokens of an [s, b] batch are: `indices` into the flattened [s * b]
     positions (Megatron's sequence-first layout), sequence by sequence (batch-major), so that
@@ -83,7 +55,7 @@ class TokenLayout:
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, ...] -> [T, ...]; the gradient flows back to the real positions."""
-        return gather_rows(x.reshape(self.s * self.b, *x.shape[2:]), self.indices)
+        return x.reshape(self.s * self.b, *x.shape[2:]).index_select(0, self.indices)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [s, b, ...] with zeros at padding positions."""
