@@ -36,8 +36,20 @@ $(STAMP): $(VPY) $(SOURCES)
 	  && echo "keeping torch $$($(VPY) -c 'import torch; print(torch.__version__)')" \
 	  || $(VPY) -m pip install -q $(PIP_SOURCE) "$(TORCH_SPEC)"
 	$(VPY) -m pip install -q $(PIP_SOURCE) ninja numpy "pybind11>=2.12"
-	# --no-build-isolation: the extensions must link against the torch in the venv.
-	$(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation -e ".[$(EXTRAS)]"
+	# --no-build-isolation: the extensions must link against the torch in the venv (and
+	# DeepSpeed's sdist builds without fetching another torch). The C++ build keeps both
+	# cores busy for about a minute, the dependencies' install mostly one: two pips side by
+	# side on disjoint packages (tools/requirements.py lists the dependencies; without
+	# tomllib, Python < 3.11, one after the other).
+	@if $(VPY) tools/requirements.py $(EXTRAS) > $(VENV)/requirements.txt; then \
+	  echo "building megabert's extensions while pip installs its dependencies"; \
+	  $(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation --no-deps -e . > $(VENV)/build.log 2>&1 & build=$$!; \
+	  $(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation -r $(VENV)/requirements.txt; deps=$$?; \
+	  wait $$build || { cat $(VENV)/build.log; echo "make install: building megabert failed (log above)"; exit 1; }; \
+	  exit $$deps; \
+	else \
+	  $(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation -e ".[$(EXTRAS)]"; \
+	fi
 	$(VPY) -c "import megabert, megabert.fused_kernels as fk; print('megabert', megabert.__version__, '| fused kernels:', fk.is_available())"
 	@touch $(STAMP)
 

@@ -42,12 +42,6 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _int(env: Mapping[str, str], *names: str, default: Optional[int] = None) -> Optional[int]:
     for n in names:
         if n in env:
@@ -89,11 +83,13 @@ def discover_launch(env: Mapping[str, str] = os.environ) -> LaunchInfo:
     return LaunchInfo("single", 0, 1, 0, None, None)
 
 
-def mpi_rendezvous(info: LaunchInfo) -> LaunchInfo:
-    """Under mpirun without MASTER_ADDR/PORT, rank 0 picks an address and port and
-    broadcasts them over MPI (mpi4py), so `mpirun -np N python pretrain_bert.py` just works."""
-    if info.master_addr and info.master_port:
-        return info
+def mpi_rendezvous(info: LaunchInfo, timeout):
+    """Under mpirun without MASTER_ADDR/PORT, rank 0 opens the rendezvous store (on
+    MASTER_PORT, else a port the OS picks while binding it: a port found free and bound
+    later can be taken meanwhile) and broadcasts its address over MPI (mpi4py), so
+    `mpirun -np N python pretrain_bert.py` just works. Returns (info, store)."""
+    import torch.distributed as dist
+
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -103,16 +99,21 @@ def mpi_rendezvous(info: LaunchInfo) -> LaunchInfo:
     if comm.Get_size() != info.world_size:
         raise ConfigError(f"MPI reports {comm.Get_size()} processes but the launcher said {info.world_size}; "
                           f"is mpi4py built against the same MPI as mpirun?")
-    endpoint = None
+    endpoint = store = None
     if comm.Get_rank() == 0:
         host = socket.gethostname()
         try:
             addr = socket.gethostbyname(host)
         except OSError:
             addr = "127.0.0.1"
-        endpoint = (info.master_addr or addr, info.master_port or _free_port())
+        addr = info.master_addr or addr
+        store = dist.TCPStore(addr, info.master_port or 0, info.world_size, is_master=True, wait_for_workers=False,
+                              timeout=timeout)
+        endpoint = (addr, store.port)
     addr, port = comm.bcast(endpoint, root=0)
-    return LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank, addr, port)
+    if store is None:
+        store = dist.TCPStore(addr, port, info.world_size, is_master=False, timeout=timeout)
+    return LaunchInfo(info.launcher, info.rank, info.world_size, info.local_rank, addr, port), store
 
 
 def rendezvous_store(info: LaunchInfo, timeout, env: Mapping[str, str] = os.environ):

@@ -1,11 +1,12 @@
 import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.helpers.cli_utils import run_main
 
 torch.set_num_threads(2)
 
@@ -42,16 +43,17 @@ def _corpus(path, docs=120, seed=0):
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
-    """A small corpus through the user's tools (train_tokenizer.py, preprocess_data.py):
+    """A small corpus through the user's tools (train_tokenizer.py, preprocess_data.py, their main()):
     vocab.txt and c_text_sentence.bin/.idx, made once for every end-to-end module. Tests
     only read it."""
     d = tmp_path_factory.mktemp("data")
     _corpus(d / "corpus.jsonl")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input",
-                    str(d / "corpus.jsonl"), "--output", str(d / "vocab.txt"), "--vocab-size", "200",
-                    "--min-frequency", "1"], check=True, capture_output=True)
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
-                    str(d / "corpus.jsonl"), "--output-prefix", str(d / "c"), "--json-keys", "text",
-                    "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(d / "vocab.txt"),
-                    "--split-sentences", "--workers", "1"], check=True, capture_output=True)
+    for tool, *argv in (
+            ("tools/train_tokenizer.py", "--input", d / "corpus.jsonl", "--output", d / "vocab.txt", "--vocab-size", 200,
+             "--min-frequency", 1),
+            ("tools/preprocess_data.py", "--input", d / "corpus.jsonl", "--output-prefix", d / "c", "--json-keys", "text",
+             "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", d / "vocab.txt", "--split-sentences",
+             "--workers", 1)):
+        r = run_main(tool, *map(str, argv))  # in process: the tools' command lines are the demo's
+        assert r.returncode == 0, r.stderr
     return d

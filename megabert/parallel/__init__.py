@@ -51,13 +51,15 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
             # An in-memory store: a lone process needs no port and cannot collide with others.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            if info.launcher in ("openmpi", "mpich"):
-                info = mpi_rendezvous(info)
-            if not info.master_addr or not info.master_port:
+            if info.launcher in ("openmpi", "mpich") and not (info.master_addr and info.master_port):
+                info, store = mpi_rendezvous(info, timeout)
+            elif not info.master_addr or not info.master_port:
                 raise ConfigError(f"launched by {info.launcher} but MASTER_ADDR/MASTER_PORT are not set; "
                                   f"export them (the address and a free port of rank 0's host)")
-            dist.init_process_group(backend, store=rendezvous_store(info, timeout), rank=info.rank,
-                                    world_size=info.world_size, timeout=timeout)
+            else:
+                store = rendezvous_store(info, timeout)
+            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                                    timeout=timeout)
     state = ParallelState.build(tensor_parallel_size, pipeline_model_parallel_size, device=device,
                                 backend=dist.get_backend(), local_rank=info.local_rank, launcher=info.launcher)
     if state.rank == 0:

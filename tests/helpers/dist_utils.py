@@ -1,8 +1,9 @@
 """Runs a test body in N worker processes joined by a gloo process group.
 
-The workers are spawned once per world size and kept for the whole session: spawning and
-importing torch, megabert and DeepSpeed costs 2-4 s per call on a 2-core machine, more
-than most test bodies. Each call still gets what a fresh launch gives it: a new default
+The workers are spawned once and kept for the whole session, one pool for every world size
+(a job of N ranks runs on workers 0..N-1; the pool grows to the largest N asked for):
+spawning and importing torch, megabert and DeepSpeed costs 2-4 s per process on a 2-core
+machine, more than most test bodies. Each call still gets what a fresh launch gives it: a new default
 process group (its own file store), megabert's parallel state built by the body, the
 environment restored afterwards, and every group destroyed at the end. A call that fails,
 hangs past its peers' failure or kills its process throws the pool away; the next call
@@ -39,7 +40,7 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _serve(rank: int, world_size: int, parent: int, jobs, results) -> None:
+def _serve(rank: int, parent: int, jobs, results) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(1)  # N processes on a 2-core machine: oversubscription only slows them
     os.environ.pop("RANK", None)
@@ -47,7 +48,7 @@ def _serve(rank: int, world_size: int, parent: int, jobs, results) -> None:
         job = jobs.get()
         if job is None:
             break
-        fn, init_file, args = job
+        fn, init_file, world_size, args = job
         environ = dict(os.environ)
         error = None
         try:
@@ -74,42 +75,47 @@ def _serve(rank: int, world_size: int, parent: int, jobs, results) -> None:
 
 
 class _Pool:
-    def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
-        self.world_size = world_size
-        self.jobs = [ctx.SimpleQueue() for _ in range(world_size)]
-        self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_serve, args=(r, world_size, os.getpid(), self.jobs[r], self.results))
-                      for r in range(world_size)]
-        for p in self.procs:
-            p.start()
+    def __init__(self):
+        self._ctx = mp.get_context("spawn")
+        self.jobs, self.procs = [], []
+        self.results = self._ctx.Queue()
 
-    def run(self, fn: Callable, args: tuple) -> None:
+    def grow(self, size: int) -> None:
+        """Spawns workers until there are `size`: rank r of every job runs on worker r."""
+        while len(self.procs) < size:
+            jobs = self._ctx.SimpleQueue()
+            proc = self._ctx.Process(target=_serve, args=(len(self.procs), os.getpid(), jobs, self.results))
+            proc.start()
+            self.jobs.append(jobs)
+            self.procs.append(proc)
+
+    def run(self, fn: Callable, world_size: int, args: tuple) -> None:
+        self.grow(world_size)
         with tempfile.TemporaryDirectory() as tmp:
-            for q in self.jobs:
-                q.put((fn, os.path.join(tmp, "store"), args))
+            for q in self.jobs[:world_size]:
+                q.put((fn, os.path.join(tmp, "store"), world_size, args))
             try:
-                errors = self._collect()
+                errors = self._collect(world_size)
             except BaseException:  # a test timeout or Ctrl-C while the workers run: they may never finish
                 self.kill()
                 raise
         if errors:
-            raise RuntimeError("\n".join(f"worker {r} of {self.world_size} failed:\n{e}" for r, e in errors))
+            raise RuntimeError("\n".join(f"worker {r} of {world_size} failed:\n{e}" for r, e in errors))
 
-    def _collect(self) -> list[tuple[int, str]]:
-        """Waits for every rank; [(rank, traceback)] of the failures. A rank that died, or
-        that is still busy GRACE_S after another failed, breaks the pool."""
+    def _collect(self, world_size: int) -> list[tuple[int, str]]:
+        """Waits for ranks 0..world_size-1; [(rank, traceback)] of the failures. A rank that
+        died, or that is still busy GRACE_S after another failed, breaks the pool."""
         done, errors, waited_after_error = set(), [], 0.0
-        while len(done) < self.world_size:
+        while len(done) < world_size:
             try:
                 rank, error = self.results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in done]
+                dead = [r for r, p in enumerate(self.procs[:world_size]) if not p.is_alive() and r not in done]
                 if errors:
                     waited_after_error += 1.0
                 if dead or waited_after_error > GRACE_S:
                     self.kill()
-                    missing = sorted(set(range(self.world_size)) - done)
+                    missing = sorted(set(range(world_size)) - done)
                     return errors + [(r, "the worker died" if r in dead else "still running after a peer failed")
                                      for r in missing]
                 continue
@@ -150,20 +156,21 @@ def patched(owner, name: str, value):
         setattr(owner, name, original)
 
 
-_pools: dict[int, _Pool] = {}
+_pool: list[_Pool] = []  # the session's one pool, once spawned
 
 
 @atexit.register
-def _close_pools() -> None:
-    for pool in _pools.values():
+def _close_pool() -> None:
+    for pool in _pool:
         pool.close()
-    _pools.clear()
+    _pool.clear()
 
 
 def run_distributed(fn: Callable, world_size: int, *args) -> None:
     """Calls fn(rank, world_size, *args) in `world_size` worker processes; a failure in
     any worker fails the test with that worker's traceback. `fn` must be module-level."""
-    pool = _pools.get(world_size)
-    if pool is None or not pool.alive():
-        pool = _pools[world_size] = _Pool(world_size)
-    pool.run(fn, args)
+    if not _pool or not _pool[0].alive():
+        if _pool:
+            _pool[0].kill()
+        _pool[:] = [_Pool()]
+    _pool[0].run(fn, world_size, args)
