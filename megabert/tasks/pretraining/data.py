@@ -47,7 +47,16 @@ def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
     if valid_ds is None or not evals:
         return train_batches, None
 
+    # One validation loader for the whole run, its workers started here, before training (as
+    # Megatron builds its validation iterator once): a new loader per evaluation forked new
+    # workers from the training process mid-run, and a child forked while another thread
+    # holds a lock can hang in the fork itself (seen: `make demo`'s rank 0 stuck at an
+    # evaluation, its worker never started, rank 1 waiting in the TP all-reduce).
+    valid_loader = loader(valid_ds, 0)
+    if data.num_workers > 0:
+        iter(valid_loader)  # persistent workers: every evaluation's iter() reuses them
+
     def valid_batches():
-        return iter(checked_batches(loader(valid_ds, 0), tokenizer.vocab_size, source))
+        return iter(checked_batches(valid_loader, tokenizer.vocab_size, source))
 
     return train_batches, valid_batches
