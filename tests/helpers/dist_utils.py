@@ -3,8 +3,8 @@
 The workers are spawned once and kept for the whole session, one pool for every world size
 (a job of N ranks runs on workers 0..N-1; the pool grows to the largest N asked for):
 spawning and importing torch, megabert and DeepSpeed costs 2-4 s per process on a 2-core
-machine, more than most test bodies. Each call still gets what a fresh launch gives it: a new default
-process group (its own file store), megabert's parallel state built by the body, the
+machine, more than most test bodies. Each call still gets what a fresh launch gives it: a
+new default process group (its own file store), megabert's parallel state built by the body, the
 environment restored afterwards, and every group destroyed at the end. A call that fails,
 hangs past its peers' failure or kills its process throws the pool away; the next call
 spawns a new one."""
@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -156,21 +156,21 @@ def patched(owner, name: str, value):
         setattr(owner, name, original)
 
 
-_pool: list[_Pool] = []  # the session's one pool, once spawned
+_pool: Optional[_Pool] = None  # the session's one pool, once spawned
 
 
 @atexit.register
 def _close_pool() -> None:
-    for pool in _pool:
-        pool.close()
-    _pool.clear()
+    if _pool is not None:
+        _pool.close()
 
 
 def run_distributed(fn: Callable, world_size: int, *args) -> None:
     """Calls fn(rank, world_size, *args) in `world_size` worker processes; a failure in
     any worker fails the test with that worker's traceback. `fn` must be module-level."""
-    if not _pool or not _pool[0].alive():
-        if _pool:
-            _pool[0].kill()
-        _pool[:] = [_Pool()]
-    _pool[0].run(fn, world_size, args)
+    global _pool
+    if _pool is None or not _pool.alive():
+        if _pool is not None:
+            _pool.kill()
+        _pool = _Pool()
+    _pool.run(fn, world_size, args)
