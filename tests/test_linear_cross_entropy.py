@@ -1,7 +1,7 @@
 """The fused MLM decoder + loss (megabert.ops.linear_cross_entropy) against F.linear +
 F.cross_entropy: loss, logits and every gradient, over several vocab chunks with an uneven
-last one, ignored rows, gradients through the logits too; and BertForPreTraining's loss and
-gradients with it against the unfused head."""
+last one, ignored rows, gradients through the logits too, with the CPU kernels and with
+PyTorch's ops; and BertForPreTraining's loss and gradients with it against the unfused head."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,8 +43,11 @@ def _run(fn, dtype, with_logits_grad, lead=(3, 13)):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("with_logits_grad", [False, True])
-def test_matches_linear_and_cross_entropy(monkeypatch, dtype, tol, with_logits_grad):
+@pytest.mark.parametrize("kernels", ["cpu kernels", "pytorch"])
+def test_matches_linear_and_cross_entropy(monkeypatch, dtype, tol, with_logits_grad, kernels):
     monkeypatch.setattr(lce, "CPU_CHUNK", 64)  # 190 columns: chunks of 64, 64, 62
+    if kernels == "pytorch":
+        monkeypatch.setattr(lce, "use_fused_kernel", lambda *args: False)
     ours = _run(_ours, dtype, with_logits_grad)
     ref = _run(_reference, dtype, with_logits_grad)
     for name, a, b in zip(("loss", "logits", "grad x", "grad weight", "grad bias"), ours, ref):

@@ -13,15 +13,20 @@ GEMM work.
 Here the op walks the vocabulary in chunks of `CPU_CHUNK` columns. The forward keeps the
 logits as those column chunks ([rows, chunk] each, 2.25 MB: from the heap, reused step
 after step, where one [rows, vocab] buffer was 21 ms of page faults per step on one core)
-and takes each chunk's log-sum-exp while it is in cache; the [rows, vocab] logits are
-put together only if someone asks for them (`LogitChunks.full`). The backward computes
-softmax x grad of one chunk into a [rows, chunk] scratch that stays in cache while dx
-(summed over chunks), the chunk's rows of dweight and its part of dbias are computed
-from it. The one-hot part of the gradient (-grad at each row's target) is applied after
-the chunks as a gather of weight rows and an accumulate into dweight's and dbias's
-target rows. The loss and gradients equal F.linear + F.cross_entropy's to float rounding
-(the sums group differently), and are deterministic: the GEMMs and the serial CPU
-index_put_ with accumulate do not depend on timing.
+and puts the [rows, vocab] logits together only if someone asks for them
+(`LogitChunks.full`). The backward computes softmax x grad of one chunk into a
+[rows, chunk] scratch that stays in cache while dx (summed over chunks), the chunk's rows
+of dweight and its part of dbias are computed from it. The one-hot part of the gradient
+(-grad at each row's target) is applied after the chunks as a gather of weight rows and an
+accumulate into dweight's and dbias's target rows.
+
+On the CPU the log-sum-exp over all chunks is one call of megabert's kernels and each
+chunk's softmax x grad one more (one pass, the vectorised polynomial exp, one fork per
+call, where PyTorch's logsumexp and sub/exp/mul were about ten ops per chunk, each its own
+fork); PyTorch's ops where the kernels are not built (said once) and on CUDA. The loss and
+gradients equal F.linear + F.cross_entropy's to float rounding (the sums group
+differently), and are deterministic and the same at any thread count but for the GEMMs:
+the kernels work row by row, and the CPU's index_put_ with accumulate is serial.
 """
 from __future__ import annotations
 
@@ -29,11 +34,14 @@ from typing import Optional
 
 import torch
 
-# Vocab columns per chunk of the CPU backward: a [rows, 2048] fp32 scratch is 2.25 MB at
-# rows = 275 (seq 512, batch 4, 15% masked), within L3 with the weight rows it meets. On
-# the AVX2 VM 1024-2048 measured best (the decoder's forward + backward -25% against
-# F.linear + F.cross_entropy); 512 and 8192 gave back a third of that, the whole vocab
-# in one chunk nearly all of it.
+from megabert import fused_kernels
+from megabert.ops.dispatch import use_fused_kernel
+
+# Vocab columns per chunk on the CPU: a [rows, 2048] fp32 chunk is 2.25 MB at rows = 275
+# (seq 512, batch 4, 15% masked), within L3 with the weight rows it meets. On the AVX2 VM
+# (PyTorch's ops for the elementwise part) 1024-2048 measured best, -25% on the decoder's
+# forward + backward against F.linear + F.cross_entropy; 512 and 8192 gave back a third
+# of that, the whole vocab in one chunk nearly all of it.
 CPU_CHUNK = 2048
 
 
@@ -44,35 +52,37 @@ class LinearCrossEntropy(torch.autograd.Function):
     zero loss and pass no gradient from it; gradients also flow back through the chunks."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, vocab: int, ignore_index: int, chunk: int):
+    def forward(ctx, x, weight, bias, target, vocab: int, ignore_index: int, chunk: int, kernels):
         chunks = [torch.addmm(bias[begin:end], x, weight[begin:end].t())
                   for begin, end in _spans(vocab, chunk)]  # each [n, end - begin], contiguous
-        # Each chunk's log-sum-exp right after its GEMM would read it from cache, but
-        # interleaving them measured no faster than this, and this is one op per chunk.
-        partial = torch.stack([torch.logsumexp(c, dim=1) for c in chunks], dim=1)  # [n, chunks]
-        lse = torch.logsumexp(partial, dim=1) if len(chunks) > 1 else partial[:, 0]  # [n]
+        if kernels is not None:  # one pass over every chunk's rows, one fork
+            lse = kernels.cross_entropy_lse(chunks)  # [n]
+        else:
+            partial = torch.stack([torch.logsumexp(c, dim=1) for c in chunks], dim=1)  # [n, chunks]
+            lse = torch.logsumexp(partial, dim=1)  # [n]
         valid = target != ignore_index
         safe_target = target.masked_fill(~valid, 0)
         # The target's logit as its own dot product: no [n, vocab] tensor to gather from.
         target_logit = torch.einsum("nh,nh->n", x, weight.index_select(0, safe_target)) + bias[safe_target]
         loss = (lse - target_logit).masked_fill(~valid, 0.0)
         ctx.save_for_backward(x, weight, lse, safe_target, valid, *chunks)
-        ctx.vocab, ctx.chunk = vocab, chunk
+        ctx.vocab, ctx.chunk, ctx.kernels = vocab, chunk, kernels
         # An output nobody used gets None, not a tensor of zeros.
         ctx.set_materialize_grads(False)
         return (loss, *chunks)
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_chunks):
-        nothing = (None,) * 7
+        nothing = (None,) * 8
         if grad_loss is None and all(g is None for g in grad_chunks):
             return nothing
         x, weight, lse, safe_target, valid, *chunks = ctx.saved_tensors
-        vocab, chunk = ctx.vocab, ctx.chunk
+        vocab, chunk, kernels = ctx.vocab, ctx.chunk, ctx.kernels
         want_x, want_w, want_b = ctx.needs_input_grad[:3]
         n = x.size(0)
         # d loss_r / d logits_r = grad_r * (softmax_r - one_hot(target_r)), plus the chunks' grads.
-        g = grad_loss.masked_fill(~valid, 0.0).unsqueeze(1) if grad_loss is not None else None  # [n, 1]
+        g_rows = grad_loss.masked_fill(~valid, 0.0).contiguous() if grad_loss is not None else None  # [n]
+        g = g_rows.unsqueeze(1) if g_rows is not None else None  # [n, 1]
         grad_x = torch.zeros_like(x) if want_x else None
         grad_w = torch.empty_like(weight) if want_w else None
         grad_b = weight.new_empty(weight.size(0)) if want_b else None
@@ -84,8 +94,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         for (begin, end), logits, grad_logits in zip(_spans(vocab, chunk), chunks, grad_chunks):
             p = scratch[:, : end - begin]  # [n, chunk]
             if g is not None:
-                torch.sub(logits, lse.unsqueeze(1), out=p)
-                p.exp_().mul_(g)
+                if kernels is not None:
+                    kernels.cross_entropy_grad(logits, lse, g_rows, p)
+                else:
+                    torch.sub(logits, lse.unsqueeze(1), out=p)
+                    p.exp_().mul_(g)
                 if grad_logits is not None:
                     p.add_(grad_logits)
             elif grad_logits is not None:
@@ -105,7 +118,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 grad_w.index_put_((safe_target,), -(x * g), accumulate=True)
             if want_b:
                 grad_b.index_put_((safe_target,), -g.squeeze(1), accumulate=True)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _spans(vocab: int, chunk: int) -> list[tuple[int, int]]:
@@ -144,8 +157,13 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"linear_cross_entropy takes float32 or float64 x and weight of one dtype outside "
                          f"autocast, got {x.dtype} and {weight.dtype}")
     lead = tuple(x.shape[:-1])
-    # NOTE: on CUDA one chunk (cuBLAS wants the whole GEMM; the cache argument is the CPU's).
-    chunk = CPU_CHUNK if x.device.type == "cpu" else max(vocab, 1)
+    if x.device.type == "cpu":
+        chunk = CPU_CHUNK
+        kernels = fused_kernels.kernels_for("cpu") if use_fused_kernel("MLM cross entropy", "cpu", None) else None
+    else:
+        # NOTE: one chunk and PyTorch's ops elsewhere (cuBLAS wants the whole GEMM; the cache
+        # argument and the kernels are the CPU's).
+        chunk, kernels = vocab, None
     loss, *chunks = LinearCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, bias, target.reshape(-1), vocab,
-                                             ignore_index, chunk)
+                                             ignore_index, chunk, kernels)
     return loss.view(lead), LogitChunks(tuple(chunks), lead)
