@@ -257,7 +257,8 @@ class TrainConfig:
                                           flag="--deepspeed_config")
     zero_stage: int = arg(0, "ZeRO stage with --deepspeed.", choices=(0, 1, 2, 3))
     zero_offload_optimizer: str = arg("none", "ZeRO-Offload: keep optimizer states and the update on the CPU "
-                                      "(DeepSpeedCPUAdam; needs --zero-stage 1-3).", choices=("none", "cpu"))
+                                      "(torch's fused AdamW on the CPU partitions; needs --zero-stage 1-3).",
+                                      choices=("none", "cpu"))
     zero_offload_params: str = arg("none", "ZeRO-Infinity: keep partitioned parameters in CPU memory between "
                                    "uses (needs --zero-stage 3).", choices=("none", "cpu"))
     compile: bool = arg(False, "torch.compile each transformer layer (TorchInductor; the fused kernels enter the "

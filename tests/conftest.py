@@ -1,7 +1,6 @@
 import json
 import os
 import random
-import sys
 
 import pytest
 import torch
@@ -10,11 +9,6 @@ from tests.helpers.cli_utils import run_main
 
 torch.set_num_threads(2)
 
-# DeepSpeed's JIT ops (cpu_adam, for ZeRO-Offload) are cached per environment rather than in
-# the user-wide ~/.cache/torch_extensions: their build files name the sources by the venv's
-# path, so two checkouts sharing one cache rebuild the op (a minute) each time they alternate.
-if sys.prefix != sys.base_prefix:  # a venv (make install's .venv): writable, one per checkout
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 @pytest.fixture(autouse=True)

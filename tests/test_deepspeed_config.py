@@ -178,10 +178,15 @@ def test_offload_flags_map_onto_deepspeed_keys(tmp_path):
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert ds["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert offloads_optimizer(ds)
+    # Our optimizer steps on the CPU partitions: DeepSpeed is told to take it.
+    assert ds["zero_force_ds_cpu_optimizer"] is False
     # From the JSON too, where no flag was typed.
     ds, _ = resolve(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert offloads_optimizer(ds) and ds["zero_optimization"]["stage"] == 2
-    assert "allgather_bucket_size" in ds["zero_optimization"]
+    assert "allgather_bucket_size" in ds["zero_optimization"] and ds["zero_force_ds_cpu_optimizer"] is False
+    # Without offload DeepSpeed's default stays.
+    ds, _ = resolve(tmp_path, {"zero_optimization": {"stage": 2}})
+    assert "zero_force_ds_cpu_optimizer" not in ds
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -203,6 +208,9 @@ def test_offload_in_the_json_checked_against_stage_and_typed_flags(tmp_path):
         tmp_path, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     assert "zero_optimization.cpu_offload, DeepSpeed's deprecated key" in error(
         tmp_path, {"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert "sets zero_force_ds_cpu_optimizer=true, but megabert's ZeRO-Offload steps with torch's fused AdamW" in error(
+        tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                   "zero_force_ds_cpu_optimizer": True})
 
 
 def test_finetune_configs_resolve_too(tmp_path):

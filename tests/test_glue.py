@@ -275,7 +275,7 @@ def test_layouts_follow_one_process(glue_setup, tmp_path):
 def test_bf16_fp16_and_zero3_offload_follow_fp32(glue_setup, tmp_path):
     """The same Strategy as pre-training and SQuAD carries GLUE's other set-ups: bf16 and
     fp16 (dynamic loss scaling) follow fp32 to their precision, and ZeRO-3 with optimizer
-    and parameter offload (DeepSpeedCPUAdam, one process) gives fp32's losses."""
+    and parameter offload (the fused AdamW on the CPU partitions, one process) gives fp32's losses."""
     dirs, data = glue_setup
     curves = {}
     environ = dict(os.environ)  # DeepSpeed's launch variables (RANK, ...) must not outlive the test

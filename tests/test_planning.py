@@ -220,7 +220,7 @@ def test_one_process_warning_names_zero_offload_tp_pp_with_their_predictions():
 
 def test_zero3_step_works_one_sub_group_at_a_time():
     """ZeRO-3's step holds one sub-group's fp32 gradients (4 bytes x sub_group_size; the
-    fused AdamW makes no temporaries), not the partition's; DeepSpeedCPUAdam (offload) none.
+    fused AdamW makes no temporaries), not the partition's; offloaded, none on the device.
     Backward holds the gathered parameters and the reduce bucket instead; the peak is the
     larger phase."""
     from megabert.planning.memory import _model_states

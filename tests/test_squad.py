@@ -210,7 +210,7 @@ def test_finetune_losses_equal_across_layouts(no_dropout_qa, demo_vocab, plain_d
 def test_finetune_with_zero_equals_plain_data_parallel(no_dropout_qa, demo_vocab, plain_dp2_losses, tmp_path, stage,
                                                       offload):
     """BingBertSquad's workflow: SQuAD under DeepSpeed ZeRO at DP=2 follows plain DP=2;
-    with optimizer and parameter offload (DeepSpeedCPUAdam: the same AdamW update) too."""
+    with optimizer and parameter offload (the same fused AdamW, on the CPU partitions) too."""
     pytest.importorskip("deepspeed")
     flags = ["--zero-offload-optimizer", "cpu", "--zero-offload-params", "cpu"] if offload else []
     zero = finetune_losses(tmp_path, no_dropout_qa, demo_vocab, f"zero{stage}", 2, "--deepspeed", "--zero-stage", stage,

@@ -47,8 +47,8 @@ def fused_adamw_supports(p: torch.Tensor) -> bool:
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group: Optional[dist.ProcessGroup] = None, *,
                     groups: Optional[list[dict]] = None, lamb: type = Lamb) -> torch.optim.Optimizer:
     """The optimizer `cfg` describes, over BERT's parameter groups; which implementation
-    runs is logged once ("optimizer: AdamW (fused)"). ZeRO-Offload's CPU optimizer is
-    DeepSpeed's (megabert.training.deepspeed.cpu_adam). The distributed optimizer hands
+    runs is logged once ("optimizer: AdamW (fused)"). ZeRO-Offload steps the same
+    optimizer on its CPU partitions (the fused kernel runs there too). The distributed optimizer hands
     `groups` of its shards' pieces (param_groups' order and hyper-parameters) and its
     LAMB, whose trust ratios sum the pieces' norms over data parallelism."""
     groups = groups if groups is not None else param_groups(model, cfg.weight_decay)

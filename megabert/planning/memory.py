@@ -14,7 +14,7 @@ Model states, bytes per parameter element held by a rank (P its parameters, d = 
          parameters), grads p P/d; the step walks the partition one sub-group (S elements,
          ZeroBuckets.sub_group_size) at a time: that sub-group's fp32 gradients, 4 S.
       Offload optimizer: master, moments and an fp32 gradient partition live in host memory
-      (DeepSpeedCPUAdam steps in place: no temporaries); offload params: ZeRO-3's parameter
+      (the fused AdamW steps them in place: no temporaries); offload params: ZeRO-3's parameter
       partition too.
   (DeepSpeed's own estimate_zero3_model_states_mem_needs counts 18 P/d for mixed precision.)
 
@@ -175,7 +175,7 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
         host += partition if layout.offload_params else 0.0
         grads = p * P / d
         backward = grads + live + reduce_bucket
-        # One sub-group's fp32 gradients (fused AdamW); DeepSpeedCPUAdam reads the host copy.
+        # One sub-group's fp32 gradients (fused AdamW); offloaded, the step reads the host copy.
         step = grads + (0.0 if layout.offload_optimizer else 4.0 * min(sizing.sub_group_size, P / d))
         if cpu:
             heap = (CPU_ZERO3_HEAP_BYTES_PER_PARAM

@@ -205,9 +205,22 @@ def check_offload(config: dict, path: Optional[str]) -> None:
 
 
 def offloads_optimizer(config: dict) -> bool:
-    """True when DeepSpeed's config keeps the optimizer on the CPU (ZeRO-Offload), which
-    needs DeepSpeedCPUAdam as the client optimizer (build_optimizer(cpu_offload=True))."""
+    """True when DeepSpeed's config keeps the optimizer on the CPU (ZeRO-Offload)."""
     return _get(config, "zero_optimization.offload_optimizer.device") == "cpu"
+
+
+def keep_our_cpu_optimizer(config: dict, path: Optional[str]) -> None:
+    """ZeRO-Offload steps with our optimizer (torch's fused AdamW on the CPU partitions, as
+    fast as DeepSpeedCPUAdam and nothing to compile); DeepSpeed refuses a client optimizer
+    under offload unless zero_force_ds_cpu_optimizer is false, so that key is set here, and a
+    JSON that forces DeepSpeed's own is one line."""
+    if not offloads_optimizer(config):
+        return
+    if config.get("zero_force_ds_cpu_optimizer") is True:
+        raise ConfigError(f"--deepspeed_config {path} sets zero_force_ds_cpu_optimizer=true, but megabert's "
+                          f"ZeRO-Offload steps with torch's fused AdamW on the CPU (as fast as DeepSpeedCPUAdam, "
+                          f"with no op to compile); drop the key")
+    config["zero_force_ds_cpu_optimizer"] = False
 
 
 def zero_plan(config: dict, path: Optional[str], user: dict, hidden_size: Optional[int]) -> ZeroPlan:
@@ -255,4 +268,5 @@ def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int]
     built = build_config(train, optim, ps, hidden_size)
     config = merge_user_config(path, built, cfg.train, cfg.explicit, user) if path else built
     check_offload(config, path)
+    keep_our_cpu_optimizer(config, path)
     return config, optim, zero_plan(config, path, user, hidden_size)

@@ -12,9 +12,7 @@ from megabert.checkpoint.layout import checkpoint_root, tag_dir_name
 from megabert.checkpoint.run_state import TrainingState
 from megabert.errors import CheckpointError
 from megabert.config import OptimConfig, TrainConfig
-from megabert.optim import build_optimizer, param_groups
-from megabert.training.deepspeed.config import offloads_optimizer
-from megabert.training.deepspeed.cpu_adam import build_cpu_adam
+from megabert.optim import build_optimizer
 from megabert.training.deepspeed.engine import initialize, reduce_gradients
 from megabert.training.grads import grad_norm, sync_tied_embedding_grads
 from megabert.training.strategy import SequentialRunner, StepResult, Strategy, Task
@@ -139,13 +137,13 @@ class DeepSpeedStrategy(Strategy):
 
 def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim: OptimConfig, train: TrainConfig,
                              runner, task: Task) -> DeepSpeedStrategy:
-    """DeepSpeed's engine around `model` with our optimizer (an AdamW, or for
-    ZeRO-Offload DeepSpeed's vectorised CPU Adam) and the strategy that drives it.
-    `runner`: the pipeline schedule with PP > 1, else None (a SequentialRunner through the engine)."""
-    if offloads_optimizer(ds_config):
-        optimizer = build_cpu_adam(param_groups(model, optim.weight_decay), optim)
-    else:
-        optimizer = build_optimizer(model, optim, ps.tp_group)
+    """DeepSpeed's engine around `model` with our optimizer and the strategy that drives it.
+    `runner`: the pipeline schedule with PP > 1, else None (a SequentialRunner through the engine).
+
+    ZeRO-Offload steps with the same optimizer: DeepSpeed hands it the fp32 partitions on
+    the CPU, which torch's fused AdamW kernel takes (vectorised and threaded, as fast as
+    DeepSpeedCPUAdam: docs/performance.md), so no DeepSpeed op is compiled on first use."""
+    optimizer = build_optimizer(model, optim, ps.tp_group)
     engine = initialize(model, optimizer, ds_config, ps)
     # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
     return DeepSpeedStrategy(engine, ps, runner, task, zero_stage=ds_config["zero_optimization"].get("stage", 0),

@@ -1,16 +1,17 @@
-"""DeepSpeedCPUAdam for ZeRO-Offload, and the one line that says its first use compiles it.
+"""The one line that says a DeepSpeed op's first use compiles it.
 
 DeepSpeed compiles its C++ ops on first use (a JIT build through torch.utils.cpp_extension,
-cached per machine) unless they were installed prebuilt (DS_BUILD_CPU_ADAM=1). The build
-prints nothing for minutes, which reads as a hang: `note_jit_build` says what is being
-built and that it happens once, before the build starts.
+cached per machine) unless they were installed prebuilt (DS_BUILD_<OP>=1). The build prints
+nothing for minutes, which reads as a hang: `note_jit_build` says what is being built and
+that it happens once, before the build starts. megabert itself needs no DeepSpeed op:
+ZeRO-Offload steps with torch's fused AdamW (strategy.py), and the CPU backend's
+shared-memory all-reduce is turned off (engine.py); this line is for a DeepSpeed version
+whose internals that switch does not know.
 """
 from __future__ import annotations
 
 import logging
 import os
-
-from megabert.config import OptimConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +53,3 @@ def note_jit_build(builder_name: str, what: str) -> None:
         logger.warning("building DeepSpeed's %s op for %s: a one-time C++ compile, cached for later runs, that "
                        "takes a few minutes (install deepspeed with %s=1 to build it ahead)",
                        builder.name, what, getattr(builder, "BUILD_VAR", "DS_BUILD_OPS"))
-
-
-def build_cpu_adam(groups: list[dict], cfg: OptimConfig):
-    """DeepSpeedCPUAdam over `groups` with the AdamW update `cfg` describes."""
-    note_jit_build("CPUAdamBuilder", "ZeRO-Offload's CPU optimizer")
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    logger.info("optimizer: DeepSpeedCPUAdam (ZeRO-Offload)")
-    return DeepSpeedCPUAdam(groups, lr=cfg.lr, bias_correction=cfg.bias_correction,
-                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                            adamw_mode=True)
