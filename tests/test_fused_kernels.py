@@ -114,8 +114,9 @@ def test_layer_norm_gradcheck_float64():
 _ISA_CHECK = """
 import torch
 from megabert.fused_kernels import _cpu
-from tests.helpers.kernel_checks import (check_layer_norm, check_softmax, check_varlen_attention, ln_case,
-                                         philox_mask_digest, softmax_case)
+from tests.helpers.kernel_checks import (check_cross_entropy_kernels, check_layer_norm, check_softmax,
+                                         check_varlen_attention, ln_case, philox_mask_digest, softmax_case)
+check_cross_entropy_kernels()
 for dtype in (torch.float32, torch.bfloat16):
     check_softmax(*softmax_case((2, 3, 4, 200), (2, 1, 4, 200), dtype))
     check_layer_norm(*ln_case((5, 2, 776), dtype))
@@ -129,7 +130,8 @@ print(_cpu.isa())
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_narrower_instruction_sets_agree(isa, tmp_path):
     """MEGABERT_CPU_ISA caps the row kernels' instruction set; each path meets the oracle
-    (softmax, LayerNorm, varlen attention with and without dropout) and draws the same
+    (softmax, LayerNorm, varlen attention with and without dropout, the MLM loss's
+    log-sum-exp and softmax gradient) and draws the same
     dropout masks as the widest path this CPU runs."""
     import os
     import subprocess

@@ -2,13 +2,16 @@
 the pooler. All live on the last pipeline stage."""
 from __future__ import annotations
 
+from typing import Callable, Union
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
-from megabert.tensor_parallel import copy_to_tp
+from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
+from megabert.tensor_parallel import copy_to_tp, vocab_parallel_cross_entropy
 
 
 def head_linear(ctx: BuildContext, out_features: int, hf_prefix: str) -> nn.Linear:
@@ -56,7 +59,26 @@ class MLMHead(nn.Module):
         self.tp_size = ctx.tp_size
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        x = self.layernorm(F.gelu(self.dense(hidden)))
+        return self._logits(self._transform(hidden), word_embeddings)
+
+    def logits_and_loss(self, hidden: torch.Tensor, word_embeddings: torch.Tensor,
+                        target: torch.Tensor) -> tuple[Union[torch.Tensor, Callable[[], torch.Tensor]], torch.Tensor]:
+        """(logits [..., V/tp], per-token cross entropy [...]) against full-vocab targets
+        (-100: no loss). With the whole vocab on this rank, the projection and the loss are
+        one op that needs no [tokens, vocab] buffer unless the logits are asked for
+        (ops.linear_cross_entropy): the logits are then a function that makes them."""
+        x = self._transform(hidden)
+        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings):
+            vocab = self.local_pad_start if self.local_pad_start is not None else word_embeddings.size(0)
+            loss, logits = linear_cross_entropy(x, word_embeddings, self.bias, target, vocab)
+            return logits.full, loss
+        logits = self._logits(x, word_embeddings)
+        return logits, vocab_parallel_cross_entropy(logits, target, self.tp_group)
+
+    def _transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layernorm(F.gelu(self.dense(hidden)))
+
+    def _logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 and self.local_pad_start is not None:
             # One rank holds the whole vocab: leave the padding rows out of the GEMM
             # instead of computing and then masking their logits.

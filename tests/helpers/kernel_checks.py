@@ -118,6 +118,26 @@ def check_varlen_attention(dtype, p, head_dim=64, lengths=VARLEN_LENGTHS):
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=tol)
 
 
+def check_cross_entropy_kernels(widths=(64, 64, 37), rows=9, seed=0):
+    """The MLM loss's CPU kernels (fp32) against float64: each row's log-sum-exp over column
+    chunks, and one chunk's exp(logits - lse) * g written into a column slice of a wider
+    scratch (rows `ld` apart)."""
+    from megabert.fused_kernels import _cpu
+
+    g = torch.Generator().manual_seed(seed)
+    chunks = [torch.randn(rows, w, generator=g) * 4 for w in widths]
+    lse = _cpu.cross_entropy_lse(chunks)
+    ref = torch.logsumexp(torch.cat(chunks, 1).double(), 1)
+    torch.testing.assert_close(lse.double(), ref, **TOL[torch.float32])
+    grads = torch.randn(rows, generator=g)
+    scratch = torch.full((rows, max(widths) + 5), float("nan"))
+    out = scratch[:, : widths[-1]]
+    _cpu.cross_entropy_grad(chunks[-1], lse, grads, out)
+    expected = (chunks[-1].double() - ref.unsqueeze(1)).exp() * grads.double().unsqueeze(1)
+    torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
+    assert scratch[:, widths[-1]:].isnan().all()  # nothing written past the slice
+
+
 def philox_mask_digest() -> str:
     """A digest of the masks the kernels draw from Philox for fixed keys (dropout + add and
     attention dropout): equal on every instruction set and thread count."""

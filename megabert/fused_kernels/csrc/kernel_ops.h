@@ -56,6 +56,12 @@ at::Tensor varlen_attention_backward(const at::Tensor& grad_out, const at::Tenso
 // each sequence): for tests.
 at::Tensor varlen_attention_dropout_mask(const at::Tensor& cu_seqlens, int64_t heads, double p,
                                          const at::Tensor& seed);
+// Cross entropy over column chunks of logits ([rows, c_i] each, contiguous): each row's
+// log-sum-exp over all of them -> lse [rows] (fp32, fp64 for fp64 logits).
+at::Tensor cross_entropy_lse(const std::vector<at::Tensor>& chunks);
+// out = exp(logits - lse) * g for one chunk (lse, g [rows] as cross_entropy_lse returns;
+// out [rows, c] with contiguous rows, e.g. a column slice of a wider scratch).
+void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& g, at::Tensor& out);
 }  // namespace cpu
 
 namespace cuda {

@@ -3,7 +3,7 @@ BertForPreTraining, and its output. User-visible MLM logits are gathered over TP
 first access only: training reads the loss and never pays for a [tokens, vocab] all-gather."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from megabert.model.outputs import ModelOutput
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
-from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax, vocab_parallel_cross_entropy
+from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax
 
 
 class BertPreTrainingOutput(ModelOutput):
@@ -24,19 +24,33 @@ class BertPreTrainingOutput(ModelOutput):
     mlm_predictions: the argmax of mlm_logits, without gathering them; mlm_labels and
     nsp_labels: the targets the losses were computed against (None without labels)."""
 
-    def __init__(self, *, loss, mlm_loss, nsp_loss, mlm_logits_parallel, nsp_logits, tp_group, vocab_size,
-                 mlm_labels: Optional[torch.Tensor] = None, nsp_labels: Optional[torch.Tensor] = None):
-        super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits,
-                         mlm_logits_parallel=mlm_logits_parallel)
+    def __init__(self, *, loss, mlm_loss, nsp_loss,
+                 mlm_logits_parallel: Union[torch.Tensor, Callable[[], torch.Tensor]], nsp_logits, tp_group,
+                 vocab_size, mlm_labels: Optional[torch.Tensor] = None, nsp_labels: Optional[torch.Tensor] = None):
+        """`mlm_logits_parallel`: the tensor, or a function that makes it on first access (the
+        fused MLM loss keeps its logits in pieces: a training step never reads them whole)."""
+        super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits)
+        if callable(mlm_logits_parallel):
+            self._make_logits: Optional[Callable[[], torch.Tensor]] = mlm_logits_parallel
+        else:
+            self._make_logits = None
+            self["mlm_logits_parallel"] = mlm_logits_parallel
         self._tp_group, self._vocab_size = tp_group, vocab_size
         # Kept off the dict: they are inputs handed back, not outputs for tools to walk.
         self._mlm_labels, self._nsp_labels = mlm_labels, nsp_labels
         self._mlm_logits: Optional[torch.Tensor] = None
 
     @property
+    def mlm_logits_parallel(self) -> torch.Tensor:
+        """[..., padded V / tp]: this TP rank's columns of the logits."""
+        if "mlm_logits_parallel" not in self:
+            self["mlm_logits_parallel"] = self._make_logits()
+        return self["mlm_logits_parallel"]
+
+    @property
     def mlm_logits(self) -> torch.Tensor:
         if self._mlm_logits is None:
-            full = gather_from_tp(self["mlm_logits_parallel"], self._tp_group)
+            full = gather_from_tp(self.mlm_logits_parallel, self._tp_group)
             self._mlm_logits = full[..., : self._vocab_size]
         return self._mlm_logits
 
@@ -44,7 +58,7 @@ class BertPreTrainingOutput(ModelOutput):
     def mlm_predictions(self) -> torch.Tensor:
         """Predicted token ids [b, s] (or [n_masked]): the argmax over the full vocab, reduced
         over TP ranks instead of gathering [tokens, vocab] logits. Collective over TP."""
-        return vocab_parallel_argmax(self["mlm_logits_parallel"], self._tp_group, self._vocab_size)
+        return vocab_parallel_argmax(self.mlm_logits_parallel, self._tp_group, self._vocab_size)
 
     @property
     def mlm_labels(self) -> Optional[torch.Tensor]:
@@ -113,11 +127,13 @@ class BertForPreTraining(BertPreTrainedModel):
         if cfg.mlm_logits_at_masked_only and labels is not None:
             selected = labels != -100
             hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
-        logits = self.lm_head(hidden, self.bert.word_embeddings)  # [..., V/tp]
         mlm_loss = None
         if target is not None:
-            per_token = vocab_parallel_cross_entropy(logits, target, self.ctx.tp_group)
+            # logits: made on first access ([..., V/tp]); training reads only the loss.
+            logits, per_token = self.lm_head.logits_and_loss(hidden, self.bert.word_embeddings, target)
             mlm_loss = per_token.sum() / (target != -100).sum().clamp(min=1)
+        else:
+            logits = self.lm_head(hidden, self.bert.word_embeddings)
         nsp_logits = self.binary_head(pooled) if self.binary_head is not None else None
         nsp_loss = None
         if nsp_logits is not None and next_sentence_label is not None:

@@ -3,7 +3,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
-      "megabert fused softmax, LayerNorm, dropout + residual add and varlen attention kernels for CPU (OpenMP across rows, "
+      "megabert fused softmax, LayerNorm, dropout + residual add, varlen attention and MLM cross entropy kernels for CPU (OpenMP across rows, "
       "vectorised rows)";
   megabert::def_kernel_ops(m, megabert::cpu::kernel_ops());
   m.def("dropout_add_forward", &megabert::cpu::dropout_add_forward,
@@ -22,5 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention_dropout_mask", &megabert::cpu::varlen_attention_dropout_mask,
         "the keep mask the attention kernels draw (for tests)", pybind11::arg("cu_seqlens"),
         pybind11::arg("heads"), pybind11::arg("p"), pybind11::arg("seed"));
+  m.def("cross_entropy_lse", &megabert::cpu::cross_entropy_lse,
+        "each row's log-sum-exp over column chunks of logits -> lse", pybind11::arg("chunks"));
+  m.def("cross_entropy_grad", &megabert::cpu::cross_entropy_grad,
+        "out = exp(logits - lse) * g for one chunk of logits (softmax times each row's loss grad)",
+        pybind11::arg("logits"), pybind11::arg("lse"), pybind11::arg("g"), pybind11::arg("out"));
   m.def("isa", &megabert::cpu::isa, "Instruction set the kernels run with: avx512, avx2 or default.");
 }

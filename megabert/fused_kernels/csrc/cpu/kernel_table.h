@@ -130,6 +130,26 @@ struct AttnBwdArgs {
   double keep_scale;
 };
 
+// Cross entropy over column chunks of logits (megabert/ops/linear_cross_entropy.py).
+// Forward: lse [rows] (the math type) of the rows of `num_chunks` chunks, chunk c being
+// [rows, widths[c]] contiguous.
+struct CeLseArgs {
+  const void* const* chunks;
+  const int64_t* widths;
+  int64_t num_chunks;
+  void* lse;
+};
+
+// Backward, one chunk: p = exp(logits - lse) * g; logits [rows, c] contiguous, p rows ld_p
+// elements apart, lse and g [rows] in the math type.
+struct CeGradArgs {
+  const void* logits;
+  const void* lse;
+  const void* g;
+  void* p;
+  int64_t c, ld_p;
+};
+
 using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
 using SoftmaxBwdFn = void (*)(const SoftmaxBwdArgs&, int64_t row_begin, int64_t row_end);
 using LayerNormFwdFn = void (*)(const LayerNormFwdArgs&, int64_t row_begin, int64_t row_end);
@@ -137,6 +157,8 @@ using LayerNormBwdFn = void (*)(const LayerNormBwdArgs&, int64_t row_begin, int6
                                 void* partial_grad_w, void* partial_grad_b);
 // out[j] = sum over parts of partial[part * h + j], cast to the element type.
 using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_t h, void* out);
+using CeLseFn = void (*)(const CeLseArgs&, int64_t row_begin, int64_t row_end);
+using CeGradFn = void (*)(const CeGradArgs&, int64_t row_begin, int64_t row_end);
 using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
 using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
@@ -162,6 +184,8 @@ struct KernelTable {
   AttnScratchFn attn_fwd_scratch[kNumDtypes];
   AttnScratchFn attn_bwd_scratch[kNumDtypes];
   AttnMaskFn attn_mask[kNumDtypes];
+  CeLseFn ce_lse[kNumDtypes];
+  CeGradFn ce_grad[kNumDtypes];
 };
 
 // One table per instruction set; nullptr where this compiler or architecture did not build it.

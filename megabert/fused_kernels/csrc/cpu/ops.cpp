@@ -262,6 +262,47 @@ at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& mask, doub
   return grad_x;
 }
 
+at::Tensor cross_entropy_lse(const std::vector<at::Tensor>& chunks) {
+  TORCH_CHECK(!chunks.empty(), "cross_entropy_lse: no logit chunks");
+  const at::Tensor& first = chunks.front();
+  const Dtype dt = kernel_dtype(first, "cross_entropy_lse");
+  TORCH_CHECK(first.dim() == 2, "logit chunks must be [rows, columns], got ", first.sizes());
+  const int64_t rows = first.size(0);
+  std::vector<const void*> ptrs;
+  std::vector<int64_t> widths;
+  for (const at::Tensor& c : chunks) {
+    check_input(c, "logit chunk", first.scalar_type());
+    TORCH_CHECK(c.dim() == 2 && c.size(0) == rows, "logit chunks must all be [", rows, ", columns], got ", c.sizes());
+    ptrs.push_back(c.data_ptr());
+    widths.push_back(c.size(1));
+  }
+  at::Tensor lse = at::empty({rows}, first.options().dtype(dt == kDouble ? at::kDouble : at::kFloat));
+  const CeLseArgs args{ptrs.data(), widths.data(), static_cast<int64_t>(chunks.size()), lse.data_ptr()};
+  int64_t width = 0;
+  for (int64_t w : widths) width += w;
+  const CeLseFn fn = table().ce_lse[dt];
+  parallel_rows(rows, width, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return lse;
+}
+
+void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& g, at::Tensor& out) {
+  const Dtype dt = kernel_dtype(logits, "cross_entropy_grad");
+  check_input(logits, "logit chunk", logits.scalar_type());
+  TORCH_CHECK(logits.dim() == 2, "logit chunk must be [rows, columns], got ", logits.sizes());
+  const at::ScalarType math = dt == kDouble ? at::kDouble : at::kFloat;
+  check_input(lse, "lse", math);
+  check_input(g, "row grads", math);
+  const int64_t rows = logits.size(0), c = logits.size(1);
+  TORCH_CHECK(lse.numel() == rows && g.numel() == rows, "lse and row grads must have ", rows, " elements");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == logits.scalar_type() && out.sizes() == logits.sizes() &&
+                  (c <= 1 || out.stride(1) == 1),
+              "out must be a CPU ", logits.scalar_type(), " tensor of shape ", logits.sizes(),
+              " with contiguous rows, got ", out.sizes());
+  const CeGradArgs args{logits.data_ptr(), lse.data_ptr(), g.data_ptr(), out.data_ptr(), c, out.stride(0)};
+  const CeGradFn fn = table().ce_grad[dt];
+  parallel_rows(rows, c, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+}
+
 std::string isa() { return table().isa; }
 
 const KernelOps& kernel_ops() {

@@ -1,5 +1,6 @@
 // Row kernels for softmax and LayerNorm (and, from dropout_kernels.h, dropout + residual
-// add; from attention_kernels.h, attention over real tokens), compiled once per instruction set.
+// add; from attention_kernels.h, attention over real tokens; from cross_entropy_kernels.h,
+// the MLM loss's log-sum-exp and softmax gradient), compiled once per instruction set.
 //
 // Included by isa_*.cpp after `#define MEGABERT_ISA <name>` (and, on x86, after a
 // `#pragma GCC target`), so every function here lands in its own namespace
@@ -287,6 +288,7 @@ void layer_norm_bwd_reduce(const void* partial_in, int64_t parts, int64_t h, voi
 
 #include "dropout_kernels.h"
 #include "attention_kernels.h"
+#include "cross_entropy_kernels.h"
 
 // Indexed by Dtype: kFloat, kBFloat16, kDouble.
 const KernelTable kTable = {
@@ -303,6 +305,8 @@ const KernelTable kTable = {
     {&attn_fwd_scratch<float>, &attn_fwd_scratch<bf16_t>, &attn_fwd_scratch<double>},
     {&attn_bwd_scratch<float>, &attn_bwd_scratch<bf16_t>, &attn_bwd_scratch<double>},
     {&attn_mask<float>, &attn_mask<bf16_t>, &attn_mask<double>},
+    {&ce_lse<float>, &ce_lse<bf16_t>, &ce_lse<double>},
+    {&ce_grad<float>, &ce_grad<bf16_t>, &ce_grad<double>},
 };
 
 }  // namespace MEGABERT_ISA
