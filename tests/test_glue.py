@@ -6,7 +6,6 @@ loop."""
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
