@@ -11,9 +11,10 @@ runs at one point of the one resolution:
   `data_parallel_size`, called by ParallelState.build: the Python API's door too).
 - `resolve_run` (megabert.training.resolve) applies the rest once the world is known:
   the model's split over TP/PP (`check_model_split`), the batch over the data-parallel
-  ranks (megabert.parallel.layout.BatchLayout), and the ZeRO plan that runs
-  (`check_zero`) when the engine's JSON chose its stage or an offload; a plan from the
-  flags alone was checked with the flags.
+  ranks (megabert.parallel.layout.BatchLayout), the ZeRO plan that runs
+  (`check_zero`) when the engine's JSON chose its stage or an offload (a plan from the
+  flags alone was checked with the flags), and the binary head's objective on the data
+  that --data-path names (`sentence_pair_task`).
 
 The layout planner applies the same functions to candidate layouts that no flag describes
 yet, checkpoint conversion to the layout it writes, and a model being built to its own
@@ -154,6 +155,20 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     check_sequence_parallel(bool(model and model.sequence_parallel), deepspeed=True)
     if not train.deepspeed_config:
         check_zero(zero_plan_from_flags(train), pp=cfg.parallel.pipeline_model_parallel_size, compile=train.compile)
+
+
+def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) -> str:
+    """The binary head's objective on this data. NVIDIA's shards (`data_format`, None for
+    Megatron's indexed data) hold next-sentence pairs, B random or the next segment and labelled
+    so, not sentence order: on them the objective is NSP, and SOP asked for by name (`given`) is
+    an error. Megatron's data makes either from its sentences: the flag's value."""
+    if data_format is None:
+        return task
+    if given and task != "nsp":
+        raise ConfigError(f"--binary-head-task {task} cannot train on --data-path's {data_format} shards: they hold "
+                          f"next-sentence pairs (B is random or the next segment), not sentence order; drop the "
+                          f"flag (they train NSP) or pass --bert-no-binary-head")
+    return "nsp"
 
 
 def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None) -> None:

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from megabert.data.sample_errors import ReportingDataLoader
 from megabert.errors import ConfigError, DataError
 
 
@@ -52,14 +53,15 @@ class PretrainingSampler(torch.utils.data.Sampler):
 
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                                   num_workers: int) -> torch.utils.data.DataLoader:
-    """A DataLoader of dicts of int64 tensors [micro_batch, ...] for this data-parallel rank."""
+    """A DataLoader of dicts of int64 tensors [micro_batch, ...] for this data-parallel rank. A
+    sample that cannot be read raises in this process, one line, as without workers
+    (megabert.data.sample_errors): every loader of samples read from files is built here."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     # NOTE: each new iterator of a DataLoader draws its workers' base seed from the global
     # torch RNG unless the loader has a generator of its own. That draw shifts the CPU
     # dropout stream, and a resumed run creates its iterator at another step than the
     # uninterrupted one did, so resume would not be bitwise. Samples never need that seed:
     # each is drawn from (seed, index) by the dataset itself.
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0,
-                                       generator=torch.Generator().manual_seed(0))
+    return ReportingDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                               pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+                               generator=torch.Generator().manual_seed(0))

@@ -10,6 +10,7 @@ rest, each once."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -18,7 +19,9 @@ from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, O
     TrainConfig
 from megabert.parallel.layout import BatchLayout
 from megabert.parallel.zero import ZeroPlan
-from megabert.rules import check_model_split, check_zero
+from megabert.rules import check_model_split, check_zero, sentence_pair_task
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,11 +98,30 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
         if cfg.train.deepspeed_config:  # the JSON may have chosen the stage or an offload: the plan that runs
             check_zero(zero, pp=ps.pp_size, compile=cfg.train.compile)
         train = dataclasses.replace(train, zero_stage=zero.stage)
-    if getattr(cfg, "data", None) is not None:
+    data = getattr(cfg, "data", None)
+    if data is not None:
         # A --load / --pretrained-checkpoint that holds nothing stops the run here, before
         # index mappings are built (fine-tuning reads --load when it builds its model).
         resolve_start(train)
+        data = _sentence_pairs(data, model, cfg.explicit)
     return ResolvedRun(model=model, parallel=cfg.parallel, optim=optim, train=train, batch=batch,
-                       world_size=ps.world_size, data=getattr(cfg, "data", None),
+                       world_size=ps.world_size, data=data,
                        finetune=getattr(cfg, "finetune", None), zero=zero, deepspeed_config=ds_config,
                        explicit=cfg.explicit)
+
+
+def _sentence_pairs(data: DataConfig, model: Optional[ModelConfig], explicit: frozenset) -> DataConfig:
+    """--binary-head-task as the data decides it: NSP on NVIDIA's shards (megabert.rules
+    `sentence_pair_task`), with one info line when the data, not a flag, chose it."""
+    if model is None or not model.bert_binary_head:
+        return data
+    from megabert.tasks.pretraining.nvidia_data import detect_nvidia_data  # megabert.training imports no task at import
+
+    source = detect_nvidia_data(data.data_path)
+    fmt = source.format if source is not None else None
+    task = sentence_pair_task(fmt, data.binary_head_task, given="data.binary_head_task" in explicit)
+    if task == data.binary_head_task:
+        return data
+    logger.info("--data-path holds %s shards, whose sentence pairs are next-sentence pairs: the binary head "
+                "trains NSP (--bert-no-binary-head trains none)", fmt)
+    return dataclasses.replace(data, binary_head_task=task)

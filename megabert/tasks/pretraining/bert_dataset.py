@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from megabert.data.indexed_dataset import IndexedDataset
+from megabert.data.sample_errors import cause
 from megabert.tasks.pretraining.masking import mask_tokens
 from megabert.tasks.pretraining.sample_mapping import get_mapping
-from megabert.errors import ConfigError
+from megabert.errors import ConfigError, DataError
 
 SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}
 
@@ -134,6 +135,15 @@ class BertDataset(torch.utils.data.Dataset):
             a = self.indexed.tokens(first, end).astype(np.int64)
             a, b = truncate_pair(a, a[:0], target, rng)
         return self._frame(a, b, label, rng)
+
+    def sample_error(self, idx: int, error: Exception) -> DataError:
+        """What failed when sample idx could not be read (megabert.data.sample_errors): the index
+        checks at open cover its header, sizes and ends, not every sequence pointer."""
+        first, end, _ = (int(x) for x in self.mapping[idx])
+        prefix = self.indexed.path_prefix
+        return DataError(f"{prefix}.bin/.idx: sample {idx} of the {self.split} split (sentences {first}-{end - 1}) "
+                         f"cannot be read ({cause(error)}): the files are damaged or not a Megatron .bin/.idx pair; "
+                         f"make them again with tools/preprocess_data.py")
 
     def _frame(self, a: np.ndarray, b: np.ndarray, label: int, rng: np.random.Generator) -> dict:
         """[CLS] A [SEP] (B [SEP]), masked and padded."""

@@ -73,6 +73,11 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict:
         return self.datasets[int(self.dataset_index[idx])][int(self.sample_index[idx])]
 
+    def sample_error(self, idx: int, error: Exception):
+        """The component's account of a sample it could not read (megabert.data.sample_errors)."""
+        part = self.datasets[int(self.dataset_index[idx])]
+        return part.sample_error(int(self.sample_index[idx]), error)
+
 
 def _no_sample_error(prefix: str, split: str, doc_range, num_docs: int, config_split: str, stats: dict,
                      binary_head: bool) -> DataError:

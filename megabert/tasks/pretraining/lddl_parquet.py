@@ -26,6 +26,21 @@ from megabert.tasks.pretraining.masking import IGNORE_INDEX
 
 REQUIRED_COLUMNS = ("A", "B", "is_random_next", "num_tokens")
 STATIC_COLUMNS = ("masked_lm_positions", "masked_lm_labels")
+
+
+def _column_types() -> dict:
+    """{column: (test of its Arrow type, what LDDL writes)} for every column megabert reads."""
+    import pyarrow.types as t  # imported on use, as pyarrow.parquet below
+
+    def text(x):
+        return t.is_string(x) or t.is_large_string(x)
+
+    return {"A": (text, "strings"), "B": (text, "strings"), "masked_lm_labels": (text, "strings"),
+            "is_random_next": (lambda x: t.is_boolean(x) or t.is_integer(x), "bools"),
+            "num_tokens": (t.is_integer, "integers"),
+            "masked_lm_positions": (lambda x: t.is_binary(x) or t.is_large_binary(x), "np.save'd bytes")}
+
+
 # LDDL's names: `.parquet` in the extension, `_<bin>` after it for binned data.
 _BINNED = re.compile(r"\.parquet_(\d+)$")
 
@@ -40,7 +55,16 @@ def bin_of(path: str) -> Optional[int]:
 
 
 def load_positions(blob: bytes) -> np.ndarray:
-    """LDDL's np.save'd position array; never unpickled (allow_pickle=False)."""
+    """LDDL's np.save'd position array (1-D uint16); never unpickled. The header is read first:
+    given bytes that are not an .npy, np.load takes them for a pickle and suggests allow_pickle,
+    advice that must not reach a user holding a damaged or hostile file."""
+    buf = io.BytesIO(blob)
+    version = np.lib.format.read_magic(buf)  # ValueError for anything but an .npy
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read_header(buf)
+    if dtype.kind not in "iu" or len(shape) != 1:
+        raise ValueError(f"masked_lm_positions holds a {dtype} array of shape {shape}, not LDDL's 1-D uint16 "
+                         f"positions")
     return np.load(io.BytesIO(blob), allow_pickle=False).astype(np.int64)
 
 
@@ -82,7 +106,8 @@ class ParquetShard:
         try:
             import pyarrow.parquet as pq  # imported on use: every megabert process imports this module
 
-            meta = pq.ParquetFile(path).metadata
+            file = pq.ParquetFile(path)
+            meta, schema = file.metadata, file.schema_arrow
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
             raise DataError(f"{path} cannot be read as parquet ({e}): check --data-path") from None
         names = meta.schema.names
@@ -90,6 +115,10 @@ class ParquetShard:
         if missing:
             raise DataError(f"{path} is not an LDDL BERT shard: it has no column {', '.join(missing)} "
                             f"(expected {', '.join(REQUIRED_COLUMNS)})")
+        for column, (fits, what) in _column_types().items():
+            if column in names and not fits(schema.field(column).type):
+                raise DataError(f"{path} is not an LDDL BERT shard: its column {column} holds "
+                                f"{schema.field(column).type}, where LDDL writes {what}")
         self.static_masking = all(c in names for c in STATIC_COLUMNS)
         self.columns = ("A", "B", "is_random_next") + (STATIC_COLUMNS if self.static_masking else ())
         self.bin = bin_of(path)
@@ -138,10 +167,11 @@ class ParquetShard:
         if self.static_masking:
             positions = load_positions(data["masked_lm_positions"][i].as_py())
             targets = data["masked_lm_labels"][i].as_py().split()
-            if len(positions) != len(targets) or (len(positions) and positions.max() >= len(input_ids)):
+            lo, hi = (int(positions.min()), int(positions.max())) if len(positions) else (0, 0)
+            if len(positions) != len(targets) or not 0 <= lo <= hi < len(input_ids):
                 raise DataError(f"{self.path}: row {i} of its row group has {len(positions)} masked positions "
-                                f"(up to {positions.max() if len(positions) else 0}) for {len(targets)} labels and "
-                                f"{len(input_ids)} tokens: the shard is damaged; make it again")
+                                f"({lo} to {hi}) for {len(targets)} labels and {len(input_ids)} tokens: the shard "
+                                f"is damaged; make it again")
             labels[positions] = words.ids(targets, self.path)
         return {"input_ids": input_ids, "token_type_ids": token_type_ids,
                 "attention_mask": np.ones(len(input_ids), dtype=np.int64), "labels": labels,

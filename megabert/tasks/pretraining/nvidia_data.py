@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from megabert.config import DataConfig
+from megabert.data.sample_errors import cause
 from megabert.data.tokenizers import read_wordpiece_vocab
-from megabert.errors import ConfigError, DataError
+from megabert.errors import ConfigError, DataError, MegabertError
+from megabert.rules import sentence_pair_task
 from megabert.tasks.pretraining.bert_dataset import _TokenTable
 from megabert.tasks.pretraining.datasets import BlendedDataset
 from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, is_parquet_shard, non_special
@@ -107,6 +109,16 @@ def open_shard(path: str):
     return Hdf5Shard(path) if _format_of(path) == HDF5 else ParquetShard(path)
 
 
+def unreadable(shard, block: int, row: int, error: Exception) -> DataError:
+    """The line for an exception of h5py, pyarrow or numpy while a row of a shard was read or
+    decoded (bit rot inside a gzip chunk or a snappy page, junk in a column): the libraries'
+    own messages name no file."""
+    lo, hi = shard.block_range(block)
+    unit, kind = ("row band", f"a {HDF5}") if isinstance(shard, Hdf5Shard) else ("row group", f"an {PARQUET}")
+    return DataError(f"{shard.path}: row {row} (in {unit} {block}, rows {lo}-{hi - 1}) cannot be read "
+                     f"({cause(error)}): the file is damaged or not {kind} shard; make or copy it again")
+
+
 @dataclass(frozen=True)
 class RowSpec:
     """How a stored row becomes a training sample."""
@@ -178,6 +190,11 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
             return shard.block_row(data, offset)
         return self._fit(shard, shard.block_row(data, offset, self.words), int(idx), block.start + offset)
 
+    def sample_error(self, idx: int, error: Exception) -> DataError:
+        """What failed when sample idx could not be read (megabert.data.sample_errors)."""
+        block, offset = self.order.locate(int(idx))
+        return unreadable(self.shards[block.shard], block.block, block.start + offset, error)
+
     def _fit(self, shard: ParquetShard, row: dict, idx: int, row_in_shard: int) -> dict:
         """An LDDL row padded to --seq-length (0, as LDDL pads), masked when the shard is dynamic."""
         spec, n = self.spec, len(row["input_ids"])
@@ -204,9 +221,8 @@ def build_nvidia_datasets(source: NvidiaSource, data: DataConfig, tokenizer, num
                           seed: int, global_batch: int, binary_head: bool):
     """(train, valid) datasets of NVIDIA shards; valid is None without held-out (*test*) files or
     when no evaluation is asked for."""
-    if binary_head and data.binary_head_task != "nsp":
-        raise ConfigError(f"{source.format} shards hold next-sentence pairs (B is random or the next segment), "
-                          f"not sentence order: pass --binary-head-task nsp (or --bert-no-binary-head)")
+    if binary_head:  # resolve_run chose NSP for a run; a caller of this function chose data.binary_head_task
+        sentence_pair_task(source.format, data.binary_head_task, given=True)
     words = WordPieceIds(tokenizer.vocab, data.vocab_file) if source.format == PARQUET else None
     tokens = _TokenTable(tokenizer, data.whole_word_masking) if source.format == PARQUET else None
 
@@ -258,13 +274,18 @@ class ShardSamples(SequenceABC):
         if not 0 <= i < len(self):
             raise IndexError(f"row {i} of {self.shard.path}, which has {len(self)}")
         block = bisect_right(self._starts, i) - 1
-        if self._cached[0] != block:
-            self._cached = (block, self.shard.read_block(block))
-        offset = i - self._starts[block]
-        if self.words is None:
-            row = self.shard.block_row(self._cached[1], offset)
-        else:
-            row = self.shard.block_row(self._cached[1], offset, self.words)
+        try:
+            if self._cached[0] != block:
+                self._cached = (block, self.shard.read_block(block))
+            offset = i - self._starts[block]
+            if self.words is None:
+                row = self.shard.block_row(self._cached[1], offset)
+            else:
+                row = self.shard.block_row(self._cached[1], offset, self.words)
+        except MegabertError:
+            raise
+        except Exception as e:  # as the training loader reports it (megabert.data.sample_errors)
+            raise unreadable(self.shard, block, i, e) from None
         return {k: torch.from_numpy(v) for k, v in row.items()}
 
 

@@ -36,6 +36,8 @@ def dle_labels(positions: np.ndarray, ids: np.ndarray, seq_length: int) -> np.nd
     labels = np.full(seq_length, IGNORE_INDEX, dtype=np.int64)
     padded = np.flatnonzero(positions == 0)
     k = int(padded[0]) if len(padded) else len(positions)
+    if k and not 0 <= positions[:k].min() <= positions[:k].max() < seq_length:  # numpy would wrap a negative one
+        raise ValueError(f"masked_lm_positions {positions[:k].tolist()} lie outside the row's {seq_length} tokens")
     labels[positions[:k]] = ids[:k]
     return labels
 
@@ -57,17 +59,34 @@ class Hdf5Shard:
                 if missing:
                     raise DataError(f"{path} is not a DeepLearningExamples BERT shard: it has no dataset "
                                     f"{', '.join(missing)} (expected {', '.join(HDF5_KEYS)})")
+                self._check_layout(path, f)
                 self.num_rows, self.seq_length = f["input_ids"].shape
                 self.max_predictions = f["masked_lm_positions"].shape[1]
-                for key in HDF5_KEYS:
-                    if f[key].shape[0] != self.num_rows:
-                        raise DataError(f"{path}: dataset {key} has {f[key].shape[0]} rows but input_ids has "
-                                        f"{self.num_rows}: the file is damaged; make it again")
                 band = max(f[k].chunks[0] if f[k].chunks else 1 for k in HDF5_KEYS)
         except OSError as e:
             raise DataError(f"{path} cannot be read as HDF5 ({e}): check --data-path") from None
         self.block_rows = band * -(-MIN_BLOCK_ROWS // band)
         self._file, self._pid = None, None
+
+    @staticmethod
+    def _check_layout(path: str, f) -> None:
+        """Shapes and dtypes from the file's metadata (no data read): a float or string dataset,
+        or one of another width, would otherwise fail inside a worker, or train on garbage."""
+        for key in HDF5_KEYS:
+            ndim, kinds = (1, "iub") if key == "next_sentence_labels" else (2, "iu")
+            if f[key].ndim != ndim or f[key].dtype.kind not in kinds:
+                raise DataError(f"{path} is not a DeepLearningExamples BERT shard: dataset {key} holds "
+                                f"{f[key].dtype} {list(f[key].shape)}, where DLE writes {ndim}-D integers")
+        rows = f["input_ids"].shape[0]
+        for key in HDF5_KEYS:
+            if f[key].shape[0] != rows:
+                raise DataError(f"{path}: dataset {key} has {f[key].shape[0]} rows but input_ids has "
+                                f"{rows}: the file is damaged; make it again")
+        for key, like in (("input_mask", "input_ids"), ("segment_ids", "input_ids"),
+                          ("masked_lm_ids", "masked_lm_positions")):
+            if f[key].shape != f[like].shape:
+                raise DataError(f"{path}: dataset {key} is {list(f[key].shape)} but {like} is "
+                                f"{list(f[like].shape)}: the file is damaged; make it again")
 
     def __getstate__(self):
         return {**self.__dict__, "_file": None, "_pid": None}  # a worker opens its own handle
