@@ -112,3 +112,54 @@ def write_lddl_parquet(path, num_rows: int, max_tokens: int = 29, static: bool =
     table = pa.Table.from_pylist(rows, schema=pa.schema(schema))
     pq.write_table(table, path, row_group_size=row_group_size)
     return rows
+
+
+# ------------------------------------------------------------------ damage, byte by byte
+
+
+def _flip(path, offset: int, count: int = 1) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(count)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+def flip_hdf5_chunk(path, key: str = "input_ids") -> None:
+    """One flipped byte in the middle of every gzip chunk of a dataset (bit rot on disk)."""
+    with h5py.File(path, "r") as f:
+        ds = f[key]
+        chunks = [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
+    for chunk in chunks:
+        _flip(path, chunk.byte_offset + chunk.size // 2)
+
+
+def flip_parquet_pages(path, column: str = "A", count: int = 8) -> None:
+    """`count` flipped bytes in the middle of a column's pages in every row group (dictionary
+    and data pages, snappy-compressed as LDDL writes them)."""
+    meta = pq.ParquetFile(path).metadata
+    k = meta.schema.names.index(column)
+    for g in range(meta.num_row_groups):
+        chunk = meta.row_group(g).column(k)
+        start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        _flip(path, start + chunk.total_compressed_size // 2, count)
+
+
+def truncate(path, fraction: float = 2 / 3) -> None:
+    os.truncate(path, int(os.path.getsize(path) * fraction))
+
+
+def write_dle_hdf5_as(path, arrays: dict) -> None:
+    """A DLE-like shard of the given arrays (a wrong dtype or shape written as it is)."""
+    with h5py.File(path, "w") as h:
+        for key, value in arrays.items():
+            h.create_dataset(key, data=value, compression="gzip")
+
+
+def replace_parquet_column(path, column: str, values) -> None:
+    """The shard with one column replaced by `values` (a pyarrow array), row groups kept."""
+    file = pq.ParquetFile(path)
+    groups = file.metadata.row_group(0).num_rows
+    table = file.read()
+    table = table.set_column(table.schema.get_field_index(column), column, values)
+    pq.write_table(table, path, row_group_size=groups)

@@ -109,7 +109,8 @@ class ParquetShard:
             file = pq.ParquetFile(path)
             meta, schema = file.metadata, file.schema_arrow
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
-            raise DataError(f"{path} cannot be read as parquet ({e}): check --data-path") from None
+            raise DataError(f"{path} cannot be read as parquet ({e}): the file is damaged or not an LDDL parquet "
+                            f"shard; check --data-path") from None
         names = meta.schema.names
         missing = [c for c in REQUIRED_COLUMNS if c not in names]
         if missing:

@@ -64,7 +64,8 @@ class Hdf5Shard:
                 self.max_predictions = f["masked_lm_positions"].shape[1]
                 band = max(f[k].chunks[0] if f[k].chunks else 1 for k in HDF5_KEYS)
         except OSError as e:
-            raise DataError(f"{path} cannot be read as HDF5 ({e}): check --data-path") from None
+            raise DataError(f"{path} cannot be read as HDF5 ({e}): the file is damaged or not a DeepLearningExamples "
+                            f"HDF5 shard; check --data-path") from None
         self.block_rows = band * -(-MIN_BLOCK_ROWS // band)
         self._file, self._pid = None, None
 
@@ -74,6 +75,8 @@ class Hdf5Shard:
         or one of another width, would otherwise fail inside a worker, or train on garbage."""
         for key in HDF5_KEYS:
             ndim, kinds = (1, "iub") if key == "next_sentence_labels" else (2, "iu")
+            if not hasattr(f[key], "dtype"):
+                raise DataError(f"{path} is not a DeepLearningExamples BERT shard: {key} is a group, not a dataset")
             if f[key].ndim != ndim or f[key].dtype.kind not in kinds:
                 raise DataError(f"{path} is not a DeepLearningExamples BERT shard: dataset {key} holds "
                                 f"{f[key].dtype} {list(f[key].shape)}, where DLE writes {ndim}-D integers")
