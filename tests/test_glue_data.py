@@ -72,6 +72,10 @@ def test_qqp_short_rows_are_skipped_elsewhere_errors_name_file_and_line(tmp_path
         read_examples(sts, TASKS["sts-b"])
     with pytest.raises(DataError, match="does not exist"):
         read_examples(str(tmp_path / "none.tsv"), TASKS["rte"])
+    (tmp_path / "latin1.tsv").write_bytes("index\tsentence1\tsentence2\tlabel\n0\tcaf\u00e9\tB\tentailment\n"
+                                          .encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.tsv is not UTF-8 text \(invalid continuation byte\): the file is damaged"):
+        read_examples(str(tmp_path / "latin1.tsv"), TASKS["rte"])
 
 
 def test_csv_and_json_lines_with_named_columns(tmp_path):

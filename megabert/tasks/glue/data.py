@@ -113,9 +113,14 @@ def read_named_columns(path: str, task: GlueTask, *, test: bool = False) -> list
 def read_examples(path: str, task: GlueTask, *, test: bool = False) -> list[GlueExample]:
     """By extension: .csv and .json/.jsonl have named columns, anything else is GLUE's TSV."""
     ext = os.path.splitext(path)[1].lower()
-    if ext in (".csv", ".json", ".jsonl"):
-        return read_named_columns(path, task, test=test)
-    return read_tsv(path, task, test=test)
+    try:
+        if ext in (".csv", ".json", ".jsonl"):
+            return read_named_columns(path, task, test=test)
+        return read_tsv(path, task, test=test)
+    except UnicodeDecodeError as e:  # a damaged file, or one saved in another encoding
+        # NOTE: no byte offset: e.start counts from the start of the decoder's chunk, not the file.
+        raise DataError(f"{path} is not UTF-8 text ({e.reason}): the file is damaged or in another encoding; "
+                        f"GLUE's files are UTF-8") from None
 
 
 def _named_rows(path: str):
