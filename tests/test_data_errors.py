@@ -4,12 +4,10 @@ gzip chunk and inside parquet pages, truncation, wrong dtypes and shapes, junk p
 a corrupt Megatron index, a damaged held-out (validation) shard, and a vocab that lacks the
 shard's WordPieces (a DataError raised inside a worker). Each ends in exactly one stderr line
 that names the file and, for what the readers' libraries raise, the row and its row band or
-row group. One case runs as a real command line, workers' own stderr included."""
+row group."""
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -224,13 +222,3 @@ def test_megatron_index_with_corrupt_pointers_names_the_files(dataset, tmp_path)
     assert re.fullmatch(r"error: " + re.escape(str(tmp_path / "c_text_sentence")) + r"\.bin/\.idx: sample \d+ of the "
                         r"train split \(sentences \d+-\d+\) cannot be read \(ValueError: .*\): the files are damaged "
                         r"or not a Megatron \.bin/\.idx pair; make them again with tools/preprocess_data\.py", line)
-
-
-def test_the_command_line_prints_one_line(damaged):
-    """As a user runs it: a new interpreter, two forked workers, their stderr and the log."""
-    data, path, vocab = damaged["wordpieces_not_in_vocab"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, *_args(data, vocab)], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 2, r.stderr[-3000:]
-    line = one_error_line(r.stderr)
-    assert line.startswith(f"error: {path} holds the WordPiece 'w"), line

@@ -118,14 +118,11 @@ class _RaisingIterator:
 
 
 class ReportingDataLoader(torch.utils.data.DataLoader):
-    """A DataLoader over ReportingDataset(dataset): read errors raise in the main process, one
-    line each. `.dataset` is the wrapper; `.source` the dataset given."""
+    """A DataLoader over ReportingDataset(dataset), collated by default_collate: read errors
+    raise in the main process, one line each."""
 
     def __init__(self, dataset, **kwargs):
-        if "collate_fn" in kwargs:
-            raise TypeError("ReportingDataLoader collates with default_collate")
         super().__init__(ReportingDataset(dataset), collate_fn=collate, **kwargs)
-        self.source = dataset
 
     def __iter__(self):
         # Not a generator: iter(loader) starts persistent workers now, as DataLoader's does.
