@@ -26,7 +26,6 @@ import collections
 import io
 import pickle
 import types
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Mapping, Union
 
@@ -287,6 +286,14 @@ def refusal(name: str, what: str, kind: str) -> RefusedFileError:
                             f"get the file again from its source)")
 
 
+def _is_zip(f: BinaryIO) -> bool:
+    """torch's own test (a zip local-file header first), so torch.load takes the same branch."""
+    pos = f.tell()
+    magic = f.read(4)
+    f.seek(pos)
+    return magic == b"PK\x03\x04"
+
+
 def load(source: Union[str, BinaryIO], allowed: Allowed, *, mmap: bool = True, name: str | None = None) -> Any:
     """torch.load of `source` (a path or a seekable binary file; `name` says which in errors)
     through `allowed`, on the CPU: zip files memory-mapped when `mmap` and a path, the pre-1.6
@@ -296,14 +303,11 @@ def load(source: Union[str, BinaryIO], allowed: Allowed, *, mmap: bool = True, n
     module = _pickle_module(allowed)
     try:
         if isinstance(source, str):
-            if zipfile.is_zipfile(source):
-                return torch.load(source, map_location="cpu", pickle_module=module, weights_only=False, mmap=mmap)
             with open(source, "rb") as f:
+                if _is_zip(f):
+                    return torch.load(source, map_location="cpu", pickle_module=module, weights_only=False, mmap=mmap)
                 return torch.load(_Stream(f), map_location="cpu", pickle_module=module, weights_only=False)
-        pos = source.tell()
-        is_zip = zipfile.is_zipfile(source)
-        source.seek(pos)
-        return torch.load(source if is_zip else _Stream(source), map_location="cpu", pickle_module=module,
+        return torch.load(source if _is_zip(source) else _Stream(source), map_location="cpu", pickle_module=module,
                           weights_only=False)
     except _Refused as e:
         raise refusal(name, e.what, allowed.kind) from None

@@ -65,7 +65,10 @@ def plain_args(payload: dict, path: str) -> dict:
     args = payload.get("args")
     if args is None:
         return {}
-    plain = foreign_to_plain(args)
+    try:
+        plain = foreign_to_plain(args)
+    except RecursionError:  # nested deeper than any Namespace Megatron writes
+        plain = None
     if not isinstance(plain, dict) or not all(isinstance(k, str) for k in plain):
         raise wrong_type(path, args, "args (the argparse.Namespace Megatron saves)", KIND)
     return plain
@@ -152,7 +155,7 @@ def _checked_metadata(metadata: Any, path: str):
     an AttributeError deep inside it); storage files inside the checkpoint's directory."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, \
-        MetadataIndex, TensorProperties, TensorStorageMetadata
+        MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
     import torch
 
     if isinstance(metadata, ForeignObject) and isinstance(metadata.state, dict) \
@@ -163,6 +166,8 @@ def _checked_metadata(metadata: Any, path: str):
                             planner_data=state.get("planner_data"), storage_data=state.get("storage_data"))
     if not isinstance(metadata, Metadata):
         raise wrong_type(path, metadata, "torch.distributed.checkpoint's Metadata", DIST_KIND)
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+        raise wrong_type(path, metadata.storage_meta, "its storage_meta", DIST_KIND)
 
     def bad(what: Any, where: str):
         return wrong_type(path, what, where, DIST_KIND)

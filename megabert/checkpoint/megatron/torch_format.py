@@ -83,7 +83,10 @@ def checked_rank_file(path: str) -> dict:
                                   f"without --num-layers-per-virtual-pipeline-stage, or convert it with Megatron's "
                                   f"tools/checkpoint first")
         raise CheckpointError(f"{path} has no 'model' entry: not a Megatron-LM checkpoint")
-    _check_model(payload["model"], path)
+    try:
+        _check_model(payload["model"], path)
+    except RecursionError:  # nested deeper than any state dict
+        raise wrong_type(path, payload["model"], "the model's state dict", KIND) from None
     return payload
 
 
