@@ -13,6 +13,7 @@ raises RefusedFileError and a script prints exactly one stderr line and exits no
 wrong type where a Metadata, dict or args belong is the same kind of line. A genuine
 pre-1.6 Megatron file loads to the zip file's weights.
 """
+import argparse
 import os
 import pickle
 import shutil
@@ -198,30 +199,47 @@ def test_a_dcp_tensor_item_is_read_through_the_allow_list(tmp_path):
 
 # ---------------------------------------------------------------- a wrong type where a Metadata / dict / args belong
 
+def _rank_file_with(genuine, tmp_path, **entries):
+    d = str(tmp_path / "megatron")
+    shutil.copytree(genuine["megatron"], d)
+    torch.save(dict(genuine["payload"], **entries), os.path.join(d, RANK))
+    return d
+
+
+def _own_file_with(genuine, tmp_path, **entries):
+    d = str(tmp_path / "own")
+    shutil.copytree(genuine["own_dir"], d)
+    torch.save(dict(genuine["own"], **entries), os.path.join(d, OWN_RANK))
+    return d
+
+
 def _wrong_type_cases(genuine, tmp_path):
-    yield "metadata", dist_dir(tmp_path / "a", metadata=pickle.dumps({"state_dict_metadata": {}})), "builtins.dict"
-    yield "common", dist_dir(tmp_path / "b", common=[1, 2]), "builtins.list"
-    payload = dict(genuine["payload"], args="--num-layers 2")
-    d = str(tmp_path / "c" / "megatron")
-    shutil.copytree(genuine["megatron"], d)
-    torch.save(payload, os.path.join(d, RANK))
-    yield "args", d, "builtins.str"
-    payload = dict(genuine["payload"], model=[torch.zeros(2)])
-    d = str(tmp_path / "d" / "megatron")
-    shutil.copytree(genuine["megatron"], d)
-    torch.save(payload, os.path.join(d, RANK))
-    yield "model", d, "builtins.list"
+    """(checkpoint dir, what the line says it held where)."""
+    args = vars(genuine["payload"]["args"])
+    return [
+        (dist_dir(tmp_path / "a", metadata=pickle.dumps({"state_dict_metadata": {}})),
+         "a builtins.dict where torch.distributed.checkpoint's Metadata belongs"),
+        (dist_dir(tmp_path / "b", common=[1, 2]), "a builtins.list where the dict Megatron saves belongs"),
+        (_rank_file_with(genuine, tmp_path / "c", args="--num-layers 2"), "a builtins.str where args ("),
+        (_rank_file_with(genuine, tmp_path / "d", args=argparse.Namespace(**{**args, "layernorm_epsilon": "e"})),
+         "a builtins.str where args.layernorm_epsilon (int or float) belongs"),
+        (_rank_file_with(genuine, tmp_path / "e", args=argparse.Namespace(**{**args, "vocab_size": "x"})),
+         "a builtins.str where args.vocab_size (int) belongs"),
+        (_rank_file_with(genuine, tmp_path / "f", model=[torch.zeros(2)]),
+         "a builtins.list where the model's state dict (a dict) belongs"),
+        (_rank_file_with(genuine, tmp_path / "g", iteration="ten"), "a builtins.str where 'iteration' (a number)"),
+        (hf_dir(genuine, tmp_path / "h", [torch.zeros(2)]), "a builtins.list where a state dict belongs"),
+        (_own_file_with(genuine, tmp_path / "i", model_config=None), "a builtins.NoneType where its 'model_config'"),
+        (_own_file_with(genuine, tmp_path / "j", rng=[1]), "a builtins.list where its 'rng' (a dict) belongs"),
+    ]
 
 
 def test_a_wrong_type_is_one_line(genuine, tmp_path):
-    for what, d, held in _wrong_type_cases(genuine, tmp_path):
+    for d, held in _wrong_type_cases(genuine, tmp_path):
         with pytest.raises(RefusedFileError) as e:
             megabert.BertForPreTraining.from_pretrained(d)
         text = str(e.value)
-        assert "\n" not in text and f"it holds a {held} where" in text, (what, text)
-    d = hf_dir(genuine, tmp_path / "e", [torch.zeros(2)])
-    with pytest.raises(RefusedFileError, match="it holds a builtins.list where a state dict belongs"):
-        megabert.BertForPreTraining.from_pretrained(d)
+        assert "\n" not in text and f"refused: it holds {held}" in text, text
 
 
 def test_damaged_files_are_one_line_without_torch_advice(genuine, tmp_path):

@@ -171,7 +171,19 @@ def load_file(path: str, mmap: bool = False) -> dict:
     for key in ("model", "model_config"):
         if not isinstance(payload.get(key), dict):
             raise safe_pickle.wrong_type(path, payload.get(key), f"its '{key}' (a dict)", OWN_FILES.kind)
+    for key, kinds in _OWN_ENTRIES.items():
+        value = payload.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise safe_pickle.wrong_type(path, value, f"its '{key}' (a {kinds.__name__})", OWN_FILES.kind)
+    bad = next(((k, v) for k, v in payload["model"].items() if not isinstance(k, str) or not torch.is_tensor(v)), None)
+    if bad is not None:
+        raise safe_pickle.wrong_type(path, bad[1], f"tensor {str(bad[0])[:80]!r}", OWN_FILES.kind)
     return payload
+
+
+# The other entries of a rank file megabert reads, with their types (None where absent).
+_OWN_ENTRIES = {"args": dict, "rng": dict, "optimizer": dict, "parallel": dict, "param_specs": dict,
+                "loss_scaler": dict, "iteration": int, "consumed_samples": int, "skipped_iterations": int}
 
 
 def staging_dir(root: str, tag: Union[int, str]) -> str:

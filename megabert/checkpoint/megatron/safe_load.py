@@ -71,7 +71,30 @@ def plain_args(payload: dict, path: str) -> dict:
         plain = None
     if not isinstance(plain, dict) or not all(isinstance(k, str) for k in plain):
         raise wrong_type(path, args, "args (the argparse.Namespace Megatron saves)", KIND)
+    for name, value in plain.items():
+        kinds = _ARG_TYPES.get(name)
+        if value is not None and kinds is not None and (not isinstance(value, kinds) or (
+                isinstance(value, bool) and bool not in kinds)):
+            raise wrong_type(path, value, f"args.{name} ({' or '.join(k.__name__ for k in kinds)})", KIND)
     return plain
+
+
+# The types Megatron gives the args megabert reads (None: unset); a file with others is malformed.
+_INT = (int,)
+_NUMBER = (int, float)
+_ARG_TYPES: dict[str, tuple] = {
+    **{n: _INT for n in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                         "max_position_embeddings", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
+                         "tensor_model_parallel_size", "pipeline_model_parallel_size", "seq_length",
+                         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "consumed_train_samples",
+                         "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")},
+    **{n: _NUMBER for n in ("layernorm_epsilon", "hidden_dropout", "attention_dropout", "init_method_std",
+                            "adam_beta1", "adam_beta2", "adam_eps", "weight_decay")},
+    **{n: (str,) for n in ("normalization", "position_embedding_type", "optimizer")},
+    **{n: (bool,) for n in ("swiglu", "group_query_attention", "add_bias_linear", "openai_gelu",
+                            "untie_embeddings_and_output_weights", "apply_residual_connection_post_layernorm",
+                            "decoupled_weight_decay")},
+}
 
 
 def number(payload: dict, key: str, default: float, path: str) -> float:
