@@ -14,9 +14,12 @@ wrong type where a Metadata, dict or args belong is the same kind of line. A gen
 pre-1.6 Megatron file loads to the zip file's weights.
 """
 import argparse
+import collections
+import io
 import os
 import pickle
 import shutil
+import struct
 
 import pytest
 import torch
@@ -253,8 +256,17 @@ def test_damaged_files_are_one_line_without_torch_advice(genuine, tmp_path):
 
 # ---------------------------------------------------------------- pre-1.6 files
 
+# 2019-2020 Megatron-LM's FP16_Optimizer pickled its loss scaler object into `optimizer`, under
+# its then top-level `fp16` package: DynamicLossScaler() with its state (NEWOBJ, BUILD).
+LOSS_SCALER = (h.global_("fp16.loss_scaler", "DynamicLossScaler") + b")\x81" + b"}(" + h.s("cur_scale")
+               + b"G" + struct.pack(">d", 65536.0) + h.s("scale_window") + b"M\xe8\x03" + b"ub")
+
+
 def test_a_legacy_megatron_file_loads_as_its_zip_twin(genuine, tmp_path):
-    legacy = megatron_dir(genuine, tmp_path, legacy=True)
+    """A rank file in torch's pre-1.6 format, with what that era's optimizer state held, reads
+    as the zip file does."""
+    legacy = megatron_dir(genuine, tmp_path, "optimizer", b"}(" + h.s("loss_scaler") + LOSS_SCALER + b"u",
+                          legacy=True)
     with open(os.path.join(legacy, RANK), "rb") as f:
         assert f.read(2) == b"\x80\x04"  # a pickle stream: torch's pre-1.6 format, no zip
     zipped = megabert.BertForPreTraining.from_pretrained(genuine["megatron"], attention_backend="torch").state_dict()
@@ -356,3 +368,41 @@ def test_finetune_glue_load(genuine, dataset, tmp_path, case):
                  str(dataset / "vocab.txt"), "--output-dir", str(tmp_path / "out"), "--max-seq-length", "32",
                  "--micro-batch-size", "8", "--train-iters", "1", "--no-do-predict")
     _one_line(r, marker, fragment)
+
+
+# ---------------------------------------------------------------- the table itself
+
+def test_names_are_exact_pairs():
+    """A name resolves only as written: dotted qualified names, names a module merely imports and
+    look-alikes are refused even under the modules whose own names are allowed or inert."""
+    from megabert.checkpoint.megatron.safe_load import MEGATRON, dcp_allowed
+    for allowed in (MEGATRON, dcp_allowed()):
+        find = safe_pickle.unpickler_class(allowed)(io.BytesIO(b"")).find_class
+        for module, name in (("torch._utils", "os.system"), ("torch", "_utils._rebuild_tensor_v2"),
+                             ("torch.distributed.checkpoint.filesystem", "os"),
+                             ("torch.distributed.checkpoint.metadata", "Metadata.__init__"),
+                             ("megatron.core.enums", "ModelType.__reduce__"), ("megatron", "os.system"),
+                             ("collections", "OrderedDict.fromkeys"), ("torch", "load"), ("torch", "Tensor.__new__"),
+                             ("builtins", "getattr"), ("numpy", "load"), ("copyreg", "_reconstructor")):
+            with pytest.raises(safe_pickle._Refused):
+                find(module, name)
+    find = safe_pickle.unpickler_class(MEGATRON)(io.BytesIO(b"")).find_class
+    enum = find("megatron.core.transformer.enums", "AttnBackend")
+    assert issubclass(enum, safe_pickle.ForeignObject) and enum(4).args == (4,)  # recorded, nothing run
+    assert find("fp16.loss_scaler", "DynamicLossScaler").qualified_name == "fp16.loss_scaler.DynamicLossScaler"
+    assert find("torch._utils", "_rebuild_tensor_v2") is not torch._utils._rebuild_tensor_v2  # hooks refused
+    assert find("collections", "OrderedDict") is collections.OrderedDict
+
+
+def test_backward_hooks_on_a_tensor_are_refused():
+    """torch.save never writes a hook (it warns and drops them); a file that does would have one
+    run on backward: the rebuild helpers refuse it."""
+    from megabert.checkpoint.megatron.safe_load import MEGATRON
+    find = safe_pickle.unpickler_class(MEGATRON)(io.BytesIO(b"")).find_class
+    storage = torch.storage.TypedStorage(wrap_storage=torch.ones(2).untyped_storage(), dtype=torch.float32,
+                                         _internal=True)  # as torch.load's persistent_load hands it over
+    with pytest.raises(safe_pickle._Refused, match="backward hooks"):
+        find("torch._utils", "_rebuild_tensor_v2")(storage, 0, (2,), (1,), False,
+                                                   collections.OrderedDict([(0, torch.Size)]))
+    t = find("torch._utils", "_rebuild_tensor_v2")(storage, 0, (2,), (1,), False, collections.OrderedDict())
+    assert torch.equal(t, torch.ones(2))

@@ -13,10 +13,8 @@ where a genuine file holds `args`, `rng_state`, a tensor, or the whole file.
 """
 from __future__ import annotations
 
-import io
 import pickle
 import struct
-import sys
 import types
 
 import torch

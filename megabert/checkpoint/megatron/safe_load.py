@@ -33,7 +33,10 @@ _INERT = {("argparse", "Namespace"), ("types", "SimpleNamespace"), ("io", "Bytes
           ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
           ("pathlib", "PureWindowsPath"), ("numpy", "ndarray"), ("numpy", "dtype"),
           ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-          ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+          ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+          # 2019-2020 Megatron-LM kept its fp16 package at the top level; its optimizer state
+          # pickled the loss scaler object (Megatron's loader aliases the module to read them).
+          ("fp16.loss_scaler", "LossScaler"), ("fp16.loss_scaler", "DynamicLossScaler")}
 
 
 def _megatron_inert(module: str, name: str) -> bool:
@@ -86,7 +89,8 @@ _ARG_TYPES: dict[str, tuple] = {
     **{n: _INT for n in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                          "max_position_embeddings", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
                          "tensor_model_parallel_size", "pipeline_model_parallel_size", "seq_length",
-                         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "consumed_train_samples",
+                         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                         "consumed_train_samples",
                          "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")},
     **{n: _NUMBER for n in ("layernorm_epsilon", "hidden_dropout", "attention_dropout", "init_method_std",
                             "adam_beta1", "adam_beta2", "adam_eps", "weight_decay")},
@@ -221,8 +225,8 @@ def _checked_metadata(metadata: Any, path: str):
                 raise bad(info if isinstance(index, MetadataIndex) else index, "a storage entry")
             rel = info.relative_path
             if not isinstance(rel, str) or os.path.isabs(rel) or os.sep in rel or "/" in rel or rel in ("", ".", ".."):
-                raise RefusedFileError(f"{path}: refused: it points at {str(rel)[:80]!r}, a file outside its directory, "
-                                       f"which no {DIST_KIND} does (nothing in it was run)")
+                raise RefusedFileError(f"{path}: refused: it points at {str(rel)[:80]!r}, a file outside its "
+                                       f"directory, which no {DIST_KIND} does (nothing in it was run)")
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
                 raise bad(info.offset, f"the offset and length of an item in {rel}")
     return metadata

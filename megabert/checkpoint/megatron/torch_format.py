@@ -4,9 +4,10 @@
     ITER/mp_rank_TT_PPP/model_optim_rng.pt      (PP > 1; layer numbers restart in each stage)
 
 Each file: `model` (megatron-core names, flat; legacy: nested dicts under `language_model`),
-`args`, `checkpoint_version`, `iteration`, `rng_state`, `optimizer`, ... read with
-safe_load (nothing foreign is imported or called), in torch's zip or pre-1.6 legacy format. The rank files are merged here into one
-full canonical state dict (names.py), the QKV of each TP shard put in version-2.0 order first.
+`args`, `checkpoint_version`, `iteration`, `rng_state`, `optimizer`, ... in torch's zip or
+pre-1.6 legacy format, read with safe_load (nothing foreign is imported or called). The rank
+files are merged here into one full canonical state dict (names.py), the QKV of each TP shard
+put in version-2.0 order first.
 """
 from __future__ import annotations
 
