@@ -406,3 +406,10 @@ def test_backward_hooks_on_a_tensor_are_refused():
                                                    collections.OrderedDict([(0, torch.Size)]))
     t = find("torch._utils", "_rebuild_tensor_v2")(storage, 0, (2,), (1,), False, collections.OrderedDict())
     assert torch.equal(t, torch.ones(2))
+
+
+def test_a_rank_file_that_is_no_dict_is_one_line(genuine, tmp_path):
+    d = megatron_dir(genuine, tmp_path)
+    torch.save([torch.zeros(2)], os.path.join(d, RANK))
+    with pytest.raises(RefusedFileError, match="it holds a builtins.list where the dict a rank file holds belongs"):
+        megabert.BertForPreTraining.from_pretrained(d)

@@ -23,6 +23,7 @@ import torch
 from megabert.checkpoint.layout import TRACKER, read_tracker, tag_dir_name
 from megabert.checkpoint.megatron import adam_state, arch, dist_format, names, qkv, torch_format
 from megabert.checkpoint.megatron.safe_load import safe_torch_load
+from megabert.checkpoint.safe_pickle import wrong_type
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError, RefusedFileError
 
@@ -61,7 +62,9 @@ def _format(iter_dir: str, mtime: float) -> Optional[str]:
         raise  # what it names is refused here as it would be by megabert's own reader
     except CheckpointError:
         return None  # a damaged file: megabert's own reader reports it
-    if not isinstance(payload, dict) or "model_config" in payload:  # megabert's own rank file
+    if not isinstance(payload, dict):  # neither Megatron's rank file nor megabert's
+        raise wrong_type(files[(0, 0)], payload, "the dict a rank file holds", "checkpoint")
+    if "model_config" in payload:  # megabert's own rank file
         return None
     # "model0", "model1", ...: interleaved-pipeline chunks, which read_header refuses by name.
     return "torch" if "model" in payload or "model0" in payload else None
