@@ -320,5 +320,16 @@ def load(source: Union[str, BinaryIO], allowed: Allowed, *, mmap: bool = True, n
         raise CheckpointError(f"{name} is not a file torch.save wrote, or is damaged ({describe(e)})") from None
 
 
+def loads(data: bytes, allowed: Allowed, *, name: str, what: str) -> Any:
+    """A plain pickle (no tensors: DCP's `.metadata`) through `allowed`; `what` it should be, for
+    the line a malformed one ends in."""
+    try:
+        return unpickler_class(allowed)(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise refusal(name, e.what, allowed.kind) from None
+    except Exception as e:  # a malformed pickle: one line
+        raise CheckpointError(f"{name} is not {what}, or is damaged ({describe(e)})") from None
+
+
 def load_bytes(blob: bytes, allowed: Allowed, *, name: str) -> Any:
     return load(io.BytesIO(blob), allowed, mmap=False, name=name)

@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
-import io
 import os
 from typing import Any
 
-from megabert.checkpoint.safe_pickle import TENSORS, VALUES, Allowed, ForeignObject, _Refused, describe, load, \
-    refusal, unpickler_class, wrong_type
+from megabert.checkpoint.safe_pickle import TENSORS, VALUES, Allowed, ForeignObject, load, loads, wrong_type
 from megabert.errors import CheckpointError, RefusedFileError
 
 KIND = "checkpoint"  # the rank-file layout is megabert's too: _format reads its rank-0 file first
@@ -166,14 +164,7 @@ def load_dcp_metadata(path: str):
             data = f.read()
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
-    allowed = dcp_allowed()
-    try:
-        metadata = unpickler_class(allowed)(io.BytesIO(data)).load()
-    except _Refused as e:
-        raise refusal(path, e.what, DIST_KIND) from None
-    except Exception as e:  # a malformed pickle: one line
-        raise CheckpointError(f"{path} is not torch.distributed.checkpoint metadata, or is damaged "
-                              f"({describe(e)})") from None
+    metadata = loads(data, dcp_allowed(), name=path, what="torch.distributed.checkpoint metadata")
     return _checked_metadata(metadata, path)
 
 
