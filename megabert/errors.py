@@ -27,6 +27,11 @@ class CheckpointError(MegabertError):
     """A checkpoint is missing, incomplete or does not match the model."""
 
 
+class RefusedFileError(CheckpointError):
+    """A file from outside holds what no file of its kind holds (a global that would run code,
+    a wrong type where a Megatron `Metadata` or dict belongs): refused, nothing in it run."""
+
+
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     """Wraps an entry point: MegabertError -> `error: ...` on stderr and exit code 2.
 

@@ -13,8 +13,9 @@ from typing import Optional
 
 import torch
 
+from megabert.checkpoint import safe_pickle
 from megabert.config import ModelConfig
-from megabert.errors import CheckpointError
+from megabert.errors import CheckpointError, RefusedFileError
 from megabert.parallel.param_spec import ParamSpec
 
 # ---------------------------------------------------------------- configs
@@ -130,15 +131,28 @@ def read_hf_config(path: str) -> dict:
         return json.load(f)
 
 
+HF_FILES = safe_pickle.Allowed("Hugging Face checkpoint", safe_pickle.TENSORS)
+
+
 def read_hf_state(path: str) -> dict:
-    """safetensors (single or sharded), else pytorch_model.bin loaded with weights_only."""
+    """safetensors (single or sharded), else pytorch_model.bin (zip or pre-1.6 format) read
+    through safe_pickle: tensors by name, nothing else."""
     from safetensors.torch import load_file
 
     def load_one(fname: str) -> dict:
         full = os.path.join(path, fname)
+        if not isinstance(fname, str) or os.path.basename(fname) != fname or fname in ("", ".", ".."):
+            raise RefusedFileError(f"{path}: refused: its index names {str(fname)[:80]!r}, a file outside the "
+                                   f"directory, which no {HF_FILES.kind} does")
         if fname.endswith(".safetensors"):
             return load_file(full)
-        return torch.load(full, map_location="cpu", weights_only=True)
+        state = safe_pickle.load(full, HF_FILES, mmap=False)
+        if not isinstance(state, dict):
+            raise safe_pickle.wrong_type(full, state, "a state dict", HF_FILES.kind)
+        bad = next((kv for kv in state.items() if not isinstance(kv[0], str) or not torch.is_tensor(kv[1])), None)
+        if bad is not None:
+            raise safe_pickle.wrong_type(full, bad[1], f"tensor {str(bad[0])[:80]!r}", HF_FILES.kind)
+        return state
 
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if os.path.exists(os.path.join(path, index)):

@@ -6,8 +6,8 @@
 
 A save goes to `ITER.tmp/`, each file is fsynced, the directory is renamed into place
 and only then does the pointer file change (itself via rename). A job killed mid-save
-leaves the previous checkpoint and pointer intact. Files are read with
-`torch.load(weights_only=True)`: a checkpoint holds tensors and plain Python values only.
+leaves the previous checkpoint and pointer intact. Files are read through safe_pickle's
+allow-list: a checkpoint holds tensors and plain Python values only.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import Optional, Union
 
 import torch
 
+from megabert.checkpoint import safe_pickle
+from megabert.checkpoint.safe_pickle import TENSORS, Allowed
 from megabert.checkpoint.sharding import repad_vocab, shard_state
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
@@ -156,12 +158,32 @@ def newest_intact(root: str) -> Optional[tuple[str, int]]:
     return None
 
 
+#: What megabert's own rank files hold: tensors and plain Python values (safe_pickle.TENSORS).
+OWN_FILES = Allowed("megabert checkpoint", TENSORS)
+
+
 def load_file(path: str, mmap: bool = False) -> dict:
-    """`mmap`: map the file instead of reading it; a tensor's bytes are read when it is used."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # a truncated or foreign file: say which one
-        raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from e
+    """`mmap`: map the file instead of reading it; a tensor's bytes are read when it is used.
+    Read through safe_pickle: a file naming anything but tensors and plain values is refused."""
+    payload = safe_pickle.load(path, OWN_FILES, mmap=mmap)
+    if not isinstance(payload, dict):
+        raise safe_pickle.wrong_type(path, payload, "the dict megabert saves", OWN_FILES.kind)
+    for key in ("model", "model_config"):
+        if not isinstance(payload.get(key), dict):
+            raise safe_pickle.wrong_type(path, payload.get(key), f"its '{key}' (a dict)", OWN_FILES.kind)
+    for key, kinds in _OWN_ENTRIES.items():
+        value = payload.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise safe_pickle.wrong_type(path, value, f"its '{key}' (a {kinds.__name__})", OWN_FILES.kind)
+    bad = next(((k, v) for k, v in payload["model"].items() if not isinstance(k, str) or not torch.is_tensor(v)), None)
+    if bad is not None:
+        raise safe_pickle.wrong_type(path, bad[1], f"tensor {str(bad[0])[:80]!r}", OWN_FILES.kind)
+    return payload
+
+
+# The other entries of a rank file megabert reads, with their types (None where absent).
+_OWN_ENTRIES = {"args": dict, "rng": dict, "optimizer": dict, "parallel": dict, "param_specs": dict,
+                "loss_scaler": dict, "iteration": int, "consumed_samples": int, "skipped_iterations": int}
 
 
 def staging_dir(root: str, tag: Union[int, str]) -> str:

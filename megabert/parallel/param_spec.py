@@ -64,7 +64,7 @@ class ParamSpec:
         return self.partition_dim is not None
 
     def to_dict(self) -> dict:
-        """Plain values only: checkpoints are read with torch.load(weights_only=True)."""
+        """Plain values only: checkpoints are read through safe_pickle (tensors and plain values)."""
         d = dataclasses.asdict(self)
         d["hf_names"] = list(self.hf_names)
         return d

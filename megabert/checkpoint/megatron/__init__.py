@@ -2,7 +2,7 @@
 
 A Megatron `--save` directory (the root with `latest_checkpointed_iteration.txt`, or one
 `iter_NNNNNNN/` / `release/` directory) in either format:
-- `torch`: `mp_rank_TT[_PPP]/model_optim_rng.pt` per rank, legacy (`language_model.*`,
+- `torch`: `mp_rank_TT[_PPP]/model_optim_rng.pt` per rank (torch's zip or pre-1.6 format), legacy (`language_model.*`,
   naming eras A/B/C, QKV `checkpoint_version` 0 / 1.0 / 2.0 / 3.0) or megatron-core names;
 - `torch_dist`: `.metadata` + `*.distcp` + `common.pt`, read with torch.distributed.checkpoint.
 
@@ -23,8 +23,9 @@ import torch
 from megabert.checkpoint.layout import TRACKER, read_tracker, tag_dir_name
 from megabert.checkpoint.megatron import adam_state, arch, dist_format, names, qkv, torch_format
 from megabert.checkpoint.megatron.safe_load import safe_torch_load
+from megabert.checkpoint.safe_pickle import wrong_type
 from megabert.config import ModelConfig
-from megabert.errors import CheckpointError
+from megabert.errors import CheckpointError, RefusedFileError
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,13 @@ def _format(iter_dir: str, mtime: float) -> Optional[str]:
         return None
     try:
         payload = safe_torch_load(files[(0, 0)], mmap=True)
+    except RefusedFileError:
+        raise  # what it names is refused here as it would be by megabert's own reader
     except CheckpointError:
         return None  # a damaged file: megabert's own reader reports it
-    if not isinstance(payload, dict) or "model_config" in payload:  # megabert's own rank file
+    if not isinstance(payload, dict):  # neither Megatron's rank file nor megabert's
+        raise wrong_type(files[(0, 0)], payload, "the dict a rank file holds", "checkpoint")
+    if "model_config" in payload:  # megabert's own rank file
         return None
     # "model0", "model1", ...: interleaved-pipeline chunks, which read_header refuses by name.
     return "torch" if "model" in payload or "model0" in payload else None

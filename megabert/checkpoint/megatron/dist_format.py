@@ -6,8 +6,9 @@ The `.distcp` files hold each tensor at its global shape; the transformer layers
 (`encoder.layers.self_attention.linear_qkv.weight` is [L, 3h, h], QKV rows in version-2.0
 order over all heads) and the per-layer LayerNorms sit under their fused names whatever
 spec saved them. torch's FileSystemReader reads `.metadata` with a bare `pickle.load`, so it
-is read here with safe_load's allow-list instead; `common.pt` (args, iteration) through
-safe_load too. megatron is never imported.
+is read here with safe_load's allow-list instead, and each tensor item of a `.distcp` file
+(a torch.save blob) through safe_pickle rather than torch's weights-only unpickler;
+`common.pt` (args, iteration) through safe_load too. megatron is never imported.
 """
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ import torch
 
 from megabert.checkpoint.megatron import adam_state, names
 from megabert.checkpoint.megatron.torch_format import FullRead
-from megabert.checkpoint.megatron.safe_load import foreign_to_plain, load_dcp_metadata, safe_torch_load
-from megabert.errors import CheckpointError
+from megabert.checkpoint.megatron.safe_load import DIST_KIND, foreign_to_plain, load_dcp_metadata, load_dict, number, \
+    plain_args
+from megabert.checkpoint.safe_pickle import TENSORS, Allowed, describe, load_bytes, wrong_type
+from megabert.errors import CheckpointError, MegabertError
+
+_ITEM = Allowed(DIST_KIND, TENSORS)  # a .distcp tensor item: torch.save of one tensor
 
 METADATA = ".metadata"
 
@@ -35,9 +40,13 @@ def is_dist_dir(path: str) -> bool:
 # module import: it pulls in DTensor and sympy, 1.2 s added to every process that imports
 # megabert (every rank of every run), most of which never meet a torch_dist directory.
 def _safe_reader(iter_dir: str):
-    """torch's FileSystemReader whose `.metadata` goes through megabert's allow-listed unpickler."""
+    """torch's FileSystemReader whose `.metadata` goes through megabert's allow-listed unpickler
+    and whose tensor items are read with safe_pickle (torch's own read_data torch.loads each
+    with its weights-only unpickler, whose refusals advise `weights_only=False`)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -46,6 +55,31 @@ def _safe_reader(iter_dir: str):
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def read_data(self, plan, planner):
+            for req in plan.items:
+                info = self.storage_data[req.storage_index]  # checked by load_dcp_metadata
+                path = os.path.join(iter_dir, info.relative_path)
+                what = f"{path} (item '{req.storage_index.fqn}')"
+                if req.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
+                    raise CheckpointError(f"{what}: a byte or transformed item, which megabert never reads")
+                with open(path, "rb") as f:
+                    f.seek(info.offset)
+                    blob = f.read(info.length)
+                tensor = load_bytes(blob, _ITEM, name=what)
+                if not isinstance(tensor, torch.Tensor):
+                    raise wrong_type(what, tensor, "a tensor", DIST_KIND)
+                for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    tensor = tensor.narrow(dim, offset, length)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise CheckpointError(f"{what} holds a {tuple(tensor.shape)} slice where its metadata says "
+                                          f"{tuple(target.shape)}: damaged")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
 
     return SafeReader(iter_dir)
 
@@ -59,14 +93,15 @@ def read_header(iter_dir: str) -> dict:
         raise CheckpointError(f"{iter_dir} is a megatron-core '{backend}' checkpoint; megabert reads 'torch_dist' "
                               f"and 'torch': convert it with Megatron's tools/checkpoint first")
     common_path = os.path.join(iter_dir, "common.pt")
-    common = foreign_to_plain(safe_torch_load(common_path, mmap=False)) if os.path.isfile(common_path) else {}
+    common = load_dict(common_path, mmap=False) if os.path.isfile(common_path) else {}
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = load_dcp_metadata(os.path.join(iter_dir, METADATA))
     shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
               if isinstance(v, TensorStorageMetadata)}
-    return {"args": common.get("args") or {}, "checkpoint_version": float(common.get("checkpoint_version", 3.0)),
-            "iteration": int(common.get("iteration", 0) or 0), "shapes": shapes}
+    return {"args": plain_args(common, common_path), "shapes": shapes,
+            "checkpoint_version": float(number(common, "checkpoint_version", 3.0, common_path)),
+            "iteration": int(number(common, "iteration", 0, common_path))}
 
 
 def _requests(metadata, optimizer: bool, wanted: Optional[Callable[[str], bool]]) -> dict[str, tuple]:
@@ -106,6 +141,7 @@ def _load(iter_dir: str, metadata, requests: dict[str, tuple]) -> dict[str, torc
     """The one place tensors are read from a torch_dist directory: each requested slice,
     through torch.distributed.checkpoint (a planner asking for those slices only)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
@@ -128,8 +164,18 @@ def _load(iter_dir: str, metadata, requests: dict[str, tuple]) -> dict[str, torc
     # warns about that choice when no process group exists; it is the intended one).
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(out, storage_reader=_safe_reader(iter_dir), planner=SlicePlanner(), no_dist=True)
+        try:
+            dcp.load(out, storage_reader=_safe_reader(iter_dir), planner=SlicePlanner(), no_dist=True)
+        except CheckpointException as e:  # DCP wraps what its steps raise with their tracebacks
+            raise _unwrapped(e, iter_dir) from None
     return out
+
+
+def _unwrapped(e, iter_dir: str) -> BaseException:
+    """A CheckpointException's first MegabertError (SafeReader's one line), else one line of its own."""
+    causes = [exc for exc, _ in e.failures.values()]
+    return next((c for c in causes if isinstance(c, MegabertError)),
+                CheckpointError(f"cannot read {iter_dir}: {describe(causes[0]) if causes else 'DCP load failed'}"))
 
 
 def read_full(iter_dir: str, *, optimizer: bool = False, wanted: Optional[Callable[[str], bool]] = None
@@ -159,8 +205,12 @@ def read_full(iter_dir: str, *, optimizer: bool = False, wanted: Optional[Callab
             read.moments = {k: per_kind[k] for k in adam_state.MOMENTS}
             read.masters = per_kind.get("fp32_param", {})
             common_path = os.path.join(iter_dir, "common.pt")
-            common = foreign_to_plain(safe_torch_load(common_path, mmap=False)) if os.path.isfile(common_path) else {}
-            read.step = adam_state.dist_step(common)
+            common = load_dict(common_path, mmap=False) if os.path.isfile(common_path) else {}
+            try:
+                read.step = adam_state.dist_step(foreign_to_plain(common))
+            except (AttributeError, TypeError, ValueError):  # not the dicts and number Megatron saves there
+                raise wrong_type(common_path, common.get("optimizer"), "the optimizer state Megatron saves",
+                                 DIST_KIND) from None
             if read.step is None:
                 read.moments, read.masters = None, {}
                 read.note = f"{common_path} keeps no optimizer step (optimizer.state.common_step)"

@@ -4,9 +4,10 @@
     ITER/mp_rank_TT_PPP/model_optim_rng.pt      (PP > 1; layer numbers restart in each stage)
 
 Each file: `model` (megatron-core names, flat; legacy: nested dicts under `language_model`),
-`args`, `checkpoint_version`, `iteration`, `rng_state`, `optimizer`, ... read with
-safe_load (nothing foreign is imported or called). The rank files are merged here into one
-full canonical state dict (names.py), the QKV of each TP shard put in version-2.0 order first.
+`args`, `checkpoint_version`, `iteration`, `rng_state`, `optimizer`, ... in torch's zip or
+pre-1.6 legacy format, read with safe_load (nothing foreign is imported or called). The rank
+files are merged here into one full canonical state dict (names.py), the QKV of each TP shard
+put in version-2.0 order first.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from megabert.checkpoint.megatron import adam_state, names, qkv
-from megabert.checkpoint.megatron.safe_load import foreign_to_plain, safe_torch_load
+from megabert.checkpoint.megatron.safe_load import KIND, load_dict, number, plain_args
+from megabert.checkpoint.safe_pickle import wrong_type
 from megabert.errors import CheckpointError
 
 FILENAME = "model_optim_rng.pt"
@@ -60,22 +62,45 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 def read_header(path: str) -> dict:
     """Everything of one rank file but its tensors: args (plain dict), checkpoint_version,
     iteration. Memory-mapped: the weights are not read."""
-    payload = safe_torch_load(path, mmap=True)
+    payload = checked_rank_file(path)
+    return {"args": plain_args(payload, path),
+            "checkpoint_version": float(number(payload, "checkpoint_version", 0, path)),
+            "iteration": int(number(payload, "iteration", 0, path)), "model_keys": list(flatten(payload["model"]))}
+
+
+def _load(path: str) -> dict:
+    """The one place a rank file is opened for its tensors (memory-mapped where it is a zip
+    file: the tensors this rank does not take are never read from disk)."""
+    return checked_rank_file(path)
+
+
+def checked_rank_file(path: str) -> dict:
+    """A rank file (torch's pre-1.6 format is read whole, a zip file mapped) checked to be what
+    Megatron saves: a dict whose `model` is a dict of tensors by name."""
+    payload = load_dict(path, mmap=True)
     if "model" not in payload:
-        if any(k.startswith("model0") for k in payload):
+        if any(k.startswith("model0") for k in payload if isinstance(k, str)):
             raise CheckpointError(f"{path} holds interleaved-pipeline model chunks (model0, model1, ...); save it "
                                   f"without --num-layers-per-virtual-pipeline-stage, or convert it with Megatron's "
                                   f"tools/checkpoint first")
         raise CheckpointError(f"{path} has no 'model' entry: not a Megatron-LM checkpoint")
-    return {"args": foreign_to_plain(payload.get("args")) or {},
-            "checkpoint_version": float(payload.get("checkpoint_version", 0)),
-            "iteration": int(payload.get("iteration", 0) or 0), "model_keys": list(flatten(payload["model"]))}
+    try:
+        _check_model(payload["model"], path)
+    except RecursionError:  # nested deeper than any state dict
+        raise wrong_type(path, payload["model"], "the model's state dict", KIND) from None
+    return payload
 
 
-def _load(path: str) -> dict:
-    """The one place a rank file is opened for its tensors (memory-mapped: the tensors this
-    rank does not take are never read from disk)."""
-    return safe_torch_load(path, mmap=True)
+def _check_model(tree, path: str) -> None:
+    if not isinstance(tree, dict):
+        raise wrong_type(path, tree, "the model's state dict (a dict)", KIND)
+    for k, v in tree.items():
+        if not isinstance(k, str):
+            raise wrong_type(path, k, "a state dict key (a str)", KIND)
+        if isinstance(v, dict):
+            _check_model(v, path)
+        elif v is not None and not isinstance(v, (torch.Tensor, bytes)) and not k.endswith("_extra_state"):
+            raise wrong_type(path, v, f"tensor '{k}'", KIND)
 
 
 @dataclass
@@ -105,7 +130,7 @@ def stage_layer_counts(files: dict, args: dict) -> list[int]:
         return [num_layers // pp_size] * pp_size
     counts = []
     for pp in range(pp_size):
-        keys = flatten(safe_torch_load(files[(0, pp)], mmap=True)["model"])
+        keys = flatten(checked_rank_file(files[(0, pp)])["model"])
         counts.append(len({m.group(1) for k in keys if (m := _LAYER.match(names.canonical_name(k) or ""))}))
     return counts
 
@@ -231,7 +256,7 @@ def full_shapes(iter_dir: str) -> dict[str, tuple]:
     shapes: dict[str, tuple] = {}
     offset = 0
     for pp in range(pp_size):
-        model = flatten(safe_torch_load(files[(0, pp)], mmap=True)["model"])
+        model = flatten(checked_rank_file(files[(0, pp)])["model"])
         stage = {}
         for key, t in model.items():
             name = names.canonical_name(key, offset)
