@@ -27,6 +27,11 @@ class CheckpointError(MegabertError):
     """A checkpoint is missing, incomplete or does not match the model."""
 
 
+class CommunicationError(MegabertError):
+    """A collective or transfer failed because a peer rank stopped, died or became
+    unreachable (megabert.parallel.failures words it)."""
+
+
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     """Wraps an entry point: MegabertError -> `error: ...` on stderr and exit code 2.
 

@@ -31,7 +31,9 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
 
     Works under every launcher megabert.launch recognises (torchrun, mpirun, srun, ...) and
     as a plain single process. gloo on CPU, nccl on GPU unless `backend` says otherwise. A
-    collective that waits longer than `timeout_minutes` raises instead of hanging.
+    collective that waits longer than `timeout_minutes` for a peer raises a
+    CommunicationError instead of hanging: the world group (where this call creates it) and
+    every group of the state. A world group the caller made keeps the caller's timeout.
     """
     global _current
     info = discover_launch()
@@ -61,7 +63,8 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
             dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                                     timeout=timeout)
     state = ParallelState.build(tensor_parallel_size, pipeline_model_parallel_size, device=device,
-                                backend=dist.get_backend(), local_rank=info.local_rank, launcher=info.launcher)
+                                backend=dist.get_backend(), timeout=timeout, local_rank=info.local_rank,
+                                launcher=info.launcher)
     if state.rank == 0:
         logger.info("megabert: %d processes (%s, %s): tp=%d pp=%d dp=%d", state.world_size, info.launcher,
                     state.backend, state.tp_size, state.pp_size, state.dp_size)
