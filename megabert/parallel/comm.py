@@ -147,14 +147,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _run(group, what: str, call, /, *args, peer: Optional[int] = None, **kwargs):
-    """call(*args, **kwargs), the op `what` on `group`, with a lost peer worded (megabert.parallel.failures); an async
-    op's handle words its wait() alike. Under torch.compile's trace: the bare call (the
+    """call(*args, **kwargs), the op `what` on `group`, with a lost peer worded
+    (megabert.parallel.failures); an async op's handle words its wait() alike. Under torch.compile's trace: the bare call (the
     collective becomes part of the graph; see _record)."""
     if torch.compiler.is_compiling():
         return call(*args, **kwargs)
     with guarded(group, what, peer):
         work = call(*args, **kwargs)
-    return work if work is None or isinstance(work, (bool, list)) else GuardedWork(work, group, what, peer)
+    return GuardedWork(work, group, what, peer) if isinstance(work, dist.Work) else work
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False,
