@@ -142,7 +142,7 @@ CASES = {
     "dp_ring": (1, 1, 1, "stop", _dp_ring, "ring reduce_scatter's send on the data-parallel ring's group (ranks 0, 1)"),
     "embedding": (1, 2, 1, "stop", _embedding, "all_reduce on the embedding group (ranks 0, 1)"),
     "deepspeed_dp": (1, 1, 1, "stop", _deepspeed_dp, "reduce_scatter_tensor on the data-parallel group (ranks 0, 1)"),
-    "deepspeed_own": (1, 1, 1, "stop", _deepspeed_own, "all_reduce on DeepSpeed's group (ranks 0, 1)"),
+    "deepspeed_own": (1, 1, 1, "stop", _deepspeed_own, "all_reduce on the deepspeed group (ranks 0, 1)"),
     "dp_bucket_exited": (1, 1, 1, "exit", _dp_bucket, "all_reduce on the data-parallel group (ranks 0, 1)"),
 }
 
@@ -234,6 +234,23 @@ def test_the_survivor_ends_with_one_line_naming_group_op_and_peer(outcomes, case
         expected = f"{where}: rank {victim} closed the connection: it exited or was killed; its own log says why ["
     assert line.startswith(expected), line
     print(f"{case}: {seconds:.2f} s: {line}")
+
+
+def test_only_a_lost_peer_is_reworded():
+    """A backend's words for a lost peer become one line without gloo's source path and its
+    advice; an error of the caller's arguments passes through as it was raised."""
+    from megabert.errors import CommunicationError
+    from megabert.parallel.failures import translate
+
+    bug = RuntimeError("Tensors must be contiguous")
+    assert translate(bug, None, "all_reduce") is bug
+    closed = RuntimeError("[/src/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[10.0.0.2]:41614. This is typically caused by a remote worker crashing. Check the logs "
+                          "of the remote worker before reporting an error. GLHF!")
+    out = translate(closed, None, "recv", peer=3)
+    assert isinstance(out, CommunicationError) and out.__cause__ is closed
+    assert str(out).endswith(": rank 3 closed the connection: it exited or was killed; its own log says why "
+                             "[Connection closed by peer [10.0.0.2]:41614]"), str(out)
 
 
 # ------------------------------------------------------------------ end to end

@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from megabert.errors import CommunicationError
 
-# group_desc -> what a user reads. "default_pg" is torch's name for the world group.
+# group_desc -> what a user reads; any other desc d reads "the d group" (an outside engine's
+# door names its own groups so). "default_pg" is torch's name for the world group,
+# "undefined" its desc for a group made without one.
 GROUP_NAMES = {
     "default_pg": "the world group",
     "tp": "the tensor-parallel group",
@@ -34,7 +36,7 @@ GROUP_NAMES = {
     "pp_backward": "the pipeline's backward group",
     "mp": "the model-parallel group",
     "embedding": "the embedding group",
-    "deepspeed": "DeepSpeed's group",
+    "undefined": "an unnamed group",
 }
 
 # A backend's words for "the peer did not answer in time" and for "the peer's end closed".
@@ -47,7 +49,7 @@ _MS = re.compile(r"(\d+)\s*ms\b")
 
 def group_name(group) -> str:
     desc = getattr(group if group is not None else dist.group.WORLD, "group_desc", None) or "undefined"
-    return GROUP_NAMES.get(desc, f"the group {desc!r}")
+    return GROUP_NAMES.get(desc, f"the {desc} group")
 
 
 def _ranks(group) -> list[int]:
