@@ -1,6 +1,7 @@
 """A lost peer ends a rank within --distributed-timeout-minutes with one line that names the
-group, the op and the peer: for every group megabert makes (world, TP, PP's p2p, DP's
-overlapped bucket, the ring's DP group, the embedding group, DeepSpeed's), two ranks of which
+group, the op and the peer: for every group megabert makes (world, TP forward and backward,
+PP's p2p both ways, the model-parallel grad norm, DP's overlapped bucket, the ring's DP group,
+the embedding group, DeepSpeed's traffic and a group DeepSpeed makes), two ranks of which
 one stops for good after a first round that works; and a pretrain_bert.py run under torchrun
 whose rank 1 stops mid-run, where rank 0 exits non-zero with that line and torchrun passes
 the failure on.
@@ -76,6 +77,28 @@ def _pp_recv(ps):
     return lambda: pipe.recv_forward(tag=1)  # the last stage waits for the first, which stopped
 
 
+def _pp_backward_recv(ps):
+    from megabert.pipeline_parallel.p2p import PipeComm
+
+    pipe = PipeComm(ps, (2, 1, 4), torch.float32)
+    if ps.is_last_stage:
+        pipe.send_backward(torch.ones(2, 1, 4), tag=0)
+        pipe.wait_sends()
+    else:
+        pipe.recv_backward(tag=0)
+    return lambda: pipe.recv_backward(tag=1)  # the first stage waits for the last's gradient
+
+
+def _mp_norm(ps):
+    from megabert.parallel.param_spec import describe
+    from megabert.training.grads import grad_norm
+
+    split = describe(torch.nn.Parameter(torch.ones(4)), partition_dim=0)
+    split.grad = torch.ones(4)
+    grad_norm([split], ps)  # summed over the model-parallel group (TP x PP)
+    return lambda: grad_norm([split], ps)
+
+
 def _dp_bucket(ps):
     from megabert.training.overlap import OverlappedGradReducer
 
@@ -138,6 +161,8 @@ CASES = {
     "tp_forward": (2, 1, 1, "stop", _tp_forward, "all_reduce on the tensor-parallel group (ranks 0, 1)"),
     "tp_backward": (2, 1, 1, "stop", _tp_backward, "all_reduce on the tensor-parallel group (ranks 0, 1)"),
     "pp_p2p": (1, 2, 0, "stop", _pp_recv, "recv on the pipeline group (ranks 0, 1)"),
+    "pp_backward_p2p": (1, 2, 1, "stop", _pp_backward_recv, "recv on the pipeline's backward group (ranks 0, 1)"),
+    "mp_grad_norm": (2, 1, 1, "stop", _mp_norm, "all_reduce on the model-parallel group (ranks 0, 1)"),
     "dp_bucket": (1, 1, 1, "stop", _dp_bucket, "all_reduce on the data-parallel group (ranks 0, 1)"),
     "dp_ring": (1, 1, 1, "stop", _dp_ring, "ring reduce_scatter's send on the data-parallel ring's group (ranks 0, 1)"),
     "embedding": (1, 2, 1, "stop", _embedding, "all_reduce on the embedding group (ranks 0, 1)"),
