@@ -148,8 +148,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _run(group, what: str, call, /, *args, peer: Optional[int] = None, **kwargs):
     """call(*args, **kwargs), the op `what` on `group`, with a lost peer worded
-    (megabert.parallel.failures); an async op's handle words its wait() alike. Under torch.compile's trace: the bare call (the
-    collective becomes part of the graph; see _record)."""
+    (megabert.parallel.failures); an async op's handle words its wait() alike. Under
+    torch.compile's trace: the bare call (the collective becomes part of the graph; see
+    _record), so a lost peer inside a compiled layer ends in the backend's own error."""
     if torch.compiler.is_compiling():
         return call(*args, **kwargs)
     with guarded(group, what, peer):

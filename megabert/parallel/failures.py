@@ -60,7 +60,8 @@ def _ranks(group) -> list[int]:
 
 
 def _timeout_s(group, reason: str) -> Optional[float]:
-    """The group's timeout in seconds: its backend's option, else what gloo's text says."""
+    """The group's timeout in seconds: its backend's option (private in torch 2.13: `_timeout`
+    on the options of `_get_backend`), else what gloo's text says."""
     try:
         pg = group if group is not None else dist.group.WORLD
         return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
