@@ -13,8 +13,9 @@ device after every op to time it (not cheap, not on by default), and records op 
 message size but not the group. The wrapper reads sizes only.
 
 NOTE: `cdb` is a private module global of deepspeed.comm; checked on the versions
-megabert.training.deepspeed.version knows (0.19). On another version nothing is wrapped
-and DeepSpeed's traffic is simply not counted (one warning, from the version guard).
+megabert.training.deepspeed.version knows (0.19). On another version nothing is wrapped:
+DeepSpeed's traffic is not counted and its lost peers are not worded (one warning, from the
+version guard); our groups, which it uses through `mpu`, keep the run's timeout all the same.
 """
 from __future__ import annotations
 
@@ -117,9 +118,9 @@ _GROUP_POS = {"all_reduce": 2, "inference_all_reduce": 2, "all_reduce_coalesced"
 
 def guard_deepspeed_comm(timeout: datetime.timedelta) -> bool:
     """Starts deepspeed.comm over our process groups (what deepspeed.initialize does first)
-    and puts its backend behind the door; False where the version guard
-    forbids the private patch (DeepSpeed's traffic is then not counted, its lost peers are
-    its own tracebacks, and a group it made itself would wait 30 minutes)."""
+    and puts its backend behind the door; False where the version guard forbids the
+    private patch (DeepSpeed's traffic is then not counted, its lost peers end in its own
+    tracebacks, and a group it made itself would wait 30 minutes)."""
     import deepspeed.comm
     from deepspeed.accelerator import get_accelerator
     from deepspeed.comm import comm as ds_comm
