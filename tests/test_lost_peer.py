@@ -27,7 +27,7 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers.pretrain_runs import TORCHRUN, pretrain_args
+from tests.helpers.pretrain_runs import TORCHRUN, one_line_error, pretrain_args, run_main
 
 TIMEOUT_MIN = 0.08  # 4.8 s: --distributed-timeout-minutes of every run here
 HANG_S = 90.0  # a survivor that has not answered by then hangs: the test fails instead of waiting on
@@ -276,6 +276,17 @@ def test_only_a_lost_peer_is_reworded():
     assert isinstance(out, CommunicationError) and out.__cause__ is closed
     assert str(out).endswith(": rank 3 closed the connection: it exited or was killed; its own log says why "
                              "[Connection closed by peer [10.0.0.2]:41614]"), str(out)
+
+
+def test_a_rank_that_never_comes_ends_the_rendezvous_with_one_line(dataset, tmp_path, monkeypatch):
+    port = _free_port()
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    r = run_main(*pretrain_args(dataset, tmp_path / "m.jsonl", "--distributed-timeout-minutes", str(TIMEOUT_MIN)))
+    one_line_error(r, f"error: rendezvous at 127.0.0.1:{port} failed within --distributed-timeout-minutes 0.08: "
+                      f"start every rank, with the same MASTER_ADDR/MASTER_PORT, reachable from every node [")
+    assert "1/2 clients joined" in r.stderr
 
 
 # ------------------------------------------------------------------ end to end

@@ -109,6 +109,13 @@ def describe(error: BaseException, group, op: str, peer: Optional[int] = None) -
     return CommunicationError(f"{where} failed, waiting on {who} [{reason}]")
 
 
+def rendezvous_failure(error: BaseException, where: str, timeout_s: float) -> CommunicationError:
+    """The one line for ranks that did not meet at start-up (the store at `where`)."""
+    return CommunicationError(f"rendezvous at {where} failed within --distributed-timeout-minutes "
+                              f"{timeout_s / 60:g}: start every rank, with the same MASTER_ADDR/MASTER_PORT, "
+                              f"reachable from every node [{_reason(error)}]")
+
+
 def translate(error: BaseException, group, op: str, peer: Optional[int] = None) -> BaseException:
     """`error` as a CommunicationError if it is a lost peer; otherwise `error` itself."""
     if not is_lost_peer(error):
