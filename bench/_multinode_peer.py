@@ -10,6 +10,7 @@ Each prints one JSON line (rank 0): {"median_s": ..., "times": [...]}.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
@@ -45,7 +46,8 @@ def _model(kind: str, layers: int, hidden: int, heads: int, vocab: int, seq: int
 
         config = megabert.ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                       vocab_size=vocab, max_position_embeddings=max(512, seq))
-        ps = ParallelState.build(1, 1, device=torch.device("cpu"), backend="gloo")  # DP over all ranks: DDP's
+        ps = ParallelState.build(1, 1, device=torch.device("cpu"), backend="gloo",  # DP over all ranks: DDP's
+                                 timeout=datetime.timedelta(minutes=10))
         return megabert.BertForPreTraining(config, ps).train()
     import transformers
 

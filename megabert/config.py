@@ -114,8 +114,9 @@ class ParallelConfig:
         None, "Layers per virtual stage for the interleaved 1F1B schedule.")
     distributed_backend: Optional[str] = arg(None, "Process group backend; default nccl on GPU, gloo on CPU.",
                                              choices=(None, "nccl", "gloo"))
-    distributed_timeout_minutes: float = arg(10.0, "A collective that waits longer than this ends the job "
-                                             "instead of hanging it.")
+    distributed_timeout_minutes: float = arg(10.0, "How long any process group megabert makes waits for a peer: "
+                                             "a rank that stops or a dropped link then ends every rank with one "
+                                             "line instead of hanging the job.")
     overlap_grad_reduce: bool = arg(True, "Average data-parallel gradients bucket by bucket while backward still "
                                     "runs (--no-overlap-grad-reduce: all at once after it). DeepSpeed runs use "
                                     "DeepSpeed's own overlap_comm.")

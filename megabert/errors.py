@@ -32,6 +32,11 @@ class RefusedFileError(CheckpointError):
     a wrong type where a Megatron `Metadata` or dict belongs): refused, nothing in it run."""
 
 
+class CommunicationError(MegabertError):
+    """A collective or transfer failed because a peer rank stopped, died or became
+    unreachable (megabert.parallel.failures words it)."""
+
+
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     """Wraps an entry point: MegabertError -> `error: ...` on stderr and exit code 2.
 

@@ -30,7 +30,7 @@ def test_sent_bytes_are_the_ring_volumes():
 
 
 class _FakeBackend:
-    """deepspeed.comm's backend as CountingBackend sees it (records, moves nothing)."""
+    """deepspeed.comm's backend as DoorBackend sees it (records, moves nothing)."""
 
     def __init__(self):
         self.calls = []
@@ -46,10 +46,10 @@ class _FakeBackend:
 
 
 def test_deepspeed_backend_is_counted_as_zero():
-    from megabert.training.deepspeed.comm import CountingBackend
+    from megabert.training.deepspeed.comm import DoorBackend
 
     fake = _FakeBackend()
-    backend = CountingBackend(fake)
+    backend = DoorBackend(fake, timeout=None)
     x = torch.zeros(100)  # 400 bytes
     backend.all_reduce(x, group=None)  # uncounted: no ledger active
     ledger = CommLedger()

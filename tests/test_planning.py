@@ -1,6 +1,7 @@
 """The layout planner's arithmetic: parameter counts equal the real modules' (TP=1, TP=2,
 PP=2), activations follow Korthikanti et al.'s formulas on a hand-checked case, ZeRO-3
 divides model states by DP, communication and ranking, the CLI's output and its errors."""
+import datetime
 import math
 import os
 
@@ -56,7 +57,7 @@ def test_pipeline_stage_counts_equal_real_stages(cfg):
 def _count_worker(rank, world, tp, pp, shapes):
     from megabert.parallel.state import ParallelState
 
-    ps = ParallelState.build(tp, pp, device=torch.device("cpu"), backend="gloo")
+    ps = ParallelState.build(tp, pp, device=torch.device("cpu"), backend="gloo", timeout=datetime.timedelta(minutes=10))
     for shape in shapes:
         cfg = ModelConfig(**shape)
         assert _real_count(cfg, ps) == stage_params(cfg, tp, pp, ps.pp_rank).total, (shape, ps.pp_rank)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megabert.checkpoint import external, megatron
 from megabert.checkpoint.layout import (TRACKER, checkpoint_root, commit, damaged_file, has_checkpoint,
@@ -234,7 +233,7 @@ class _Save:
             shutil.rmtree(staging_dir(self.root, self.iteration), ignore_errors=True)
         if self.ps.world_size > 1:
             # Every rank leaves after the clean-up: a launcher stops the others as soon as one exits.
-            dist.barrier()
+            comm.barrier()
         if error is not None and os_error_behind(error) is None:
             raise error  # not the file system: a bug, with its traceback
         where = f" (rank {rank})" if self.ps.world_size > 1 else ""

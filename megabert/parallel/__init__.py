@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megabert.errors import ConfigError
 from megabert.launch import LaunchInfo, discover_launch, mpi_rendezvous, rendezvous_store
+from megabert.parallel.failures import guarded, rendezvous_failure
 from megabert.parallel.state import ParallelState, rank_of
 
 __all__ = ["ParallelState", "LaunchInfo", "init_parallel", "get_parallel_state", "destroy_parallel",
@@ -31,7 +32,9 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
 
     Works under every launcher megabert.launch recognises (torchrun, mpirun, srun, ...) and
     as a plain single process. gloo on CPU, nccl on GPU unless `backend` says otherwise. A
-    collective that waits longer than `timeout_minutes` raises instead of hanging.
+    collective that waits longer than `timeout_minutes` for a peer raises a
+    CommunicationError instead of hanging: the world group (where this call creates it) and
+    every group of the state. A world group the caller made keeps the caller's timeout.
     """
     global _current
     info = discover_launch()
@@ -51,17 +54,24 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
             # An in-memory store: a lone process needs no port and cannot collide with others.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            if info.launcher in ("openmpi", "mpich") and not (info.master_addr and info.master_port):
-                info, store = mpi_rendezvous(info, timeout)
-            elif not info.master_addr or not info.master_port:
+            if not (info.launcher in ("openmpi", "mpich") or (info.master_addr and info.master_port)):
                 raise ConfigError(f"launched by {info.launcher} but MASTER_ADDR/MASTER_PORT are not set; "
                                   f"export them (the address and a free port of rank 0's host)")
-            else:
-                store = rendezvous_store(info, timeout)
-            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
-                                    timeout=timeout)
-    state = ParallelState.build(tensor_parallel_size, pipeline_model_parallel_size, device=device,
-                                backend=dist.get_backend(), local_rank=info.local_rank, launcher=info.launcher)
+            try:
+                if not (info.master_addr and info.master_port):  # MPI: rank 0 publishes an address
+                    info, store = mpi_rendezvous(info, timeout)
+                else:
+                    store = rendezvous_store(info, timeout)
+                dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                                        timeout=timeout)
+            except dist.DistError as e:  # a rank that never came, an address no one listens on
+                where = (f"{info.master_addr}:{info.master_port}" if info.master_addr and info.master_port
+                         else "the address rank 0 published over MPI")
+                raise rendezvous_failure(e, where, timeout.total_seconds()) from e
+    with guarded(None, "new_group"):  # every rank creates every group: a rank lost meanwhile
+        state = ParallelState.build(tensor_parallel_size, pipeline_model_parallel_size, device=device,
+                                    backend=dist.get_backend(), timeout=timeout, local_rank=info.local_rank,
+                                    launcher=info.launcher)
     if state.rank == 0:
         logger.info("megabert: %d processes (%s, %s): tp=%d pp=%d dp=%d", state.world_size, info.launcher,
                     state.backend, state.tp_size, state.pp_size, state.dp_size)

@@ -32,6 +32,10 @@ ContextVar set by the training loop is not seen. The Trainer owns one CommLedger
 step (evaluation, checkpoints, the Python API) nothing is counted, and the cost of the
 door is one `is None` test. With --compile the collectives inside compiled layers run in
 the graph, not through this Python, and are not counted (see _record). Counting reads sizes only: no sync, no extra collective.
+
+A lost peer: every call (and every async op's wait) that fails because another rank stopped,
+died or became unreachable raises megabert.errors.CommunicationError, one line naming the
+group, the op and the peer (megabert.parallel.failures); other errors pass unchanged.
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from megabert.parallel.failures import GuardedWork, guarded
 
 ReduceOp = dist.ReduceOp
 
@@ -140,20 +146,32 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _run(group, what: str, call, /, *args, peer: Optional[int] = None, **kwargs):
+    """call(*args, **kwargs), the op `what` on `group`, with a lost peer worded
+    (megabert.parallel.failures); an async op's handle words its wait() alike. Under
+    torch.compile's trace: the bare call (the collective becomes part of the graph; see
+    _record), so a lost peer inside a compiled layer ends in the backend's own error."""
+    if torch.compiler.is_compiling():
+        return call(*args, **kwargs)
+    with guarded(group, what, peer):
+        work = call(*args, **kwargs)
+    return GuardedWork(work, group, what, peer) if isinstance(work, dist.Work) else work
+
+
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False,
                label: Optional[str] = None):
     _record(group, "all_reduce", _nbytes(tensor), label)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _run(group, "all_reduce", dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group=None, label: Optional[str] = None):
     _record(group, "all_gather", _nbytes(tensor) * len(parts), label)
-    return dist.all_gather(parts, tensor, group=group)
+    return _run(group, "all_gather", dist.all_gather, parts, tensor, group=group)
 
 
 def reduce_scatter(out: torch.Tensor, chunks: list[torch.Tensor], group=None, label: Optional[str] = None):
     _record(group, "reduce_scatter", sum(_nbytes(c) for c in chunks), label)
-    return dist.reduce_scatter(out, chunks, group=group)
+    return _run(group, "reduce_scatter", dist.reduce_scatter, out, chunks, group=group)
 
 
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single and deprecated
@@ -167,21 +185,21 @@ def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_
     """Sums `x` over the group; rank r keeps chunk r in `out` (which may be that chunk of `x`:
     the distributed optimizer reduce-scatters its gradient buckets in place)."""
     _record(group, "reduce_scatter", _nbytes(x), label)
-    return _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return _run(group, "reduce_scatter", _reduce_scatter_single, out, x, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False,
                            label: Optional[str] = None):
     """Rank r's `x` lands in chunk r of `out` (`x` may be that chunk of `out`)."""
     _record(group, "all_gather", _nbytes(out), label)
-    return _all_gather_single(out, x, group=group, async_op=async_op)
+    return _run(group, "all_gather", _all_gather_single, out, x, group=group, async_op=async_op)
 
 
 def reduce_scatter_by_all_reduce(x: torch.Tensor, group=None, label: Optional[str] = None) -> torch.Tensor:
     """All-reduces `x` in place for a backend without reduce-scatter (gloo); the caller
     keeps its slice. Counted as the reduce-scatter it stands in for (see above)."""
     _record(group, "reduce_scatter", _nbytes(x), label)
-    dist.all_reduce(x, group=group)
+    _run(group, "all_reduce", dist.all_reduce, x, group=group)
     return x
 
 
@@ -190,26 +208,30 @@ def gather(tensor: torch.Tensor, parts: Optional[list[torch.Tensor]], group=None
     ranks). Counted as a send of `tensor` on the other ranks."""
     if _active is not None and dist.get_rank(group) != group_dst:
         _record(group, "send", _nbytes(tensor), None)
-    return dist.gather(tensor, gather_list=parts, group=group, group_dst=group_dst)
+    return _run(group, "gather", dist.gather, tensor, gather_list=parts, group=group, group_dst=group_dst)
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     _record(group, "send", _nbytes(tensor), None)
-    return dist.isend(tensor, dst, group=group, tag=tag)
+    return _run(group, "send", dist.isend, tensor, dst, group=group, tag=tag, peer=dst)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
-    return dist.irecv(tensor, src, group=group, tag=tag)  # a receive sends nothing
+    return _run(group, "recv", dist.irecv, tensor, src, group=group, tag=tag, peer=src)  # a receive sends nothing
+
+
+def barrier(group=None):
+    return _run(group, "barrier", dist.barrier, group=group)
 
 
 def broadcast_object_list(objects: list, src: int, group=None):
     """Counted on the source rank as the pickled size (what torch sends, less its size header)."""
     if _active is not None and dist.get_rank() == src:
         _record(group, "broadcast", len(pickle.dumps(objects)), None)
-    return dist.broadcast_object_list(objects, src=src, group=group)
+    return _run(group, "broadcast", dist.broadcast_object_list, objects, src=src, group=group)
 
 
 def all_gather_object(out: list, obj, group=None):
     if _active is not None:
         _record(group, "all_gather", len(pickle.dumps(obj)) * len(out), None)
-    return dist.all_gather_object(out, obj, group=group)
+    return _run(group, "all_gather", dist.all_gather_object, out, obj, group=group)

@@ -39,9 +39,10 @@ beside it unchanged. Bytes are counted when an op is submitted, in the caller's 
 the collective it is (megabert.parallel.comm's unit), under the caller's label.
 
 Errors: a transfer that fails in the thread (a peer that died: gloo's "Connection closed by
-peer"; a peer that stopped: the communicator's timeout) fails its op and every op after it
-(the ring is out of step), and each one's wait() raises the original exception in the
-waiting thread.
+peer"; a peer that stopped: the communicator's timeout, the run's --distributed-timeout-minutes
+given to new_dp_group) fails its op and every op after it (the ring is out of step), and
+each one's wait() raises it in the waiting thread: a CommunicationError that names the
+ring's group, the op and the neighbour (megabert.parallel.failures).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from megabert.parallel import comm
+from megabert.parallel.failures import guarded
 
 SLICES = 2  # transfers per chunk and ring step
 DEPTH = 2  # transfers in flight (<= SLICES: see above)
@@ -109,6 +111,9 @@ class RingCommunicator:
                  label: Optional[str] = None):
         self.group, self.label = group, label
         self.size, self.rank = group.size(), group.rank()
+        # The neighbours' global ranks, for a lost peer's error.
+        self._next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         # DEPTH slots of a slice each (a slice is at most ceil(chunk / SLICES) elements: one
         # element more than chunk / SLICES), every slot aligned for any element size.
         self._slot_bytes = (-(-max_chunk_bytes // SLICES) + 16 + 15) // 16 * 16
@@ -206,8 +211,12 @@ class RingCommunicator:
             # Transfer i meets transfer i of the neighbours: one tag per slot, so no two
             # transfers in flight share one and the match needs no ordering.
             tag = t.index % DEPTH
-            t.handles = (dist.isend(t.send, group=self.group, group_dst=(self.rank + 1) % self.size, tag=tag),
-                         dist.irecv(t.recv, group=self.group, group_src=(self.rank - 1) % self.size, tag=tag))
+            kind = "reduce_scatter" if reduce else "all_gather"
+            with guarded(self.group, f"ring {kind}'s send", self._next):
+                send = dist.isend(t.send, group=self.group, group_dst=(self.rank + 1) % self.size, tag=tag)
+            with guarded(self.group, f"ring {kind}'s recv", self._prev):
+                recv = dist.irecv(t.recv, group=self.group, group_src=(self.rank - 1) % self.size, tag=tag)
+            t.handles = (send, recv)
             t.work = work if t.last else None
             flight.append(t)
             issued = True
@@ -218,8 +227,10 @@ class RingCommunicator:
         """Waits for the oldest transfer in flight, adds what it received, and completes its
         op if it was the op's last."""
         t = flight[0]
-        for handle in t.handles:
-            handle.wait()
+        kind = "reduce_scatter" if t.into is not None else "all_gather"
+        for handle, what, peer in zip(t.handles, ("send", "recv"), (self._next, self._prev)):
+            with guarded(self.group, f"ring {kind}'s {what}", peer):
+                handle.wait()
         if t.into is not None:
             t.into.add_(t.recv)
         flight.popleft()

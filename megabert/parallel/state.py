@@ -7,9 +7,15 @@ they share a node), then data-parallel, then pipeline-parallel:
 
 Layers receive the group they need (`tp_group`, ...) as an argument; nothing in the
 library looks groups up in module globals.
+
+Every group is created with the run's timeout (--distributed-timeout-minutes) and a
+`group_desc` that names it in a lost peer's error (megabert.parallel.failures):
+`dist.new_group` without `timeout=` waits torch's default, 30 minutes on gloo, not the
+timeout the world group was made with.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -47,6 +53,9 @@ class ParallelState:
     embedding_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # first + last stage (None between)
     local_rank: int = 0
     launcher: str = "single"
+    # How long any op on these groups waits for a peer (--distributed-timeout-minutes);
+    # groups made later (new_dp_group) get it too. None: an offline state, no groups.
+    timeout: Optional[datetime.timedelta] = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -78,19 +87,22 @@ class ParallelState:
     def new_dp_group(self, backend: Optional[str] = None) -> dist.ProcessGroup:
         """A second communicator over this rank's data-parallel ranks, for traffic that runs
         beside the DP group's own collectives (the distributed optimizer's ring thread on
-        gloo: megabert.parallel.ring). Collective over the world, as `build`: every rank
-        calls it, and it creates every DP group in build's order."""
+        gloo: megabert.parallel.ring), on the run's timeout. Collective over the world, as
+        `build`: every rank calls it, and it creates every DP group in build's order."""
+        if self.timeout is None:
+            raise RuntimeError("an offline ParallelState has no process groups")
         mine = None
         for ranks in _dp_ranks(self.tp_size, self.dp_size, self.pp_size):
-            g = dist.new_group(ranks, backend=backend)
+            g = dist.new_group(ranks, timeout=self.timeout, backend=backend, group_desc="dp_ring")
             if self.rank in ranks:
                 mine = g
         return mine
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int, *, device: torch.device, backend: str,
-              local_rank: int = 0, launcher: str = "single") -> "ParallelState":
-        """Creates every group. Collective: all ranks must call it with the same sizes."""
+              timeout: datetime.timedelta, local_rank: int = 0, launcher: str = "single") -> "ParallelState":
+        """Creates every group, each waiting at most `timeout` for a peer. Collective: all
+        ranks must call it with the same sizes."""
         world, rank = dist.get_world_size(), dist.get_rank()
         dp_size = data_parallel_size(world, tp_size, pp_size)
         tp_rank = rank % tp_size
@@ -102,7 +114,7 @@ class ParallelState:
         # group in the same order on every rank, including groups this rank is not in.
         def make(name: str, ranks_list: list[list[int]]) -> None:
             for ranks in ranks_list:
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout, group_desc=name)
                 if rank in ranks:
                     groups[name] = g
 
@@ -116,12 +128,13 @@ class ParallelState:
         make("mp", [[r(t, d, p) for p in range(pp_size) for t in range(tp_size)] for d in range(dp_size)])
         # Tied word embeddings live on the first and the last stage; their gradients are
         # summed over this group (it is the pp group itself when pp_size <= 2).
-        make("emb", [sorted({r(t, d, 0), r(t, d, pp_size - 1)}) for d in range(dp_size) for t in range(tp_size)])
+        make("embedding", [sorted({r(t, d, 0), r(t, d, pp_size - 1)}) for d in range(dp_size) for t in range(tp_size)])
         return cls(rank=rank, world_size=world, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
                    tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
                    tp_group=groups["tp"], dp_group=groups["dp"], pp_group=groups["pp"],
                    pp_backward_group=groups.get("pp_backward"), mp_group=groups["mp"],
-                   embedding_group=groups.get("emb"), local_rank=local_rank, launcher=launcher)
+                   embedding_group=groups.get("embedding"), local_rank=local_rank, launcher=launcher,
+                   timeout=timeout)
 
 
 def _dp_ranks(tp_size: int, dp_size: int, pp_size: int) -> list[list[int]]:

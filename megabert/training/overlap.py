@@ -112,7 +112,9 @@ class OverlappedGradReducer:
         bucket.handle = comm.all_reduce(bucket.flat, group=self.ps.dp_group, async_op=True)
 
     def _complete(self, bucket: _Bucket, scale: float) -> None:
-        """Waits for a bucket's reduction and averages what this rank keeps of it."""
+        """Waits for a bucket's reduction and averages what this rank keeps of it. A peer
+        lost meanwhile: the door's handle raises CommunicationError once the DP group's
+        timeout (--distributed-timeout-minutes) passes."""
         bucket.handle.wait()
         bucket.flat.mul_(scale)
 

@@ -1,4 +1,5 @@
-"""DeepSpeed's collectives, counted in megabert's communication ledger as `zero`.
+"""DeepSpeed's collectives behind megabert's door: counted in the communication ledger as
+`zero`, a lost peer worded as one line, groups it makes on the run's timeout.
 
 ZeRO's traffic never passes through megabert's door (megabert.parallel.comm): DeepSpeed
 calls `deepspeed.comm`, whose module functions forward every op to one backend object,
@@ -12,16 +13,19 @@ device after every op to time it (not cheap, not on by default), and records op 
 message size but not the group. The wrapper reads sizes only.
 
 NOTE: `cdb` is a private module global of deepspeed.comm; checked on the versions
-megabert.training.deepspeed.version knows (0.19). On another version nothing is wrapped
-and DeepSpeed's traffic is simply not counted (one warning, from the version guard).
+megabert.training.deepspeed.version knows (0.19). On another version nothing is wrapped:
+DeepSpeed's traffic is not counted and its lost peers are not worded (one warning, from the
+version guard); our groups, which it uses through `mpu`, keep the run's timeout all the same.
 """
 from __future__ import annotations
 
-from typing import Callable
+import datetime
+from typing import Callable, Optional
 
 import torch
 
 from megabert.parallel import comm
+from megabert.parallel.failures import GuardedWork, guarded
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -57,47 +61,79 @@ _counted("send", "send", lambda a, k: _nbytes(_arg(a, k, 0, "tensor")))
 _counted("isend", "send", lambda a, k: _nbytes(_arg(a, k, 0, "tensor")))
 
 
-class CountingBackend:
-    """Stands in for deepspeed.comm's backend: counts, then forwards (everything else is
-    the wrapped backend's own attribute)."""
+class DoorBackend:
+    """Stands in for deepspeed.comm's backend, as megabert's door (megabert.parallel.comm)
+    stands before torch.distributed: counts each op in the active ledger, words a lost peer
+    as one line (megabert.parallel.failures; an async op's handle too), and gives a group
+    DeepSpeed creates itself the run's timeout (TorchBackend.new_group passes none: gloo's
+    30 minutes). Everything else is the wrapped backend's own attribute."""
 
-    def __init__(self, backend):
-        self._backend = backend
+    def __init__(self, backend, timeout: Optional[datetime.timedelta]):
+        self._backend, self._timeout = backend, timeout
+
+    def new_group(self, ranks):
+        # NOTE: with our mpu, DeepSpeed 0.19 makes no group of its own for dense models
+        # (checked at ZeRO 1-3, TP and PP 2): this is for the paths that do (MoE, ZeRO++).
+        return torch.distributed.new_group(ranks, timeout=self._timeout, group_desc="deepspeed")
 
     def __getattr__(self, name: str):
         target = getattr(self._backend, name)
-        counted = _SIZES.get(name)
-        if counted is None:
+        if name not in _GROUP_POS:
             return target
-        op, size = counted
+        counted = _SIZES.get(name)
 
         def call(*args, **kwargs):
+            pos = _GROUP_POS[name]
+            group = kwargs["group"] if "group" in kwargs else (args[pos] if len(args) > pos else None)
             ledger = comm.active_ledger()
-            if ledger is not None:
-                group = kwargs.get("group", args[_GROUP_POS[name]] if len(args) > _GROUP_POS[name] else None)
+            if ledger is not None and counted is not None:
+                op, size = counted
                 if op != "broadcast" or _arg(args, kwargs, 1, "src") == self._backend.get_rank():
                     ledger.add("zero", op, size(args, kwargs), self._backend.get_world_size(group))
-            return target(*args, **kwargs)
+            peer = _peer(name, args, kwargs)
+            with guarded(group, name, peer):
+                out = target(*args, **kwargs)
+            return GuardedWork(out, group, name, peer) if isinstance(out, torch.distributed.Work) else out
 
         return call
 
 
-# Position of `group` in each method's positional arguments (TorchBackend's signatures).
+def _peer(name: str, args: tuple, kwargs: dict) -> Optional[int]:
+    """The other end of a transfer (a global rank), or None for a collective."""
+    if name in ("send", "isend"):
+        return _arg(args, kwargs, 1, "dst")
+    if name in ("recv", "irecv") and (len(args) > 1 or kwargs.get("src") is not None):
+        return _arg(args, kwargs, 1, "src")
+    return None
+
+
+# Position of `group` in each method's positional arguments (TorchBackend's signatures):
+# the ops the door wraps.
 _GROUP_POS = {"all_reduce": 2, "inference_all_reduce": 2, "all_reduce_coalesced": 2, "reduce": 3,
               "reduce_scatter": 3, "reduce_scatter_tensor": 3, "all_gather": 2, "all_gather_into_tensor": 2,
               "all_gather_base": 2, "all_gather_coalesced": 2, "all_to_all_single": 4, "broadcast": 2, "send": 2,
-              "isend": 2}
+              "isend": 2, "recv": 2, "irecv": 2, "broadcast_object_list": 2, "all_gather_object": 2,
+              "all_to_all": 2, "gather": 3, "scatter": 3, "barrier": 0, "monitored_barrier": 0}
 
 
-def count_deepspeed_comm() -> bool:
-    """Wraps deepspeed.comm's backend (once per process); False where it cannot."""
+def guard_deepspeed_comm(timeout: datetime.timedelta) -> bool:
+    """Starts deepspeed.comm over our process groups (what deepspeed.initialize does first)
+    and puts its backend behind the door; False where the version guard forbids the
+    private patch (DeepSpeed's traffic is then not counted, its lost peers end in its own
+    tracebacks, and a group it made itself would wait 30 minutes)."""
+    import deepspeed.comm
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.comm import comm as ds_comm
 
     from megabert.training.deepspeed.version import private_patches_allowed
 
+    # As deepspeed.initialize calls it (which then finds it done), with our timeout.
+    deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                    dist_init_required=False, timeout=timeout, verbose=False)
     backend = getattr(ds_comm, "cdb", None)
     if backend is None or not private_patches_allowed():
         return False
-    if not isinstance(backend, CountingBackend):
-        ds_comm.cdb = CountingBackend(backend)
+    if isinstance(backend, DoorBackend):  # a later run in this process: its own timeout
+        backend = backend._backend
+    ds_comm.cdb = DoorBackend(backend, timeout)
     return True

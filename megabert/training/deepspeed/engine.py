@@ -13,7 +13,7 @@ import torch
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_table
-from megabert.training.deepspeed.comm import count_deepspeed_comm
+from megabert.training.deepspeed.comm import guard_deepspeed_comm
 from megabert.training.deepspeed.jit_ops import note_jit_build
 from megabert.training.deepspeed.mpu import DeepSpeedMpu, mark_pipe_replicated
 from megabert.training.deepspeed.zero_masters import share_fp32_masters
@@ -30,6 +30,22 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     except ImportError as e:
         raise ConfigError(f"--deepspeed needs the deepspeed package ({e}); `pip install deepspeed` "
                           f"or `make install` (it is in the deepspeed extra)")
+    start_comm(ps)
+    mark_pipe_replicated(model, spec_table(model), ps)
+    # Always our optimizer: a JSON's optimizer section was translated, not merged.
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=DeepSpeedMpu(ps),
+                                           dist_init_required=False)
+    stage = config["zero_optimization"].get("stage", 0)
+    freed = share_fp32_masters(engine.optimizer, stage) if private_patches_allowed() else 0
+    if freed and ps.is_logging_rank:
+        logger.info("ZeRO-%d in fp32: DeepSpeed's fp32 master partition shares the parameter partition's memory "
+                    "(%.2f GB per rank not duplicated)", stage, freed / 1e9)
+    return engine
+
+
+def start_comm(ps: ParallelState) -> None:
+    """deepspeed.comm over our process groups, behind megabert's door (before
+    deepspeed.initialize, which then finds it started)."""
     # DeepSpeed reads the launch from torchrun's variables; under mpirun, srun or a single
     # process they are missing, so export what init_parallel discovered.
     os.environ.setdefault("LOCAL_RANK", str(ps.local_rank))
@@ -37,18 +53,9 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     os.environ.setdefault("WORLD_SIZE", str(ps.world_size))
     if ps.device.type == "cpu":
         _skip_shm_comm_build()
-    mark_pipe_replicated(model, spec_table(model), ps)
-    # Always our optimizer: a JSON's optimizer section was translated, not merged.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=DeepSpeedMpu(ps),
-                                           dist_init_required=False)
-    # ZeRO's collectives bypass megabert's door: count them where DeepSpeed sends them.
-    count_deepspeed_comm()
-    stage = config["zero_optimization"].get("stage", 0)
-    freed = share_fp32_masters(engine.optimizer, stage) if private_patches_allowed() else 0
-    if freed and ps.is_logging_rank:
-        logger.info("ZeRO-%d in fp32: DeepSpeed's fp32 master partition shares the parameter partition's memory "
-                    "(%.2f GB per rank not duplicated)", stage, freed / 1e9)
-    return engine
+    # ZeRO's collectives bypass megabert's door: count them, word a lost peer and give any
+    # group DeepSpeed makes the run's timeout where DeepSpeed sends them, from the start.
+    guard_deepspeed_comm(ps.timeout)
 
 
 def _skip_shm_comm_build() -> None:
