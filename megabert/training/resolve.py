@@ -17,6 +17,7 @@ from typing import Any, Optional
 from megabert.checkpoint.run_state import resolve_start
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
     TrainConfig
+from megabert.data.shard_sources import detect_nvidia_data
 from megabert.parallel.layout import BatchLayout
 from megabert.parallel.zero import ZeroPlan
 from megabert.rules import check_model_split, check_zero, sentence_pair_task
@@ -115,8 +116,6 @@ def _sentence_pairs(data: DataConfig, model: Optional[ModelConfig], explicit: fr
     `sentence_pair_task`), with one info line when the data, not a flag, chose it."""
     if model is None or not model.bert_binary_head:
         return data
-    from megabert.tasks.pretraining.nvidia_data import detect_nvidia_data  # megabert.training imports no task at import
-
     source = detect_nvidia_data(data.data_path)
     fmt = source.format if source is not None else None
     task = sentence_pair_task(fmt, data.binary_head_task, given="data.binary_head_task" in explicit)

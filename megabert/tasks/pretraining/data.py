@@ -10,7 +10,8 @@ from typing import Callable, Iterator, Optional
 from megabert.data import build_pretraining_data_loader
 from megabert.parallel import ParallelState
 from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
-from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets, detect_nvidia_data
+from megabert.data.shard_sources import detect_nvidia_data
+from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
 from megabert.tasks.pretraining.task import checked_batches, infinite
 from megabert.training.resolve import ResolvedRun
 

@@ -15,7 +15,6 @@ not the vocab the shards were made with.
 from __future__ import annotations
 
 import io
-import os
 import re
 from typing import Optional
 
@@ -43,10 +42,6 @@ def _column_types() -> dict:
 
 # LDDL's names: `.parquet` in the extension, `_<bin>` after it for binned data.
 _BINNED = re.compile(r"\.parquet_(\d+)$")
-
-
-def is_parquet_shard(path: str) -> bool:
-    return ".parquet" in os.path.splitext(path)[1]
 
 
 def bin_of(path: str) -> Optional[int]:

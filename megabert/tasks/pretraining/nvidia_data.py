@@ -9,104 +9,31 @@ not trained on and make the validation set.
 """
 from __future__ import annotations
 
-import glob
 import math
 import os
 from bisect import bisect_right
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 
 from megabert.config import DataConfig
 from megabert.data.sample_errors import cause
+from megabert.data.shard_sources import HDF5, PARQUET, NvidiaSource, shard_format
 from megabert.data.tokenizers import read_wordpiece_vocab
 from megabert.errors import ConfigError, DataError, MegabertError
 from megabert.rules import sentence_pair_task
 from megabert.tasks.pretraining.bert_dataset import _TokenTable
 from megabert.tasks.pretraining.datasets import BlendedDataset
-from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, is_parquet_shard, non_special
+from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, non_special
 from megabert.tasks.pretraining.masking import IGNORE_INDEX, mask_tokens
-from megabert.tasks.pretraining.nvidia_hdf5 import HDF5_SUFFIXES, Hdf5Shard
+from megabert.tasks.pretraining.nvidia_hdf5 import Hdf5Shard
 from megabert.tasks.pretraining.shard_order import Block, BlockCache, ShardOrder
 
-HDF5, PARQUET = "DeepLearningExamples HDF5", "LDDL parquet"
-_GLOB_CHARS = set("*?[")
-
-
-def _format_of(path: str) -> Optional[str]:
-    if path.endswith(HDF5_SUFFIXES):
-        return HDF5
-    if is_parquet_shard(path):
-        return PARQUET
-    return None
-
-
-def _expand(item: str) -> Optional[list[str]]:
-    """The shard files one --data-path item names; None for a Megatron prefix."""
-    if os.path.isdir(item):
-        files = sorted(os.path.join(root, name) for root, _, names in os.walk(item) for name in names
-                       if _format_of(name))
-        if not files:
-            raise DataError(f"--data-path {item} is a directory with no .hdf5 or LDDL .parquet shard in it: "
-                            f"name its shards, or the prefix P of Megatron's P.bin/P.idx")
-        return files
-    if _GLOB_CHARS & set(item):
-        files = sorted(p for p in glob.glob(item) if _format_of(p))
-        if not files:
-            raise DataError(f"--data-path {item} matches no .hdf5 or LDDL .parquet file")
-        return files
-    if _format_of(item):
-        if not os.path.isfile(item):
-            raise DataError(f"--data-path names {item}, which does not exist")
-        return [item]
-    return None
-
-
-@dataclass(frozen=True)
-class NvidiaSource:
-    """--data-path resolved to NVIDIA shards: the format and, per blend component, its weight,
-    training files and held-out ("test") files."""
-    format: str
-    weights: list[float]
-    train_files: list[list[str]]
-    test_files: list[list[str]]
-
-
-def detect_nvidia_data(data_path: Sequence[str]) -> Optional[NvidiaSource]:
-    """NvidiaSource when --data-path names NVIDIA shards, None when it names Megatron prefixes."""
-    items = list(data_path)
-    try:
-        weights = [float(w) for w in items[0::2]] if len(items) > 1 and len(items) % 2 == 0 else None
-    except ValueError:
-        weights = None
-    paths = items[1::2] if weights else items
-    expanded = [_expand(p) for p in paths]
-    if all(e is None for e in expanded):
-        return None
-    if any(e is None for e in expanded):
-        raise ConfigError(f"--data-path mixes NVIDIA shards with Megatron prefixes ({' '.join(items)}): "
-                          f"train on one kind at a time")
-    if weights is None:  # a list of paths is one component
-        weights, expanded = [1.0], [[f for e in expanded for f in e]]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
-    formats = {_format_of(f) for e in expanded for f in e}
-    if len(formats) > 1:
-        raise ConfigError(f"--data-path mixes {' and '.join(sorted(formats))} files: train on one format at a time")
-    train, test = [], []
-    for files, path in zip(expanded, paths):
-        test.append([f for f in files if "test" in os.path.basename(f)])
-        train.append([f for f in files if "test" not in os.path.basename(f)])
-        if not train[-1]:
-            raise DataError(f"--data-path {path} holds only held-out files (named *test*), no training file")
-    return NvidiaSource(formats.pop(), [w / sum(weights) for w in weights], train, test)
-
-
 def open_shard(path: str):
-    return Hdf5Shard(path) if _format_of(path) == HDF5 else ParquetShard(path)
+    return Hdf5Shard(path) if shard_format(path) == HDF5 else ParquetShard(path)
 
 
 def unreadable(shard, block: int, row: int, error: Exception) -> DataError:
@@ -251,7 +178,7 @@ class ShardSamples(SequenceABC):
     """The rows of one shard file as megabert trains on them (see pretraining_samples)."""
 
     def __init__(self, path: str, vocab_file: Optional[str] = None):
-        fmt = _format_of(path)
+        fmt = shard_format(path)
         if fmt is None or not os.path.isfile(path):
             raise DataError(f"{path} is not a DeepLearningExamples .hdf5 shard or an LDDL .parquet shard")
         self.shard = open_shard(path)

@@ -25,7 +25,6 @@ from megabert.tasks.pretraining.masking import IGNORE_INDEX
 
 HDF5_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
              "next_sentence_labels")
-HDF5_SUFFIXES = (".hdf5", ".h5")
 # A block is at least this many rows (a whole number of chunk row bands); an unchunked file
 # reads blocks of this size.
 MIN_BLOCK_ROWS = 1024
