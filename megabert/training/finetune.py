@@ -36,7 +36,7 @@ from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_predictor, build_trainer
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
 from megabert.training.resolve import ResolvedRun, resolve_run
-from megabert.training.strategy import Task
+from megabert.training.strategy import Strategy, Task
 from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,11 @@ class FinetuneTask(abc.ABC):
         """Predicts, scores and writes the task's outputs (on `predictor.writes` ranks);
         nothing when the run does not predict. Every rank calls it: prediction is collective."""
 
+    def prepare_strategy(self, strategy: Strategy, run: ResolvedRun) -> None:
+        """Before training: where a task's step runs differently from a mean of independent
+        micro-batch losses (the embedding task's gradient cache replaces `strategy.runner`).
+        Nothing by default."""
+
 
 def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
     """Runs a fine-tuning entry script's configs end to end with `task_class`'s pieces."""
@@ -152,6 +157,7 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
         flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
         checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
                           "finetune": dataclasses.asdict(ft)})
+    task.prepare_strategy(trainer.strategy, run)
     trainer.train()
     return trainer
 
@@ -236,7 +242,7 @@ def predict_outputs(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps
     and pipeline stages of a DP rank run the same batches together); the shards are
     gathered over the data-parallel group. Batches are padded to `batch_size` with PP > 1
     (stages exchange fixed shapes) and trimmed after."""
-    n, seq = tensors["input_ids"].shape
+    n, seq = tensors["input_ids"].shape[0], tensors["input_ids"].shape[-1]  # [n, s], or [n, texts, s]
     shard = np.array_split(np.arange(n), ps.dp_size)[ps.dp_rank]
     batches, sizes = [], []
     for k in range(0, len(shard), batch_size):
