@@ -57,7 +57,7 @@ class ContrastiveObjective:
         grad, weight = self.cached.popleft()
         # The runners divide each piece's loss by the number of pieces (a mean over
         # micro-batches); `weight` (that number) undoes it: the pieces' gradients add up.
-        surrogate = (out.embeddings.float() * grad).sum() * weight
+        surrogate = (out.embeddings * grad).sum() * weight
         return surrogate, {"contrastive_loss": self.step_loss}
 
     def loss_and_gradients(self, embeddings: list[torch.Tensor], masks: list[Optional[torch.Tensor]]

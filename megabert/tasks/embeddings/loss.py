@@ -44,7 +44,7 @@ def contrastive_loss(embeddings: torch.Tensor, text_mask: Optional[torch.Tensor]
     # Positives first ([B, h]), then the hard negatives ([B*(T-2), h]).
     pool = torch.cat([candidates[:, 0], candidates[:, 1:].reshape(-1, h)])
     pool_valid = torch.cat([valid[:, 0], valid[:, 1:].reshape(-1)])
-    logits = queries.float() @ pool.float().t() / temperature  # [b, B + B*(T-2)]
+    logits = queries @ pool.t() / temperature  # [b, B + B*(T-2)] (the embeddings are fp32 or fp64)
     logits = logits.masked_fill(~pool_valid, float("-inf"))
     targets = group_rank(dp_group) * b + torch.arange(b, device=embeddings.device)
     return F.cross_entropy(logits, targets)

@@ -25,7 +25,7 @@ TEXT_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
 
 
 class EmbeddingOutput(ModelOutput):
-    """embeddings [b, T, h] (float32); text_mask [b, T] (bool: the slot holds a text) or None."""
+    """embeddings [b, T, h] (float32, or the model's float64); text_mask [b, T] (bool: the slot holds a text) or None."""
 
     def __init__(self, *, embeddings, text_mask=None):
         super().__init__(embeddings=embeddings, text_mask=text_mask)
@@ -74,14 +74,15 @@ class BertForSentenceEmbedding(BertPreTrainedModel):
         return positions
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> EmbeddingOutput:
-        x = sequence.transpose(0, 1)  # [s, b*T, h] -> [b*T, s, h]
+        # [s, b*T, h] -> [b*T, s, h], in fp32 at least (bf16 / fp16 runs), fp64 kept.
+        x = sequence.transpose(0, 1).to(torch.promote_types(sequence.dtype, torch.float32))
         if self.options.pooling == "cls":
-            e = x[:, 0].float()
+            e = x[:, 0]
         else:
             am = batch.get("attention_mask")
-            m = (am if am is not None else torch.ones(x.shape[:2], device=x.device)).unsqueeze(-1).float()
+            m = (am if am is not None else torch.ones(x.shape[:2], device=x.device)).unsqueeze(-1).to(x.dtype)
             # sentence-transformers' Pooling: sum over tokens / number of tokens (clamped at 1e-9).
-            e = (x.float() * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
+            e = (x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
         if self.options.normalize:
             e = F.normalize(e, p=2, dim=-1)  # sentence-transformers' Normalize
         b, t = batch["texts"]
