@@ -19,7 +19,7 @@ from megabert.tasks.embeddings.data import BeirSet, Pair, read_beir, read_pairs
 from megabert.tasks.embeddings.export import gather_whole_model, write_sentence_transformers
 from megabert.tasks.embeddings.features import group_texts, pairs_to_tensors, texts_per_pair, texts_to_tensors
 from megabert.tasks.embeddings.grad_cache import (EMBEDDING_FIELDS, ContrastiveObjective, GradientCacheRunner,
-                                                   check_cache_layout)
+                                                   check_cache_layout, check_chunk_size)
 from megabert.tasks.embeddings.metrics import retrieval_metrics
 from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions
 from megabert.training.build import build_runner
@@ -69,6 +69,7 @@ class EmbeddingsTask(FinetuneTask):
         if self.config.output_dir and self.config.tokenizer_type not in WORDPIECE:
             raise ConfigError(f"--tokenizer-type {self.config.tokenizer_type}: the sentence-transformers export "
                               f"writes a BERT WordPiece tokenizer; use {' or '.join(WORDPIECE)} with a vocab.txt")
+        check_chunk_size(self.cfg.train.micro_batch_size, self.config.embedding_chunk_size)
         if self.config.train_file:
             self.pairs = read_pairs(self.config.train_file)
         if self.config.eval_dir:
@@ -100,7 +101,7 @@ class EmbeddingsTask(FinetuneTask):
         chunk, t = self.config.embedding_chunk_size, run.train
         if chunk is None and run.batch.num_micro_batches == 1:
             return
-        check_cache_layout(t.micro_batch_size, chunk, run.deepspeed_config is not None)
+        check_cache_layout(run.deepspeed_config is not None)
         piece = chunk or t.micro_batch_size
         pieces = run.batch.num_micro_batches * (t.micro_batch_size // piece)
         inner = build_runner(strategy.model, strategy.ps, self.trainer_task, seq_length=run.seq_length,

@@ -153,9 +153,12 @@ class GradientCacheRunner:
         return self.inner.forward_only(batches, output_fn)
 
 
-def check_cache_layout(micro_batch_size: int, chunk_size: Optional[int], deepspeed: bool) -> None:
+def check_chunk_size(micro_batch_size: int, chunk_size: Optional[int]) -> None:
     if chunk_size is not None and micro_batch_size % chunk_size:
         raise ConfigError(f"--embedding-chunk-size {chunk_size} must divide --micro-batch-size {micro_batch_size}")
+
+
+def check_cache_layout(deepspeed: bool) -> None:
     if deepspeed:
         raise ConfigError("--deepspeed runs the embedding task with one micro-batch per rank and no "
                           "--embedding-chunk-size (its engine steps per micro-batch, the gradient cache backpropagates "
