@@ -92,11 +92,16 @@ def run_megabert(paths, init, work, args, steps, points) -> tuple[list[float], d
 
 
 def st_model(init: str, seq: int):
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    try:  # sentence-transformers >= 6
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
 
-    transformer = models.Transformer(init, max_seq_length=seq)
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(), "mean")
-    return SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
+    transformer = modules.Transformer(init, max_seq_length=seq)
+    dimension = getattr(transformer, "get_embedding_dimension", None) or transformer.get_word_embedding_dimension
+    pooling = modules.Pooling(dimension(), "mean")
+    return SentenceTransformer(modules=[transformer, pooling, modules.Normalize()], device="cpu")
 
 
 def st_scores(model, beir) -> dict:
@@ -106,7 +111,10 @@ def st_scores(model, beir) -> dict:
 
 
 def run_sentence_transformers(paths, init, args, steps, points) -> tuple[list[float], dict[int, dict], float, object]:
-    from sentence_transformers.losses import MultipleNegativesRankingLoss
+    try:  # sentence-transformers >= 6
+        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    except ImportError:
+        from sentence_transformers.losses import MultipleNegativesRankingLoss
 
     torch.manual_seed(args.seed)
     model = st_model(init, args.seq)
