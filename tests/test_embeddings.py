@@ -277,8 +277,9 @@ def test_resume_and_sentence_transformers_export(setup, tmp_path):
 def test_layouts_follow_one_process(setup, tmp_path):
     """Without dropout, 3 steps of a global batch of 8 at DP=2 (negatives gathered), DP=2 with
     gradient accumulation (the cache at each rank), TP=2 (one micro-batch: the direct step),
-    PP=2 (two micro-batches through the pipeline schedule, cached; and one, direct) and one process with
-    --embedding-chunk-size 2 give one process's losses within 1e-5, and its dev scores
+    PP=2 (two micro-batches through the pipeline schedule, cached; and one, direct), ZeRO-3
+    at DP=2 and one process with --embedding-chunk-size 2 give one process's losses within
+    1e-5, and its dev scores
     (queries and passages encoded through the stages, gathered over DP ranks)."""
 
     def args(name, *extra):
@@ -293,7 +294,8 @@ def test_layouts_follow_one_process(setup, tmp_path):
     layouts = {"dp2": [], "dp2_accum": ["--micro-batch-size", 2],
                "tp2": ["--tensor-model-parallel-size", 2, "--micro-batch-size", 8],
                "pp2": ["--pipeline-model-parallel-size", 2, "--micro-batch-size", 4],
-               "pp2_direct": ["--pipeline-model-parallel-size", 2, "--micro-batch-size", 8]}
+               "pp2_direct": ["--pipeline-model-parallel-size", 2, "--micro-batch-size", 8],
+               "zero3": ["--deepspeed", "--zero-stage", 3]}
     for name, extra in layouts.items():
         run_distributed(main_worker, 2, SCRIPT, [str(a) for a in args(name, "--micro-batch-size", 4, *extra)])
     for name in ("chunk", *layouts):
