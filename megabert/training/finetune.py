@@ -36,7 +36,7 @@ from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_predictor, build_trainer
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
 from megabert.training.resolve import ResolvedRun, resolve_run
-from megabert.training.strategy import Strategy, Task
+from megabert.training.strategy import Task
 from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -101,10 +101,10 @@ class FinetuneTask(abc.ABC):
         """Predicts, scores and writes the task's outputs (on `predictor.writes` ranks);
         nothing when the run does not predict. Every rank calls it: prediction is collective."""
 
-    def prepare_strategy(self, strategy: Strategy, run: ResolvedRun) -> None:
+    def prepare_trainer(self, trainer: Trainer, run: ResolvedRun) -> None:
         """Before training: where a task's step runs differently from a mean of independent
-        micro-batch losses (the embedding task's gradient cache replaces `strategy.runner`).
-        Nothing by default."""
+        micro-batch losses (the embedding task's gradient cache replaces
+        `trainer.strategy.runner`; its features hold several texts each). Nothing by default."""
 
 
 def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
@@ -157,7 +157,7 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
         flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
         checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
                           "finetune": dataclasses.asdict(ft)})
-    task.prepare_strategy(trainer.strategy, run)
+    task.prepare_trainer(trainer, run)
     trainer.train()
     return trainer
 

@@ -25,7 +25,8 @@ from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingO
 from megabert.training.build import build_runner
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.resolve import ResolvedRun
-from megabert.training.strategy import Strategy, Task
+from megabert.training.strategy import Task
+from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +95,15 @@ class EmbeddingsTask(FinetuneTask):
                     len(self.pairs), tensors["text_mask"].size(1), tensors["text_mask"].size(1) - 2)
         return tensors
 
-    def prepare_strategy(self, strategy: Strategy, run: ResolvedRun) -> None:
+    def prepare_trainer(self, trainer: Trainer, run: ResolvedRun) -> None:
         """One micro-batch per rank and no chunk size: the step as it is (the loss straight
         from the model's output). Otherwise the gradient cache, over pieces of the chunk
         size (or of the micro-batch)."""
+        if trainer.flops_per_sample:
+            # The driver counts one text of max_seq_length per feature; ours are T texts (the
+            # model's FLOPs: the cache's second forward is not counted, as recompute is not).
+            trainer.flops_per_sample *= self.model.options.texts_per_example
+        strategy = trainer.strategy
         chunk, t = self.config.embedding_chunk_size, run.train
         if chunk is None and run.batch.num_micro_batches == 1:
             return
