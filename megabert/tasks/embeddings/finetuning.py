@@ -20,7 +20,7 @@ from megabert.tasks.embeddings.export import gather_whole_model, write_sentence_
 from megabert.tasks.embeddings.features import group_texts, pairs_to_tensors, texts_per_pair, texts_to_tensors
 from megabert.tasks.embeddings.grad_cache import (EMBEDDING_FIELDS, ContrastiveObjective, GradientCacheRunner,
                                                    check_cache_layout, check_chunk_size)
-from megabert.tasks.embeddings.metrics import retrieval_metrics
+from megabert.tasks.embeddings.metrics import per_query_metrics
 from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions
 from megabert.training.build import build_runner
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
@@ -44,9 +44,16 @@ def encode(texts: list[str], tokenizer, predictor: Predictor, max_seq_length: in
     return out.reshape(-1, out.shape[-1])[:len(texts)]
 
 
-def scores_of(queries: np.ndarray, passages: np.ndarray) -> np.ndarray:
-    """Similarities [queries, passages]: dot products of the (normalised, by default) embeddings."""
-    return queries.astype(np.float32) @ passages.astype(np.float32).T
+def score(queries: np.ndarray, passages: np.ndarray, beir: BeirSet, block: int = 256) -> dict[str, float]:
+    """The retrieval metrics of the embeddings: similarities are the dot products of the
+    (normalised, by default) embeddings, taken a block of queries at a time (a [block,
+    passages] matrix in memory, not [queries, passages])."""
+    per_query: dict[str, list[float]] = {}
+    for i in range(0, len(queries), block):
+        scores = queries[i:i + block].astype(np.float32) @ passages.astype(np.float32).T
+        for k, v in per_query_metrics(scores, beir.query_ids[i:i + block], beir.corpus_ids, beir.qrels).items():
+            per_query.setdefault(k, []).extend(v)
+    return {k: float(np.mean(v)) for k, v in per_query.items()}
 
 
 class EmbeddingsTask(FinetuneTask):
@@ -126,7 +133,7 @@ class EmbeddingsTask(FinetuneTask):
             beir = self.beir
             queries = encode(beir.queries, tokenizer, predictor, ft.max_seq_length)
             passages = encode(beir.passages, tokenizer, predictor, ft.max_seq_length)
-            results = retrieval_metrics(scores_of(queries, passages), beir.query_ids, beir.corpus_ids, beir.qrels)
+            results = score(queries, passages, beir)
         full = gather_whole_model(self.model)  # collective
         if not predictor.writes:
             return

@@ -60,6 +60,14 @@ def retrieval_metrics(scores: np.ndarray, query_ids: list[str], doc_ids: list[st
                       qrels: dict[str, dict[str, int]]) -> dict[str, float]:
     """scores [queries, docs] (similarities, larger = closer) -> {ndcg_at_10, mrr_at_10,
     recall_at_10, recall_at_100}, each the mean over `query_ids`."""
+    per_query = per_query_metrics(scores, query_ids, doc_ids, qrels)
+    return {k: float(np.mean(v)) if v else 0.0 for k, v in per_query.items()}
+
+
+def per_query_metrics(scores: np.ndarray, query_ids: list[str], doc_ids: list[str],
+                      qrels: dict[str, dict[str, int]]) -> dict[str, list[float]]:
+    """As retrieval_metrics, each metric's value per query (in order), so a large dev set can
+    be scored one block of queries at a time."""
     depth = max(K_VALUES)
     per_query: dict[str, list[float]] = {"ndcg_at_10": [], "mrr_at_10": [], "recall_at_10": [], "recall_at_100": []}
     doc_index = {d: i for i, d in enumerate(doc_ids)}
@@ -81,4 +89,4 @@ def retrieval_metrics(scores: np.ndarray, query_ids: list[str], doc_ids: list[st
         per_query["mrr_at_10"].append(mrr_at(ranked, judged, 10))
         per_query["recall_at_10"].append(recall_at(ranked, judged, 10))
         per_query["recall_at_100"].append(recall_at(ranked, judged, 100))
-    return {k: float(np.mean(v)) if v else 0.0 for k, v in per_query.items()}
+    return per_query
