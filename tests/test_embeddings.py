@@ -276,7 +276,7 @@ def test_resume_and_sentence_transformers_export(setup, tmp_path):
 
 def test_layouts_follow_one_process(setup, tmp_path):
     """Without dropout, 3 steps of a global batch of 8 at DP=2 (negatives gathered), DP=2 with
-    gradient accumulation (the cache at each rank), TP=2 (one micro-batch: the direct step),
+    gradient accumulation and chunks (the cache at each rank), TP=2 (one micro-batch: the direct step),
     PP=2 (two micro-batches through the pipeline schedule, cached; and one, direct), ZeRO-3
     at DP=2 and one process with --embedding-chunk-size 2 give one process's losses within
     1e-5, and its dev scores
@@ -291,7 +291,9 @@ def test_layouts_follow_one_process(setup, tmp_path):
     one_results = json.load(open(tmp_path / "one" / "eval_results.json"))
     assert len(one) == 3
     run(*args("chunk", "--embedding-chunk-size", 2))
-    layouts = {"dp2": [], "dp2_accum": ["--micro-batch-size", 2],
+    # dp2_accum: 2 micro-batches per rank in chunks of 1, so the overlapped DP reduction
+    # counts 4 backward passes per step, not 2.
+    layouts = {"dp2": [], "dp2_accum": ["--micro-batch-size", 2, "--embedding-chunk-size", 1],
                "tp2": ["--tensor-model-parallel-size", 2, "--micro-batch-size", 8],
                "pp2": ["--pipeline-model-parallel-size", 2, "--micro-batch-size", 4],
                "pp2_direct": ["--pipeline-model-parallel-size", 2, "--micro-batch-size", 8],
