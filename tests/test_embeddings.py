@@ -279,8 +279,8 @@ def test_layouts_follow_one_process(setup, tmp_path):
     gradient accumulation and chunks (the cache at each rank), TP=2 (one micro-batch: the direct step),
     PP=2 (two micro-batches through the pipeline schedule, cached; and one, direct), ZeRO-3
     at DP=2 and one process with --embedding-chunk-size 2 give one process's losses within
-    1e-5, and its dev scores
-    (queries and passages encoded through the stages, gathered over DP ranks)."""
+    1e-5, and its dev scores (queries and passages encoded through the stages, gathered over
+    DP ranks) and its exported weights."""
 
     def args(name, *extra):
         return common(setup, setup["plain"], tmp_path / name, "--train-iters", 3, "--metrics-file",
@@ -300,9 +300,17 @@ def test_layouts_follow_one_process(setup, tmp_path):
                "zero3": ["--deepspeed", "--zero-stage", 3]}
     for name, extra in layouts.items():
         run_distributed(main_worker, 2, SCRIPT, [str(a) for a in args(name, "--micro-batch-size", 4, *extra)])
+    from safetensors.torch import load_file
+
+    one_weights = load_file(tmp_path / "one" / "sentence-transformers" / "model.safetensors")
     for name in ("chunk", *layouts):
         assert losses(tmp_path / f"{name}.jsonl") == pytest.approx(one, abs=1e-5), name
         assert json.load(open(tmp_path / name / "eval_results.json")) == pytest.approx(one_results, abs=1e-5), name
+        # The export gathers every TP shard, pipeline stage and ZeRO-3 partition.
+        weights = load_file(tmp_path / name / "sentence-transformers" / "model.safetensors")
+        assert weights.keys() == one_weights.keys(), name
+        for k, v in weights.items():
+            assert torch.allclose(v, one_weights[k], atol=1e-5, rtol=0), (name, k)
 
 
 def test_cli_errors_are_one_line(setup, tmp_path):

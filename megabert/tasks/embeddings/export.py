@@ -20,16 +20,21 @@ import os
 from typing import Optional
 
 from megabert.checkpoint import hf as hf_io
+from megabert.model.pretrained import gather_full
 from megabert.parallel import ParallelState, comm
-from megabert.parallel.param_spec import reference_table
+from megabert.parallel.param_spec import reference_table, spec_table
 from megabert.tasks.embeddings.model import BertForSentenceEmbedding
 
 
-def gather_whole_model(model: BertForSentenceEmbedding) -> Optional[dict]:
+def gather_whole_model(model: BertForSentenceEmbedding, local: Optional[dict] = None) -> Optional[dict]:
     """The full (TP-merged, every pipeline stage's) state dict on rank 0, None elsewhere.
-    Collective over the world."""
+    `local`: this rank's weights as the training strategy holds them (Strategy.cpu_state_dict:
+    ZeRO-3 gathers its partitions there), else the model's own parameters. Collective over
+    the world."""
     ps: ParallelState = model.parallel_state
-    full = model.full_state_dict()  # collective over TP
+    table = spec_table(model)
+    named = dict(model.named_parameters()) if local is None else local
+    full = gather_full({k: named[k] for k in table}, ps, table)  # collective over TP
     if ps.pp_size > 1 and ps.tp_rank == 0 and ps.dp_rank == 0:
         stages: list = [None] * ps.pp_size
         comm.all_gather_object(stages, full, group=ps.pp_group)  # the stages of (tp 0, dp 0): rank 0's group

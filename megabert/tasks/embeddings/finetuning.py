@@ -68,6 +68,7 @@ class EmbeddingsTask(FinetuneTask):
         self.beir: Optional[BeirSet] = None
         self.objective: Optional[ContrastiveObjective] = None
         self.model: Optional[BertForSentenceEmbedding] = None
+        self.trainer: Optional[Trainer] = None
 
     @property
     def trainer_task(self) -> Task:
@@ -106,6 +107,7 @@ class EmbeddingsTask(FinetuneTask):
         """One micro-batch per rank and no chunk size: the step as it is (the loss straight
         from the model's output). Otherwise the gradient cache, over pieces of the chunk
         size (or of the micro-batch)."""
+        self.trainer = trainer
         if trainer.flops_per_sample:
             # The driver counts one text of max_seq_length per feature; ours are T texts (the
             # model's FLOPs: the cache's second forward is not counted, as recompute is not).
@@ -128,13 +130,17 @@ class EmbeddingsTask(FinetuneTask):
     def predict(self, tokenizer, predictor: Predictor) -> None:
         """eval_results.json over --eval-dir, then the sentence-transformers export."""
         ft = self.config
+        # The trained weights as the strategy holds them (a ZeRO-3 engine's partitions
+        # gathered), taken before the evaluation's forward passes, as a save would take them:
+        # ZeRO-3 may leave parameters prefetched (in flight) after a forward.
+        local = self.trainer.strategy.cpu_state_dict(keep=True) if self.trainer is not None else None
+        full = gather_whole_model(self.model, local)  # collective
         results = None
         if self.beir is not None:
             beir = self.beir
             queries = encode(beir.queries, tokenizer, predictor, ft.max_seq_length)
             passages = encode(beir.passages, tokenizer, predictor, ft.max_seq_length)
             results = score(queries, passages, beir)
-        full = gather_whole_model(self.model)  # collective
         if not predictor.writes:
             return
         os.makedirs(ft.output_dir, exist_ok=True)
