@@ -4,7 +4,6 @@ gradient cache), and evaluation on a BEIR dir (eval_results.json) with the expor
 sentence-transformers."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Optional
