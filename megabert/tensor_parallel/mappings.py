@@ -206,3 +206,39 @@ def reduce_scatter_to_sp(x, group: Group):
 
 def gather_from_sp_to_replicated(x, group: Group):
     return GatherFromSequenceParallelToReplicated.apply(x, group)
+
+
+class GatherFromDataParallelRegion(torch.autograd.Function):
+    """Rows of every data-parallel rank, for a loss that reads them all (the embedding
+    task's negatives: megabert.tasks.embeddings.loss).
+
+    Forward: all-gather dim 0 over the group (the DP group), rank order.
+    Backward: all-reduce (sum) the gradient of the gathered tensor, keep this rank's rows.
+
+    Each rank's loss (a mean over its own rows' queries) reads every rank's rows, so a row's
+    gradient is the sum of what every rank's loss puts on it: the all-reduce forms that sum.
+    The strategies then average parameter gradients over DP, which turns the sum of the
+    ranks' losses into their mean: the gradient of the global batch's mean loss, as one
+    rank holding the whole global batch computes it (not 1/dp of it, nor dp times it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = group_size(group)
+        if n == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(n)]
+        comm.all_gather(parts, x.contiguous(), group=group)  # counted under the group's own label (dp)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = group_size(ctx.group)
+        if n == 1:
+            return grad, None
+        summed = _all_reduce(grad.clone(), ctx.group)
+        return summed.chunk(n, dim=0)[group_rank(ctx.group)].contiguous(), None
+
+
+def gather_from_dp(x, group: Group):
+    return GatherFromDataParallelRegion.apply(x, group)

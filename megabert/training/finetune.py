@@ -101,6 +101,11 @@ class FinetuneTask(abc.ABC):
         """Predicts, scores and writes the task's outputs (on `predictor.writes` ranks);
         nothing when the run does not predict. Every rank calls it: prediction is collective."""
 
+    def prepare_trainer(self, trainer: Trainer, run: ResolvedRun) -> None:
+        """Before training: where a task's step runs differently from a mean of independent
+        micro-batch losses (the embedding task's gradient cache replaces
+        `trainer.strategy.runner`; its features hold several texts each). Nothing by default."""
+
 
 def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
     """Runs a fine-tuning entry script's configs end to end with `task_class`'s pieces."""
@@ -152,6 +157,7 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
         flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
         checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
                           "finetune": dataclasses.asdict(ft)})
+    task.prepare_trainer(trainer, run)
     trainer.train()
     return trainer
 
@@ -236,7 +242,7 @@ def predict_outputs(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps
     and pipeline stages of a DP rank run the same batches together); the shards are
     gathered over the data-parallel group. Batches are padded to `batch_size` with PP > 1
     (stages exchange fixed shapes) and trimmed after."""
-    n, seq = tensors["input_ids"].shape
+    n, seq = tensors["input_ids"].shape[0], tensors["input_ids"].shape[-1]  # [n, s], or [n, texts, s]
     shard = np.array_split(np.arange(n), ps.dp_size)[ps.dp_rank]
     batches, sizes = [], []
     for k in range(0, len(shard), batch_size):
