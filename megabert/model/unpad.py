@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megabert.model.packed import packed_cu_seqlens
 from megabert.ops.compile_hints import maybe_mark_dynamic
 
 
@@ -30,8 +31,10 @@ class TokenLayout:
     positions (Megatron's sequence-first layout), sequence by sequence (batch-major), so that
     sequence i is tokens cu_seqlens[i] .. cu_seqlens[i + 1] of the unpadded [T, h]."""
 
-    def __init__(self, attention_mask: torch.Tensor):
-        """attention_mask: [b, s], transformers' convention (1 = token, 0 = padding)."""
+    def __init__(self, attention_mask: torch.Tensor, packed_seqlens: Optional[torch.Tensor] = None):
+        """attention_mask: [b, s], transformers' convention (1 = token, 0 = padding).
+        packed_seqlens: [b, cap] for packed rows (megabert.model.packed): the sequences are
+        then the samples of each row, not the rows."""
         b, s = attention_mask.shape
         self.s, self.b = s, b
         # NOTE: nonzero() waits for the mask's values: one host sync per micro-batch on a
@@ -40,7 +43,11 @@ class TokenLayout:
         self.indices = (flat % s) * b + flat // s  # the same positions in [s, b]
         self._real = attention_mask.reshape(-1) != 0  # [b * s], batch-major
         self.num_tokens = self.indices.numel()
-        self.cu_seqlens = F.pad((attention_mask != 0).sum(1, dtype=torch.int64).cumsum(0), (1, 0))  # [b + 1]
+        if packed_seqlens is None:
+            self.cu_seqlens = F.pad((attention_mask != 0).sum(1, dtype=torch.int64).cumsum(0), (1, 0))  # [b + 1]
+        else:
+            # A row's samples are its real tokens, in order: [b * cap + 1], empty slots empty.
+            self.cu_seqlens = packed_cu_seqlens(packed_seqlens)
         self._host_cu_seqlens: Optional[list[int]] = None
         # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
         # torch.compile'd layers compile one graph for any T, not one for the first batch's T

@@ -1,0 +1,213 @@
+"""Sequence packing (--pack-sequences): how rows are filled, attention kept inside each sample,
+a packed step equal to the same samples unpacked (loss and every gradient, fp32, dropout 0) at
+TP=1, TP=2, PP=2 and DP=2 with the distributed optimizer, determinism across loader workers,
+and bitwise resume through pretrain_bert.py with dropout on."""
+import numpy as np
+import pytest
+import torch
+
+import megabert
+from megabert.config import ModelConfig
+from megabert.data.packing import (PACKED_COUNTS, PackingSpec, first_fit_decreasing, pack_window, packed_loader,
+                                   packed_micro_batches)
+from megabert.errors import DataError
+from megabert.tasks.pretraining import BertForPreTraining
+
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.pretrain_runs import curve, pretrain_args, run_ranks
+
+SEQ, VOCAB, CAP = 16, 99, 3
+N = 16  # samples of the equivalence step
+
+
+def sample(i: int) -> dict:
+    """Sample i: [CLS] + 2..13 tokens, two masked labels, segment B from the middle, padded to SEQ."""
+    g = torch.Generator().manual_seed(1000 + i)
+    length = int(torch.randint(3, 15, (1,), generator=g))
+    ids = torch.zeros(SEQ, dtype=torch.long)
+    ids[:length] = torch.randint(5, VOCAB, (length,), generator=g)
+    ids[0] = 2
+    labels = torch.full((SEQ,), -100)
+    pos = 1 + torch.randperm(length - 1, generator=g)[:2]
+    labels[pos] = ids[pos]
+    ids[pos] = 4
+    tt = torch.zeros(SEQ, dtype=torch.long)
+    tt[length // 2:length] = 1
+    am = (torch.arange(SEQ) < length).long()
+    return {k: v.numpy() for k, v in dict(input_ids=ids, token_type_ids=tt, attention_mask=am, labels=labels,
+                                          next_sentence_label=torch.tensor(i % 2)).items()}
+
+
+SPEC = PackingSpec(seq_length=SEQ, max_samples_per_row=CAP, window=N, seed=5, sample_fields=("next_sentence_label",))
+SAMPLES = [sample(i) for i in range(N)]
+ROWS = len(pack_window(SAMPLES, 0, SPEC)["row_samples"])
+
+
+# ------------------------------------------------------------------ the packer
+
+
+def test_first_fit_decreasing_places_every_sample_once_within_limits():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 60, 500)
+    rows = first_fit_decreasing(lengths, 128, 3)
+    assert sorted(i for r in rows for i in r) == list(range(500))
+    assert all(sum(lengths[i] for i in r) <= 128 and len(r) <= 3 for r in rows)
+    assert rows == first_fit_decreasing(lengths, 128, 3)
+    # first-fit decreasing on these lengths fills rows to ~95%: far fewer rows than samples
+    assert len(rows) < 0.4 * len(lengths)
+
+
+def test_packed_rows_hold_the_samples_as_they_are():
+    w = pack_window(SAMPLES, 0, SPEC)
+    seen = []
+    for r in range(len(w["row_samples"])):
+        at = 0
+        for slot, n in enumerate(w["packed_seqlens"][r]):
+            if n == 0:
+                assert (w["packed_seqlens"][r][slot:] == 0).all() and (w["next_sentence_label"][r][slot:] == -100).all()
+                break
+            # the first unseen sample with these tokens (two samples may be alike)
+            match = [i for i, s in enumerate(SAMPLES) if s["attention_mask"].sum() == n and i not in seen
+                     and all((s[k][:n] == w[k][r, at:at + n]).all() for k in ("input_ids", "labels"))]
+            assert match
+            s = SAMPLES[match[0]]
+            for k in ("token_type_ids", "labels"):
+                assert (w[k][r, at:at + n] == s[k][:n]).all()
+            assert (w["position_ids"][r, at:at + n] == np.arange(n)).all()
+            assert w["next_sentence_label"][r, slot] == s["next_sentence_label"]
+            seen.append(match[0])
+            at += n
+        assert w["attention_mask"][r].sum() == at and (w["labels"][r, at:] == -100).all()
+    assert sorted(seen) == list(range(N))
+    assert ROWS < N * 0.7  # the samples do pack
+
+
+def test_resume_inside_a_row_is_a_clear_error():
+    windows = [pack_window(SAMPLES, 0, SPEC)]
+    first = int(windows[0]["row_samples"][0])
+    skipped = list(packed_micro_batches(windows, SPEC, first, 1, 0, 1))
+    assert len(skipped) == ROWS - 1
+    assert int(sum(b[PACKED_COUNTS][0] for b in skipped)) == N - first
+    with pytest.raises(DataError, match="falls inside a packed row"):
+        inside = min(set(range(1, N)) - set(np.cumsum(windows[0]["row_samples"]).tolist()))
+        next(packed_micro_batches(windows, SPEC, inside, 1, 0, 1))
+
+
+# ------------------------------------------------------------------ isolation
+
+
+@pytest.mark.parametrize("name,cfg", [
+    ("reference-padded", dict(attention_backend="torch", unpad_input=False)),
+    ("unpadded-torch", dict(attention_backend="torch", unpad_input=True)),
+    ("varlen", dict(attention_backend="varlen", unpad_input=True)),
+])
+def test_attention_never_crosses_a_sample_boundary(name, cfg):
+    """Perturbing one sample of a packed row leaves every other sample's MLM logits and
+    sentence-pair logits bitwise unchanged."""
+    megabert.init_parallel()
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                         max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0, **cfg)
+    model = BertForPreTraining(config, seed=3).eval()
+    w = pack_window(SAMPLES, 0, SPEC)
+    batch = {k: torch.from_numpy(v) for k, v in w.items() if k not in ("row_samples", "labels",
+                                                                          "next_sentence_label")}
+    r = int(np.flatnonzero(w["row_samples"] == w["row_samples"].max())[0])  # a row with the most samples
+    assert w["row_samples"][r] >= 2
+    lengths = w["packed_seqlens"][r]
+    victim = slice(int(lengths[0]) + 1, int(lengths[0] + lengths[1]))  # the second sample's tokens after [CLS]
+    with torch.no_grad():
+        before = model(**batch)
+        batch["input_ids"][r, victim] = (batch["input_ids"][r, victim] + 7) % VOCAB
+        after = model(**batch)
+    keep = torch.ones(SEQ, dtype=torch.bool)
+    keep[int(lengths[0]):int(lengths[0] + lengths[1])] = False
+    assert torch.equal(before.mlm_logits[r][keep], after.mlm_logits[r][keep])
+    others = [i for i in range(len(w["row_samples"])) if i != r]
+    assert torch.equal(before.mlm_logits[others], after.mlm_logits[others])
+    nsp_b, nsp_a = before.nsp_logits.view(-1, CAP, 2), after.nsp_logits.view(-1, CAP, 2)
+    assert torch.equal(nsp_b[r, 0], nsp_a[r, 0]) and torch.equal(nsp_b[others], nsp_a[others])
+    assert not torch.equal(nsp_b[r, 1], nsp_a[r, 1])  # the perturbed sample itself did change
+
+
+# ------------------------------------------------------------------ a packed step = the samples unpacked
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+        "--max-position-embeddings", "32", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1",
+        "--adam-eps", "1", "--weight-decay", "0", "--clip-grad", "0", "--log-interval", "1", "--eval-interval", "0",
+        "--train-iters", "1"]
+
+
+def _step_worker(rank, world, argv, packed, tp, pp, out):
+    """One training step on the N samples (packed rows or padded samples); writes this rank's
+    metrics, gradients and updated parameters. With lr 1, eps 1 and no weight decay, Adam's
+    first update is g / (|g| + 1): the parameters after the step carry the gradients (the
+    distributed optimizer keeps only shards of the averaged gradients)."""
+    from megabert.arguments import parse_args
+    from megabert.tasks.pretraining.task import build_pretraining
+    from megabert.training.resolve import resolve_run
+
+    cfg = parse_args(TINY + argv + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                                    str(pp)])
+    ps = megabert.init_parallel(tp, pp)
+    run = resolve_run(cfg, ps)
+    mbs = cfg.train.micro_batch_size
+    if packed:
+        data = list(packed_micro_batches([pack_window(SAMPLES, 0, SPEC)], SPEC, 0, mbs, ps.dp_rank, ps.dp_size))
+    else:
+        data = []
+        for start in range(0, N, mbs * ps.dp_size):
+            mine = SAMPLES[start + ps.dp_rank * mbs:start + (ps.dp_rank + 1) * mbs]
+            data.append({k: torch.from_numpy(np.stack([s[k] for s in mine])) for k in mine[0]})
+    trainer = build_pretraining(run, ps, VOCAB, lambda consumed: iter(data))
+    try:
+        metrics = trainer.train_step()
+        grads = {n: p.grad.clone() for n, p in trainer.strategy.model.named_parameters() if p.grad is not None}
+        params = {n: p.detach().clone() for n, p in trainer.strategy.model.named_parameters()}
+        consumed = int(trainer.step_packing[0]) if trainer.step_packing is not None else N
+    finally:
+        trainer.close()
+    torch.save({"metrics": metrics, "grads": grads, "params": params, "consumed": consumed}, f"{out}.{rank}")
+
+
+def _compare(tmp_path, world, argv_packed, argv_unpacked, tp=1, pp=1, *, grads=True):
+    run_distributed(_step_worker, world, argv_packed, True, tp, pp, str(tmp_path / "packed"))
+    run_distributed(_step_worker, world, argv_unpacked, False, tp, pp, str(tmp_path / "unpacked"))
+    for rank in range(world):
+        p, u = torch.load(tmp_path / f"packed.{rank}"), torch.load(tmp_path / f"unpacked.{rank}")
+        assert p["consumed"] == N
+        for k in ("lm_loss", "sop_loss", "grad_norm"):
+            if k in u["metrics"]:
+                assert p["metrics"][k] == pytest.approx(u["metrics"][k], abs=1e-6, rel=1e-6), k
+        if grads:
+            assert p["grads"].keys() == u["grads"].keys() and p["grads"]
+            for n in u["grads"]:
+                torch.testing.assert_close(p["grads"][n], u["grads"][n], atol=1e-6, rtol=1e-5, msg=n)
+        for n in u["params"]:
+            torch.testing.assert_close(p["params"][n], u["params"][n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def _batch_args(rows_per_micro, samples_per_micro, dp=1):
+    packed = ["--pack-sequences", "--micro-batch-size", str(rows_per_micro), "--global-batch-size", str(ROWS)]
+    unpacked = ["--micro-batch-size", str(samples_per_micro), "--global-batch-size", str(N)]
+    return packed, unpacked
+
+
+@pytest.mark.parametrize("name,backend", [
+    ("reference", ["--attention-backend", "torch", "--no-unpad-input"]),
+    ("varlen", ["--attention-backend", "varlen"]),
+])
+def test_packed_step_equals_unpacked_tp1(tmp_path, name, backend):
+    packed, unpacked = _batch_args(1, 4)
+    _compare(tmp_path, 1, packed + backend, unpacked + backend)
+
+
+@pytest.mark.parametrize("name,world,tp,pp,extra", [
+    ("tp2", 2, 2, 1, []),
+    ("pp2", 2, 1, 2, []),
+    ("dp2-distributed-optimizer", 2, 1, 1, ["--use-distributed-optimizer"]),
+])
+def test_packed_step_equals_unpacked_across_layouts(tmp_path, name, world, tp, pp, extra):
+    dp = world // (tp * pp)
+    packed, unpacked = _batch_args(1, 4 // dp, dp)
+    _compare(tmp_path, world, packed + extra, unpacked + extra, tp, pp,
+             grads="--use-distributed-optimizer" not in extra)
