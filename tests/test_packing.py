@@ -2,6 +2,8 @@
 a packed step equal to the same samples unpacked (loss and every gradient, fp32, dropout 0) at
 TP=1, TP=2, PP=2 and DP=2 with the distributed optimizer, determinism across loader workers,
 and bitwise resume through pretrain_bert.py with dropout on."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -205,9 +207,168 @@ def test_packed_step_equals_unpacked_tp1(tmp_path, name, backend):
     ("tp2", 2, 2, 1, []),
     ("pp2", 2, 1, 2, []),
     ("dp2-distributed-optimizer", 2, 1, 1, ["--use-distributed-optimizer"]),
+    ("dp2-zero2", 2, 1, 1, ["--deepspeed", "--zero-stage", "2"]),
 ])
 def test_packed_step_equals_unpacked_across_layouts(tmp_path, name, world, tp, pp, extra):
     dp = world // (tp * pp)
     packed, unpacked = _batch_args(1, 4 // dp, dp)
+    # The distributed optimizer and ZeRO-2 keep only shards of the averaged gradients: there the
+    # updated parameters carry them (see _step_worker).
     _compare(tmp_path, world, packed + extra, unpacked + extra, tp, pp,
-             grads="--use-distributed-optimizer" not in extra)
+             grads="--use-distributed-optimizer" not in extra and "--deepspeed" not in extra)
+
+
+# ------------------------------------------------------------------ the real data path
+
+
+def _bert_samples(d, n, seq=32):
+    from megabert.config import DataConfig
+    from megabert.data import build_tokenizer
+    from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
+
+    data = DataConfig(data_path=[str(d / "c_text_sentence")], vocab_file=str(d / "vocab.txt"), split="90,10,0",
+                      seq_length=seq)
+    tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file)
+    return build_train_valid_test_datasets(data, tokenizer, (n, 0, 0), 1234, True)[0]
+
+
+def test_packing_is_the_same_for_any_number_of_workers(dataset):
+    """The packed micro-batches of every data-parallel rank, from the start and from a resume
+    point, are the same with 0, 1 and 2 DataLoader workers."""
+    ds = _bert_samples(dataset, 200)
+    spec = PackingSpec(seq_length=32, max_samples_per_row=CAP, window=24, seed=1234,
+                       sample_fields=("next_sentence_label",))
+
+    def stream(workers, consumed, dp_rank):
+        out = packed_micro_batches(packed_loader(ds, spec, consumed, workers), spec, consumed, 2, dp_rank, 2)
+        return [next(out) for _ in range(12)]
+
+    reference = {(c, r): stream(0, c, r) for c, r in ((0, 0), (0, 1))}
+    counts = [int(b[PACKED_COUNTS][0]) for b in reference[0, 0]]
+    assert sum(counts) > 12 * 4  # more than one sample per row
+    resume_at = sum(counts[:5])  # after five micro-steps: the samples a checkpoint would count
+    reference[resume_at, 0] = stream(0, resume_at, 0)
+    for a, b in zip(reference[resume_at, 0], reference[0, 0][5:]):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    for workers in (1, 2):
+        for (c, r), expected in reference.items():
+            got = stream(workers, c, r)
+            assert all(torch.equal(g[k], e[k]) for g, e in zip(got, expected) for k in e), (workers, c, r)
+
+
+COMMON = ["--pack-sequences", "--packing-window", "16", "--short-seq-prob", "0.8", "--train-iters", "6", "--hidden-dropout", "0.1",
+          "--attention-dropout", "0.1"]
+
+
+def test_resume_with_packing_is_bitwise_with_dropout(dataset, tmp_path):
+    """pretrain_bert.py --pack-sequences stopped at iteration 3 and resumed (with another number
+    of loader workers) gives the uninterrupted run's losses exactly; every line reports the
+    packing (real_token_share, samples_per_row)."""
+    full, part, ckpt = tmp_path / "full.jsonl", tmp_path / "part.jsonl", str(tmp_path / "ckpt")
+    run_ranks(1, pretrain_args(dataset, full, *COMMON))
+    run_ranks(1, pretrain_args(dataset, part, *COMMON, "--save", ckpt, "--exit-interval", "3"))
+    run_ranks(1, pretrain_args(dataset, part, *COMMON, "--save", ckpt, "--load", ckpt, "--num-workers", "2"))
+    expected = curve(full)
+    assert {it for it, _, _ in expected} == {1, 2, 3, 4, 5, 6}
+    assert any(key == "valid_lm_loss" for _, key, _ in expected)
+    assert curve(part) == expected
+    rows = [r for r in map(json.loads, open(full)) if "grad_norm" in r]
+    assert len(rows) == 6 and all(0 < r["real_token_share"] <= 1 and r["samples_per_row"] >= 1 for r in rows)
+    assert sum(r["samples_per_row"] for r in rows) > 6  # the short samples did pack
+
+
+def _unpack(window: dict) -> list[tuple]:
+    """Each sample of packed rows as (tokens, token types, labels, sentence label), row by row."""
+    out = []
+    for r in range(len(window["row_samples"])):
+        at = 0
+        for slot, n in enumerate(window["packed_seqlens"][r]):
+            n = int(n)
+            if n == 0:
+                break
+            out.append((tuple(window["input_ids"][r, at:at + n]), tuple(window["token_type_ids"][r, at:at + n]),
+                        tuple(window["labels"][r, at:at + n]), int(window["next_sentence_label"][r, slot])))
+            assert (window["position_ids"][r, at:at + n] == np.arange(n)).all()
+            at += n
+    return out
+
+
+def _as_tuple(s: dict) -> tuple:
+    n = int(s["attention_mask"].sum())
+    return (tuple(s["input_ids"][:n]), tuple(s["token_type_ids"][:n]), tuple(s["labels"][:n]),
+            int(s["next_sentence_label"]))
+
+
+@pytest.mark.parametrize("kind,sub,seq", [
+    ("dle_hdf5", None, 128),
+    ("lddl_dynamic", "phase1_dynamic", 128),
+    ("lddl_binned", "phase2_static_binned", 512),
+])
+def test_nvidia_shards_pack_sample_for_sample(kind, sub, seq):
+    """DLE HDF5 and LDDL shards (binned too) through the reader pretrain_bert.py uses: a packed
+    window holds exactly the window's samples as the unpacked loader gives them."""
+    import os
+
+    from megabert.config import DataConfig
+    from megabert.data import build_tokenizer
+    from megabert.tasks.pretraining.data import packing_spec
+    from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets, detect_nvidia_data
+    from tests.helpers.nvidia_shards import DLE_PHASE1, LDDL, NVIDIA_VOCAB
+
+    path = DLE_PHASE1 if sub is None else os.path.join(LDDL, sub)
+    data = DataConfig(data_path=[path], vocab_file=NVIDIA_VOCAB, seq_length=seq, binary_head_task="nsp",
+                      pack_sequences=True, packing_window=32)
+    train, _ = build_nvidia_datasets(detect_nvidia_data(data.data_path), data,
+                                     build_tokenizer(data.tokenizer_type, data.vocab_file), (64, 0, 0), 1234, 4, True)
+    spec = packing_spec(data, 1234)
+    for k in (0, 1):
+        window = pack_window(train, k, spec)
+        assert sorted(_unpack(window)) == sorted(_as_tuple(train[i]) for i in range(32 * k, 32 * (k + 1)))
+        assert len(window["row_samples"]) < 32  # rows hold several samples
+
+
+# ------------------------------------------------------------------ --compile
+
+
+def _packed_losses(argv, steps=4):
+    """lm_loss of `steps` steps on packed rows of 64 samples, through pretrain_bert.py's trainer."""
+    from megabert.arguments import parse_args
+    from megabert.tasks.pretraining.task import build_pretraining
+    from megabert.training.resolve import resolve_run
+
+    cfg = parse_args(TINY + ["--pack-sequences", "--micro-batch-size", "2", "--global-batch-size", "4",
+                             "--train-iters", str(steps), "--lr", "1e-3", "--adam-eps", "1e-6"] + argv)
+    ps = megabert.init_parallel()
+    spec = PackingSpec(seq_length=SEQ, max_samples_per_row=CAP, window=64, seed=5,
+                       sample_fields=("next_sentence_label",))
+    samples = [sample(i) for i in range(64)]
+    data = packed_micro_batches([pack_window(samples, 0, spec)], spec, 0, 2, 0, 1)
+    trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB, lambda consumed: data)
+    graphs = []
+    try:
+        losses = []
+        for _ in range(steps):
+            losses.append(float(trainer.train_step()["lm_loss"]))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return losses, graphs
+    finally:
+        trainer.close()
+
+
+def test_compile_with_packing_one_graph_no_recompile():
+    """--compile on packed rows: the eager losses (fp32, hidden dropout on), no graph break, and
+    every graph compiled in the first step (the layers and the last layer at the heads'
+    positions): later steps, whose rows hold other numbers of samples and tokens, reuse them."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        dropout = ["--hidden-dropout", "0.1"]
+        eager, _ = _packed_losses(dropout)
+        compiled, graphs = _packed_losses(dropout + ["--compile"])
+        assert compiled == pytest.approx(eager, abs=1e-5, rel=0)
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+        assert graphs[0] == graphs[-1] == 2, graphs
+    finally:
+        torch._dynamo.reset()
