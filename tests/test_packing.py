@@ -102,6 +102,7 @@ def test_resume_inside_a_row_is_a_clear_error():
     ("reference-padded", dict(attention_backend="torch", unpad_input=False)),
     ("unpadded-torch", dict(attention_backend="torch", unpad_input=True)),
     ("varlen", dict(attention_backend="varlen", unpad_input=True)),
+    ("varlen-fixed-shape", dict(attention_backend="varlen", unpad_input=False)),
 ])
 def test_attention_never_crosses_a_sample_boundary(name, cfg):
     """Perturbing one sample of a packed row leaves every other sample's MLM logits and
@@ -197,6 +198,7 @@ def _batch_args(rows_per_micro, samples_per_micro, dp=1):
 @pytest.mark.parametrize("name,backend", [
     ("reference", ["--attention-backend", "torch", "--no-unpad-input"]),
     ("varlen", ["--attention-backend", "varlen"]),
+    ("varlen-fixed-shape", ["--attention-backend", "varlen", "--no-unpad-input"]),
 ])
 def test_packed_step_equals_unpacked_tp1(tmp_path, name, backend):
     packed, unpacked = _batch_args(1, 4)

@@ -104,6 +104,11 @@ class BertBackbone(nn.Module):
         # (to the heads, or to the next pipeline stage) is [s, b, h] again.
         tokens = TokenLayout(attention_mask, packed_seqlens) if self.unpad and attention_mask is not None \
             and attention_mask.dim() == 2 else None
+        if tokens is None and packed_seqlens is not None and self.ctx.attention_backend == "varlen" \
+                and not self.ctx.sequence_parallel:
+            # Packed rows, not unpadded: the varlen kernels on every position, fixed shapes.
+            tokens = TokenLayout.packed_rows(packed_seqlens, input_ids.size(1) if input_ids is not None
+                                             else attention_mask.size(1))
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
             maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)

@@ -49,10 +49,30 @@ class TokenLayout:
             # A row's samples are its real tokens, in order: [b * cap + 1], empty slots empty.
             self.cu_seqlens = packed_cu_seqlens(packed_seqlens)
         self._host_cu_seqlens: Optional[list[int]] = None
+        self.max_seqlen: Optional[int] = None  # a host bound on the sequence lengths, where one is known
         # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
         # torch.compile'd layers compile one graph for any T, not one for the first batch's T
         # and another once it changes. A no-op in eager mode.
         maybe_mark_dynamic(self.indices, 0)
+
+    @classmethod
+    def packed_rows(cls, packed_seqlens: torch.Tensor, seq_length: int) -> "TokenLayout":
+        """Every position of packed rows, padding included, with fixed shapes and no host sync:
+        T = b * s, and sequences = each row's samples, then its padding as one more sequence
+        (attending to itself; no loss reads it): cu_seqlens [b * (cap + 1) + 1]. What the varlen
+        kernels take when the encoder is not unpadded (a step CUDA graphs can capture)."""
+        b = packed_seqlens.size(0)
+        layout = cls.__new__(cls)
+        layout.s, layout.b = seq_length, b
+        flat = torch.arange(b * seq_length, device=packed_seqlens.device)
+        layout.indices = (flat % seq_length) * b + flat // seq_length
+        layout._real = torch.ones(b * seq_length, dtype=torch.bool, device=packed_seqlens.device)
+        layout.num_tokens = b * seq_length
+        tails = seq_length - packed_seqlens.sum(1, keepdim=True)
+        layout.cu_seqlens = packed_cu_seqlens(torch.cat([packed_seqlens, tails], 1))
+        layout._host_cu_seqlens = None
+        layout.max_seqlen = seq_length
+        return layout
 
     def host_cu_seqlens(self) -> list[int]:
         """cu_seqlens as a list (read once per micro-batch: a host sync on a GPU)."""
