@@ -100,6 +100,8 @@ def test_resume_inside_a_row_is_a_clear_error():
 
 @pytest.mark.parametrize("name,cfg", [
     ("reference-padded", dict(attention_backend="torch", unpad_input=False)),
+    ("fused-softmax-padded", dict(attention_backend="fused", unpad_input=False)),
+    ("sdpa-padded", dict(attention_backend="sdpa", unpad_input=False)),
     ("unpadded-torch", dict(attention_backend="torch", unpad_input=True)),
     ("varlen", dict(attention_backend="varlen", unpad_input=True)),
     ("varlen-fixed-shape", dict(attention_backend="varlen", unpad_input=False)),
@@ -207,6 +209,7 @@ def test_packed_step_equals_unpacked_tp1(tmp_path, name, backend):
 
 @pytest.mark.parametrize("name,world,tp,pp,extra", [
     ("tp2", 2, 2, 1, []),
+    ("tp2-sequence-parallel", 2, 2, 1, ["--sequence-parallel", "--no-unpad-input"]),
     ("pp2", 2, 1, 2, []),
     ("dp2-distributed-optimizer", 2, 1, 1, ["--use-distributed-optimizer"]),
     ("dp2-zero2", 2, 1, 1, ["--deepspeed", "--zero-stage", "2"]),
