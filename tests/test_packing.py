@@ -377,3 +377,49 @@ def test_compile_with_packing_one_graph_no_recompile():
         assert graphs[0] == graphs[-1] == 2, graphs
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ GLUE
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_glue_packed_rows_equal_the_features_unpacked(num_labels):
+    """BertForSequenceClassification on packed rows: each feature's logits from its own [CLS]
+    (to fp32 rounding), and the loss over the batch's features and every gradient equal the
+    unpacked batch's (classification, and STS-B's regression: 1 output)."""
+    from megabert.tasks.glue.model import BertForSequenceClassification
+
+    megabert.init_parallel()
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                         max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0, num_labels=num_labels,
+                         unpad_input=True)
+    model = BertForSequenceClassification(config, seed=3)
+    feats = [{k: v for k, v in s.items() if k in ("input_ids", "token_type_ids", "attention_mask")} for s in SAMPLES]
+    for i, f in enumerate(feats):
+        f["labels"] = np.array(i % 3, dtype=np.int64) if num_labels > 1 else np.array(i / 5, dtype=np.float32)
+    spec = PackingSpec(seq_length=SEQ, max_samples_per_row=CAP, window=N, seed=5, sample_fields=("labels",))
+    window = pack_window(feats, 0, spec)
+    packed = {k: torch.from_numpy(v) for k, v in window.items() if k != "row_samples"}
+    unpacked = {k: torch.from_numpy(np.stack([f[k] for f in feats])) for k in feats[0]}
+
+    def run(batch):
+        model.zero_grad()
+        out = model(**batch)
+        (out.loss_sum / N).backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (p_out, p_grads), (u_out, u_grads) = run(packed), run(unpacked)
+    torch.testing.assert_close(p_out.loss, u_out.loss, atol=1e-6, rtol=1e-6)
+    for n in u_grads:
+        torch.testing.assert_close(p_grads[n], u_grads[n], atol=1e-6, rtol=1e-5, msg=n)
+    # each slot's logits are its feature's (alike features are interchangeable)
+    order = []
+    for r, lengths in enumerate(window["packed_seqlens"]):
+        at = 0
+        for n in map(int, lengths[lengths > 0]):
+            tokens = window["input_ids"][r, at:at + n]
+            order.append(next(i for i, f in enumerate(feats) if i not in order and f["attention_mask"].sum() == n
+                              and (f["input_ids"][:n] == tokens).all()))
+            at += n
+    real = (packed["packed_seqlens"].reshape(-1) > 0).nonzero().flatten()
+    torch.testing.assert_close(p_out.logits[real], u_out.logits[order], atol=1e-5, rtol=1e-5)

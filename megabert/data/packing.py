@@ -31,6 +31,7 @@ over all data-parallel ranks, which the trainer reads and drops.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import itertools
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -99,7 +100,7 @@ def pack_rows(samples: list[dict], rows: list[list[int]], spec: PackingSpec) -> 
     n = len(rows)
     token_fields = [k for k in samples[0] if k not in spec.sample_fields]
     out = {k: np.full((n, s), spec.token_fill.get(k, 0), dtype=np.int64) for k in token_fields}
-    out.update({k: np.full((n, cap), IGNORE, dtype=np.int64) for k in spec.sample_fields})
+    out.update({k: np.full((n, cap), IGNORE, dtype=np.asarray(samples[0][k]).dtype) for k in spec.sample_fields})
     out["position_ids"] = np.zeros((n, s), dtype=np.int64)
     out["packed_seqlens"] = np.zeros((n, cap), dtype=np.int64)
     out["row_samples"] = np.array([len(r) for r in rows], dtype=np.int64)
@@ -213,6 +214,50 @@ def _take(pending: list[dict[str, np.ndarray]], n: int) -> dict[str, np.ndarray]
             pending[0] = {k: v[n:] for k, v in head.items()}
             n = 0
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+class EpochStream:
+    """Fine-tuning's sample stream as a dataset: sample i is feature perm_e[i mod n] of epoch
+    e = i // n, perm_e the permutation seeded by (seed, e) (megabert.training.finetune's
+    feature_batches order), endless."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], seed: int):
+        self.tensors, self.seed = tensors, seed
+        self.n = len(tensors["input_ids"])
+        self._epoch, self._perm = -1, None
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+        return self._perm
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        epoch, j = divmod(int(i), self.n)
+        index = int(self.epoch_order(epoch)[j])
+        return {k: t[index].numpy() for k, t in self.tensors.items()}
+
+
+def packed_feature_batches(tensors: dict[str, torch.Tensor], spec: PackingSpec, *, micro_batch: int, dp_rank: int,
+                           dp_size: int, seed: int, consumed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Fine-tuning's features (as feature_batches orders them, epoch after epoch) in packed
+    micro-batches for this DP rank, from `consumed` samples on."""
+    stream = EpochStream(tensors, seed)
+    windows = (pack_window(stream, k, spec) for k in itertools.count(consumed // spec.window))
+    return packed_micro_batches(windows, spec, consumed, micro_batch, dp_rank, dp_size)
+
+
+def rows_per_epoch(tensors: dict[str, torch.Tensor], spec: PackingSpec) -> int:
+    """Rows that first-fit decreasing makes of one epoch's features, window by window (the
+    first epoch's order; other epochs pack about alike): what sizes a run given in epochs."""
+    lengths = tensors["attention_mask"].sum(1).numpy()
+    order = EpochStream(tensors, spec.seed).epoch_order(0).numpy()
+    return sum(len(first_fit_decreasing(lengths[order[lo:lo + spec.window]], spec.seq_length,
+                                        spec.max_samples_per_row))
+               for lo in range(0, len(order), spec.window))
 
 
 def packing_stats(batches: list[dict]) -> Optional[torch.Tensor]:
