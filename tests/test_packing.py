@@ -282,6 +282,19 @@ def test_resume_with_packing_is_bitwise_with_dropout(dataset, tmp_path):
     assert sum(r["samples_per_row"] for r in rows) > 6  # the short samples did pack
 
 
+def test_data_parallel_ranks_share_the_packed_stream(dataset, tmp_path):
+    """pretrain_bert.py --pack-sequences at DP=2 trains on the rows of DP=1 (fp32, dropout 0): the
+    same losses, evaluation included, and the same samples consumed."""
+    plain = ["--pack-sequences", "--packing-window", "16", "--short-seq-prob", "0.8", "--train-iters", "4",
+             "--hidden-dropout", "0", "--attention-dropout", "0"]
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    run_ranks(1, pretrain_args(dataset, one, *plain))
+    run_ranks(2, pretrain_args(dataset, two, *plain))
+    expected, got = curve(one), curve(two)
+    assert [(i, k) for i, k, _ in got] == [(i, k) for i, k, _ in expected]
+    assert [v for _, _, v in got] == pytest.approx([v for _, _, v in expected], abs=1e-5)
+
+
 def _unpack(window: dict) -> list[tuple]:
     """Each sample of packed rows as (tokens, token types, labels, sentence label), row by row."""
     out = []
