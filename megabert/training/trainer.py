@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from megabert.config import TrainConfig
+from megabert.data.packing import packing_stats
 from megabert.optim import LRSchedule
 from megabert.parallel import comm
 from megabert.parallel.comm import LABELS, CommLedger
 from megabert.parallel.layout import BatchLayout
 from megabert.checkpoint.run_state import TrainingState
 from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
-from megabert.data.packing import packing_stats
 from megabert.training.strategy import LOSS_SHARES, Counts, Metrics, Strategy
 
 logger = logging.getLogger(__name__)
