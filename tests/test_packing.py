@@ -95,6 +95,19 @@ def test_resume_inside_a_row_is_a_clear_error():
         next(packed_micro_batches(windows, SPEC, inside, 1, 0, 1))
 
 
+def test_packed_micro_batches_have_fixed_shapes():
+    """Every packed micro-batch is the same tensors (shapes and dtypes), whatever its rows hold,
+    and so is what the model derives from it without a host value (what CUDA graphs need)."""
+    from megabert.model.unpad import TokenLayout
+
+    batches = list(packed_micro_batches([pack_window(SAMPLES, 0, SPEC)], SPEC, 0, 2, 0, 1))
+    assert len({tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(b.items())) for b in batches}) == 1
+    layouts = [TokenLayout.packed_rows(b["packed_seqlens"], SEQ) for b in batches]
+    assert {tuple(t.cu_seqlens.shape) for t in layouts} == {(2 * (CAP + 1) + 1,)}
+    assert all(int(t.cu_seqlens[-1]) == 2 * SEQ and t.max_seqlen == SEQ for t in layouts)
+    assert len({int(b[PACKED_COUNTS][0]) for b in batches}) > 1  # while the samples per micro-batch vary
+
+
 # ------------------------------------------------------------------ isolation
 
 
