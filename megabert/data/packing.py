@@ -12,6 +12,9 @@ tokens and fewer than `max_samples_per_row` samples, else into a new row. The wi
 then come out in an order drawn from (seed, window), so a global batch does not get all the
 long rows of a window and the next one all the short ones. Every sample of a window lands in
 exactly one of its rows, so a window's rows hold exactly samples [k W, (k + 1) W).
+(MLPerf's packers work offline, on the length histogram of the whole preprocessed set, and
+write packed files; packing windows as they are read needs no second copy of the data, works on
+any source and keeps the unpacked sample order, so a run resumes by its sample count.)
 
 Counting. The schedule counts consumed samples (Megatron's unit): a step consumes the samples
 of its rows. A run at consumed samples c resumes in window c // W, after the rows whose
