@@ -12,8 +12,14 @@ that samples fill seq 512 as Wikipedia's articles do. Steps are interleaved
 the median step time. tokens/s counts batch x seq-length (padding included) for every side.
 Nothing here passes or fails on time.
 
+`--packing`: pretrain_bert.py's defaults on the samples padded (unpacked) against the same
+samples packed (--pack-sequences, `--batch` rows of whole samples), in real (non-padding)
+tokens/s, the unit in which the two compare: a packed row carries more samples. Interleaved as
+above; per side, the real tokens of all its timed steps over their summed time.
+
     python bench/pretrain.py [--rounds 10] [--layers 4 --hidden 256 --heads 4 --seq 128 --batch 16]
     python bench/pretrain.py --seq 512 --batch 4 --corpus long
+    python bench/pretrain.py --packing --seq 512 --batch 4 --corpus long
 """
 from __future__ import annotations
 
@@ -161,6 +167,8 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing: torch.profiler over STEPS steps of each side, shares of the ops "
                         "padding costs (bernoulli_, bmm, mm+addmm, fill_+copy_)")
+    p.add_argument("--packing", action="store_true",
+                   help="instead of the variants: unpacked against --pack-sequences, in real tokens/s")
     args = p.parse_args()
 
     ps = megabert.init_parallel()
@@ -169,6 +177,9 @@ def main() -> None:
              str(args.heads), "--seq-length", str(args.seq), "--max-position-embeddings", "512",
              "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch), "--train-iters", "1000000",
              "--data-path", prefix, "--vocab-file", vocab, "--log-interval", "1000000", "--eval-interval", "0"]
+    if args.packing:
+        compare_packing(args, shape, ps)
+        return
     batches = real_batches(parse_args(shape), 8)
     real = float(sum(b["attention_mask"].sum() for b in batches)) / sum(b["attention_mask"].numel() for b in batches)
 
@@ -183,6 +194,62 @@ def main() -> None:
         profile_shares(sides, args.profile, header)
     else:
         compare(sides, args.rounds, args.batch * args.seq, f"{header} | median of {args.rounds} interleaved steps")
+
+
+def compare_packing(args, shape: list[str], ps, num_samples: int = 256) -> None:
+    """Unpacked against packed on the same `num_samples` samples, in real tokens/s."""
+    import time
+
+    import numpy as np
+
+    from megabert.data import build_tokenizer
+    from megabert.data.packing import PACKED_COUNTS, pack_window, packed_micro_batches
+    from megabert.tasks.pretraining.data import packing_spec
+    from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
+
+    cfg = parse_args(shape)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
+    train, _, _ = build_train_valid_test_datasets(cfg.data, tokenizer, (num_samples, 0, 0), cfg.train.seed, True)
+    samples = [train[i] for i in range(num_samples)]
+    unpacked = [{k: torch.from_numpy(np.stack([s[k] for s in samples[i:i + args.batch]])) for k in samples[0]}
+                for i in range(0, num_samples - args.batch + 1, args.batch)]
+    packed_cfg = parse_args(shape + ["--pack-sequences", "--packing-window", str(num_samples)])
+    spec = packing_spec(packed_cfg.data, packed_cfg.train.seed)
+    packed = list(packed_micro_batches([pack_window(samples, 0, spec)], spec, 0, args.batch, 0, 1))
+    sides = {"unpacked": (unpacked, []), "packed": (packed, ["--pack-sequences"])}
+    steps, real = {}, {}
+    for name, (batches, flags) in sides.items():
+        step, _ = ours(shape + flags, ps, args.vocab, [{k: v for k, v in b.items() if k != PACKED_COUNTS}
+                                                       for b in batches])
+        steps[name], real[name] = step, itertools.cycle([int(b["attention_mask"].sum()) for b in batches])
+    for step in steps.values():
+        step(), step()  # warm-up
+    # the iterators advanced twice with the steps: keep the token counts in step with them
+    for name in real:
+        next(real[name]), next(real[name])
+    seconds, tokens = {n: 0.0 for n in steps}, {n: 0 for n in steps}
+    for r in range(args.rounds):
+        names = list(steps)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            steps[name]()
+            seconds[name] += time.perf_counter() - t0
+            tokens[name] += next(real[name])
+    share = {n: sum(int(b["attention_mask"].sum()) for b in sides[n][0])
+             / sum(b["attention_mask"].numel() for b in sides[n][0]) for n in sides}
+    print(f"device {ps.device} ({megabert.fused_kernels.describe(ps.device.type)}) | torch {torch.__version__} "
+          f"threads {torch.get_num_threads()} | {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+          f"seq {args.seq}, {args.batch} rows a step, fp32, AdamW, pretrain_bert.py defaults | {args.corpus} corpus, "
+          f"{num_samples} samples: {len(unpacked)} padded batches, {len(packed)} packed | load average "
+          f"{os.getloadavg()[0]:.1f} | {args.rounds} interleaved steps per side")
+    print(f"{'side':10} {'real token share':>17} {'samples/row':>12} {'step ms':>9} {'real tokens/s':>14} "
+          f"{'vs unpacked':>12}")
+    rate = {n: tokens[n] / seconds[n] for n in steps}
+    for n in steps:
+        rows = len(sides[n][0]) * args.batch
+        per_row = sum(int(b[PACKED_COUNTS][0]) for b in packed) / rows if n == "packed" else 1.0
+        print(f"{n:10} {share[n]:17.1%} {per_row:12.2f} "
+              f"{seconds[n] / args.rounds * 1e3:9.1f} {rate[n]:14.0f} {rate[n] / rate['unpacked']:11.2f}x")
 
 
 # The ops that padding inflates (issue 31): attention dropout's mask, the attention bmm's,

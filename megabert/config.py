@@ -161,8 +161,21 @@ class DataConfig:
     binary_head_task: str = arg("sop", "Sentence-pair objective of the binary head.", choices=("sop", "nsp"))
     num_workers: int = arg(2, "DataLoader worker processes.")
     data_cache_path: Optional[str] = arg(None, "Where sample-mapping caches go (default: next to the data).")
+    pack_sequences: bool = arg(False, "Fill each row of --seq-length with whole samples (first-fit decreasing over "
+                                      "--packing-window samples; attention stays inside each sample): "
+                                      "--micro-batch-size and --global-batch-size then count rows, and a step "
+                                      "consumes the samples of its rows.")
+    max_samples_per_row: int = arg(3, "With --pack-sequences: the most samples one row holds (MLPerf's BERT packs "
+                                      "up to 3).")
+    packing_window: int = arg(1024, "With --pack-sequences: how many consecutive samples are packed together (a "
+                                    "larger window packs tighter; every data-parallel rank builds every sample of "
+                                    "a window, since their lengths decide the rows).")
 
     def __post_init__(self):
+        if self.max_samples_per_row < 1:
+            raise ConfigError(f"--max-samples-per-row must be >= 1, got {self.max_samples_per_row}")
+        if self.packing_window < 1:
+            raise ConfigError(f"--packing-window must be >= 1, got {self.packing_window}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 <= self.short_seq_prob <= 1.0:

@@ -389,3 +389,23 @@ def test_finetune_from_google_tf_dir(glue_setup, tmp_path):
     assert run_main("--task-name", "mnli", "--data-dir", data, "--load", tf_dir, "--output-dir", tmp_path,
                     "--max-seq-length", 32, "--micro-batch-size", 8, "--train-iters", 2, "--no-do-predict") == 0
     assert json.load(open(tmp_path / "eval_results.json"))["eval_samples"] == 20
+
+
+def test_finetune_packed_resumes_exactly(glue_setup, tmp_path):
+    """finetune_glue.py --pack-sequences: rows of several MNLI features; a run stopped after 2
+    steps resumes to the uninterrupted run's losses (dropout on), and evaluation (unpacked)
+    writes eval_results.json."""
+    dirs, data = glue_setup
+    packed = ["--pack-sequences", "--max-samples-per-row", 4, "--micro-batch-size", 2, "--global-batch-size", 4,
+              "--lr-decay-iters", 4, "--lr-warmup-fraction", 0.25]
+    full = common(dirs["dropout"], data, tmp_path / "full", "--train-iters", 4, "--metrics-file", tmp_path / "f.jsonl",
+                  *packed)
+    assert run_main(*full) == 0
+    assert set(json.load(open(tmp_path / "full" / "eval_results.json"))) >= {"eval_loss", "eval_accuracy"}
+    rows = [json.loads(line) for line in open(tmp_path / "f.jsonl")]
+    assert len(rows) == 4 and all(r["samples_per_row"] > 1 and 0 < r["real_token_share"] <= 1 for r in rows)
+    part = common(dirs["dropout"], data, tmp_path / "part", "--metrics-file", tmp_path / "p.jsonl", "--save",
+                  tmp_path / "ckpt", "--no-do-eval", "--no-do-predict", *packed)
+    assert run_main(*part, "--train-iters", 2) == 0
+    assert run_main(*part, "--train-iters", 4) == 0
+    assert losses(tmp_path / "p.jsonl") == losses(tmp_path / "f.jsonl")

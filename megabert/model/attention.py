@@ -39,7 +39,7 @@ class SelfAttention(nn.Module):
 
     def _varlen_core(self, qkv: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
         return ops.varlen_attention(qkv, tokens.cu_seqlens, tokens.host_cu_seqlens, dropout_p=self._dropout_p(),
-                                    rng_fork=self.ctx.rng.fork)
+                                    rng_fork=self.ctx.rng.fork, max_seqlen=tokens.max_seqlen)
 
     def _core(self, q, k, v, mask):
         return ops.core_attention(q, k, v, mask, backend=self.ctx.attention_backend,

@@ -25,6 +25,7 @@ from megabert.model.context import BuildContext
 from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings
 from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
+from megabert.model.packed import block_diagonal_mask
 from megabert.model.pretrained import PretrainedMixin
 from megabert.model.registry import register_model
 from megabert.model.transformer import TransformerBlock
@@ -86,20 +87,28 @@ class BertBackbone(nn.Module):
 
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
                       token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
-                      head_positions: Optional[torch.Tensor] = None):
+                      head_positions: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                      packed_seqlens: Optional[torch.Tensor] = None):
         """Chunk v of this rank: [s, b, h] -> [s, b, h]. Global chunk 0 starts from the
         embeddings of `input_ids`; the model's last chunk returns (sequence [s, b, h]
         gathered over sequence-parallel ranks, pooled [b, h] or None). `head_positions`
         ([b, s] bool, or None for all): the positions the heads read; with the unpadded
-        encoder the last layer computes only those, and the sequence is zero elsewhere."""
+        encoder the last layer computes only those, and the sequence is zero elsewhere.
+        Packed rows (megabert.model.packed): `packed_seqlens` [b, cap] and `position_ids`
+        [b, s]; attention stays inside each sample and pooled is [b * cap, h], one [CLS] per slot."""
         if self.stage.is_first_chunk(v):
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
-            hidden = self.embeddings(input_ids, tt)
+            hidden = self.embeddings(input_ids, tt, position_ids)
         last = self.stage.is_last_chunk(v)
         # Unpadded: the chunk's layers see [T, h] of the real tokens; what leaves the chunk
         # (to the heads, or to the next pipeline stage) is [s, b, h] again.
-        tokens = TokenLayout(attention_mask) if self.unpad and attention_mask is not None \
+        tokens = TokenLayout(attention_mask, packed_seqlens) if self.unpad and attention_mask is not None \
             and attention_mask.dim() == 2 else None
+        if tokens is None and packed_seqlens is not None and self.ctx.attention_backend == "varlen" \
+                and not self.ctx.sequence_parallel:
+            # Packed rows, not unpadded: the varlen kernels on every position, fixed shapes.
+            tokens = TokenLayout.packed_rows(packed_seqlens, input_ids.size(1) if input_ids is not None
+                                             else attention_mask.size(1))
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
             maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
@@ -110,15 +119,20 @@ class BertBackbone(nn.Module):
             and len(layer_ids) > 0 else None
         if rows is not None:
             maybe_mark_dynamic(rows, 0)  # as T: a compiled last layer takes any number of rows
-        x = self.encoder(hidden, attention_mask_to_bool(attention_mask), layer_ids, apply_final_layernorm=last,
-                         tokens=tokens, rows=rows)
+        if packed_seqlens is None:
+            mask = attention_mask_to_bool(attention_mask)
+        elif tokens is not None and self.ctx.attention_backend == "varlen":
+            mask = None  # the varlen kernels take the samples' cu_seqlens instead
+        else:
+            mask = block_diagonal_mask(packed_seqlens, attention_mask.size(1))
+        x = self.encoder(hidden, mask, layer_ids, apply_final_layernorm=last, tokens=tokens, rows=rows)
         if tokens is not None:
             x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows)
         if not last:
             return x
         if self.ctx.sequence_parallel:
             x = gather_from_sp_to_replicated(x, self.ctx.tp_group)  # [s/tp, b, h] -> [s, b, h]
-        return x, self.pooler(x) if self.pooler is not None else None
+        return x, self.pooler(x, packed_seqlens) if self.pooler is not None else None
 
     @property
     def word_embeddings(self) -> torch.Tensor:
@@ -196,7 +210,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         or the task's output from the model's last chunk."""
         last = self.stage.is_last_chunk(v)
         out = self.bert.forward_chunk(v, hidden, batch.get("input_ids"), batch.get("token_type_ids"),
-                                      batch.get("attention_mask"), self.head_positions(batch) if last else None)
+                                      batch.get("attention_mask"), self.head_positions(batch) if last else None,
+                                      batch.get("position_ids"), batch.get("packed_seqlens"))
         if not last:
             return out
         sequence, pooled = out

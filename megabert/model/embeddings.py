@@ -1,6 +1,8 @@
 """Word + position + token-type embeddings, LayerNorm, dropout -> [s, b, h]."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -55,12 +57,15 @@ class BertEmbeddings(nn.Module):
                                 "layernorm.bias": "bert.embeddings.LayerNorm.bias"})
         self.dropout_p = cfg.hidden_dropout
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """position_ids: [b, s], or None for 0 .. s - 1 in every row (packed rows restart them
+        at each sample)."""
         seq_len = input_ids.size(1)
         if seq_len > self.position_embeddings.num_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.position_embeddings.num_embeddings}")
-        positions = torch.arange(seq_len, device=input_ids.device)
+        positions = torch.arange(seq_len, device=input_ids.device) if position_ids is None else position_ids
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) \
             + self.tokentype_embeddings(token_type_ids)  # [b, s, h]
         x = x.transpose(0, 1).contiguous()  # [s, b, h]: Megatron's layout

@@ -2,13 +2,14 @@
 the pooler. All live on the last pipeline stage."""
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
+from megabert.model.packed import gather_cls
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
 from megabert.tensor_parallel import copy_to_tp, vocab_parallel_cross_entropy
@@ -29,8 +30,11 @@ class Pooler(nn.Module):
         super().__init__()
         self.dense = head_linear(ctx, ctx.config.hidden_size, "bert.pooler.dense.")
 
-    def forward(self, sequence: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [b, h]
-        return torch.tanh(self.dense(sequence[0]))
+    def forward(self, sequence: torch.Tensor, packed_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[s, b, h] -> [b, h]; packed rows ([b, cap] sample lengths): [b * cap, h], each
+        sample's [CLS] (megabert.model.packed)."""
+        cls = sequence[0] if packed_seqlens is None else gather_cls(sequence, packed_seqlens)
+        return torch.tanh(self.dense(cls))
 
 
 class MLMHead(nn.Module):

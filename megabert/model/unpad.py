@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megabert.model.packed import packed_cu_seqlens
 from megabert.ops.compile_hints import maybe_mark_dynamic
 
 
@@ -30,8 +31,10 @@ class TokenLayout:
     positions (Megatron's sequence-first layout), sequence by sequence (batch-major), so that
     sequence i is tokens cu_seqlens[i] .. cu_seqlens[i + 1] of the unpadded [T, h]."""
 
-    def __init__(self, attention_mask: torch.Tensor):
-        """attention_mask: [b, s], transformers' convention (1 = token, 0 = padding)."""
+    def __init__(self, attention_mask: torch.Tensor, packed_seqlens: Optional[torch.Tensor] = None):
+        """attention_mask: [b, s], transformers' convention (1 = token, 0 = padding).
+        packed_seqlens: [b, cap] for packed rows (megabert.model.packed): the sequences are
+        then the samples of each row, not the rows."""
         b, s = attention_mask.shape
         self.s, self.b = s, b
         # NOTE: nonzero() waits for the mask's values: one host sync per micro-batch on a
@@ -40,12 +43,36 @@ class TokenLayout:
         self.indices = (flat % s) * b + flat // s  # the same positions in [s, b]
         self._real = attention_mask.reshape(-1) != 0  # [b * s], batch-major
         self.num_tokens = self.indices.numel()
-        self.cu_seqlens = F.pad((attention_mask != 0).sum(1, dtype=torch.int64).cumsum(0), (1, 0))  # [b + 1]
+        if packed_seqlens is None:
+            self.cu_seqlens = F.pad((attention_mask != 0).sum(1, dtype=torch.int64).cumsum(0), (1, 0))  # [b + 1]
+        else:
+            # A row's samples are its real tokens, in order: [b * cap + 1], empty slots empty.
+            self.cu_seqlens = packed_cu_seqlens(packed_seqlens)
         self._host_cu_seqlens: Optional[list[int]] = None
+        self.max_seqlen: Optional[int] = None  # a host bound on the sequence lengths, where one is known
         # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
         # torch.compile'd layers compile one graph for any T, not one for the first batch's T
         # and another once it changes. A no-op in eager mode.
         maybe_mark_dynamic(self.indices, 0)
+
+    @classmethod
+    def packed_rows(cls, packed_seqlens: torch.Tensor, seq_length: int) -> "TokenLayout":
+        """Every position of packed rows, padding included, with fixed shapes and no host sync:
+        T = b * s, and sequences = each row's samples, then its padding as one more sequence
+        (attending to itself; no loss reads it): cu_seqlens [b * (cap + 1) + 1]. What the varlen
+        kernels take when the encoder is not unpadded (a step CUDA graphs can capture)."""
+        b = packed_seqlens.size(0)
+        layout = cls.__new__(cls)
+        layout.s, layout.b = seq_length, b
+        flat = torch.arange(b * seq_length, device=packed_seqlens.device)
+        layout.indices = (flat % seq_length) * b + flat // seq_length
+        layout._real = torch.ones(b * seq_length, dtype=torch.bool, device=packed_seqlens.device)
+        layout.num_tokens = b * seq_length
+        tails = seq_length - packed_seqlens.sum(1, keepdim=True)
+        layout.cu_seqlens = packed_cu_seqlens(torch.cat([packed_seqlens, tails], 1))
+        layout._host_cu_seqlens = None
+        layout.max_seqlen = seq_length
+        return layout
 
     def host_cu_seqlens(self) -> list[int]:
         """cu_seqlens as a list (read once per micro-batch: a host sync on a GPU)."""

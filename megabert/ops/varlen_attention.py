@@ -205,14 +205,16 @@ def padded_sdpa(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, dropo
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlens: Callable[[], list[int]], *,
-                     dropout_p: float = 0.0, rng_fork=None) -> torch.Tensor:
+                     dropout_p: float = 0.0, rng_fork=None, max_seqlen: Optional[int] = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d)) V over each sequence's own tokens.
 
     qkv: [T, 3, heads, d] (Q, K, V of each token's heads; a view of the QKV GEMM's output);
     cu_seqlens: int64 [n + 1] on qkv's device, sequence i is tokens cu_seqlens[i] ..
     cu_seqlens[i + 1]; `host_cu_seqlens()` the same as a list (called only by the paths that
     need it on the host: one device sync per call on a GPU unless the caller caches it).
-    `rng_fork()`: the context dropout draws in (the per-TP-rank stream). -> [T, heads, d].
+    `rng_fork()`: the context dropout draws in (the per-TP-rank stream). `max_seqlen`: a bound
+    on the sequence lengths known on the host (packed rows: the row length), so that the CUDA
+    paths read nothing back from the device. -> [T, heads, d].
     """
     fork = rng_fork if rng_fork is not None and dropout_p > 0.0 else contextlib.nullcontext
     head_dim = qkv.size(-1)
@@ -226,8 +228,11 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlen
                 seed = draw_seed()
         return FusedVarlenAttention.apply(qkv, cu_seqlens, 1.0 / math.sqrt(head_dim), float(dropout_p), seed)
     if impl in ("flash", "padded"):
-        host = host_cu_seqlens()
-        max_len = max((b - a for a, b in zip(host, host[1:])), default=0)
+        if max_seqlen is not None:
+            max_len = max_seqlen
+        else:
+            host = host_cu_seqlens()
+            max_len = max((b - a for a, b in zip(host, host[1:])), default=0)
         with fork():
             if impl == "padded":
                 return padded_sdpa(qkv, cu_seqlens, max_len, dropout_p)

@@ -66,7 +66,7 @@ class PipelineSchedule:
 
     def __init__(self, model, ps: ParallelState, comm: PipeComm, num_micro: int, task,
                  autocast: Callable[[], AbstractContextManager] = nullcontext):
-        """`task.output_loss(last chunk's output) -> (loss, {name: scalar})` (a training.strategy.Task)."""
+        """`task.train_loss(last chunk's output, batch) -> (loss, {name: scalar})` (a training.strategy.Task)."""
         check_interleaving(num_micro, ps, model.num_chunks)
         self.model, self.ps, self.comm, self.num_micro = model, ps, comm, num_micro
         self.task, self.autocast = task, autocast
@@ -101,7 +101,7 @@ class PipelineSchedule:
             if output_fn is not None:  # forward only: whatever the caller wants of the output
                 metrics.append(output_fn(out))
                 return _Step(x, out)
-            loss, m = self.task.output_loss(out)
+            loss, m = self.task.train_loss(out, batches[micro])
             metrics.append({k: t.detach() for k, t in m.items()})
             return _Step(x, loss * scale)
         self.comm.send_forward(out, self._tag(g + 1, micro))

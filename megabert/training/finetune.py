@@ -30,6 +30,7 @@ from megabert.checkpoint import external
 from megabert.checkpoint.layout import has_checkpoint
 from megabert.config import FinetuneConfigs, TaskConfig, TrainConfig
 from megabert.data import build_tokenizer
+from megabert.data.packing import PackingSpec, packed_feature_batches, rows_per_epoch
 from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
 from megabert.tensor_parallel.random import seed_default_stream
@@ -91,6 +92,10 @@ class FinetuneTask(abc.ABC):
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
         """The task model from --load (any checkpoint kind: see load_task_model)."""
 
+    def packing(self, seed: int) -> Optional[PackingSpec]:
+        """How training features pack into rows (--pack-sequences), or None: unpacked."""
+        return None
+
     @abc.abstractmethod
     def train_tensors(self, tokenizer) -> Optional[dict[str, torch.Tensor]]:
         """The training features as tensors of equal length (the trainer_task's inputs), or
@@ -147,13 +152,29 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
         return None
     ft, t, batch = run.finetune, run.train, run.batch
     n = len(tensors["input_ids"])
-    train_cfg = dataclasses.replace(resume_from_save(t), train_iters=num_train_steps(n, ft, batch.global_batch_size))
-    logger.info("fine-tuning %s for %d steps of %d features (%.2f epochs of %d)", task.name, train_cfg.train_iters,
-                batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / n, n)
+    packing = task.packing(t.seed)
+    if packing is None:
+        train_cfg = dataclasses.replace(resume_from_save(t), train_iters=num_train_steps(n, ft, batch.global_batch_size))
+        logger.info("fine-tuning %s for %d steps of %d features (%.2f epochs of %d)", task.name,
+                    train_cfg.train_iters, batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / n,
+                    n)
+
+        def batches(consumed):
+            return feature_batches(tensors, global_batch=batch.global_batch_size, micro_batch=t.micro_batch_size,
+                                   dp_rank=ps.dp_rank, dp_size=ps.dp_size, seed=t.seed, consumed=consumed)
+    else:
+        # --epochs counts passes over the features; a step holds global batch rows of several each.
+        rows = rows_per_epoch(tensors, packing)
+        train_cfg = dataclasses.replace(resume_from_save(t), train_iters=num_train_steps(rows, ft,
+                                                                                         batch.global_batch_size))
+        logger.info("fine-tuning %s for %d steps of %d packed rows (%d features in %d rows an epoch, %.2f a row)",
+                    task.name, train_cfg.train_iters, batch.global_batch_size, n, rows, n / rows)
+
+        def batches(consumed):
+            return packed_feature_batches(tensors, packing, micro_batch=t.micro_batch_size, dp_rank=ps.dp_rank,
+                                          dp_size=ps.dp_size, seed=t.seed, consumed=consumed)
     trainer = build_trainer(
-        model, ps, dataclasses.replace(run, train=train_cfg), task.trainer_task,
-        lambda consumed: feature_batches(tensors, global_batch=batch.global_batch_size, micro_batch=t.micro_batch_size,
-                                         dp_rank=ps.dp_rank, dp_size=ps.dp_size, seed=t.seed, consumed=consumed),
+        model, ps, dataclasses.replace(run, train=train_cfg), task.trainer_task, batches,
         flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
         checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
                           "finetune": dataclasses.asdict(ft)})

@@ -29,6 +29,7 @@ from megabert.training.precision import DynamicLossScaler
 logger = logging.getLogger(__name__)
 Metrics = dict[str, torch.Tensor]
 Counts = dict[str, torch.Tensor]  # name -> int64 tensor([hits, total])
+LOSS_SHARES = "loss_shares"  # see Task.loss_counts
 T = TypeVar("T")
 
 
@@ -45,12 +46,32 @@ class Task:
     # Counts rather than ratios: a ratio per micro-batch cannot be averaged into the
     # ratio over the whole evaluation when micro-batches hold different numbers of items.
     output_counts: Optional[Callable[[Any], Counts]] = None
+    # Losses that are means over items spread unevenly over micro-batches (masked tokens;
+    # packed rows hold different numbers of samples), normalised over the whole global batch:
+    # `loss_counts(batch)` is a micro-batch's item count per loss (a 1-D tensor); the trainer
+    # sums them over the step's micro-batches and data-parallel ranks and hands each micro-batch
+    # `batch[LOSS_SHARES]` = those totals / (micro-batches x dp_size) (the runners divide each
+    # loss by the number of micro-batches, the gradient reduction averages over DP ranks);
+    # `global_loss(output, shares)` -> (loss, metrics) divides the micro-batch's loss sums by
+    # them. The step's loss is then the global batch's mean however its items are grouped.
+    loss_counts: Optional[Callable[[dict], torch.Tensor]] = None
+    global_loss: Optional[Callable[[Any, torch.Tensor], tuple[torch.Tensor, Metrics]]] = None
+
+    def __post_init__(self):
+        if (self.loss_counts is None) != (self.global_loss is None):
+            raise ValueError("Task: loss_counts and global_loss go together")
 
     def model_inputs(self, batch: dict) -> dict:
         return {k: batch[k] for k in self.inputs if k in batch}
 
+    def train_loss(self, output, batch: dict) -> tuple[torch.Tensor, Metrics]:
+        """(loss, metrics) of one training micro-batch's output."""
+        if self.global_loss is not None and LOSS_SHARES in batch:
+            return self.global_loss(output, batch[LOSS_SHARES])
+        return self.output_loss(output)
+
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, Metrics]:
-        return self.output_loss(model(**self.model_inputs(batch)))
+        return self.train_loss(model(**self.model_inputs(batch)), batch)
 
     def eval_metrics(self, output) -> tuple[Metrics, Counts]:
         """Evaluation: (the losses of `output_loss`, the counts of `output_counts`)."""

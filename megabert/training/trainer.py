@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from megabert.config import TrainConfig
+from megabert.data.packing import packing_stats
 from megabert.optim import LRSchedule
 from megabert.parallel import comm
 from megabert.parallel.comm import LABELS, CommLedger
 from megabert.parallel.layout import BatchLayout
 from megabert.checkpoint.run_state import TrainingState
 from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
-from megabert.training.strategy import Counts, Metrics, Strategy
+from megabert.training.strategy import LOSS_SHARES, Counts, Metrics, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Trainer:
         self.flops_per_sample, self.peak = flops_per_sample, device_peak_tflops(self.ps.device)
         self.checkpoint_extra = checkpoint_extra or {}
         self.stop_requested = False
+        self.step_packing: Optional[torch.Tensor] = None
         # Bytes each rank sends per training step, by group (megabert.parallel.comm).
         self.ledger = CommLedger.for_state(self.ps)
         self.log = MetricsLogger(enabled=self.ps.is_logging_rank, train_iters=cfg.train_iters,
@@ -59,16 +61,23 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         self.strategy.model.train()
         last_log_time, last_log_iter = time.perf_counter(), self.state.iteration
+        since_log = torch.zeros(4, dtype=torch.int64)  # packed rows: [samples, real tokens, rows, row slots]
         try:
             while self.state.iteration < self.cfg.train_iters:
                 metrics = self.train_step()
+                packed = self.step_packing
                 self.state.iteration += 1
-                self.state.consumed_samples += self.batch.global_batch_size
+                # The schedule counts samples: a packed step consumes the samples of its rows.
+                self.state.consumed_samples += self.batch.global_batch_size if packed is None else int(packed[0])
+                if packed is not None:
+                    since_log += packed
                 it = self.state.iteration
                 logging_step = it % self.cfg.log_interval == 0 or it == self.cfg.train_iters
                 if logging_step:
                     now = time.perf_counter()
-                    metrics.update(self._throughput((now - last_log_time) / (it - last_log_iter)))
+                    metrics.update(self._throughput((now - last_log_time) / (it - last_log_iter),
+                                                    since_log if packed is not None else None, it - last_log_iter))
+                    since_log.zero_()
                     largest, by_group = self._largest_rank(steps=it - last_log_iter)
                     metrics.update(largest)
                     self.log.log(it, metrics, advance=it - last_log_iter, record={"comm_gb_by_group": by_group})
@@ -97,10 +106,15 @@ class Trainer:
             self.log.close()
 
     def train_step(self) -> dict:
+        """One optimizer step -> its metrics. `step_packing` is then [samples, real tokens,
+        rows, row slots] of the global batch when its rows are packed, else None."""
         # Steps skipped for fp16 overflow do not advance the LR schedule (as Megatron).
         lr = self.schedule.apply(self.strategy.lr_optimizer, self.state.iteration - self.state.skipped_iterations + 1)
-        batches = [self._to_device(next(self.data.train)) for _ in range(self.batch.num_micro_batches)]
+        batches = [next(self.data.train) for _ in range(self.batch.num_micro_batches)]
+        self.step_packing = packing_stats(batches)  # read on the host, before the batches go to the device
+        batches = [self._to_device(b) for b in batches]
         with self.ledger.recording():  # counts every collective of the step, loss averaging included
+            self._share_loss_counts(batches)
             result = self.strategy.train_step(batches)
             out = {**self._reduce(result.metrics), "lr": lr, "grad_norm": result.grad_norm}
         if result.loss_scale is not None:
@@ -109,6 +123,19 @@ class Trainer:
             out["skipped"] = 1
             self.state.skipped_iterations += 1
         return out
+
+    def _share_loss_counts(self, batches: list[dict]) -> None:
+        """Task.loss_counts: each micro-batch gets the global batch's item counts per loss,
+        divided by micro-batches x dp_size (see Task). One small all-reduce over DP, no host sync."""
+        task = self.strategy.runner.task
+        if task.loss_counts is None:
+            return
+        totals = torch.stack([task.loss_counts(b) for b in batches]).sum(0).to(torch.float64)
+        if self.ps.dp_size > 1:
+            comm.all_reduce(totals, group=self.ps.dp_group)
+        shares = (totals.clamp(min=1) / (len(batches) * self.ps.dp_size)).to(torch.float32)
+        for b in batches:
+            b[LOSS_SHARES] = shares
 
     # ------------------------------------------------------------------ evaluation
 
@@ -214,10 +241,20 @@ class Trainer:
         by_group = {k: v / per_step for k, v in zip(LABELS, busiest[2:]) if v}
         return {"mem_peak_gb": max(r[0] for r in table), "comm_gb": busiest[1] / per_step}, by_group
 
-    def _throughput(self, seconds_per_iter: float) -> dict:
-        out = {"samples_per_sec": self.batch.global_batch_size / seconds_per_iter, "iteration_time_s": seconds_per_iter}
+    def _throughput(self, seconds_per_iter: float, packed: Optional[torch.Tensor] = None, steps: int = 1) -> dict:
+        """Samples/s (and TFLOP/s, MFU); `packed`: [samples, real tokens, rows, row slots] of the last
+        `steps` steps when rows are packed, which adds real_token_share (real tokens / row
+        slots, 0-1), samples_per_row and real_tokens_per_sec. The FLOPs count rows: a row
+        costs the same packed or not."""
+        rows = self.batch.global_batch_size
+        samples = rows if packed is None else int(packed[0]) / steps
+        out = {"samples_per_sec": samples / seconds_per_iter, "iteration_time_s": seconds_per_iter}
+        if packed is not None:
+            real, slots = int(packed[1]), int(packed[3])
+            out.update(real_token_share=real / slots, samples_per_row=int(packed[0]) / int(packed[2]),
+                       real_tokens_per_sec=real / steps / seconds_per_iter)
         if self.flops_per_sample:
-            tflops = self.flops_per_sample * self.batch.global_batch_size / seconds_per_iter / self.ps.world_size / 1e12
+            tflops = self.flops_per_sample * rows / seconds_per_iter / self.ps.world_size / 1e12
             out["tflops"] = tflops
             if self.peak:
                 out["mfu"] = tflops / self.peak

@@ -37,9 +37,17 @@ class GlueConfig(TaskConfig):
     do_train: bool = arg(True, "Fine-tune on the training data (--no-do-train: evaluate / predict --load as it is).")
     do_eval: bool = arg(True, "Score the dev set(s) into eval_results.json.")
     do_predict: bool = arg(True, "Write GLUE submission files for the test set(s) that exist.")
+    pack_sequences: bool = arg(False, "Train on rows of --max-seq-length filled with whole features (first-fit "
+                                      "decreasing; attention stays inside each): --micro-batch-size and "
+                                      "--global-batch-size then count rows. Evaluation and predictions are "
+                                      "unpacked.")
+    max_samples_per_row: int = arg(8, "With --pack-sequences: the most features one row holds.")
+    packing_window: int = arg(1024, "With --pack-sequences: how many consecutive features are packed together.")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.max_samples_per_row < 1 or self.packing_window < 1:
+            raise ConfigError("--max-samples-per-row and --packing-window must be >= 1")
         if self.task_name is None:
             raise ConfigError(f"--task-name is required: one of {', '.join(TASKS)}")
         self.task_name = ALIASES.get(self.task_name.lower(), self.task_name.lower())

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from megabert.config import FinetuneConfigs
+from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.tasks.glue.data import GlueExample, read_examples
@@ -26,9 +27,22 @@ logger = logging.getLogger(__name__)
 
 
 def glue_task() -> Task:
-    """SequenceClassifierOutput -> (cross entropy, or MSE for regression; {"glue_loss"})."""
-    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "labels"),
-                output_loss=lambda out: (out.loss, {"glue_loss": out.loss}))
+    """SequenceClassifierOutput -> (cross entropy, or MSE for regression; {"glue_loss"}); in
+    training the mean over the global batch's samples (packed rows hold different numbers)."""
+
+    def loss_counts(batch: dict) -> torch.Tensor:
+        packed = batch.get("packed_seqlens")
+        samples = (packed > 0).sum() if packed is not None \
+            else torch.tensor(batch["labels"].numel(), device=batch["labels"].device)
+        return samples.reshape(1)
+
+    def global_loss(out, shares):
+        loss = out.loss_sum / shares[0]
+        return loss, {"glue_loss": loss}
+
+    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids", "packed_seqlens"),
+                output_loss=lambda out: (out.loss, {"glue_loss": out.loss}), loss_counts=loss_counts,
+                global_loss=global_loss)
 
 
 @dataclass(frozen=True)
@@ -142,6 +156,13 @@ class GlueTask(FinetuneTask):
 
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
         return load_glue_model(self.cfg, ps, vocab_size)
+
+    def packing(self, seed: int) -> Optional[PackingSpec]:
+        ft = self.config
+        if not ft.pack_sequences:
+            return None
+        return PackingSpec(seq_length=ft.max_seq_length, max_samples_per_row=ft.max_samples_per_row,
+                           window=ft.packing_window, seed=seed, sample_fields=("labels",))
 
     def train_tensors(self, tokenizer):
         if not self.files.train:

@@ -8,11 +8,13 @@ import logging
 from typing import Callable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
+from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches
 from megabert.parallel import ParallelState
 from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
 from megabert.data.shard_sources import detect_nvidia_data
 from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
 from megabert.tasks.pretraining.task import checked_batches, infinite
+from megabert.config import DataConfig
 from megabert.training.resolve import ResolvedRun
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,12 @@ def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
     t, data = run.train, run.data
     global_batch = run.batch.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
-    num_samples = (t.train_iters * global_batch, evals * t.eval_iters * global_batch, t.eval_iters * global_batch)
+    # Packed, a global batch of rows holds up to --max-samples-per-row samples a row, and the
+    # last window is packed whole.
+    per_step = global_batch * data.max_samples_per_row if data.pack_sequences else global_batch
+    extra = data.packing_window if data.pack_sequences else 0
+    num_samples = (t.train_iters * per_step + extra, evals * t.eval_iters * per_step + extra,
+                   t.eval_iters * per_step + extra)
     nvidia = detect_nvidia_data(data.data_path)
     if nvidia is not None:
         logger.info("--data-path: %s shards (%d training, %d held-out files)", nvidia.format,
@@ -38,11 +45,23 @@ def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
                                                                 run.model.bert_binary_head)
     source = " ".join(data.data_path)
 
+    packing = packing_spec(data, t.seed) if data.pack_sequences else None
+
     def loader(ds, consumed):
+        if packing is not None:
+            return packed_loader(ds, packing, consumed, data.num_workers)
         return build_pretraining_data_loader(ds, consumed, t.micro_batch_size, ps.dp_rank, ps.dp_size,
                                              data.num_workers)
 
+    def batches_of(windows_or_batches, consumed):
+        if packing is None:
+            return windows_or_batches
+        return packed_micro_batches(windows_or_batches, packing, consumed, t.micro_batch_size, ps.dp_rank,
+                                    ps.dp_size)
+
     def train_batches(consumed):
+        if packing is not None:  # sized for the whole run: one pass
+            return checked_batches(batches_of(loader(train_ds, consumed), consumed), tokenizer.vocab_size, source)
         return checked_batches(infinite(lambda: loader(train_ds, consumed)), tokenizer.vocab_size, source)
 
     if valid_ds is None or not evals:
@@ -58,6 +77,12 @@ def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
         iter(valid_loader)  # persistent workers: every evaluation's iter() reuses them
 
     def valid_batches():
-        return iter(checked_batches(valid_loader, tokenizer.vocab_size, source))
+        return iter(checked_batches(batches_of(valid_loader, 0), tokenizer.vocab_size, source))
 
     return train_batches, valid_batches
+
+
+def packing_spec(data: DataConfig, seed: int) -> PackingSpec:
+    """--pack-sequences: how BERT samples pack (the sentence-pair label is per sample)."""
+    return PackingSpec(seq_length=data.seq_length, max_samples_per_row=data.max_samples_per_row,
+                       window=data.packing_window, seed=seed, sample_fields=("next_sentence_label",))

@@ -12,6 +12,7 @@ from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead, head_linear
 from megabert.model.outputs import ModelOutput
+from megabert.model.packed import cls_positions_mask
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
@@ -19,17 +20,23 @@ from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax
 
 
 class BertPreTrainingOutput(ModelOutput):
-    """loss, mlm_loss, nsp_loss; nsp_logits [b, 2]; mlm_logits_parallel [..., padded V / tp];
+    """loss, mlm_loss, nsp_loss; mlm_loss_sum, nsp_loss_sum: the cross entropy summed over the
+    masked tokens and over the samples (the means' numerators: the trainer divides them by the
+    whole global batch's counts, pretraining_task); nsp_logits [b, 2]; mlm_logits_parallel [..., padded V / tp];
     mlm_logits [b, s, vocab] (or [n_masked, vocab]): full vocab, padding columns removed;
     mlm_predictions: the argmax of mlm_logits, without gathering them; mlm_labels and
     nsp_labels: the targets the losses were computed against (None without labels)."""
 
     def __init__(self, *, loss, mlm_loss, nsp_loss,
                  mlm_logits_parallel: Union[torch.Tensor, Callable[[], torch.Tensor]], nsp_logits, tp_group,
-                 vocab_size, mlm_labels: Optional[torch.Tensor] = None, nsp_labels: Optional[torch.Tensor] = None):
+                 vocab_size, mlm_labels: Optional[torch.Tensor] = None, nsp_labels: Optional[torch.Tensor] = None,
+                 mlm_loss_sum=None, nsp_loss_sum=None):
         """`mlm_logits_parallel`: the tensor, or a function that makes it on first access (the
         fused MLM loss keeps its logits in pieces: a training step never reads them whole)."""
-        super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits)
+        # The loss sums are entries (not attributes): DeepSpeed's ZeRO-3 hooks the tensors of a
+        # module's output to gather its parameters again for backward.
+        super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits,
+                         mlm_loss_sum=mlm_loss_sum, nsp_loss_sum=nsp_loss_sum)
         if callable(mlm_logits_parallel):
             self._make_logits: Optional[Callable[[], torch.Tensor]] = mlm_logits_parallel
         else:
@@ -68,7 +75,8 @@ class BertPreTrainingOutput(ModelOutput):
 
     @property
     def nsp_labels(self) -> Optional[torch.Tensor]:
-        """Sentence-pair labels [b] (0 = B follows A), when the binary head was given them."""
+        """Sentence-pair labels [b] (0 = B follows A), when the binary head was given them;
+        [b * cap] for packed rows, -100 in empty slots."""
         return self._nsp_labels
 
     # NOTE: the sentence-pair logits are called nsp_logits whether the head was trained
@@ -83,7 +91,9 @@ class BertForPreTraining(BertPreTrainedModel):
     """Masked LM + the sentence-pair head (NSP or SOP), as transformers' BertForPreTraining.
 
     forward(input_ids, token_type_ids, attention_mask, labels, next_sentence_label):
-    labels are token ids at masked positions and -100 elsewhere. With
+    labels are token ids at masked positions and -100 elsewhere. Packed rows
+    (megabert.data.packing) add position_ids [b, s] and packed_seqlens [b, cap], and take
+    next_sentence_label [b, cap] (-100 in empty slots); nsp_logits are then [b * cap, 2]. With
     `mlm_logits_at_masked_only` and labels, logits are computed only where labels != -100
     and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab].
     """
@@ -102,10 +112,12 @@ class BertForPreTraining(BertPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                next_sentence_label: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
+                next_sentence_label: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                packed_seqlens: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
         return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
                                               attention_mask=attention_mask, labels=labels,
-                                              next_sentence_label=next_sentence_label))
+                                              next_sentence_label=next_sentence_label, position_ids=position_ids,
+                                              packed_seqlens=packed_seqlens))
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
         """With logits at masked positions only: those positions and [CLS] (the pooler's)."""
@@ -114,7 +126,11 @@ class BertForPreTraining(BertPreTrainedModel):
             return None
         positions = labels != -100
         if self.bert.pooler is not None:
-            positions[:, 0] = True
+            packed = batch.get("packed_seqlens")
+            if packed is not None:
+                positions = positions | cls_positions_mask(packed, labels.size(1))  # each sample's [CLS]
+            else:
+                positions[:, 0] = True
         return positions
 
     def head(self, sequence: torch.Tensor, pooled: Optional[torch.Tensor], batch: dict) -> BertPreTrainingOutput:
@@ -127,18 +143,22 @@ class BertForPreTraining(BertPreTrainedModel):
         if cfg.mlm_logits_at_masked_only and labels is not None:
             selected = labels != -100
             hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
-        mlm_loss = None
+        mlm_loss = mlm_sum = None
         if target is not None:
             # logits: made on first access ([..., V/tp]); training reads only the loss.
             logits, per_token = self.lm_head.logits_and_loss(hidden, self.bert.word_embeddings, target)
-            mlm_loss = per_token.sum() / (target != -100).sum().clamp(min=1)
+            mlm_sum = per_token.sum()
+            mlm_loss = mlm_sum / (target != -100).sum().clamp(min=1)
         else:
             logits = self.lm_head(hidden, self.bert.word_embeddings)
         nsp_logits = self.binary_head(pooled) if self.binary_head is not None else None
-        nsp_loss = None
+        nsp_loss = nsp_sum = None
         if nsp_logits is not None and next_sentence_label is not None:
-            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
+            # -100: an empty slot of a packed row
+            nsp_sum = F.cross_entropy(nsp_logits.float(), next_sentence_label, reduction="sum")
+            nsp_loss = nsp_sum / (next_sentence_label != -100).sum().clamp(min=1)
         parts = [x for x in (mlm_loss, nsp_loss) if x is not None]
         return BertPreTrainingOutput(loss=sum(parts) if parts else None, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
                                      mlm_logits_parallel=logits, nsp_logits=nsp_logits, tp_group=self.ctx.tp_group,
-                                     vocab_size=cfg.vocab_size, mlm_labels=target, nsp_labels=next_sentence_label)
+                                     vocab_size=cfg.vocab_size, mlm_labels=target, nsp_labels=next_sentence_label,
+                                     mlm_loss_sum=mlm_sum, nsp_loss_sum=nsp_sum)

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 PRETRAINING_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
+PACKED_INPUTS = ("position_ids", "packed_seqlens")  # packed rows only (megabert.data.packing)
 
 
 def pretraining_task(binary_head_task: Optional[str]) -> Task:
@@ -42,8 +43,27 @@ def pretraining_task(binary_head_task: Optional[str]) -> Task:
             counts[f"{binary_head_task}_accuracy"] = sentence_pair_counts(out)
         return counts
 
+    # The MLM loss is a mean over the global batch's masked tokens, the sentence-pair loss over
+    # its samples (Task.loss_counts): a step's loss and gradients then depend on which samples it
+    # holds, not on how micro-batches, data-parallel ranks or packed rows group them.
+    def loss_counts(batch: dict) -> torch.Tensor:
+        masked = (batch["labels"] != -100).sum()
+        label = batch.get("next_sentence_label")
+        samples = (label != -100).sum() if binary_head_task and label is not None else torch.zeros_like(masked)
+        return torch.stack([masked, samples])
+
+    def global_loss(out, shares: torch.Tensor):
+        mlm_sum, nsp_sum = out.mlm_loss_sum, out.nsp_loss_sum
+        lm = mlm_sum / shares[0]
+        metrics = {"lm_loss": lm}
+        if binary_head_task and nsp_sum is not None:
+            metrics[f"{binary_head_task}_loss"] = nsp = nsp_sum / shares[1]
+            return lm + nsp, metrics
+        return lm, metrics
+
     inputs = PRETRAINING_INPUTS if binary_head_task else PRETRAINING_INPUTS[:-1]
-    return Task(inputs=inputs, output_loss=output_loss, output_counts=output_counts)
+    return Task(inputs=inputs + PACKED_INPUTS, output_loss=output_loss, output_counts=output_counts,
+                loss_counts=loss_counts, global_loss=global_loss)
 
 
 def masked_lm_counts(out: BertPreTrainingOutput) -> torch.Tensor:
@@ -56,10 +76,11 @@ def masked_lm_counts(out: BertPreTrainingOutput) -> torch.Tensor:
 
 
 def sentence_pair_counts(out: BertPreTrainingOutput) -> torch.Tensor:
-    """tensor([correct, samples]) of the binary (SOP/NSP) head's argmax."""
+    """tensor([correct, samples]) of the binary (SOP/NSP) head's argmax (-100: an empty slot
+    of a packed row)."""
     labels = out.nsp_labels
     correct = out.nsp_logits.argmax(dim=-1) == labels
-    return torch.stack([correct.sum(), torch.tensor(labels.numel(), device=labels.device)])
+    return torch.stack([correct.sum(), (labels != -100).sum()])
 
 
 def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:
