@@ -177,6 +177,17 @@ def test_damaged_data_ends_in_one_line_with_workers(damaged, case):
     _check_rows(line)
 
 
+@pytest.mark.parametrize("case", ["hdf5_bitrot_in_gzip_chunk", "wordpieces_not_in_vocab"])
+def test_packed_rows_speak_as_unpacked_ones(damaged, case):
+    """--pack-sequences reads its windows in the workers through another loader: the same one line."""
+    data, path, vocab = damaged[case]
+    _, pattern, extra = CASES[case]
+    r = run_main(*_args(data, vocab, *extra, "--pack-sequences", "--packing-window", "8"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = one_error_line(r.stderr)
+    assert re.fullmatch("error: " + re.escape(path) + pattern + ".*", line), line
+
+
 def test_workers_speak_as_the_main_process(damaged):
     """0 or 2 workers: the same exception class and the same line, through the loader's API;
     the public one-file reader says it alike."""

@@ -40,6 +40,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from megabert.data.sample_errors import ReportingIterableLoader, read_sample, yield_failures
 from megabert.errors import ConfigError, DataError
 
 # The micro-step's [samples, real tokens, rows, row slots] over every data-parallel rank (int64 [4]);
@@ -131,7 +132,7 @@ def pack_window(dataset, k: int, spec: PackingSpec) -> dict[str, np.ndarray]:
     """Window k of the sample stream (samples [k W, min((k + 1) W, len))) packed into rows,
     in the order drawn from (seed, k)."""
     lo, hi = k * spec.window, min((k + 1) * spec.window, len(dataset))
-    samples = [dataset[i] for i in range(lo, hi)]
+    samples = [read_sample(dataset, i) for i in range(lo, hi)]  # a damaged sample: one line naming its file
     lengths = np.array([sample_length(x) for x in samples], dtype=np.int64)
     rows = first_fit_decreasing(lengths, spec.seq_length, spec.max_samples_per_row)
     order = np.random.default_rng([spec.seed, _ROW_ORDER_SALT, k]).permutation(len(rows))
@@ -150,8 +151,10 @@ class PackedWindows(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        for k in range(self.first_window + worker, self.num_windows, workers):
-            yield pack_window(self.dataset, k, self.spec)
+        windows = range(self.first_window + worker, self.num_windows, workers)
+        # A read error comes back as a SampleFailure, raised by the loader in the main process
+        # as its one line (a worker's own traceback would bury it).
+        yield from yield_failures(pack_window(self.dataset, k, self.spec) for k in windows)
 
 
 def packed_loader(dataset, spec: PackingSpec, consumed_samples: int, num_workers: int
@@ -162,10 +165,9 @@ def packed_loader(dataset, spec: PackingSpec, consumed_samples: int, num_workers
                         f"for fewer samples than the run has already used")
     # NOTE: a generator of its own, as build_pretraining_data_loader's: a new iterator must
     # not draw its workers' base seed from the global RNG (resume would not be bitwise).
-    return torch.utils.data.DataLoader(PackedWindows(dataset, spec, consumed_samples // spec.window),
-                                       batch_size=None, num_workers=num_workers,
-                                       persistent_workers=num_workers > 0,
-                                       generator=torch.Generator().manual_seed(0))
+    return ReportingIterableLoader(PackedWindows(dataset, spec, consumed_samples // spec.window),
+                                   batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0,
+                                   generator=torch.Generator().manual_seed(0))
 
 
 def packed_micro_batches(windows: Iterable[dict], spec: PackingSpec, consumed_samples: int, micro_batch_size: int,

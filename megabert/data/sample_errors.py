@@ -62,6 +62,22 @@ def _explained(dataset, idx, error: Exception) -> Optional[MegabertError]:
         return None
 
 
+def read_sample(dataset, idx):
+    """dataset[idx], a reader's own exception turned into the one-line MegabertError the dataset's
+    `sample_error` writes (raised as is when the dataset cannot say where it failed)."""
+    try:
+        return dataset[idx]
+    except MegabertError:
+        raise
+    except Exception as e:
+        if os.environ.get("MEGABERT_TRACEBACK") == "1":
+            raise
+        explained = _explained(dataset, idx, e)
+        if explained is None:
+            raise
+        raise explained from e
+
+
 class ReportingDataset(torch.utils.data.Dataset):
     """A map-style dataset whose read errors come back as a SampleFailure instead of raising."""
 
@@ -117,13 +133,33 @@ class _RaisingIterator:
         return batch
 
 
-class ReportingDataLoader(torch.utils.data.DataLoader):
+class _RaisesFailures:
+    """DataLoader mix-in: a SampleFailure where a batch belongs is raised as its error."""
+
+    def __iter__(self):
+        # Not a generator: iter(loader) starts persistent workers now, as DataLoader's does.
+        return _RaisingIterator(super().__iter__())
+
+
+class ReportingDataLoader(_RaisesFailures, torch.utils.data.DataLoader):
     """A DataLoader over ReportingDataset(dataset), collated by default_collate: read errors
     raise in the main process, one line each."""
 
     def __init__(self, dataset, **kwargs):
         super().__init__(ReportingDataset(dataset), collate_fn=collate, **kwargs)
 
-    def __iter__(self):
-        # Not a generator: iter(loader) starts persistent workers now, as DataLoader's does.
-        return _RaisingIterator(super().__iter__())
+
+class ReportingIterableLoader(_RaisesFailures, torch.utils.data.DataLoader):
+    """A DataLoader (batch_size=None) over an IterableDataset that yields a SampleFailure
+    where it failed (see `yield_failures`): the failure raises in the main process."""
+
+
+def yield_failures(items):
+    """The items of an iterator, then, if it raises a MegabertError, a SampleFailure in its place
+    (for an IterableDataset behind a ReportingIterableLoader)."""
+    try:
+        yield from items
+    except MegabertError as e:
+        if os.environ.get("MEGABERT_TRACEBACK") == "1":
+            raise
+        yield SampleFailure(e)
