@@ -14,6 +14,7 @@ __all__ = [
     "bert_tiny", "bert_base", "bert_large", "ConfigError", "MegabertError", "ParallelState",
     "init_parallel", "get_parallel_state", "destroy_parallel",
     "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
+    "ModernBertForMaskedLM",
 ]
 
 
@@ -35,4 +36,8 @@ def __getattr__(name: str):
         from megabert.tasks.glue import BertForSequenceClassification
 
         return BertForSequenceClassification
+    if name == "ModernBertForMaskedLM":
+        from megabert.model import ModernBertForMaskedLM
+
+        return ModernBertForMaskedLM
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")

@@ -25,6 +25,10 @@ def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None 
     return field(default=default, metadata=meta)
 
 
+# The activations megabert's ModernBERT implements, by transformers' ACT2FN names.
+MODERNBERT_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The BERT architecture and how its layers compute."""
@@ -74,17 +78,55 @@ class ModelConfig:
     # task from its label set, saved with the checkpoint, exported to config.json.
     num_labels: int = arg(2, "Outputs of a sequence classification head; 1 is regression (STS-B).", cli=False)
     id2label: Optional[dict] = arg(None, "Class id -> label name of a sequence classification head.", cli=False)
+    # The model family. ModernBERT (Warner et al. 2024; megabert.model.modernbert) reads the fields
+    # below, named as transformers' ModernBertConfig names them; BERT ignores them. From the
+    # fields above ModernBERT takes the sizes, attention_dropout, layernorm_epsilon (its
+    # norm_eps), init_method_std (its initializer_range) and vocab/max positions; it has no
+    # token types, no hidden_dropout (its dropouts are the three below) and no binary head.
+    model_family: str = arg("bert", "Model family: bert, or modernbert (RoPE, GeGLU, pre-norm, alternating "
+                            "global/local attention, MLM only; its defaults: --mask-prob 0.3, LayerNorm eps 1e-5, "
+                            "no dropout, FFN 1.5 x hidden, 8192 positions).", choices=("bert", "modernbert"))
+    global_rope_theta: float = arg(160000.0, "ModernBERT: RoPE base of the global attention layers.")
+    local_rope_theta: float = arg(10000.0, "ModernBERT: RoPE base of the local (sliding window) attention layers.")
+    global_attn_every_n_layers: int = arg(3, "ModernBERT: layer i attends globally when i %% n == 0, else "
+                                          "locally.")
+    local_attention: int = arg(128, "ModernBERT: the local layers' window (a token sees the tokens at most "
+                               "local_attention // 2 positions away, as transformers).")
+    norm_bias: bool = arg(False, "ModernBERT: LayerNorms with a bias.")
+    attention_bias: bool = arg(False, "ModernBERT: biases in Wqkv and the attention's Wo.")
+    mlp_bias: bool = arg(False, "ModernBERT: biases in the MLP's Wi and Wo.")
+    decoder_bias: bool = arg(True, "ModernBERT: a bias in the MLM decoder (tied to the word embeddings).")
+    classifier_bias: bool = arg(False, "ModernBERT: a bias in the MLM head's dense layer and in classifiers.")
+    hidden_activation: str = arg("gelu", "ModernBERT: the GeGLU's activation (transformers' ACT2FN name).",
+                                 choices=MODERNBERT_ACTIVATIONS)
+    classifier_activation: str = arg("gelu", "ModernBERT: the MLM head's (and classifiers') activation.",
+                                     choices=MODERNBERT_ACTIVATIONS)
+    initializer_cutoff_factor: float = arg(2.0, "ModernBERT: weights are drawn from a normal truncated at this "
+                                           "many standard deviations.")
+    embedding_dropout: float = arg(0.0, "ModernBERT: dropout after the embedding LayerNorm.")
+    mlp_dropout: float = arg(0.0, "ModernBERT: dropout inside the MLP (after the GeGLU).")
+    classifier_pooling: str = arg("cls", "ModernBERT: classifiers pool the [CLS] token or the mean of the tokens.",
+                                  choices=("cls", "mean"))
+    special_token_ids: Optional[dict] = arg(None, "ModernBERT: config.json's pad/bos/eos/cls/sep token ids, kept "
+                                            "for export.", cli=False)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            # ModernBERT-base's GeGLU is 1.5 x hidden wide (1152 for 768).
+            self.ffn_hidden_size = 3 * self.hidden_size // 2 if self.model_family == "modernbert" \
+                else 4 * self.hidden_size
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "max_position_embeddings", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("hidden_dropout", "attention_dropout"):
+        for name in ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.global_attn_every_n_layers < 1:
+            raise ConfigError(f"--global-attn-every-n-layers must be >= 1, got {self.global_attn_every_n_layers}")
+        if self.local_attention < 2 or self.local_attention % 2:
+            raise ConfigError(f"--local-attention must be an even window of at least 2 tokens, got "
+                              f"{self.local_attention}")
         if self.num_labels < 1:
             raise ConfigError(f"num_labels must be >= 1 (1: regression), got {self.num_labels}")
         if self.id2label is not None:
@@ -92,6 +134,10 @@ class ModelConfig:
             self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
             if sorted(self.id2label) != list(range(self.num_labels)):
                 raise ConfigError(f"id2label {self.id2label} does not name classes 0..{self.num_labels - 1}")
+
+    def is_global_layer(self, layer: int) -> bool:
+        """ModernBERT: whether layer `layer` (0-based) attends globally (transformers' layer_types)."""
+        return layer % self.global_attn_every_n_layers == 0
 
     @property
     def head_dim(self) -> int:
