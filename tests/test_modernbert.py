@@ -75,6 +75,13 @@ def test_equals_transformers(hf_dir, world, impl, backend, unpad):
     run_distributed(_check_tp, world, hf_dir, impl, backend, unpad, False)
 
 
+def test_real_vocab_equals_transformers(tmp_path):
+    """ModernBERT's vocab, 50,368 (a multiple of 128 but not of 256): padded to 50,432 at TP 2,
+    the padding columns never reach the logits, the loss or the gradients."""
+    run_distributed(_check_tp, 2, make_modernbert_dir(tmp_path / "hf", vocab_size=50368), "eager", "torch", True,
+                    False)
+
+
 def test_sequence_parallel_equals_transformers(hf_dir):
     run_distributed(_check_tp, 2, hf_dir, "eager", "torch", False, True)
 

@@ -42,3 +42,23 @@ def modernbert_batch(seed=1):
     labels[0, 20] = ids[0, 20]
     labels[1, 11] = ids[1, 11]
     return ids, am, labels
+
+
+SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]"]  # ids 0-4: pad 0, cls 1, sep 2 as the config says
+
+
+def save_tokenizer(path, texts, vocab_size=VOCAB):
+    """A BPE tokenizer.json (+ tokenizer_config.json) trained on `texts`, saved as transformers
+    saves ModernBERT's (a PreTrainedTokenizerFast that adds [CLS] ... [SEP])."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS))
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", cls_token="[CLS]",
+                                                sep_token="[SEP]", mask_token="[MASK]", unk_token="[UNK]")
+    fast.save_pretrained(str(path))
+    return str(path)
