@@ -15,12 +15,11 @@ import dataclasses
 import os
 from typing import Optional
 
-from megabert.config import Configs, ModelConfig
+from megabert.config import MODERNBERT_MODEL_DEFAULTS, Configs, ModelConfig
 from megabert.errors import ConfigError, MegabertError
 
-MODERNBERT_DEFAULTS = {"model.layernorm_epsilon": 1e-5, "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
-                       "model.max_position_embeddings": 8192, "model.layernorm_position": "pre",
-                       "model.bert_binary_head": False, "data.mask_prob": 0.3}
+MODERNBERT_DEFAULTS = {**{f"model.{k}": v for k, v in MODERNBERT_MODEL_DEFAULTS.items() if k != "model_family"},
+                       "data.mask_prob": 0.3}
 # How the model computes, not what it is: always the flags' (pretrain_bert.py's defaults
 # included), whatever a loaded checkpoint says.
 RUN_TIME_FIELDS = ("attention_backend", "layernorm_backend", "dropout_add_backend", "recompute_granularity",

@@ -210,3 +210,37 @@ def test_initialisation_is_truncated_and_scaled():
     emb = params["bert.embeddings.word_embeddings.weight"]
     assert emb[99:].abs().max() == 0 and emb[:99].abs().max() <= cut * std  # vocab padding rows stay zero
     assert all("bias" not in n or n == "lm_head.bias" for n in params)  # no biases but the decoder's
+
+
+def _train_step(recompute, unpad, dtype=None, p=0.1):
+    cfg = megabert.modernbert_tiny(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=99,
+                                   max_position_embeddings=64, local_attention=8, embedding_dropout=p,
+                                   attention_dropout=p, mlp_dropout=p, recompute_granularity=recompute,
+                                   unpad_input=unpad, attention_backend="varlen" if unpad else "torch",
+                                   mlm_logits_at_masked_only=True)
+    model = megabert.ModernBertForMaskedLM(cfg, megabert.init_parallel()).train()
+    ids, am, labels = modernbert_batch()
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = model(ids, attention_mask=am, labels=labels).loss
+    loss.backward()
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("unpad", [False, True])
+def test_recompute_replays_every_dropout(unpad):
+    """Embedding, attention-probability, attention-output and MLP dropout on: full and selective
+    recompute give the loss and gradients of no recompute (the per-TP-rank stream restored)."""
+    loss, grads = _train_step(None, unpad)
+    for recompute in ("full", "selective"):
+        other, other_grads = _train_step(recompute, unpad)
+        assert torch.equal(loss, other), recompute
+        for name, g in grads.items():
+            close(other_grads[name], g, f"{recompute} grad {name}")
+    assert not torch.equal(_train_step(None, unpad, p=0.0)[0], loss)  # the dropouts did drop
+
+
+def test_bf16_autocast_is_close_to_fp32():
+    loss, _ = _train_step(None, True)
+    bf16, grads = _train_step(None, True, torch.bfloat16)
+    assert abs(bf16.item() - loss.item()) < 5e-2 and all(torch.isfinite(g).all() for g in grads.values())

@@ -152,6 +152,8 @@ class ModernBertLayer(nn.Module):
     """x + attn(attn_norm(x)), then + mlp(mlp_norm(.)); layer 0 has no attn_norm (its input
     is the embedding norm's output)."""
 
+    compiled_as_layer = True  # --compile compiles each layer (megabert.model.transformer.compile_layers)
+
     def __init__(self, ctx: BuildContext, layer_number: int):
         super().__init__()
         cfg = ctx.config
