@@ -44,10 +44,10 @@ FINETUNE_DEFAULTS = {"optim.lr": 3e-5, "optim.lr_warmup_fraction": 0.1, "optim.l
 
 def _flags(f: dataclasses.Field) -> list[str]:
     """The field's flag, plus the other spelling when its name has both (Megatron writes
-    --deepspeed_config, most other flags with dashes; users type either)."""
+    --deepspeed_config, most other flags with dashes; users type either), and its aliases."""
     flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
     other = "--" + flag[2:].replace("_", "-") if "_" in flag else None
-    return [flag, other] if other else [flag]
+    return ([flag, other] if other else [flag]) + list(f.metadata.get("aliases", ()))
 
 
 class ArgumentParser(argparse.ArgumentParser):

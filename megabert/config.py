@@ -17,9 +17,10 @@ from megabert.parallel.buckets import BUCKET_ELEMENTS
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
-        choices: tuple | None = None, factory: Any = None, cli: bool = True) -> Any:
-    """A dataclass field with the metadata `megabert.arguments` needs for its flag."""
-    meta = {"help": help, "flag": flag, "choices": choices, "cli": cli}
+        choices: tuple | None = None, factory: Any = None, cli: bool = True, aliases: tuple = ()) -> Any:
+    """A dataclass field with the metadata `megabert.arguments` needs for its flag (`aliases`:
+    other names of the same flag, e.g. Megatron's --tokenizer-model for --vocab-file)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "cli": cli, "aliases": aliases}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -193,7 +194,8 @@ class DataConfig:
                                "DeepLearningExamples .hdf5 / LDDL .parquet shards: a directory, glob or files.",
                           factory=list)
     split: str = arg("969,30,1", "Train,valid,test proportions, e.g. 949,50,1.")
-    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json).")
+    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json; "
+                                    "--tokenizer-model is the same flag).", aliases=("--tokenizer-model",))
     tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type.",
                               choices=("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
                                        "HuggingFaceTokenizer"))
@@ -235,8 +237,15 @@ class OptimConfig:
     lr_warmup_iters: int = arg(0, "Linear warmup iterations.")
     lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of --lr-decay-iters (overrides iters).")
     lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over; default --train-iters.")
-    lr_decay_style: str = arg("linear", "Decay after warmup.",
-                              choices=("constant", "linear", "cosine", "polynomial", "warmup_exp_decay_exp"))
+    lr_decay_style: str = arg("linear", "Decay after warmup. WSD (warmup-stable-decay, Megatron's; ModernBERT's "
+                              "trapezoidal schedule): --lr until the last --lr-wsd-decay-iters of --lr-decay-iters, "
+                              "then down to --min-lr as --lr-wsd-decay-style says.",
+                              choices=("constant", "linear", "cosine", "polynomial", "warmup_exp_decay_exp", "WSD"))
+    lr_wsd_decay_style: str = arg("exponential", "WSD: the shape of the final decay (Megatron's choices; "
+                                  "ModernBERT decays as minus_sqrt, 1 - sqrt(t)).",
+                                  choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: Optional[int] = arg(None, "WSD: iterations of the final decay (needed with "
+                                            "--lr-decay-style WSD).")
     lr_decay_power: float = arg(0.5, "Power of the polynomial decay (NVIDIA's LAMB recipe uses 0.5).")
     lr_exp_decay_rate: float = arg(0.99, "warmup_exp_decay_exp: factor applied every --lr-exp-decay-iters.")
     lr_exp_decay_iters: int = arg(1000, "warmup_exp_decay_exp: iterations per decay factor.")
@@ -267,6 +276,9 @@ class OptimConfig:
             raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be >= 0")
+        if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters < 1):
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N >= 1 (the iterations of the final "
+                              "decay)")
 
 
 @dataclass(kw_only=True)
@@ -350,9 +362,9 @@ class TaskConfig:
     subclasses it with its data files and options, and may give a field another default."""
 
     output_dir: Optional[str] = arg(None, "Where the predictions, eval_results.json and the task's other outputs go.")
-    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or tokenizer.json); default the vocab.txt that came "
-                                    "with --load (a Hugging Face or Google TF directory's, or beside a converted "
-                                    "checkpoint).")
+    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or tokenizer.json; --tokenizer-model is the same "
+                                    "flag); default the vocab.txt that came with --load (a Hugging Face or Google TF "
+                                    "directory's, or beside a converted checkpoint).", aliases=("--tokenizer-model",))
     tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type (lower-cased or cased WordPiece, or a "
                               "tokenizer.json); must match the pre-trained model.",
                               choices=("BertWordPieceLowerCase", "BertWordPieceCase", "HuggingFaceTokenizer"))

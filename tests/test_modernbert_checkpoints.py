@@ -147,3 +147,24 @@ def test_pretraining_from_scratch(setup, tmp_path):
     lines = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert [m["iteration"] for m in lines] == [1, 2] and all(m["lm_loss"] > 0 for m in lines)
     assert "sop_loss" not in lines[0]
+
+
+def test_tokenizer_json_padding_and_truncation_change_nothing(setup, tmp_path):
+    """A tokenizer.json saved with padding and truncation switched on preprocesses the corpus
+    byte for byte as the plain one (Megatron's --tokenizer-model spelling)."""
+    from tokenizers import Tokenizer
+
+    d, hf_dir = setup
+    tok = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+    tok.enable_padding(length=64, pad_id=0, pad_token="[PAD]")
+    tok.enable_truncation(max_length=8)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert json.load(open(tmp_path / "tokenizer.json"))["padding"] is not None
+    r = run_main("tools/preprocess_data.py", "--input", str(d / "corpus.jsonl"), "--output-prefix", str(tmp_path / "p"),
+                 "--json-keys", "text", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                 str(tmp_path / "tokenizer.json"), "--split-sentences", "--workers", "1")
+    assert r.returncode == 0, r.stderr
+    for ext in ("bin", "idx"):
+        assert open(tmp_path / f"p_text_sentence.{ext}", "rb").read() == open(d / f"c_text_sentence.{ext}", "rb").read()
+    cfg = parse_args(_argv(d, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir))
+    assert cfg.data.vocab_file == hf_dir
