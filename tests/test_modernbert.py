@@ -244,3 +244,20 @@ def test_bf16_autocast_is_close_to_fp32():
     loss, _ = _train_step(None, True)
     bf16, grads = _train_step(None, True, torch.bfloat16)
     assert abs(bf16.item() - loss.item()) < 5e-2 and all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_bert_task_models_refuse_a_modernbert_config():
+    cfg = megabert.modernbert_tiny(num_layers=2, hidden_size=32, vocab_size=99)
+    with pytest.raises(megabert.ConfigError, match="ModernBertForMaskedLM"):
+        megabert.BertForPreTraining(cfg, megabert.init_parallel())
+
+
+def test_flops_count_geglu_and_windows():
+    from megabert.training.metrics import bert_flops_per_sample
+
+    cfg = megabert.modernbert_tiny(num_layers=3, hidden_size=32, ffn_hidden_size=48, vocab_size=99,
+                                   local_attention=8)
+    h, f, s = 32, 48, 100
+    layer = 2 * (4 * h * h + 3 * h * f)
+    expected = 3 * (s * (3 * layer + 4 * h * (s + 9 + 9)) + s * (2 * h * h + 2 * h * 99))
+    assert bert_flops_per_sample(cfg, s) == expected

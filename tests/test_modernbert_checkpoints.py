@@ -168,3 +168,26 @@ def test_tokenizer_json_padding_and_truncation_change_nothing(setup, tmp_path):
         assert open(tmp_path / f"p_text_sentence.{ext}", "rb").read() == open(d / f"c_text_sentence.{ext}", "rb").read()
     cfg = parse_args(_argv(d, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir))
     assert cfg.data.vocab_file == hf_dir
+
+
+def _layout_losses(d, hf_dir, tmp_path, world, *layout):
+    from tests.helpers.cli_utils import main_worker
+    from tests.helpers.dist_utils import run_distributed
+
+    metrics = tmp_path / f"m{'_'.join(layout) or 'tp1'}.jsonl"
+    argv = _argv(d, "--load", hf_dir, "--train-iters", "3", "--attention-dropout", "0", "--metrics-file",
+                 str(metrics), *layout)
+    run_distributed(main_worker, world, "pretrain_bert.py", argv)
+    return [json.loads(line)["lm_loss"] for line in open(metrics)]
+
+
+def test_continued_pretraining_is_layout_independent(setup, tmp_path):
+    """Three steps of continued pre-training from a transformers dir: TP 2 and PP 2 give the
+    losses of one process (the same weights, batches and updates)."""
+    d, hf_dir = setup
+    one = _layout_losses(d, hf_dir, tmp_path, 1)
+    assert len(one) == 3 and one[0] != one[2]
+    for layout in (("--tensor-model-parallel-size", "2"), ("--pipeline-model-parallel-size", "2")):
+        other = _layout_losses(d, hf_dir, tmp_path, 2, *layout)
+        for a, b in zip(one, other):
+            assert abs(a - b) < 1e-5 * max(1.0, abs(a)), (layout, one, other)
