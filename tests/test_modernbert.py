@@ -261,3 +261,27 @@ def test_flops_count_geglu_and_windows():
     layer = 2 * (4 * h * h + 3 * h * f)
     expected = 3 * (s * (3 * layer + 4 * h * (s + 9 + 9)) + s * (2 * h * h + 2 * h * 99))
     assert bert_flops_per_sample(cfg, s) == expected
+
+
+@pytest.mark.parametrize("s,w", [(37, 4), (64, 8), (20, 16)])
+def test_blocked_local_attention_equals_the_band_masked_dense_core(s, w):
+    """Outputs and gradients of the blocked window equal the dense core under the band mask,
+    with padded rows and a length that is no multiple of the block."""
+    from megabert.model.modernbert.local_attention import local_attention
+    from megabert.ops.reference import scaled_masked_softmax_reference
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, s, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    padding = torch.zeros(2, s, dtype=torch.bool)
+    padding[1, s - 7:] = True
+    out = local_attention(q, k, v, padding, w)
+    mask = padding[:, None, None, :] | band_mask(s, w, "cpu")[None, None]
+    probs = scaled_masked_softmax_reference(torch.matmul(q, k.transpose(-1, -2)), mask, 8 ** -0.5)
+    ref = torch.matmul(probs, v)
+    real = ~padding  # padding queries' rows are never read
+    close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], "blocked window")
+    grad = torch.randn(ref.shape, generator=gen, dtype=torch.float64) * real[:, None, :, None]
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b_, name in zip(got, want, "qkv"):
+        close(a, b_, f"grad {name}")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megabert import ops
 from megabert.model.context import BuildContext
+from megabert.model.modernbert.local_attention import local_attention, worth_blocking
 from megabert.model.modernbert.rope import RotaryTables, rotate
 from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import describe_module, set_hf_names
@@ -53,6 +54,15 @@ class AttentionInputs:
         self.s, self.half_window, self.device = seq_length, half_window, device
         self._local_mask: Optional[torch.Tensor] = None
 
+    @property
+    def key_padding(self) -> Optional[torch.Tensor]:
+        """bool [b, s], True = padding (from a [b, 1, 1, s] mask), or None."""
+        if self.mask is None:
+            return None
+        if self.mask.dim() != 4 or self.mask.size(2) != 1:
+            raise ValueError("ModernBERT's local layers take a [b, s] padding mask (transformers' attention_mask)")
+        return self.mask[:, 0, 0, :]
+
     def padded_mask(self, is_global: bool) -> Optional[torch.Tensor]:
         if is_global:
             return self.mask
@@ -77,9 +87,12 @@ class ModernBertAttention(nn.Module):
         names = ("weight", "bias") if cfg.attention_bias else ("weight",)
         set_hf_names(self, {f"{m}.{k}": f"{hf_prefix}{m}.{k}" for m in ("Wqkv", "Wo") for k in names})
         self.selective_recompute = cfg.recompute_granularity == "selective"
-        # The CPU varlen kernel and FlashAttention's varlen call here take no window yet:
-        # local layers run the padded path with a band mask (exact; quadratic in s).
+        # The CPU varlen kernel and FlashAttention's varlen call here take no window yet: local
+        # layers run the padded layout, by blocks of the window (local_attention.py: linear in
+        # s) or, with the reference backend "torch" and on short rows, a band-masked dense core.
         self.varlen = ctx.attention_backend == "varlen" and self.is_global
+        self.blocked = not self.is_global and ctx.attention_backend != "torch"
+        self.half_window = cfg.local_attention // 2
 
     def _dropout_p(self) -> float:
         return self.ctx.config.attention_dropout if self.training else 0.0
@@ -88,12 +101,16 @@ class ModernBertAttention(nn.Module):
         return ops.varlen_attention(qkv, tokens.cu_seqlens, tokens.host_cu_seqlens, dropout_p=self._dropout_p(),
                                     rng_fork=self.ctx.rng.fork)
 
-    def _padded_core(self, qkv: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def _padded_core(self, qkv: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """qkv [s, b, 3, n/tp, d] -> [s, b, n/tp * d]."""
         s, b = qkv.shape[:2]
         q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)  # each [b, n/tp, s, d]
-        ctx = ops.core_attention(q, k, v, mask, backend=self.ctx.attention_backend, dropout_p=self._dropout_p(),
-                                 rng_fork=self.ctx.rng.fork)
+        if self.blocked and worth_blocking(s, self.half_window):
+            ctx = local_attention(q, k, v, inputs.key_padding, self.half_window, dropout_p=self._dropout_p(),
+                                  rng_fork=self.ctx.rng.fork)
+        else:
+            ctx = ops.core_attention(q, k, v, inputs.padded_mask(self.is_global), backend=self.ctx.attention_backend,
+                                     dropout_p=self._dropout_p(), rng_fork=self.ctx.rng.fork)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
     def _run(self, core, *args):
@@ -115,9 +132,9 @@ class ModernBertAttention(nn.Module):
             ctx = ctx.reshape(ctx.size(0), self.heads_per_rank * self.head_dim)
         elif tokens is not None:
             padded = tokens.pad(qkv)  # [s, b, 3, n/tp, d]: padded keys are masked, padded queries dropped
-            ctx = tokens.unpad(self._run(self._padded_core, padded, inputs.padded_mask(self.is_global)))
+            ctx = tokens.unpad(self._run(self._padded_core, padded, inputs))
         else:
-            ctx = self._run(self._padded_core, qkv, inputs.padded_mask(self.is_global))
+            ctx = self._run(self._padded_core, qkv, inputs)
         if rows is not None:
             ctx = ctx.index_select(0, rows)
         return self.Wo(ctx)
