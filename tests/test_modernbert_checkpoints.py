@@ -10,7 +10,7 @@ import torch
 
 import megabert
 from megabert.arguments import parse_args
-from megabert.errors import ConfigError
+from megabert.errors import CheckpointError, ConfigError
 
 from tests.conftest import _corpus
 from tests.helpers.cli_utils import run_main
@@ -191,3 +191,24 @@ def test_continued_pretraining_is_layout_independent(setup, tmp_path):
         other = _layout_losses(d, hf_dir, tmp_path, 2, *layout)
         for a, b in zip(one, other):
             assert abs(a - b) < 1e-5 * max(1.0, abs(a)), (layout, one, other)
+
+
+def test_both_config_json_spellings_read_alike(setup):
+    """transformers 5's config.json (layer_types, rope_parameters) and the Hub's 4.x one
+    (global_attn_every_n_layers, global/local_rope_theta) give one ModelConfig; a layer pattern
+    megabert does not build is an error, not a silent approximation."""
+    from megabert.checkpoint.hf_modernbert import hf_config_from_model, model_config_from_hf
+
+    _, hf_dir = setup
+    new = json.load(open(os.path.join(hf_dir, "config.json")))
+    old = {k: v for k, v in new.items() if k not in ("layer_types", "rope_parameters")}
+    old.update(global_attn_every_n_layers=3, global_rope_theta=160000.0, local_rope_theta=10000.0,
+               reference_compile=True, position_embedding_type="absolute")
+    cfg = model_config_from_hf(new)
+    assert model_config_from_hf(old) == cfg
+    assert (cfg.global_attn_every_n_layers, cfg.global_rope_theta, cfg.local_rope_theta) == (3, 160000.0, 10000.0)
+    written = hf_config_from_model(cfg)
+    assert written["layer_types"] == new["layer_types"] and written["rope_parameters"] == new["rope_parameters"]
+    assert model_config_from_hf(written) == cfg
+    with pytest.raises(CheckpointError, match="layer_types"):
+        model_config_from_hf({**new, "layer_types": ["sliding_attention"] + new["layer_types"][1:]})
