@@ -53,6 +53,7 @@ class AttentionInputs:
         self.mask, self.tokens, self.rope = mask, tokens, rope
         self.s, self.half_window, self.device = seq_length, half_window, device
         self._local_mask: Optional[torch.Tensor] = None
+        self._segments: Optional[torch.Tensor] = None
 
     @property
     def key_padding(self) -> Optional[torch.Tensor]:
@@ -62,6 +63,15 @@ class AttentionInputs:
         if self.mask.dim() != 4 or self.mask.size(2) != 1:
             raise ValueError("ModernBERT's local layers take a [b, s] padding mask (transformers' attention_mask)")
         return self.mask[:, 0, 0, :]
+
+    @property
+    def token_segments(self) -> torch.Tensor:
+        """int64 [1, T]: the sequence of each unpadded token (the local layers' segments)."""
+        if self._segments is None:
+            cu = self.tokens.cu_seqlens
+            ids = torch.arange(cu.numel() - 1, device=cu.device)
+            self._segments = torch.repeat_interleave(ids, cu[1:] - cu[:-1], output_size=self.tokens.num_tokens)[None]
+        return self._segments
 
     def padded_mask(self, is_global: bool) -> Optional[torch.Tensor]:
         if is_global:
@@ -88,8 +98,9 @@ class ModernBertAttention(nn.Module):
         set_hf_names(self, {f"{m}.{k}": f"{hf_prefix}{m}.{k}" for m in ("Wqkv", "Wo") for k in names})
         self.selective_recompute = cfg.recompute_granularity == "selective"
         # The CPU varlen kernel and FlashAttention's varlen call here take no window yet: local
-        # layers run the padded layout, by blocks of the window (local_attention.py: linear in
-        # s) or, with the reference backend "torch" and on short rows, a band-masked dense core.
+        # layers run by blocks of the window (local_attention.py: linear in s), on the unpadded
+        # tokens as they are or on padded rows; the reference backend "torch" (and short padded
+        # rows) run a band-masked dense core.
         self.varlen = ctx.attention_backend == "varlen" and self.is_global
         self.blocked = not self.is_global and ctx.attention_backend != "torch"
         self.half_window = cfg.local_attention // 2
@@ -113,6 +124,14 @@ class ModernBertAttention(nn.Module):
                                      dropout_p=self._dropout_p(), rng_fork=self.ctx.rng.fork)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
+    def _unpadded_local_core(self, qkv: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """qkv [T, 3, n/tp, d] -> [T, n/tp * d]: the real tokens as one row, each sequence a
+        segment, by blocks of the window (no padding back to [s, b])."""
+        q, k, v = qkv.permute(1, 2, 0, 3).unsqueeze(1).unbind(0)  # each [1, n/tp, T, d]
+        ctx = local_attention(q, k, v, None, self.half_window, segments=inputs.token_segments,
+                              dropout_p=self._dropout_p(), rng_fork=self.ctx.rng.fork)  # [1, n/tp, T, d]
+        return ctx[0].transpose(0, 1).reshape(qkv.size(0), self.heads_per_rank * self.head_dim)
+
     def _run(self, core, *args):
         if self.selective_recompute and self.training:
             return checkpoint(core, self.ctx.rng, *args)  # the core holds the O(s^2) or O(T) activations
@@ -130,6 +149,8 @@ class ModernBertAttention(nn.Module):
         if tokens is not None and self.varlen:
             ctx = self._run(self._varlen_core, qkv, tokens)  # [T, n/tp, d]
             ctx = ctx.reshape(ctx.size(0), self.heads_per_rank * self.head_dim)
+        elif tokens is not None and self.blocked:
+            ctx = self._run(self._unpadded_local_core, qkv, inputs)  # [T, h/tp]
         elif tokens is not None:
             padded = tokens.pad(qkv)  # [s, b, 3, n/tp, d]: padded keys are masked, padded queries dropped
             ctx = tokens.unpad(self._run(self._padded_core, padded, inputs))

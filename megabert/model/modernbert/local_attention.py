@@ -29,9 +29,13 @@ def worth_blocking(seq_length: int, half_window: int) -> bool:
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: Optional[torch.Tensor],
-                    half_window: int, *, dropout_p: float = 0.0, rng_fork=None) -> torch.Tensor:
-    """q, k, v: [b, heads, s, d]; key_padding: bool [b, s] (True = padding) or None.
-    -> [b, heads, s, d]. `rng_fork()`: the context dropout draws in (the per-TP-rank stream)."""
+                    half_window: int, *, segments: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                    rng_fork=None) -> torch.Tensor:
+    """q, k, v: [b, heads, s, d]; key_padding: bool [b, s] (True = padding) or None;
+    `segments`: int [b, s] or None, a query sees only keys of its own segment (the unpadded
+    layout: all of a batch's real tokens as one row, a segment per sequence; once packed, a
+    segment per sample). -> [b, heads, s, d]. `rng_fork()`: the context dropout draws in
+    (the per-TP-rank stream)."""
     b, n, s, d = q.shape
     w, blk = half_window, block_size(half_window)
     nb = -(-s // blk)
@@ -54,6 +58,10 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_paddi
     real = torch.ones(b, s, dtype=torch.bool, device=q.device) if key_padding is None else ~key_padding
     real = F.pad(real, (w, w + sp - s), value=False).unfold(1, span, blk)  # [b, nb, span]
     keep = band[None, None] & real[:, :, None, :]  # [b, nb, B, span]
+    if segments is not None:
+        seg_k = F.pad(segments, (w, w + sp - s), value=-1).unfold(1, span, blk)  # [b, nb, span]
+        seg_q = F.pad(segments, (0, sp - s), value=-2).view(b, nb, blk)  # [b, nb, B]
+        keep = keep & (seg_q[..., :, None] == seg_k[..., None, :])
     scores = scores.masked_fill(~keep[:, None], torch.finfo(scores.dtype).min)
     # A row with no valid key (a padding query) gets a uniform, finite row: never read.
     probs = torch.softmax(scores, dim=-1)
