@@ -175,19 +175,23 @@ def _layout_losses(d, hf_dir, tmp_path, world, *layout):
     from tests.helpers.dist_utils import run_distributed
 
     metrics = tmp_path / f"m{'_'.join(layout) or 'tp1'}.jsonl"
-    argv = _argv(d, "--load", hf_dir, "--train-iters", "3", "--attention-dropout", "0", "--metrics-file",
-                 str(metrics), *layout)
+    # Micro-batches of 2 in a global batch of 4 in every layout: the loss is a mean per
+    # micro-batch, so every layout accumulates the same two (PP 2 runs a real 1F1B schedule).
+    argv = _argv(d, "--load", hf_dir, "--train-iters", "3", "--attention-dropout", "0", "--micro-batch-size", "2",
+                 "--metrics-file", str(metrics), *layout)
     run_distributed(main_worker, world, "pretrain_bert.py", argv)
     return [json.loads(line)["lm_loss"] for line in open(metrics)]
 
 
 def test_continued_pretraining_is_layout_independent(setup, tmp_path):
-    """Three steps of continued pre-training from a transformers dir: TP 2 and PP 2 give the
-    losses of one process (the same weights, batches and updates)."""
+    """Three steps of continued pre-training from a transformers dir: TP 2, PP 2 and DP 2 with
+    the distributed optimizer give the losses of one process (the same weights, batches and
+    updates)."""
     d, hf_dir = setup
     one = _layout_losses(d, hf_dir, tmp_path, 1)
     assert len(one) == 3 and one[0] != one[2]
-    for layout in (("--tensor-model-parallel-size", "2"), ("--pipeline-model-parallel-size", "2")):
+    for layout in (("--tensor-model-parallel-size", "2"), ("--pipeline-model-parallel-size", "2"),
+                   ("--use-distributed-optimizer",)):  # DP 2, ZeRO-1 of our own
         other = _layout_losses(d, hf_dir, tmp_path, 2, *layout)
         for a, b in zip(one, other):
             assert abs(a - b) < 1e-5 * max(1.0, abs(a)), (layout, one, other)
