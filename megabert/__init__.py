@@ -15,7 +15,7 @@ __all__ = [
     "ConfigError", "MegabertError", "ParallelState",
     "init_parallel", "get_parallel_state", "destroy_parallel",
     "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
-    "ModernBertForMaskedLM",
+    "ModernBertForMaskedLM", "ModernBertForSequenceClassification",
 ]
 
 
@@ -37,8 +37,8 @@ def __getattr__(name: str):
         from megabert.tasks.glue import BertForSequenceClassification
 
         return BertForSequenceClassification
-    if name == "ModernBertForMaskedLM":
-        from megabert.model import ModernBertForMaskedLM
+    if name in ("ModernBertForMaskedLM", "ModernBertForSequenceClassification"):
+        import megabert.model
 
-        return ModernBertForMaskedLM
+        return getattr(megabert.model, name)
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")

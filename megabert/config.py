@@ -108,6 +108,7 @@ class ModelConfig:
     mlp_dropout: float = arg(0.0, "ModernBERT: dropout inside the MLP (after the GeGLU).")
     classifier_pooling: str = arg("cls", "ModernBERT: classifiers pool the [CLS] token or the mean of the tokens.",
                                   choices=("cls", "mean"))
+    classifier_dropout: float = arg(0.0, "ModernBERT: dropout before a classifier.")
     special_token_ids: Optional[dict] = arg(None, "ModernBERT: config.json's pad/bos/eos/cls/sep token ids, kept "
                                             "for export.", cli=False)
 
@@ -120,7 +121,7 @@ class ModelConfig:
                      "max_position_embeddings", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout"):
+        for name in ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout", "classifier_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
         if self.global_attn_every_n_layers < 1:

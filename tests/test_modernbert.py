@@ -285,3 +285,27 @@ def test_blocked_local_attention_equals_the_band_masked_dense_core(s, w):
     want = torch.autograd.grad(ref, (q, k, v), grad)
     for a, b_, name in zip(got, want, "qkv"):
         close(a, b_, f"grad {name}")
+
+
+def _check_classification(rank, world, hf_dir, unpad):
+    ps = megabert.init_parallel(tensor_parallel_size=world)
+    hf = transformers.ModernBertForSequenceClassification.from_pretrained(hf_dir, attn_implementation="eager")
+    ids, am, _ = modernbert_batch()
+    labels = torch.tensor([0, 2, 1])
+    ref = hf(input_ids=ids, attention_mask=am, labels=labels)
+    ref.loss.backward()
+    model = megabert.ModernBertForSequenceClassification.from_pretrained(
+        hf_dir, ps, attention_backend="varlen" if unpad else "torch", unpad_input=unpad)
+    out = model(ids, attention_mask=am, labels=labels)
+    out.loss.backward()
+    close(out.logits, ref.logits, "logits")
+    close(out.loss, ref.loss, "loss")
+    hf_grads = _close_grads(model, ps, hf)
+    assert set(hf_grads) == {n for n, _ in hf.named_parameters()}
+
+
+@pytest.mark.parametrize("pooling,world,unpad", [("cls", 1, True), ("mean", 2, False), ("mean", 1, True)])
+def test_sequence_classification_equals_transformers(tmp_path, pooling, world, unpad):
+    hf_dir = make_modernbert_dir(tmp_path / "hf", "ModernBertForSequenceClassification", num_labels=3,
+                                 classifier_pooling=pooling, classifier_bias=True)
+    run_distributed(_check_classification, world, hf_dir, unpad)

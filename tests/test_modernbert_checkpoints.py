@@ -216,3 +216,32 @@ def test_both_config_json_spellings_read_alike(setup):
     assert model_config_from_hf(written) == cfg
     with pytest.raises(CheckpointError, match="layer_types"):
         model_config_from_hf({**new, "layer_types": ["sliding_attention"] + new["layer_types"][1:]})
+
+
+def test_glue_finetunes_a_modernbert_and_exports_it(setup, tmp_path):
+    """finetune_glue.py --load a transformers ModernBERT (masked LM) dir: its tokenizer.json and a
+    ModernBertForSequenceClassification; the fine-tuned checkpoint exports to a transformers
+    ModernBertForSequenceClassification that predicts what megabert predicted."""
+    import numpy as np
+
+    from tests.test_glue import MNLI_LABELS, write_mnli
+
+    _, hf_dir = setup
+    data = write_mnli(tmp_path / "MNLI", np.random.default_rng(0))
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    r = run_main("finetune_glue.py", "--task-name", "mnli", "--data-dir", data, "--load", hf_dir, "--output-dir",
+                 str(out), "--max-seq-length", "48", "--micro-batch-size", "4", "--global-batch-size", "8",
+                 "--train-iters", "2", "--lr", "1e-3", "--save", str(ckpt))
+    assert r.returncode == 0, r.stderr
+    assert 0 <= json.load(open(out / "eval_results.json"))["eval_accuracy"] <= 1
+    r = run_main("tools/checkpoint/convert_hf.py", "export", "--load", str(ckpt), "--hf-dir", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "ModernBertForSequenceClassification"
+    assert hf.config.id2label == dict(enumerate(MNLI_LABELS))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    rows = [line.split("\t") for line in open(os.path.join(data, "test_matched.tsv")).read().splitlines()[1:]]
+    enc = tok([r[8] for r in rows], [r[9] for r in rows], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        words = [hf.config.id2label[int(i)] for i in hf(**enc).logits.argmax(-1)]
+    assert words == [line.split("\t")[1] for line in open(out / "MNLI-m.tsv").read().splitlines()[1:]]

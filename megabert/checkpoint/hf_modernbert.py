@@ -68,7 +68,11 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         decoder_bias=get("decoder_bias"), classifier_bias=get("classifier_bias"),
         hidden_activation=get("hidden_activation"), classifier_activation=get("classifier_activation"),
         initializer_cutoff_factor=get("initializer_cutoff_factor") or 3.0,  # transformers: None means 3
-        classifier_pooling=get("classifier_pooling"), special_token_ids=special or None)
+        classifier_pooling=get("classifier_pooling"), classifier_dropout=hf.get("classifier_dropout") or 0.0,
+        special_token_ids=special or None)
+    if "ModernBertForSequenceClassification" in (hf.get("architectures") or []):
+        id2label = hf.get("id2label")  # transformers derives num_labels from id2label
+        fields.update(num_labels=len(id2label) if id2label else hf.get("num_labels", 2), id2label=id2label)
     for act in ("hidden_activation", "classifier_activation"):
         if fields[act] not in MODERNBERT_ACTIVATIONS:
             raise CheckpointError(f"config.json has {act} {fields[act]!r}; megabert's ModernBERT takes "
@@ -91,7 +95,7 @@ def hf_config_from_model(cfg: ModelConfig, architecture: str = "ModernBertForMas
         "attention_dropout": cfg.attention_dropout, "embedding_dropout": cfg.embedding_dropout,
         "mlp_bias": cfg.mlp_bias, "mlp_dropout": cfg.mlp_dropout, "decoder_bias": cfg.decoder_bias,
         "classifier_pooling": cfg.classifier_pooling, "classifier_bias": cfg.classifier_bias,
-        "classifier_activation": cfg.classifier_activation, "classifier_dropout": 0.0,
+        "classifier_activation": cfg.classifier_activation, "classifier_dropout": cfg.classifier_dropout,
         "local_attention": cfg.local_attention, "layer_types": layer_types,
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": cfg.global_rope_theta},
                             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}},

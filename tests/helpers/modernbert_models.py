@@ -7,10 +7,10 @@ SEQ = 24  # longer than the window (local_attention 8: a token sees 4 on each si
 PAD_ID = 0
 
 
-def make_modernbert_dir(path, **config):
-    """4 layers (global, local, local, global: both kinds, and a split over 2 pipeline stages),
-    non-trivial norm weights and decoder bias so that a swapped name would show; `config` adds
-    or replaces ModernBertConfig keys."""
+def make_modernbert_dir(path, arch="ModernBertForMaskedLM", **config):
+    """A transformers `arch` of 4 layers (global, local, local, global: both kinds, and a split
+    over 2 pipeline stages), non-trivial norm weights and biases so that a swapped name would
+    show; `config` adds or replaces ModernBertConfig keys."""
     import transformers  # the test extra; imported here so that importing this module never skips
 
     keys = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=48,
@@ -19,7 +19,7 @@ def make_modernbert_dir(path, **config):
     keys.update(config)
     cfg = transformers.ModernBertConfig(**keys)
     torch.manual_seed(0)
-    model = transformers.ModernBertForMaskedLM(cfg)
+    model = getattr(transformers, arch)(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

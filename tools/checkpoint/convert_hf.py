@@ -74,18 +74,20 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
 
 
 def _import_modernbert(output: str, tp: int, pp: int, hf_config: dict, hf_state: dict, source_dir: str) -> str:
-    """A transformers ModernBERT dir -> a ModernBertForMaskedLM checkpoint (MLM only: a fine-tuned
-    ModernBERT's classifier is not imported), its tokenizer files beside it."""
+    """A transformers ModernBERT dir -> a ModernBertForMaskedLM (or ModernBertForSequenceClassification)
+    checkpoint, its tokenizer files beside it."""
     cfg = hf_io.model_config_from_hf(hf_config)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
     model_classes()
-    table = reference_table(cfg, "ModernBertForMaskedLM")
+    model_class = "ModernBertForSequenceClassification" if "ModernBertForSequenceClassification" in \
+        (hf_config.get("architectures") or []) else "ModernBertForMaskedLM"
+    table = reference_table(cfg, model_class)
     full = hf_io.hf_to_megabert(hf_state, table)
     missing = sorted(set(table) - set(full))
     if missing:
-        raise CheckpointError(f"{source_dir} lacks tensors a ModernBertForMaskedLM needs (first: "
-                              f"{table[missing[0]].hf_names}); is it a ModernBERT masked-LM checkpoint?")
-    path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class="ModernBertForMaskedLM")
+        raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
+                              f"{table[missing[0]].hf_names}); is it a ModernBERT checkpoint of that kind?")
+    path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)
     _copy_files(source_dir, output, MODERNBERT_TOKENIZER_FILES)
     return path
 
@@ -107,7 +109,8 @@ def _copy_files(source: str, target: str, names) -> list[str]:
 def _modernbert_tokenizer_dir(load: str, meta: dict, vocab_file: Optional[str]) -> str:
     """Where the exported ModernBERT's tokenizer.json comes from: --vocab-file (the file or its
     directory), else the one the run was trained with, else the one beside the checkpoint."""
-    trained = (meta.get("args") or {}).get("data") or {}
+    args = meta.get("args") or {}
+    trained = args.get("data") or args.get("finetune") or {}  # pre-training's flags, or fine-tuning's
     for candidate in (vocab_file, trained.get("vocab_file"), load):
         if not candidate:
             continue
@@ -122,8 +125,8 @@ def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenize
     full, meta, table = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
     if cfg.model_family == "modernbert":
-        hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table),
-                           hf_io.hf_config_from_model(cfg, "ModernBertForMaskedLM"))
+        arch = meta.get("model_class", "ModernBertForMaskedLM")
+        hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch))
         _copy_files(_modernbert_tokenizer_dir(load, meta, vocab_file), hf_dir, MODERNBERT_TOKENIZER_FILES)
         return
     arch = meta.get("model_class", "BertForPreTraining")

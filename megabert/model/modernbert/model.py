@@ -248,10 +248,12 @@ class MaskedLMOutput(ModelOutput):
 def _init_std(cfg: ModelConfig, name: str) -> float:
     """transformers' ModernBertPreTrainedModel._init_weights: "in" projections at the
     initializer range, "out" projections (each sublayer's Wo, the head's dense) at
-    range / sqrt(2 x layers), the embeddings at the range."""
+    range / sqrt(2 x layers), the embeddings at the range, a classifier at hidden ** -0.5."""
     out = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-    if name.endswith(("Wo.weight", "lm_head.dense.weight")):
+    if name.endswith(("Wo.weight", "head.dense.weight")):  # lm_head's, a classifier's prediction_head's
         return out
+    if name == "classifier.weight":
+        return cfg.hidden_size ** -0.5  # transformers' "final_out"
     return cfg.init_method_std
 
 
