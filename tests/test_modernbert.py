@@ -34,8 +34,9 @@ def _reference(hf_dir, impl):
 
 
 def _close_logits(logits, ref_logits, am, what="logits"):
-    # Padding slots' logits mean nothing (transformers computes them from padding tokens,
-    # the unpadded encoder leaves them zero): compare the real tokens'.
+    # Padding slots' logits mean nothing: transformers computes them from padding tokens (a
+    # local layer's padding query with no real key in its window averages whatever it is
+    # given), the unpadded encoder leaves them zero. Compare the real tokens'.
     assert logits.shape == ref_logits.shape, (tuple(logits.shape), tuple(ref_logits.shape))
     close(logits[am.bool()], ref_logits[am.bool()], what)
 

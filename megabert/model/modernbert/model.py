@@ -103,7 +103,7 @@ class ModernBertBackbone(nn.Module):
             s = tokens.s
         else:
             s = hidden.size(0) * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
-            positions = padded_positions(attention_mask, s, hidden.size(1), hidden.device)  # [s, b]
+            positions = padded_positions(s, hidden.size(1), hidden.device)  # [s, b]
         rope = RotaryTables(positions, cfg.head_dim, cfg.global_rope_theta, cfg.local_rope_theta)
         return AttentionInputs(attention_mask_to_bool(attention_mask), tokens, rope, s, cfg.local_attention // 2,
                                hidden.device)

@@ -1,12 +1,11 @@
 """Rotary position embeddings (Su et al. 2021) as ModernBERT applies them.
 
 Global and local layers rotate with different bases (config.global_rope_theta /
-local_rope_theta). Positions count from 0 within each sequence, in either layout: the
-padded [s, b] one (the position of a token among its row's real tokens) and the unpadded
-[T] one (the token's offset from its sequence's start in cu_seqlens), so both layouts
-rotate a token alike and, once samples are packed into a row, each sample starts at 0.
-NOTE: transformers counts positions from the row's first slot: with right padding (what
-ModernBERT's tokenizer does) the two agree; with left padding they differ.
+local_rope_theta). In the padded [s, b] layout a token's position is its slot in the row, as
+transformers counts; in the unpadded [T] one it is the token's offset from its sequence's
+start in cu_seqlens, so that once samples are packed into a row each sample starts at 0.
+NOTE: with right padding (what ModernBERT's tokenizer does) the two agree; with left padding
+the unpadded layout counts from the first real token and transformers from the row's start.
 
 The numbers follow transformers' ModernBertRotaryEmbedding and apply_rotary_pos_emb: the
 angles in fp32, cos/sin cast to the activations' dtype, the rotation in fp32, the result
@@ -52,12 +51,9 @@ def unpadded_positions(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tenso
     return torch.arange(num_tokens, device=cu_seqlens.device) - starts
 
 
-def padded_positions(attention_mask: Optional[torch.Tensor], s: int, b: int, device) -> torch.Tensor:
-    """[s, b]: each slot's index among its row's real tokens (0 .. s-1 without a mask);
-    padding slots get a position too (their outputs are never read)."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return torch.arange(s, device=device)[:, None].expand(s, b)
-    return F.relu((attention_mask != 0).long().cumsum(1) - 1).t()
+def padded_positions(s: int, b: int, device) -> torch.Tensor:
+    """[s, b]: each slot's index in its row, as transformers counts (padding slots too)."""
+    return torch.arange(s, device=device)[:, None].expand(s, b)
 
 
 class RotaryTables:
