@@ -5,15 +5,17 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from megabert.config import (DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, bert_base,
-                             bert_large, bert_tiny)
+                             bert_large, bert_tiny, modernbert_base, modernbert_large, modernbert_tiny)
 from megabert.errors import ConfigError, MegabertError
 from megabert.parallel import ParallelState, destroy_parallel, get_parallel_state, init_parallel
 
 __all__ = [
     "__version__", "ModelConfig", "ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig",
-    "bert_tiny", "bert_base", "bert_large", "ConfigError", "MegabertError", "ParallelState",
+    "bert_tiny", "bert_base", "bert_large", "modernbert_tiny", "modernbert_base", "modernbert_large",
+    "ConfigError", "MegabertError", "ParallelState",
     "init_parallel", "get_parallel_state", "destroy_parallel",
     "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
+    "ModernBertForMaskedLM", "ModernBertForSequenceClassification",
 ]
 
 
@@ -35,4 +37,8 @@ def __getattr__(name: str):
         from megabert.tasks.glue import BertForSequenceClassification
 
         return BertForSequenceClassification
+    if name in ("ModernBertForMaskedLM", "ModernBertForSequenceClassification"):
+        import megabert.model
+
+        return getattr(megabert.model, name)
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from megabert.config import (PRESETS, Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig,
                              ParallelConfig, TrainConfig)
 from megabert.errors import ConfigError
+from megabert.model_family import resolve_model_family
 from megabert.rules import check_flags
 
 
@@ -43,10 +44,10 @@ FINETUNE_DEFAULTS = {"optim.lr": 3e-5, "optim.lr_warmup_fraction": 0.1, "optim.l
 
 def _flags(f: dataclasses.Field) -> list[str]:
     """The field's flag, plus the other spelling when its name has both (Megatron writes
-    --deepspeed_config, most other flags with dashes; users type either)."""
+    --deepspeed_config, most other flags with dashes; users type either), and its aliases."""
     flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
     other = "--" + flag[2:].replace("_", "-") if "_" in flag else None
-    return [flag, other] if other else [flag]
+    return ([flag, other] if other else [flag]) + list(f.metadata.get("aliases", ()))
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -161,6 +162,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     ns = parser.parse_args(argv)
     # A broken rule raises ConfigError: the entry script's cli_main prints its one line.
     cfg = Configs(**configs_from_namespace(ns), explicit=typed)
+    cfg = resolve_model_family(cfg)  # ModernBERT: its defaults, or a loaded checkpoint's architecture
     check_flags(cfg)  # the rules between flags, before any process starts (megabert.rules)
     return cfg
 

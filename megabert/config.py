@@ -17,12 +17,17 @@ from megabert.parallel.buckets import BUCKET_ELEMENTS
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
-        choices: tuple | None = None, factory: Any = None, cli: bool = True) -> Any:
-    """A dataclass field with the metadata `megabert.arguments` needs for its flag."""
-    meta = {"help": help, "flag": flag, "choices": choices, "cli": cli}
+        choices: tuple | None = None, factory: Any = None, cli: bool = True, aliases: tuple = ()) -> Any:
+    """A dataclass field with the metadata `megabert.arguments` needs for its flag (`aliases`:
+    other names of the same flag, e.g. Megatron's --tokenizer-model for --vocab-file)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "cli": cli, "aliases": aliases}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+# The activations megabert's ModernBERT implements, by transformers' ACT2FN names.
+MODERNBERT_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
 
 @dataclass(kw_only=True)
@@ -74,17 +79,56 @@ class ModelConfig:
     # task from its label set, saved with the checkpoint, exported to config.json.
     num_labels: int = arg(2, "Outputs of a sequence classification head; 1 is regression (STS-B).", cli=False)
     id2label: Optional[dict] = arg(None, "Class id -> label name of a sequence classification head.", cli=False)
+    # The model family. ModernBERT (Warner et al. 2024; megabert.model.modernbert) reads the fields
+    # below, named as transformers' ModernBertConfig names them; BERT ignores them. From the
+    # fields above ModernBERT takes the sizes, attention_dropout, layernorm_epsilon (its
+    # norm_eps), init_method_std (its initializer_range) and vocab/max positions; it has no
+    # token types, no hidden_dropout (its dropouts are the three below) and no binary head.
+    model_family: str = arg("bert", "Model family: bert, or modernbert (RoPE, GeGLU, pre-norm, alternating "
+                            "global/local attention, MLM only; its defaults: --mask-prob 0.3, LayerNorm eps 1e-5, "
+                            "no dropout, FFN 1.5 x hidden, 8192 positions).", choices=("bert", "modernbert"))
+    global_rope_theta: float = arg(160000.0, "ModernBERT: RoPE base of the global attention layers.")
+    local_rope_theta: float = arg(10000.0, "ModernBERT: RoPE base of the local (sliding window) attention layers.")
+    global_attn_every_n_layers: int = arg(3, "ModernBERT: layer i attends globally when i %% n == 0, else "
+                                          "locally.")
+    local_attention: int = arg(128, "ModernBERT: the local layers' window (a token sees the tokens at most "
+                               "local_attention // 2 positions away, as transformers).")
+    norm_bias: bool = arg(False, "ModernBERT: LayerNorms with a bias.")
+    attention_bias: bool = arg(False, "ModernBERT: biases in Wqkv and the attention's Wo.")
+    mlp_bias: bool = arg(False, "ModernBERT: biases in the MLP's Wi and Wo.")
+    decoder_bias: bool = arg(True, "ModernBERT: a bias in the MLM decoder (tied to the word embeddings).")
+    classifier_bias: bool = arg(False, "ModernBERT: a bias in the MLM head's dense layer and in classifiers.")
+    hidden_activation: str = arg("gelu", "ModernBERT: the GeGLU's activation (transformers' ACT2FN name).",
+                                 choices=MODERNBERT_ACTIVATIONS)
+    classifier_activation: str = arg("gelu", "ModernBERT: the MLM head's (and classifiers') activation.",
+                                     choices=MODERNBERT_ACTIVATIONS)
+    initializer_cutoff_factor: float = arg(2.0, "ModernBERT: weights are drawn from a normal truncated at this "
+                                           "many standard deviations.")
+    embedding_dropout: float = arg(0.0, "ModernBERT: dropout after the embedding LayerNorm.")
+    mlp_dropout: float = arg(0.0, "ModernBERT: dropout inside the MLP (after the GeGLU).")
+    classifier_pooling: str = arg("cls", "ModernBERT: classifiers pool the [CLS] token or the mean of the tokens.",
+                                  choices=("cls", "mean"))
+    classifier_dropout: float = arg(0.0, "ModernBERT: dropout before a classifier.")
+    special_token_ids: Optional[dict] = arg(None, "ModernBERT: config.json's pad/bos/eos/cls/sep token ids, kept "
+                                            "for export.", cli=False)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            # ModernBERT-base's GeGLU is 1.5 x hidden wide (1152 for 768).
+            self.ffn_hidden_size = 3 * self.hidden_size // 2 if self.model_family == "modernbert" \
+                else 4 * self.hidden_size
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "max_position_embeddings", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("hidden_dropout", "attention_dropout"):
+        for name in ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout", "classifier_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.global_attn_every_n_layers < 1:
+            raise ConfigError(f"--global-attn-every-n-layers must be >= 1, got {self.global_attn_every_n_layers}")
+        if self.local_attention < 2 or self.local_attention % 2:
+            raise ConfigError(f"--local-attention must be an even window of at least 2 tokens, got "
+                              f"{self.local_attention}")
         if self.num_labels < 1:
             raise ConfigError(f"num_labels must be >= 1 (1: regression), got {self.num_labels}")
         if self.id2label is not None:
@@ -92,6 +136,10 @@ class ModelConfig:
             self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
             if sorted(self.id2label) != list(range(self.num_labels)):
                 raise ConfigError(f"id2label {self.id2label} does not name classes 0..{self.num_labels - 1}")
+
+    def is_global_layer(self, layer: int) -> bool:
+        """ModernBERT: whether layer `layer` (0-based) attends globally (transformers' layer_types)."""
+        return layer % self.global_attn_every_n_layers == 0
 
     @property
     def head_dim(self) -> int:
@@ -148,7 +196,8 @@ class DataConfig:
                                "DeepLearningExamples .hdf5 / LDDL .parquet shards: a directory, glob or files.",
                           factory=list)
     split: str = arg("969,30,1", "Train,valid,test proportions, e.g. 949,50,1.")
-    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json).")
+    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or a SentencePiece model / tokenizer.json; "
+                                    "--tokenizer-model is the same flag).", aliases=("--tokenizer-model",))
     tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type.",
                               choices=("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
                                        "HuggingFaceTokenizer"))
@@ -203,8 +252,15 @@ class OptimConfig:
     lr_warmup_iters: int = arg(0, "Linear warmup iterations.")
     lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of --lr-decay-iters (overrides iters).")
     lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over; default --train-iters.")
-    lr_decay_style: str = arg("linear", "Decay after warmup.",
-                              choices=("constant", "linear", "cosine", "polynomial", "warmup_exp_decay_exp"))
+    lr_decay_style: str = arg("linear", "Decay after warmup. WSD (warmup-stable-decay, Megatron's; ModernBERT's "
+                              "trapezoidal schedule): --lr until the last --lr-wsd-decay-iters of --lr-decay-iters, "
+                              "then down to --min-lr as --lr-wsd-decay-style says.",
+                              choices=("constant", "linear", "cosine", "polynomial", "warmup_exp_decay_exp", "WSD"))
+    lr_wsd_decay_style: str = arg("exponential", "WSD: the shape of the final decay (Megatron's choices; "
+                                  "ModernBERT decays as minus_sqrt, 1 - sqrt(t)).",
+                                  choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: Optional[int] = arg(None, "WSD: iterations of the final decay (needed with "
+                                            "--lr-decay-style WSD).")
     lr_decay_power: float = arg(0.5, "Power of the polynomial decay (NVIDIA's LAMB recipe uses 0.5).")
     lr_exp_decay_rate: float = arg(0.99, "warmup_exp_decay_exp: factor applied every --lr-exp-decay-iters.")
     lr_exp_decay_iters: int = arg(1000, "warmup_exp_decay_exp: iterations per decay factor.")
@@ -235,6 +291,9 @@ class OptimConfig:
             raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be >= 0")
+        if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters < 1):
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N >= 1 (the iterations of the final "
+                              "decay)")
 
 
 @dataclass(kw_only=True)
@@ -318,9 +377,9 @@ class TaskConfig:
     subclasses it with its data files and options, and may give a field another default."""
 
     output_dir: Optional[str] = arg(None, "Where the predictions, eval_results.json and the task's other outputs go.")
-    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or tokenizer.json); default the vocab.txt that came "
-                                    "with --load (a Hugging Face or Google TF directory's, or beside a converted "
-                                    "checkpoint).")
+    vocab_file: Optional[str] = arg(None, "WordPiece vocab.txt (or tokenizer.json; --tokenizer-model is the same "
+                                    "flag); default the vocab.txt that came with --load (a Hugging Face or Google TF "
+                                    "directory's, or beside a converted checkpoint).", aliases=("--tokenizer-model",))
     tokenizer_type: str = arg("BertWordPieceLowerCase", "Tokenizer type (lower-cased or cased WordPiece, or a "
                               "tokenizer.json); must match the pre-trained model.",
                               choices=("BertWordPieceLowerCase", "BertWordPieceCase", "HuggingFaceTokenizer"))
@@ -373,4 +432,31 @@ def bert_large(**overrides) -> ModelConfig:
     return ModelConfig(**{"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, **overrides})
 
 
-PRESETS = {"bert-tiny": bert_tiny, "bert-base": bert_base, "bert-large": bert_large}
+# ModernBERT's recipe where it differs from BERT's defaults (transformers' ModernBertConfig):
+# no dropout, LayerNorm eps 1e-5, 8192 positions, pre-norm, MLM only.
+MODERNBERT_MODEL_DEFAULTS = {"model_family": "modernbert", "layernorm_epsilon": 1e-5, "hidden_dropout": 0.0,
+                             "attention_dropout": 0.0, "max_position_embeddings": 8192, "layernorm_position": "pre",
+                             "bert_binary_head": False}
+
+
+def modernbert_tiny(**overrides) -> ModelConfig:
+    """4 layers, hidden 256, 4 heads (the issue's CPU benchmark shape), ModernBERT's vocab."""
+    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+                          "vocab_size": 50368, **overrides})
+
+
+def modernbert_base(**overrides) -> ModelConfig:
+    """ModernBERT-base (answerdotai/ModernBERT-base): 22 layers, hidden 768, 12 heads, GeGLU 1152 (149M parameters)."""
+    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 22, "hidden_size": 768,
+                          "num_attention_heads": 12, "ffn_hidden_size": 1152, "vocab_size": 50368, **overrides})
+
+
+def modernbert_large(**overrides) -> ModelConfig:
+    """ModernBERT-large (answerdotai/ModernBERT-large): 28 layers, hidden 1024, 16 heads, GeGLU 2624 (395M parameters)."""
+    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 28, "hidden_size": 1024,
+                          "num_attention_heads": 16, "ffn_hidden_size": 2624, "vocab_size": 50368, **overrides})
+
+
+PRESETS = {"bert-tiny": bert_tiny, "bert-base": bert_base, "bert-large": bert_large,
+           "modernbert-tiny": modernbert_tiny, "modernbert-base": modernbert_base,
+           "modernbert-large": modernbert_large}

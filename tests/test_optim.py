@@ -73,6 +73,19 @@ def test_schedules(style):
         assert s(60) == pytest.approx(0.1 + 0.9 * math.sqrt(0.5))
 
 
+@pytest.mark.parametrize("style,mid", [("linear", 0.55), ("cosine", 0.55), ("minus_sqrt", 1.0 - 0.9 * math.sqrt(0.5)),
+                                       ("exponential", 0.1 + 0.9 * (2 * 0.5 ** 0.5 - 1))])
+def test_wsd(style, mid):
+    """Megatron's WSD: warmup to --lr, flat until the last 40 of 110 iterations, then down to
+    --min-lr (at 90 the anneal is half done)."""
+    s = LRSchedule(OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style="WSD", lr_wsd_decay_iters=40,
+                               lr_wsd_decay_style=style), train_iters=110)
+    assert s(5) == pytest.approx(0.5) and s(10) == s(40) == s(70) == pytest.approx(1.0)
+    assert s(90) == pytest.approx(mid) and s(110) == pytest.approx(0.1) and s(71) < 1.0
+    with pytest.raises(megabert.ConfigError, match="--lr-wsd-decay-iters"):
+        OptimConfig(lr_decay_style="WSD")
+
+
 def test_warmup_exp_decay_exp():
     s = LRSchedule(OptimConfig(lr=1.0, lr_warmup_iters=10, lr_decay_style="warmup_exp_decay_exp",
                                lr_exp_decay_rate=0.5, lr_exp_decay_iters=20), train_iters=100)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from megabert.checkpoint import safe_pickle
+from megabert.checkpoint import hf_modernbert, safe_pickle
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError, RefusedFileError
 from megabert.parallel.param_spec import ParamSpec
@@ -21,8 +21,11 @@ from megabert.parallel.param_spec import ParamSpec
 # ---------------------------------------------------------------- configs
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    if hf_modernbert.is_modernbert_config(hf):
+        return hf_modernbert.model_config_from_hf(hf, **overrides)
     if hf.get("model_type", "bert") != "bert":
-        raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; only BERT is supported")
+        raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; only BERT and ModernBERT are "
+                              f"supported")
     act = hf.get("hidden_act", "gelu")
     if act != "gelu":
         raise CheckpointError(f"config.json has hidden_act {act!r}; megabert's BERT uses exact GELU ('gelu')")
@@ -46,6 +49,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 
 def hf_config_from_model(cfg: ModelConfig, architecture: str) -> dict:
+    if cfg.model_family == "modernbert":
+        return {**hf_modernbert.hf_config_from_model(cfg, architecture),
+                **(_classification_fields(cfg) if architecture.endswith("ForSequenceClassification") else {})}
     if cfg.layernorm_position != "post":
         raise CheckpointError("transformers' BERT is post-LayerNorm; a pre-LN model cannot be exported to it")
     return {

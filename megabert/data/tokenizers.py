@@ -290,6 +290,11 @@ class HuggingFaceTokenizer(_RustTokenizer):
             backend = RustTokenizer.from_file(path)
         except Exception as e:  # the Rust side raises a bare Exception with its parse error
             raise DataError(f"{path} is not a valid tokenizer.json ({e})") from None
+        # A tokenizer.json saved with padding or truncation on (transformers writes what the
+        # tokenizer was last called with) would pad every document to its length, or cut it:
+        # megabert tokenizes whole documents and builds samples itself.
+        backend.no_padding()
+        backend.no_truncation()
         self._vocab = backend.get_vocab(with_added_tokens=True)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         for role, names in self._ROLES.items():

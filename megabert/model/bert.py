@@ -153,13 +153,20 @@ class _InitAfterConstruction(type):
 class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstruction):
     """This rank's slice of a BERT task model and the interface the pipeline schedule
     drives (`num_chunks`, `is_first_chunk`, `is_last_chunk`, `forward_chunk`). Subclasses
-    add their heads and `head(sequence, pooled, batch)`."""
+    add their heads and `head(sequence, pooled, batch)`; a model family sets `backbone_class`
+    (a class with BertBackbone's constructor and `forward_chunk`)."""
+
+    backbone_class = BertBackbone
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32, device=None,
                  num_layers_per_virtual_stage: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
         super().__init__()
         ps = parallel_state or get_parallel_state()
+        if config.model_family != "bert" and self.backbone_class is BertBackbone:
+            raise ConfigError(f"{type(self).__name__} is a BERT model but the config is a {config.model_family} one "
+                              f"(a ModernBERT checkpoint?): megabert builds ModernBERT as ModernBertForMaskedLM; "
+                              f"its fine-tuning heads are not there yet")
         # The model's own door (the Python API builds it without a resolved run): its shape
         # must split over this rank grid.
         check_model_split(config, ps.tp_size, ps.pp_size, num_layers_per_virtual_stage)
@@ -167,8 +174,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         self.stage = StageLayout(config.num_layers, ps.pp_size, ps.pp_rank, num_layers_per_virtual_stage)
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.ctx = build_context(config, ps, seed, params_dtype, device)
-        self.bert = BertBackbone(self.ctx, self.stage, self.padded_vocab_size, add_pooler=add_pooler,
-                                 output_embeddings=output_embeddings)
+        self.bert = self.backbone_class(self.ctx, self.stage, self.padded_vocab_size, add_pooler=add_pooler,
+                                        output_embeddings=output_embeddings)
 
     def _finish_construction(self) -> None:
         table = spec_table(self)  # a parameter without a ParamSpec stops here, by name
@@ -177,6 +184,10 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
             raise ConfigError(f"{type(self).__name__} built {misplaced[0]} on pipeline stage {self.stage.pp_rank}, "
                               f"but its ParamSpec places it elsewhere ({table[misplaced[0]].placement}); build it "
                               f"only where its spec says, or fix the spec")
+        self.initialize_parameters()
+
+    def initialize_parameters(self) -> None:
+        """Every parameter from its spec, name and the seed (a model family may override)."""
         ps = self.parallel_state
         initialize_parameters(self, self.seed, self.config.init_method_std, ps.tp_rank, ps.tp_size)
 

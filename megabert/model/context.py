@@ -36,11 +36,12 @@ class BuildContext:
         return dict(tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, init_method=None,
                     params_dtype=self.params_dtype, device=self.device)
 
-    def layer_norm(self, hidden_size: Optional[int] = None, *, sequence_parallel: Optional[bool] = None) -> LayerNorm:
+    def layer_norm(self, hidden_size: Optional[int] = None, *, sequence_parallel: Optional[bool] = None,
+                   bias: bool = True) -> LayerNorm:
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         return LayerNorm(hidden_size or self.config.hidden_size, self.config.layernorm_epsilon,
                          backend=self.layernorm_backend, sequence_parallel=sp, params_dtype=self.params_dtype,
-                         device=self.device)
+                         device=self.device, bias=bias)
 
     def linear(self, in_features: int, out_features: int) -> nn.Linear:
         """A replicated nn.Linear (pooler, small heads): normal weight, zero bias."""

@@ -14,18 +14,25 @@ class LayerNorm(nn.Module):
     over the TP group before the optimizer step (their spec says so)."""
 
     def __init__(self, hidden_size: int, eps: float, *, backend: str = "torch", sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None, bias: bool = True):
+        """`bias=False`: no bias parameter (ModernBERT's norm_bias false)."""
         super().__init__()
         self.eps, self.backend = eps, backend
         common = dict(weight_decay=False, sequence_parallel=sequence_parallel)
         self.weight = describe(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)),
                                init="ones", **common)
-        self.bias = describe(nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device)),
-                             init="zeros", **common)
+        if bias:
+            self.bias = describe(nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device)),
+                                 init="zeros", **common)
+        else:
+            self.register_parameter("bias", None)
+            # The fused kernel takes a bias: zeros add nothing (its gradient is computed and dropped).
+            self.register_buffer("_zero_bias", torch.zeros(hidden_size, dtype=params_dtype, device=device),
+                                 persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "fused":
-            return ops.layer_norm(x, self.weight, self.bias, self.eps)
+            return ops.layer_norm(x, self.weight, self.bias if self.bias is not None else self._zero_bias, self.eps)
         return torch.nn.functional.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:

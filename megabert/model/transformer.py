@@ -125,7 +125,8 @@ def compile_layers(model: nn.Module) -> int:
     activations get the same mask on every TP rank, and activation recompute replays the
     masks by restoring the generator, as in eager mode.
     """
-    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    # Another family's layer says it is one (ModernBertLayer) by `compiled_as_layer`.
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer) or getattr(m, "compiled_as_layer", False)]
     for layer in layers:
         layer.compile(options={"fallback_random": True})
     return len(layers)

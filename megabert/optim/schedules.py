@@ -1,5 +1,6 @@
 """Learning-rate schedules: warmup, then constant / linear / cosine / polynomial decay to
-min_lr (Megatron's OptimizerParamScheduler), or DeepSpeedExamples' BERT schedule
+min_lr or Megatron's WSD (warmup-stable-decay; Megatron's OptimizerParamScheduler), or
+DeepSpeedExamples' BERT schedule
 warmup_exp_decay_exp. The schedule is a pure function of the iteration, so a resumed
 run needs only the iteration to continue exactly.
 
@@ -43,7 +44,9 @@ class LRSchedule:
         if it > self.decay_iters:
             return c.min_lr
         ratio = (it - self.warmup_iters) / max(self.decay_iters - self.warmup_iters, 1)
-        if c.lr_decay_style == "linear":
+        if c.lr_decay_style == "WSD":
+            coeff = self._wsd_coeff(it)
+        elif c.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         elif c.lr_decay_style == "cosine":
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
@@ -52,6 +55,25 @@ class LRSchedule:
         else:
             raise ValueError(f"unknown --lr-decay-style {c.lr_decay_style}")
         return c.min_lr + (c.lr - c.min_lr) * coeff
+
+    def _wsd_coeff(self, it: int) -> float:
+        """Megatron's WSD: 1 until the anneal starts (--lr-wsd-decay-iters before the end of
+        the decay), then the decay style over the anneal's fraction done (exponential goes
+        as 2 * 0.5^t - 1, so every style reaches 0 at t = 1)."""
+        c = self.cfg
+        anneal_start = self.decay_iters - c.lr_wsd_decay_iters
+        if it <= anneal_start:
+            return 1.0
+        t = (it - anneal_start) / c.lr_wsd_decay_iters
+        if c.lr_wsd_decay_style == "linear":
+            return 1.0 - t
+        if c.lr_wsd_decay_style == "cosine":
+            return 0.5 * (math.cos(math.pi * t) + 1.0)
+        if c.lr_wsd_decay_style == "exponential":
+            return 2.0 * 0.5 ** t - 1.0
+        if c.lr_wsd_decay_style == "minus_sqrt":
+            return 1.0 - math.sqrt(t)
+        raise ValueError(f"unknown --lr-wsd-decay-style {c.lr_wsd_decay_style}")
 
     def apply(self, optimizer, iteration: int) -> float:
         lr = self(iteration)

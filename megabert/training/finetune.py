@@ -119,7 +119,9 @@ def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
                        backend=par.distributed_backend, timeout_minutes=par.distributed_timeout_minutes)
     configure_process_logging(ps.is_logging_rank)
     # The vocab in use is recorded with the checkpoint (--save), where convert_hf.py export finds it.
-    cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, vocab_file=resolve_vocab_file(cfg)))
+    vocab_file = resolve_vocab_file(cfg)
+    cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, vocab_file=vocab_file,
+                                                                tokenizer_type=tokenizer_type_of(cfg, vocab_file)))
     task = task_class(cfg)
     tokenizer = build_tokenizer(cfg.finetune.tokenizer_type, cfg.finetune.vocab_file)
     task.check_inputs()
@@ -196,8 +198,17 @@ def resolve_vocab_file(cfg: FinetuneConfigs) -> str:
     candidate = external.external_vocab_file(cfg.train.load) or os.path.join(cfg.train.load, "vocab.txt")
     if os.path.isfile(candidate):
         return candidate
+    if os.path.isfile(os.path.join(cfg.train.load, "tokenizer.json")):  # a ModernBERT's (see tokenizer_type_of)
+        return os.path.join(cfg.train.load, "tokenizer.json")
     raise ConfigError(f"--vocab-file is required: {cfg.train.load} has no vocab.txt; pass the vocab the model was "
                       f"pre-trained with")
+
+
+def tokenizer_type_of(cfg: FinetuneConfigs, vocab_file: str) -> str:
+    """--tokenizer-type, or HuggingFaceTokenizer for a tokenizer.json when the flag was left out."""
+    if vocab_file.endswith(".json") and "finetune.tokenizer_type" not in cfg.explicit:
+        return "HuggingFaceTokenizer"
+    return cfg.finetune.tokenizer_type
 
 
 def load_task_model(model_class: type, cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int,

@@ -1,12 +1,14 @@
-"""Hugging Face BERT <-> megabert checkpoint, at any tensor/pipeline layout; Google's
-TensorFlow BERT -> megabert.
+"""Hugging Face BERT or ModernBERT <-> megabert checkpoint, at any tensor/pipeline layout;
+Google's TensorFlow BERT -> megabert.
 
     convert_hf.py import --hf-dir bert-base-uncased/ --output ckpt/ --tensor-model-parallel-size 2
     convert_hf.py import --tf-checkpoint uncased_L-12_H-768_A-12/ --output ckpt/
     convert_hf.py export --load ckpt/ --hf-dir exported/ [--vocab-file vocab.txt]
 
 The export writes weights, config.json and the tokenizer files (vocab.txt, tokenizer_config.json,
-special_tokens_map.json) that transformers' AutoTokenizer and pipeline() load as they stand.
+special_tokens_map.json) that transformers' AutoTokenizer and pipeline() load as they stand; a
+ModernBERT's tokenizer.json (and tokenizer_config.json, special_tokens_map.json) is copied from
+--vocab-file's directory, the run's, or beside the checkpoint.
 
 Runs in one process without a process group: shards are cut as the parameters' specs
 say (a shape-only model of the class gives the table), not by building the model on
@@ -21,6 +23,7 @@ import sys
 from typing import Optional
 
 from megabert.checkpoint import hf as hf_io
+from megabert.checkpoint import hf_modernbert
 from megabert.checkpoint import tf as tf_io
 from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, export_tokenizer
 from megabert.checkpoint.layout import save_full_model
@@ -50,6 +53,8 @@ def read_source(hf_dir: Optional[str], tf_checkpoint: Optional[str]) -> tuple[di
 def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = None,
                       tf_checkpoint: Optional[str] = None) -> str:
     hf_config, hf_state, source_dir = read_source(hf_dir, tf_checkpoint)
+    if hf_modernbert.is_modernbert_config(hf_config):
+        return _import_modernbert(output, tp, pp, hf_config, hf_state, source_dir)
     arch = (hf_config.get("architectures") or ["BertForPreTraining"])[0]
     # A fine-tuned head comes along; anything else imports as the pre-training model.
     model_class = arch if arch in ("BertForQuestionAnswering", "BertForSequenceClassification") \
@@ -68,9 +73,62 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     return path
 
 
+def _import_modernbert(output: str, tp: int, pp: int, hf_config: dict, hf_state: dict, source_dir: str) -> str:
+    """A transformers ModernBERT dir -> a ModernBertForMaskedLM (or ModernBertForSequenceClassification)
+    checkpoint, its tokenizer files beside it."""
+    cfg = hf_io.model_config_from_hf(hf_config)
+    validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
+    model_classes()
+    model_class = "ModernBertForSequenceClassification" if "ModernBertForSequenceClassification" in \
+        (hf_config.get("architectures") or []) else "ModernBertForMaskedLM"
+    table = reference_table(cfg, model_class)
+    full = hf_io.hf_to_megabert(hf_state, table)
+    missing = sorted(set(table) - set(full))
+    if missing:
+        raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
+                              f"{table[missing[0]].hf_names}); is it a ModernBERT checkpoint of that kind?")
+    path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)
+    _copy_files(source_dir, output, MODERNBERT_TOKENIZER_FILES)
+    return path
+
+
+# What transformers' AutoTokenizer reads from a ModernBERT dir (tokenizer.json holds the model).
+MODERNBERT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _copy_files(source: str, target: str, names) -> list[str]:
+    copied = []
+    for name in names:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+            os.chmod(os.path.join(target, name), 0o644)
+            copied.append(name)
+    return copied
+
+
+def _modernbert_tokenizer_dir(load: str, meta: dict, vocab_file: Optional[str]) -> str:
+    """Where the exported ModernBERT's tokenizer.json comes from: --vocab-file (the file or its
+    directory), else the one the run was trained with, else the one beside the checkpoint."""
+    args = meta.get("args") or {}
+    trained = args.get("data") or args.get("finetune") or {}  # pre-training's flags, or fine-tuning's
+    for candidate in (vocab_file, trained.get("vocab_file"), load):
+        if not candidate:
+            continue
+        directory = candidate if os.path.isdir(candidate) else os.path.dirname(candidate)
+        if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+            return directory
+    raise CheckpointError(f"no tokenizer.json to export with {load}: pass --vocab-file PATH/tokenizer.json (the "
+                          f"tokenizer the model was trained with)")
+
+
 def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenizer_type: Optional[str] = None) -> None:
     full, meta, table = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
+    if cfg.model_family == "modernbert":
+        arch = meta.get("model_class", "ModernBertForMaskedLM")
+        hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch))
+        _copy_files(_modernbert_tokenizer_dir(load, meta, vocab_file), hf_dir, MODERNBERT_TOKENIZER_FILES)
+        return
     arch = meta.get("model_class", "BertForPreTraining")
     if arch == "BertForPreTraining" and not cfg.bert_binary_head:
         arch = "BertForMaskedLM"

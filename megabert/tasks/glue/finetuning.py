@@ -18,6 +18,8 @@ from megabert.parallel import ParallelState
 from megabert.tasks.glue.data import GlueExample, read_examples
 from megabert.tasks.glue.features import examples_to_tensors
 from megabert.tasks.glue.metrics import glue_metrics
+from megabert.model import ModernBertForSequenceClassification
+from megabert.model_family import checkpoint_model_config
 from megabert.tasks.glue.model import BertForSequenceClassification
 from megabert.tasks.glue.tasks import TASKS, GlueTask
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
@@ -82,8 +84,11 @@ def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) ->
     sentences leave most of max_seq_length to padding."""
     task = TASKS[cfg.finetune.task_name]
     id2label = None if task.is_regression else dict(enumerate(task.labels))
+    # A ModernBERT --load fine-tunes as ModernBertForSequenceClassification (its pooling from its config).
+    model_class = ModernBertForSequenceClassification if checkpoint_model_config(cfg.train.load) is not None \
+        else BertForSequenceClassification
     try:
-        return load_task_model(BertForSequenceClassification, cfg, ps, vocab_size, num_labels=task.num_labels,
+        return load_task_model(model_class, cfg, ps, vocab_size, num_labels=task.num_labels,
                                id2label=id2label, unpad_input=True)
     except CheckpointError as e:
         if "classifier.weight has shape" not in str(e):

@@ -10,6 +10,8 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from megabert.errors import DataError
+from megabert.model import ModernBertForMaskedLM
+from megabert.model_family import model_vocab_size
 from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
 from megabert.parallel import ParallelState
@@ -98,12 +100,13 @@ def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> It
 def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                       train_batches: Callable[[int], Iterator[dict]],
                       valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
-    """This rank's BertForPreTraining (its pipeline stage), optimizer, update strategy
+    """This rank's BertForPreTraining or ModernBertForMaskedLM (its pipeline stage), optimizer, update strategy
     (ours or DeepSpeed's) and checkpoint state -> a ready Trainer, all from the resolved run."""
-    model_cfg = dataclasses.replace(run.model, vocab_size=vocab_size)
+    model_cfg = dataclasses.replace(run.model, vocab_size=model_vocab_size(run.model, run.explicit, vocab_size))
     seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
-    model = BertForPreTraining(model_cfg, ps, seed=run.train.seed,
-                               num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
+    model_class = ModernBertForMaskedLM if model_cfg.model_family == "modernbert" else BertForPreTraining
+    model = model_class(model_cfg, ps, seed=run.train.seed,
+                        num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
     apply_compile(model, ps, run.train)
     masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
     return build_trainer(model, ps, run, pretraining_task(run.binary_head_task), train_batches, valid_batches,

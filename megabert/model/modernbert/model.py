@@ -1,0 +1,336 @@
+"""ModernBERT (Warner et al. 2024) as a family of megabert's model tree: the backbone a
+rank holds, the masked-LM head, ModernBertForMaskedLM and its initialisation.
+
+The model class is BERT's (megabert.model.bert.BertPreTrainedModel): the same pipeline
+interface, stage layout, parameter specs, loading and checkpoints; only the backbone and
+the head differ. Activations are [s, b, h] (Megatron's layout) or, unpadded, [T, h] of the
+real tokens; inputs and outputs are batch-first as in transformers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megabert.config import ModelConfig
+from megabert.model.bert import BertPreTrainedModel, attention_mask_to_bool
+from megabert.model.context import BuildContext
+from megabert.model.embeddings import word_embeddings
+from megabert.model.init import param_seed
+from megabert.model.modernbert.layers import ACTIVATIONS, AttentionInputs, ModernBertEncoder
+from megabert.model.modernbert.rope import RotaryTables, padded_positions, unpadded_positions
+from megabert.model.outputs import ModelOutput
+from megabert.model.registry import register_model
+from megabert.model.unpad import TokenLayout
+from megabert.ops.compile_hints import maybe_mark_dynamic
+from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
+from megabert.parallel import ParallelState
+from megabert.parallel.layout import StageLayout
+from megabert.parallel.param_spec import describe, describe_module, set_hf_names, spec_of
+from megabert.tensor_parallel import (copy_to_tp, gather_from_sp_to_replicated, gather_from_tp, scatter_to_sp,
+                                      vocab_parallel_argmax, vocab_parallel_cross_entropy)
+from megabert.tensor_parallel.layers import shard
+
+WORD_EMBEDDINGS_HF = "model.embeddings.tok_embeddings.weight"
+
+
+def _norm_names(cfg: ModelConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if cfg.norm_bias else ("weight",)
+
+
+class ModernBertEmbeddings(nn.Module):
+    """dropout(norm(tok_embeddings(ids))) -> [s, b, h]: no positions (RoPE), no token types."""
+
+    def __init__(self, ctx: BuildContext, padded_vocab_size: int):
+        super().__init__()
+        self.ctx = ctx
+        self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
+        describe(self.word_embeddings.weight, hf_names=(WORD_EMBEDDINGS_HF,))
+        # Before the sequence is scattered over sequence-parallel ranks: full-sequence parameters.
+        self.norm = ctx.layer_norm(sequence_parallel=False, bias=ctx.config.norm_bias)
+        describe_module(self.norm, placement="first")
+        set_hf_names(self, {f"norm.{k}": f"model.embeddings.norm.{k}" for k in _norm_names(ctx.config)})
+        self.dropout_p = ctx.config.embedding_dropout
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.word_embeddings(input_ids).transpose(0, 1).contiguous())  # [s, b, h]
+        if self.ctx.sequence_parallel:
+            x = scatter_to_sp(x, self.ctx.tp_group)  # [s/tp, b, h]
+            with self.ctx.rng.fork():  # each rank drops in its own slice
+                return F.dropout(x, self.dropout_p, self.training)
+        return F.dropout(x, self.dropout_p, self.training)
+
+
+class ModernBertTiedEmbeddings(nn.Module):
+    """The last pipeline stage's copy of the word embeddings (the decoder's weight), named
+    like the first stage's so both save, load and initialise as one (see BERT's)."""
+
+    def __init__(self, ctx: BuildContext, padded_vocab_size: int):
+        super().__init__()
+        self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
+        describe(self.word_embeddings.weight, hf_names=(WORD_EMBEDDINGS_HF,))
+
+
+class ModernBertBackbone(nn.Module):
+    """Embeddings -> layers -> final norm: the part of ModernBERT this rank holds. The
+    constructor and `forward_chunk` are BertBackbone's, so BertPreTrainedModel drives it
+    (`add_pooler` must be False: ModernBERT has no pooler)."""
+
+    def __init__(self, ctx: BuildContext, stage: StageLayout, padded_vocab_size: int, *, add_pooler: bool,
+                 output_embeddings: bool):
+        super().__init__()
+        if add_pooler:
+            raise ValueError("ModernBERT has no pooler")
+        self.ctx, self.stage = ctx, stage
+        if stage.is_first_stage:
+            self.embeddings = ModernBertEmbeddings(ctx, padded_vocab_size)
+        elif stage.is_last_stage and output_embeddings:
+            self.embeddings = ModernBertTiedEmbeddings(ctx, padded_vocab_size)
+        else:
+            self.embeddings = None
+        self.encoder = ModernBertEncoder(ctx, stage.layer_ids, final_norm=stage.is_last_stage)
+        self.pooler = None
+        self.unpad = ctx.config.unpad_input
+
+    def _inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                tokens: Optional[TokenLayout]) -> AttentionInputs:
+        cfg = self.ctx.config
+        if tokens is not None:
+            positions = unpadded_positions(tokens.cu_seqlens, tokens.num_tokens)  # [T]
+            s = tokens.s
+        else:
+            s = hidden.size(0) * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+            positions = padded_positions(s, hidden.size(1), hidden.device)  # [s, b]
+        rope = RotaryTables(positions, cfg.head_dim, cfg.global_rope_theta, cfg.local_rope_theta)
+        return AttentionInputs(attention_mask_to_bool(attention_mask), tokens, rope, s, cfg.local_attention // 2,
+                               hidden.device)
+
+    def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
+                      token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                      head_positions: Optional[torch.Tensor] = None):
+        """As BertBackbone.forward_chunk (token_type_ids are ignored: ModernBERT has none); the
+        model's last chunk returns (sequence [s, b, h], None)."""
+        if self.stage.is_first_chunk(v):
+            hidden = self.embeddings(input_ids)
+        last = self.stage.is_last_chunk(v)
+        tokens = TokenLayout(attention_mask) if self.unpad and attention_mask is not None \
+            and attention_mask.dim() == 2 else None
+        inputs = self._inputs(hidden, attention_mask, tokens)
+        if tokens is not None:
+            hidden = tokens.unpad(hidden)  # [T, h]
+            maybe_mark_dynamic(hidden, 0)
+        layer_ids = self.stage.chunk_layers(v)
+        rows = tokens.rows_at(head_positions) if last and tokens is not None and head_positions is not None \
+            and len(layer_ids) > 0 else None
+        if rows is not None:
+            maybe_mark_dynamic(rows, 0)
+        x = self.encoder(hidden, inputs, layer_ids, apply_final_norm=last, rows=rows)
+        if tokens is not None:
+            x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows)
+        if not last:
+            return x
+        if self.ctx.sequence_parallel:
+            x = gather_from_sp_to_replicated(x, self.ctx.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        return x, None
+
+    @property
+    def word_embeddings(self) -> torch.Tensor:
+        return self.embeddings.word_embeddings.weight
+
+
+class ModernBertMLMHead(nn.Module):
+    """norm(act(dense(h))) -> logits against the (vocab-parallel) word embeddings plus the
+    decoder bias. Logits stay split over the vocab ([..., V/tp]); padding columns take the
+    dtype's minimum (no probability mass), as BERT's MLMHead."""
+
+    def __init__(self, ctx: BuildContext, padded_vocab_size: int, tp_rank: int):
+        super().__init__()
+        cfg = ctx.config
+        self.tp_group, self.tp_size = ctx.tp_group, ctx.tp_size
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.classifier_bias, dtype=ctx.params_dtype,
+                               device=ctx.device)
+        describe(self.dense.weight)
+        if cfg.classifier_bias:
+            describe(self.dense.bias, init="zeros", weight_decay=False)
+        self.act = ACTIVATIONS[cfg.classifier_activation]
+        self.norm = ctx.layer_norm(sequence_parallel=False, bias=cfg.norm_bias)
+        per_rank = padded_vocab_size // ctx.tp_size
+        if cfg.decoder_bias:
+            self.bias = describe(nn.Parameter(torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device)),
+                                 partition_dim=0, init="zeros", weight_decay=False, valid_rows=cfg.vocab_size)
+            set_hf_names(self, {"bias": "decoder.bias"})
+        else:  # no parameter (none to export); zeros keep one code path
+            self.register_buffer("bias", torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device),
+                                 persistent=False)
+        set_hf_names(self, {f"dense.{k}": f"head.dense.{k}" for k in
+                            (("weight", "bias") if cfg.classifier_bias else ("weight",))})
+        set_hf_names(self, {f"norm.{k}": f"head.norm.{k}" for k in _norm_names(cfg)})
+        describe_module(self, placement="last")
+        first_pad = cfg.vocab_size - tp_rank * per_rank  # local index of the first padding column
+        self.local_pad_start = first_pad if first_pad < per_rank else None
+
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(hidden)))
+
+    def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 and self.local_pad_start is not None:
+            end = self.local_pad_start  # the whole vocab here: leave the padding rows out of the GEMM
+            return F.linear(x, word_embeddings[:end], self.bias[:end])
+        logits = F.linear(copy_to_tp(x, self.tp_group), word_embeddings, self.bias)
+        if self.local_pad_start is not None:
+            pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)
+            pad[max(self.local_pad_start, 0):] = True
+            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        return logits
+
+    def logits_and_loss(self, hidden: torch.Tensor, word_embeddings: torch.Tensor, target: torch.Tensor
+                        ) -> tuple[Union[torch.Tensor, Callable[[], torch.Tensor]], torch.Tensor]:
+        """(logits [..., V/tp] or a function making them, per-token cross entropy) as BERT's
+        MLMHead.logits_and_loss: fused projection + loss when one rank holds the vocab."""
+        x = self.transform(hidden)
+        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings):
+            vocab = self.local_pad_start if self.local_pad_start is not None else word_embeddings.size(0)
+            loss, logits = linear_cross_entropy(x, word_embeddings, self.bias, target, vocab)
+            return logits.full, loss
+        logits = self.logits(x, word_embeddings)
+        return logits, vocab_parallel_cross_entropy(logits, target, self.tp_group)
+
+
+class MaskedLMOutput(ModelOutput):
+    """loss; logits [b, s, vocab] (or [n_masked, vocab] with logits at masked positions only):
+    the full vocab gathered over TP on first access, padding columns removed;
+    logits_parallel [..., padded V / tp]; predictions: the argmax without gathering; labels:
+    the targets the loss was computed against."""
+
+    def __init__(self, *, loss, logits_parallel, tp_group, vocab_size, labels=None):
+        super().__init__(loss=loss, mlm_loss=loss)
+        self._make = logits_parallel if callable(logits_parallel) else None
+        if self._make is None:
+            self["logits_parallel"] = logits_parallel
+        self._tp_group, self._vocab_size, self._labels = tp_group, vocab_size, labels
+        self._logits: Optional[torch.Tensor] = None
+
+    @property
+    def logits_parallel(self) -> torch.Tensor:
+        if "logits_parallel" not in self:
+            self["logits_parallel"] = self._make()
+        return self["logits_parallel"]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = gather_from_tp(self.logits_parallel, self._tp_group)[..., : self._vocab_size]
+        return self._logits
+
+    # The names BERT's pre-training output has, so the pre-training task reads either model.
+    mlm_logits_parallel = logits_parallel
+    mlm_logits = logits
+
+    @property
+    def predictions(self) -> torch.Tensor:
+        return vocab_parallel_argmax(self.logits_parallel, self._tp_group, self._vocab_size)
+
+    mlm_predictions = predictions
+
+    @property
+    def labels(self) -> Optional[torch.Tensor]:
+        return self._labels
+
+    mlm_labels = labels
+    nsp_loss = None
+    nsp_logits = None
+    nsp_labels = None
+
+
+def _init_std(cfg: ModelConfig, name: str) -> float:
+    """transformers' ModernBertPreTrainedModel._init_weights: "in" projections at the
+    initializer range, "out" projections (each sublayer's Wo, the head's dense) at
+    range / sqrt(2 x layers), the embeddings at the range, a classifier at hidden ** -0.5."""
+    out = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    if name.endswith(("Wo.weight", "head.dense.weight")):  # lm_head's, a classifier's prediction_head's
+        return out
+    if name == "classifier.weight":
+        return cfg.hidden_size ** -0.5  # transformers' "final_out"
+    return cfg.init_method_std
+
+
+@register_model
+class ModernBertForMaskedLM(BertPreTrainedModel):
+    """ModernBERT with its masked-LM head, as transformers' ModernBertForMaskedLM.
+
+    forward(input_ids, attention_mask, labels) -> MaskedLMOutput: `logits` [b, s, vocab]
+    (the config's vocab_size), and with labels (token ids at masked positions, -100
+    elsewhere) the mean cross entropy `loss`. With `mlm_logits_at_masked_only` and labels,
+    logits are computed at the masked positions alone ([n_masked, vocab])."""
+
+    backbone_class = ModernBertBackbone
+
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
+        if config.model_family != "modernbert":
+            raise ValueError(f"ModernBertForMaskedLM needs a ModernBERT config (model_family 'modernbert'), got "
+                             f"{config.model_family!r}")
+        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=True, **kwargs)
+        if self.bert.embeddings is not None:
+            describe(self.bert.word_embeddings, placement="tied")  # the decoder's weight too
+        self.lm_head = ModernBertMLMHead(self.ctx, self.padded_vocab_size, self.parallel_state.tp_rank) \
+            if self.stage.is_last_stage else None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None) -> MaskedLMOutput:
+        return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                                              token_type_ids=token_type_ids))
+
+    def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
+        labels = batch.get("labels")
+        if not self.config.mlm_logits_at_masked_only or labels is None:
+            return None
+        return labels != -100
+
+    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> MaskedLMOutput:
+        labels = batch.get("labels")
+        hidden, target = sequence.transpose(0, 1), labels  # [b, s, h]
+        if self.config.mlm_logits_at_masked_only and labels is not None:
+            selected = labels != -100
+            hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
+        loss = None
+        if target is not None:
+            logits, per_token = self.lm_head.logits_and_loss(hidden, self.bert.word_embeddings, target)
+            loss = per_token.sum() / (target != -100).sum().clamp(min=1)
+        else:
+            logits = self.lm_head.logits(self.lm_head.transform(hidden), self.bert.word_embeddings)
+        return MaskedLMOutput(loss=loss, logits_parallel=logits, tp_group=self.ctx.tp_group,
+                              vocab_size=self.config.vocab_size, labels=target)
+
+    @torch.no_grad()
+    def initialize_parameters(self) -> None:
+        """transformers' ModernBERT initialisation: each weight from a normal truncated at
+        +-initializer_cutoff_factor standard deviations (std per _init_std), biases zero, norms
+        one. As BERT's, each full matrix is drawn from (seed, parameter name) and sliced, so
+        every TP/PP layout starts from the same model."""
+        cfg, ps = self.config, self.parallel_state
+        for name, p in self.named_parameters():
+            spec = spec_of(p, name)
+            if p.device.type == "meta":
+                continue
+            if spec.init == "zeros":
+                p.zero_()
+                continue
+            if spec.init == "ones":
+                p.fill_(1.0)
+                continue
+            shape = list(p.shape)
+            if spec.is_tensor_parallel:
+                shape[spec.partition_dim] *= ps.tp_size
+            std = _init_std(cfg, name)
+            cutoff = cfg.initializer_cutoff_factor * std
+            full = torch.empty(shape, dtype=torch.float32)
+            nn.init.trunc_normal_(full, 0.0, std, -cutoff, cutoff,
+                                  generator=torch.Generator().manual_seed(param_seed(self.seed, name)))
+            if spec.valid_rows is not None:
+                full[spec.valid_rows:] = 0.0  # vocab padding rows stay zero (see megabert.model.init)
+            if spec.is_tensor_parallel:
+                full = shard(full, spec.partition_dim, ps.tp_rank, ps.tp_size, spec.partition_stride)
+            p.copy_(full)

@@ -1,0 +1,119 @@
+"""Which model family a pre-training run builds, and that family's defaults (issue 42).
+
+`pretrain_bert.py --model-family modernbert` builds ModernBERT from the size flags, with
+ModernBERT's recipe where a flag was left out (MODERNBERT_DEFAULTS: 30% masking, no binary
+head, no dropout, LayerNorm eps 1e-5, 8192 positions). A run that starts from a ModernBERT
+checkpoint (`--load` or `--pretrained-checkpoint` of a transformers ModernBERT directory or
+of a megabert checkpoint of one) takes its architecture from that checkpoint's config:
+continued pre-training is one command. Flags then choose only how the model computes
+(RUN_TIME_FIELDS) and its dropouts; an architecture flag that contradicts the checkpoint is
+an error. BERT runs are unchanged: their architecture comes from the flags, as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from megabert.config import MODERNBERT_MODEL_DEFAULTS, Configs, ModelConfig
+from megabert.errors import ConfigError, MegabertError
+
+MODERNBERT_DEFAULTS = {**{f"model.{k}": v for k, v in MODERNBERT_MODEL_DEFAULTS.items() if k != "model_family"},
+                       "data.mask_prob": 0.3}
+# How the model computes, not what it is: always the flags' (pretrain_bert.py's defaults
+# included), whatever a loaded checkpoint says.
+RUN_TIME_FIELDS = ("attention_backend", "layernorm_backend", "dropout_add_backend", "recompute_granularity",
+                   "sequence_parallel", "unpad_input", "mlm_logits_at_masked_only")
+# May differ from the checkpoint when typed: regularisation of the continued run.
+OVERRIDABLE_FIELDS = ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout")
+
+
+def checkpoint_model_config(path: Optional[str]) -> Optional[ModelConfig]:
+    """The ModernBERT config of the checkpoint at `path` (a transformers ModernBERT dir or a
+    megabert checkpoint of one), or None (no path, nothing there yet, another family)."""
+    if not path:
+        return None
+    from megabert.checkpoint.reader import read_model_config
+    from megabert.checkpoint.run_state import holds_checkpoint
+
+    from megabert.checkpoint import megatron
+
+    if not holds_checkpoint(path) or megatron.is_megatron_dir(path):  # Megatron-LM trains no ModernBERT
+        return None
+    try:
+        saved = read_model_config(path)
+    except MegabertError:
+        return None  # unreadable: reported where the run loads it, as for any family
+    if saved.get("model_family") != "modernbert":
+        return None
+    return ModelConfig(**saved)
+
+
+def _start_path(cfg: Configs) -> Optional[str]:
+    """The checkpoint the run starts from (megabert.checkpoint.run_state.resolve_start's rule),
+    or None. A start that does not resolve (a wrong path) is reported where the run resolves
+    its start, after the flags' own rules (megabert.training.resolve)."""
+    from megabert.checkpoint.run_state import resolve_start
+
+    try:
+        return resolve_start(cfg.train).path
+    except MegabertError:
+        return None
+
+
+def resolve_model_family(cfg: Configs) -> Configs:
+    """cfg with the architecture of a ModernBERT start checkpoint adopted, and ModernBERT's
+    defaults where the family is ModernBERT and a flag was left out (see the module docstring)."""
+    loaded = checkpoint_model_config(_start_path(cfg)) if (cfg.train.load or cfg.train.pretrained_checkpoint) \
+        else None
+    model = cfg.model
+    if loaded is not None:
+        if "model.model_family" in cfg.explicit and model.model_family != "modernbert":
+            raise ConfigError(f"--model-family {model.model_family}, but the checkpoint to start from is a ModernBERT; "
+                              f"drop --model-family (the architecture comes from the checkpoint)")
+        fields = {}
+        for f in dataclasses.fields(ModelConfig):
+            mine, theirs = getattr(model, f.name), getattr(loaded, f.name)
+            typed = f"model.{f.name}" in cfg.explicit
+            if f.name in RUN_TIME_FIELDS or (typed and f.name in OVERRIDABLE_FIELDS):
+                fields[f.name] = mine
+            elif typed and f.name != "model_family" and mine != theirs:
+                flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+                raise ConfigError(f"{flag} {mine} contradicts the ModernBERT checkpoint to start from ({theirs}): the "
+                                  f"architecture comes from its config; drop {flag}")
+            else:
+                fields[f.name] = theirs
+        model = ModelConfig(**fields)
+    if model.model_family != "modernbert":
+        return cfg
+    model_values, data_values = {}, {}
+    for key, value in MODERNBERT_DEFAULTS.items():
+        if key in cfg.explicit:
+            continue
+        section, name = key.split(".")
+        if section == "data":
+            data_values[name] = value
+        elif loaded is None or name == "bert_binary_head":  # a loaded config already says
+            model_values[name] = value
+    explicit = cfg.explicit
+    if loaded is not None:
+        # The checkpoint's vocab (transformers' ModernBERT pads its tokenizer's 50,280 ids to
+        # 50,368) is the model's, not the tokenizer's: see model_vocab_size.
+        explicit = explicit | {"model.vocab_size"}
+        start = _start_path(cfg)
+        beside = os.path.join(start, "tokenizer.json") if os.path.isdir(start) else None
+        if cfg.data.vocab_file is None and beside and os.path.isfile(beside):
+            data_values.update(vocab_file=beside, tokenizer_type="HuggingFaceTokenizer")
+    model = dataclasses.replace(model, **model_values)
+    return dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, **data_values), explicit=explicit)
+
+
+def model_vocab_size(model: ModelConfig, explicit: frozenset, tokenizer_vocab_size: int) -> int:
+    """The vocab the model is built with: the tokenizer's, unless a checkpoint's config fixed
+    it (resolve_model_family marks that), which must then cover every token id."""
+    if "model.vocab_size" not in explicit:
+        return tokenizer_vocab_size
+    if tokenizer_vocab_size > model.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab_size} ids but the checkpoint's vocab_size is "
+                          f"{model.vocab_size}: pass the --vocab-file the checkpoint was trained with")
+    return model.vocab_size
