@@ -87,11 +87,6 @@ def test_sequence_parallel_equals_transformers(hf_dir):
     run_distributed(_check_tp, 2, hf_dir, "eager", "torch", False, True)
 
 
-class _LossTask:
-    def output_loss(self, out):
-        return out.loss, {}
-
-
 def _check_pp(rank, world, hf_dir, unpad):
     from megabert.pipeline_parallel.p2p import PipeComm
     from megabert.pipeline_parallel.schedules import PipelineSchedule
@@ -103,7 +98,9 @@ def _check_pp(rank, world, hf_dir, unpad):
                                                            unpad_input=unpad)
     batch = dict(input_ids=ids, attention_mask=am, labels=labels)
     comm = PipeComm(ps, model.activation_shape(ids.size(1), ids.size(0)), torch.float32)
-    schedule = PipelineSchedule(model, ps, comm, 1, _LossTask())
+    from megabert.training.strategy import Task
+
+    schedule = PipelineSchedule(model, ps, comm, 1, Task(inputs=(), output_loss=lambda out: (out.loss, {})))
     logits = schedule.forward_only([dict(batch, labels=None)], lambda out: out.logits)
     schedule.forward_backward([batch])
     sync_tied_embedding_grads(list(model.parameters()), ps)

@@ -18,6 +18,7 @@ from megabert.checkpoint.run_state import resolve_start
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
     TrainConfig
 from megabert.data.shard_sources import detect_nvidia_data
+from megabert.errors import ConfigError
 from megabert.parallel.layout import BatchLayout
 from megabert.parallel.zero import ZeroPlan
 from megabert.rules import check_model_split, check_zero, sentence_pair_task
@@ -105,6 +106,9 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
         # index mappings are built (fine-tuning reads --load when it builds its model).
         resolve_start(train)
         data = _sentence_pairs(data, model, cfg.explicit)
+        if data.pack_sequences and model is not None and model.model_family == "modernbert":
+            raise ConfigError("--pack-sequences does not pack --model-family modernbert yet (its RoPE and local "
+                              "windows take per-sequence positions from unpadding only): leave out --pack-sequences")
     return ResolvedRun(model=model, parallel=cfg.parallel, optim=optim, train=train, batch=batch,
                        world_size=ps.world_size, data=data,
                        finetune=getattr(cfg, "finetune", None), zero=zero, deepspeed_config=ds_config,

@@ -46,10 +46,11 @@ class ModernBertPredictionHead(nn.Module):
 
 
 class SequenceClassifierOutput(ModelOutput):
-    """loss; logits [b, num_labels]."""
+    """loss; loss_sum (over the samples, the mean's numerator: the fine-tuning task divides it
+    by the global batch's samples); logits [b, num_labels]."""
 
-    def __init__(self, *, loss, logits):
-        super().__init__(loss=loss, logits=logits)
+    def __init__(self, *, loss, logits, loss_sum=None):
+        super().__init__(loss=loss, logits=logits, loss_sum=loss_sum)
 
 
 @register_model
@@ -99,13 +100,15 @@ class ModernBertForSequenceClassification(BertPreTrainedModel):
         x = F.dropout(self.prediction_head(x), self.config.classifier_dropout, self.training)
         logits = self.classifier(x)  # [b, num_labels]
         labels = batch.get("labels")
-        loss = None
+        loss = loss_sum = None
         if labels is not None:
             if self.config.num_labels == 1:
-                loss = F.mse_loss(logits.float().squeeze(-1), labels.float().view(-1))
+                loss_sum = F.mse_loss(logits.float().squeeze(-1), labels.float().view(-1), reduction="sum")
             else:
-                loss = F.cross_entropy(logits.float().view(-1, self.config.num_labels), labels.view(-1))
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+                loss_sum = F.cross_entropy(logits.float().view(-1, self.config.num_labels), labels.view(-1),
+                                           reduction="sum")
+            loss = loss_sum / labels.numel()
+        return SequenceClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
 
     initialize_parameters = ModernBertForMaskedLM.initialize_parameters
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.config import ModelConfig
+from megabert.errors import ConfigError
 from megabert.model.bert import BertPreTrainedModel, attention_mask_to_bool
 from megabert.model.context import BuildContext
 from megabert.model.embeddings import word_embeddings
@@ -110,9 +111,13 @@ class ModernBertBackbone(nn.Module):
 
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
                       token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
-                      head_positions: Optional[torch.Tensor] = None):
+                      head_positions: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                      packed_seqlens: Optional[torch.Tensor] = None):
         """As BertBackbone.forward_chunk (token_type_ids are ignored: ModernBERT has none); the
-        model's last chunk returns (sequence [s, b, h], None)."""
+        model's last chunk returns (sequence [s, b, h], None). Packed rows are not taken yet
+        (the resolver stops --pack-sequences with this family first)."""
+        if packed_seqlens is not None or position_ids is not None:
+            raise ConfigError("--model-family modernbert does not take packed rows yet: leave out --pack-sequences")
         if self.stage.is_first_chunk(v):
             hidden = self.embeddings(input_ids)
         last = self.stage.is_last_chunk(v)
@@ -205,8 +210,10 @@ class MaskedLMOutput(ModelOutput):
     logits_parallel [..., padded V / tp]; predictions: the argmax without gathering; labels:
     the targets the loss was computed against."""
 
-    def __init__(self, *, loss, logits_parallel, tp_group, vocab_size, labels=None):
-        super().__init__(loss=loss, mlm_loss=loss)
+    def __init__(self, *, loss, logits_parallel, tp_group, vocab_size, labels=None, loss_sum=None):
+        # mlm_loss_sum: the numerator the trainer divides by the global batch's masked tokens
+        # (pretraining_task); an entry, not an attribute, as BertPreTrainingOutput's.
+        super().__init__(loss=loss, mlm_loss=loss, mlm_loss_sum=loss_sum, nsp_loss_sum=None)
         self._make = logits_parallel if callable(logits_parallel) else None
         if self._make is None:
             self["logits_parallel"] = logits_parallel
@@ -295,14 +302,15 @@ class ModernBertForMaskedLM(BertPreTrainedModel):
         if self.config.mlm_logits_at_masked_only and labels is not None:
             selected = labels != -100
             hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
-        loss = None
+        loss = loss_sum = None
         if target is not None:
             logits, per_token = self.lm_head.logits_and_loss(hidden, self.bert.word_embeddings, target)
-            loss = per_token.sum() / (target != -100).sum().clamp(min=1)
+            loss_sum = per_token.sum()
+            loss = loss_sum / (target != -100).sum().clamp(min=1)
         else:
             logits = self.lm_head.logits(self.lm_head.transform(hidden), self.bert.word_embeddings)
         return MaskedLMOutput(loss=loss, logits_parallel=logits, tp_group=self.ctx.tp_group,
-                              vocab_size=self.config.vocab_size, labels=target)
+                              vocab_size=self.config.vocab_size, labels=target, loss_sum=loss_sum)
 
     @torch.no_grad()
     def initialize_parameters(self) -> None:

@@ -13,10 +13,8 @@ cast back.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 
 def inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
