@@ -14,6 +14,7 @@ __all__ = [
     "bert_tiny", "bert_base", "bert_large", "ConfigError", "MegabertError", "ParallelState",
     "init_parallel", "get_parallel_state", "destroy_parallel",
     "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
+    "BertForTokenClassification",
 ]
 
 
@@ -35,4 +36,8 @@ def __getattr__(name: str):
         from megabert.tasks.glue import BertForSequenceClassification
 
         return BertForSequenceClassification
+    if name == "BertForTokenClassification":
+        from megabert.tasks.ner import BertForTokenClassification
+
+        return BertForTokenClassification
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")
