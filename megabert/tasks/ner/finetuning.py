@@ -66,11 +66,10 @@ def eval_results(sentences: list[Sentence], logits: list[np.ndarray], labels: tu
     result = ner_metrics(gold, predicted)
     index = {t: i for i, t in enumerate(labels)}
     known = [(x[w], index[t]) for x, s in zip(logits, sentences) for w, t in enumerate(s.tags) if t in index]
-    loss = float("nan")
-    if known:
+    if known:  # none when every gold tag is one the model was not trained on
         x = torch.from_numpy(np.stack([k[0] for k in known])).double()
-        loss = float(torch.nn.functional.cross_entropy(x, torch.tensor([k[1] for k in known])))
-    result = {"loss": loss, **result, "samples": len(sentences)}
+        result = {"loss": float(torch.nn.functional.cross_entropy(x, torch.tensor([k[1] for k in known]))), **result}
+    result = {**result, "samples": len(sentences)}
     return {f"{prefix}_{k}": v for k, v in result.items()}
 
 
