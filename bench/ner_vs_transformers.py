@@ -220,7 +220,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--seeds", type=int, default=1, help="runs per side (seeds 1..N: init, shuffle, dropout)")
+    p.add_argument("--seeds", type=int, default=1, help="runs per side (seeds S..S+N-1: init, shuffle, dropout)")
+    p.add_argument("--first-seed", type=int, default=1, help="S")
     args = p.parse_args()
     import transformers
 
@@ -239,7 +240,7 @@ def main() -> None:
               f"{args.epochs} epochs of {steps_per_epoch} steps, seq {args.seq}; torch {torch.__version__}, "
               f"transformers {transformers.__version__}, {torch.get_num_threads()} threads", flush=True)
         sides = {"megabert": [], "transformers": []}
-        for seed in range(1, args.seeds + 1):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             torch.manual_seed(seed)
             cfg = transformers.BertConfig(vocab_size=len(BERT_SPECIALS) + len(words), hidden_size=args.hidden,
                                           num_hidden_layers=args.layers, num_attention_heads=args.heads,
