@@ -245,7 +245,8 @@ def main() -> None:
             cfg = transformers.BertConfig(vocab_size=len(BERT_SPECIALS) + len(words), hidden_size=args.hidden,
                                           num_hidden_layers=args.layers, num_attention_heads=args.heads,
                                           intermediate_size=4 * args.hidden, max_position_embeddings=max(128, args.seq),
-                                          id2label=dict(enumerate(labels)), label2id={t: i for i, t in enumerate(labels)})
+                                          id2label=dict(enumerate(labels)),
+                                          label2id={t: i for i, t in enumerate(labels)})
             shutil.rmtree(f"{work}/init", ignore_errors=True)
             transformers.BertForTokenClassification(cfg).save_pretrained(f"{work}/init")
             shutil.copyfile(f"{work}/vocab.txt", f"{work}/init/vocab.txt")
