@@ -22,6 +22,7 @@ from megabert.parallel.param_spec import ParamSpec
 CLASSIFIERS = {"BertForSequenceClassification", "BertForTokenClassification"}
 """Architectures whose config carries the labels (num_labels, id2label)."""
 
+
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     if hf.get("model_type", "bert") != "bert":
         raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; only BERT is supported")
