@@ -255,7 +255,8 @@ def main() -> None:
                                                                          dev, labels))):
                 start = time.perf_counter()
                 sides[name].append(fn())
-                print(f"seed {seed} {name}: {time.perf_counter() - start:.0f} s", flush=True)
+                f1 = ", ".join(f"{100 * row['f1']:.2f}" for row in sides[name][-1])
+                print(f"seed {seed} {name}: dev F1 by epoch {f1} ({time.perf_counter() - start:.0f} s)", flush=True)
         print()
         print(f"{'epoch':>5} | {'megabert loss':>13} {'P':>6} {'R':>6} {'F1':>6} {'acc':>6} | "
               f"{'transformers loss':>17} {'P':>6} {'R':>6} {'F1':>6} {'acc':>6}   (dev, mean of {args.seeds} seed(s))")
