@@ -15,7 +15,7 @@ __all__ = [
     "ConfigError", "MegabertError", "ParallelState",
     "init_parallel", "get_parallel_state", "destroy_parallel",
     "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
-    "ModernBertForMaskedLM", "ModernBertForSequenceClassification",
+    "ModernBertForMaskedLM", "ModernBertForSequenceClassification", "BertForTokenClassification",
 ]
 
 
@@ -41,4 +41,8 @@ def __getattr__(name: str):
         import megabert.model
 
         return getattr(megabert.model, name)
+    if name == "BertForTokenClassification":
+        from megabert.tasks.ner import BertForTokenClassification
+
+        return BertForTokenClassification
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")

@@ -75,10 +75,10 @@ class ModelConfig:
                                                "selective (attention core only).", choices=(None, "full", "selective"))
     sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence over the "
                                   "tensor-parallel group (needs --tensor-model-parallel-size > 1 to matter).")
-    # Sequence classification heads (GLUE), as transformers' BertConfig keeps them: set by the
-    # task from its label set, saved with the checkpoint, exported to config.json.
-    num_labels: int = arg(2, "Outputs of a sequence classification head; 1 is regression (STS-B).", cli=False)
-    id2label: Optional[dict] = arg(None, "Class id -> label name of a sequence classification head.", cli=False)
+    # Sequence and token classification heads (GLUE, NER), as transformers' BertConfig keeps them:
+    # set by the task from its label set, saved with the checkpoint, exported to config.json.
+    num_labels: int = arg(2, "Outputs of a classification head; 1 is regression (STS-B).", cli=False)
+    id2label: Optional[dict] = arg(None, "Class id -> label name (tag) of a classification head.", cli=False)
     # The model family. ModernBERT (Warner et al. 2024; megabert.model.modernbert) reads the fields
     # below, named as transformers' ModernBertConfig names them; BERT ignores them. From the
     # fields above ModernBERT takes the sizes, attention_dropout, layernorm_epsilon (its

@@ -20,6 +20,10 @@ from megabert.parallel.param_spec import ParamSpec
 
 # ---------------------------------------------------------------- configs
 
+CLASSIFIERS = {"BertForSequenceClassification", "BertForTokenClassification"}
+"""Architectures whose config carries the labels (num_labels, id2label)."""
+
+
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     if hf_modernbert.is_modernbert_config(hf):
         return hf_modernbert.model_config_from_hf(hf, **overrides)
@@ -40,7 +44,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
                   attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
                   layernorm_epsilon=hf.get("layer_norm_eps", 1e-12),
                   init_method_std=hf.get("initializer_range", 0.02))
-    if "BertForSequenceClassification" in (hf.get("architectures") or []):
+    if CLASSIFIERS & set(hf.get("architectures") or []):
         # transformers derives num_labels from id2label; a config may carry either.
         id2label = hf.get("id2label")
         fields.update(num_labels=len(id2label) if id2label else hf.get("num_labels", 2), id2label=id2label)
@@ -63,18 +67,21 @@ def hf_config_from_model(cfg: ModelConfig, architecture: str) -> dict:
         "attention_probs_dropout_prob": cfg.attention_dropout, "layer_norm_eps": cfg.layernorm_epsilon,
         "initializer_range": cfg.init_method_std, "position_embedding_type": "absolute",
         "pad_token_id": 0, "torch_dtype": "float32",
-        **(_classification_fields(cfg) if architecture == "BertForSequenceClassification" else {}),
+        **(_classification_fields(cfg, architecture) if architecture in CLASSIFIERS else {}),
     }
 
 
-def _classification_fields(cfg: ModelConfig) -> dict:
-    """What AutoModelForSequenceClassification and pipeline("text-classification") read:
-    the labels (ids as JSON strings, as transformers writes them) and the loss, regression
-    with one output (transformers infers the same from num_labels 1, but says it)."""
+def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:
+    """What AutoModelFor{Sequence,Token}Classification and pipeline("text-classification" /
+    "token-classification") read: the labels (ids as JSON strings, as transformers writes
+    them) and, for a sequence classifier, the loss, regression with one output
+    (transformers infers the same from num_labels 1, but says it)."""
     id2label = cfg.id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
-    return {"num_labels": cfg.num_labels, "id2label": {str(k): v for k, v in sorted(id2label.items())},
-            "label2id": {v: k for k, v in sorted(id2label.items())},
-            "problem_type": "regression" if cfg.num_labels == 1 else "single_label_classification"}
+    fields = {"num_labels": cfg.num_labels, "id2label": {str(k): v for k, v in sorted(id2label.items())},
+              "label2id": {v: k for k, v in sorted(id2label.items())}}
+    if architecture == "BertForSequenceClassification":
+        fields["problem_type"] = "regression" if cfg.num_labels == 1 else "single_label_classification"
+    return fields
 
 
 # ---------------------------------------------------------------- state dicts

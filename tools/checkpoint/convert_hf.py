@@ -57,8 +57,8 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
         return _import_modernbert(output, tp, pp, hf_config, hf_state, source_dir)
     arch = (hf_config.get("architectures") or ["BertForPreTraining"])[0]
     # A fine-tuned head comes along; anything else imports as the pre-training model.
-    model_class = arch if arch in ("BertForQuestionAnswering", "BertForSequenceClassification") \
-        else "BertForPreTraining"
+    model_class = arch if arch in ("BertForQuestionAnswering", "BertForSequenceClassification",
+                                   "BertForTokenClassification") else "BertForPreTraining"
     has_binary_head = any(k.startswith("cls.seq_relationship") for k in hf_state)
     cfg = hf_io.model_config_from_hf(hf_config, bert_binary_head=has_binary_head)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)

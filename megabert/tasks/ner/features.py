@@ -1,0 +1,143 @@
+"""Tagged sentences -> fixed-length features, as run_ner.py builds them, plus windows:
+
+    [CLS] w1 w2a ##w2b w3 ... [SEP] [PAD] ...
+    labels  -100 at [CLS], [SEP], padding and (unless --label-all-tokens) every sub-word but
+            a word's first
+
+Each word is tokenized on its own (run_ner.py's is_split_into_words), after a space so that
+byte-level and SentencePiece tokenizers see a word start as in running text (WordPiece
+ignores it). A word that tokenizes to nothing (a lone control character) becomes [UNK]:
+no word is dropped.
+
+A sentence longer than max_seq_length - 2 sub-words is cut into windows of that length, each
+sharing `overlap` sub-words with the one before (transformers' stride), the last one ending
+at the sentence's end. Every sub-word
+lies in some window, so every word's first sub-word does; a word is predicted from the
+window where it sits most central (the most context on its shorter side; ties to the
+longer, then the earlier window: the rule of Google's run_squad.py _check_is_max_context).
+Training uses every window, labelled wherever a word starts in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from megabert.tasks.ner.data import Sentence
+from megabert.tasks.ner.model import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Window:
+    """One feature: sentence `sentence`'s sub-words [start, start + length), and `owned`,
+    the (position in the feature, word index) of the words this window predicts."""
+
+    sentence: int
+    start: int
+    length: int
+    owned: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Features:
+    tensors: dict[str, torch.Tensor]  # input_ids, token_type_ids, attention_mask, labels [n, max_seq_length]
+    windows: list[Window]
+
+
+def window_starts(num_tokens: int, length: int, overlap: int) -> list[int]:
+    """Where the windows of a sentence of `num_tokens` sub-words start: 0, length - overlap,
+    ... and a last one ending at the sentence's end."""
+    if num_tokens <= length:
+        return [0]
+    starts = list(range(0, num_tokens - length + 1, length - overlap))
+    if starts[-1] + length < num_tokens:
+        starts.append(num_tokens - length)
+    return starts
+
+
+def best_window(position: int, starts: Sequence[int], lengths: Sequence[int]) -> int:
+    """The window (index into starts) where sub-word `position` has the most context."""
+    best, best_score = -1, None
+    for k, (s, n) in enumerate(zip(starts, lengths)):
+        if not s <= position < s + n:
+            continue
+        score = min(position - s, s + n - 1 - position) + 0.01 * n
+        if best_score is None or score > best_score:
+            best, best_score = k, score
+    return best
+
+
+def word_pieces(sentences: Sequence[Sentence], tokenizer) -> list[list[list[int]]]:
+    """Each sentence's words as lists of sub-word ids (never empty)."""
+    flat = tokenizer.tokenize_batch([" " + w for s in sentences for w in s.words])
+    out, k = [], 0
+    for s in sentences:
+        out.append([ids or [tokenizer.unk] for ids in flat[k:k + len(s.words)]])
+        k += len(s.words)
+    return out
+
+
+def continuation_labels(labels: Sequence[str]) -> list[int]:
+    """run_ner.py's b_to_i_label for --label-all-tokens: a word's later sub-words take its
+    tag, B-X as I-X where the label set has I-X."""
+    index = {t: i for i, t in enumerate(labels)}
+    return [index.get("I-" + t[2:], i) if t.startswith("B-") else i for i, t in enumerate(labels)]
+
+
+def sentences_to_features(sentences: Sequence[Sentence], tokenizer, max_seq_length: int, *,
+                          label2id: Optional[dict[str, int]] = None, overlap: Optional[int] = None,
+                          label_all_tokens: bool = False, drop_unlabelled: bool = False) -> Features:
+    """Features of every window of every sentence. `label2id`: label the words (sentences
+    with tags; a tag outside it is left unlabelled); `overlap`: sub-words each window shares
+    with the one before (default half a window); `drop_unlabelled`: leave out windows with no label
+    (training: a window inside one very long word teaches nothing)."""
+    length = max_seq_length - 2
+    overlap = length // 2 if overlap is None else overlap
+    to_inner = continuation_labels(sorted(label2id, key=label2id.get)) if label2id else None
+    rows, windows = [], []
+    for i, (sentence, pieces) in enumerate(zip(sentences, word_pieces(sentences, tokenizer))):
+        ids = [t for p in pieces for t in p]
+        firsts, offset = [], 0  # each word's first sub-word
+        for p in pieces:
+            firsts.append(offset)
+            offset += len(p)
+        token_labels = [IGNORE_INDEX] * len(ids)
+        if label2id is not None and sentence.tags is not None:
+            for w, (p, tag) in enumerate(zip(pieces, sentence.tags)):
+                label = label2id.get(tag, IGNORE_INDEX)
+                token_labels[firsts[w]] = label
+                if label_all_tokens and label != IGNORE_INDEX:
+                    for k in range(1, len(p)):
+                        token_labels[firsts[w] + k] = to_inner[label]
+        starts = window_starts(len(ids), length, overlap)
+        lengths = [min(length, len(ids) - s) for s in starts]
+        owner = [best_window(f, starts, lengths) for f in firsts]
+        for k, (s, n) in enumerate(zip(starts, lengths)):
+            owned = tuple((firsts[w] - s + 1, w) for w in range(len(firsts)) if owner[w] == k)  # +1: [CLS]
+            labels = [IGNORE_INDEX, *token_labels[s:s + n], IGNORE_INDEX]
+            if drop_unlabelled and all(x == IGNORE_INDEX for x in labels):
+                continue
+            rows.append(([tokenizer.cls, *ids[s:s + n], tokenizer.sep], labels))
+            windows.append(Window(i, s, n, owned))
+    n = len(rows)
+    tensors = {"input_ids": torch.full((n, max_seq_length), tokenizer.pad, dtype=torch.long),
+               "token_type_ids": torch.zeros((n, max_seq_length), dtype=torch.long),
+               "attention_mask": torch.zeros((n, max_seq_length), dtype=torch.long),
+               "labels": torch.full((n, max_seq_length), IGNORE_INDEX, dtype=torch.long)}
+    for r, (ids, labels) in enumerate(rows):
+        tensors["input_ids"][r, :len(ids)] = torch.tensor(ids)
+        tensors["attention_mask"][r, :len(ids)] = 1
+        tensors["labels"][r, :len(labels)] = torch.tensor(labels)
+    return Features(tensors, windows)
+
+
+def word_logits(features: Features, logits: np.ndarray, num_words: Sequence[int]) -> list[np.ndarray]:
+    """Each sentence's [words, num_labels] logits, every word's read at its first sub-word
+    in the window that owns it (logits: [features, max_seq_length, num_labels])."""
+    out = [np.full((n, logits.shape[-1]), np.nan, dtype=logits.dtype) for n in num_words]
+    for f, window in enumerate(features.windows):
+        for position, word in window.owned:
+            out[window.sentence][word] = logits[f, position]
+    return out

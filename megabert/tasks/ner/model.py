@@ -1,0 +1,59 @@
+"""BERT for token classification (named entities), as transformers'
+BertForTokenClassification: every position's final hidden state -> dropout -> linear to
+config.num_labels tag scores; cross entropy over the labelled positions (-100: none)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megabert.config import ModelConfig
+from megabert.model.bert import BertPreTrainedModel
+from megabert.model.heads import head_linear
+from megabert.model.outputs import ModelOutput
+from megabert.model.registry import register_model
+from megabert.parallel import ParallelState
+
+IGNORE_INDEX = -100
+"""A position without a label: padding, [CLS]/[SEP], a word's later sub-words."""
+
+
+class TokenClassifierOutput(ModelOutput):
+    """loss; logits [b, s, num_labels]."""
+
+    def __init__(self, *, loss, logits):
+        super().__init__(loss=loss, logits=logits)
+
+
+@register_model
+class BertForTokenClassification(BertPreTrainedModel):
+    """A tag per token (NER), as transformers' (no pooler)."""
+
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
+        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
+        self.classifier = head_linear(self.ctx, config.num_labels, "classifier.") if self.stage.is_last_stage \
+            else None
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> TokenClassifierOutput:
+        return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
+                                              attention_mask=attention_mask, labels=labels))
+
+    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> TokenClassifierOutput:
+        # The sequence is replicated over TP ranks (gathered after sequence parallelism) and
+        # the dropout mask comes from the default generator, seeded alike on every TP rank of
+        # a stage: the ranks agree.
+        hidden = F.dropout(sequence.transpose(0, 1), self.config.hidden_dropout, self.training)  # [b, s, h]
+        logits = self.classifier(hidden)  # [b, s, num_labels]
+        labels = batch.get("labels")
+        loss = None
+        if labels is not None:
+            # The mean over the labelled positions, as transformers'; a micro-batch with none
+            # (a window inside one very long word) gives 0, not NaN.
+            flat = labels.reshape(-1)
+            total = F.cross_entropy(logits.float().reshape(-1, self.config.num_labels), flat,
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+        return TokenClassifierOutput(loss=loss, logits=logits)
