@@ -29,34 +29,34 @@ SENTENCE_MEDIAN, SENTENCE_SIGMA, SENTENCE_RANGE = 24, 0.5, (4, 160)
 DOC_SENTENCES_MEDIAN, DOC_SENTENCES_SIGMA = 7, 1.0
 
 
-def write_corpus(workdir: str, num_documents: int, seed: int = 0) -> tuple[str, str]:
+def write_corpus(workdir: str, num_documents: int, seed: int = 0, vocab_size: int = VOCAB) -> tuple[str, str]:
     """(indexed-dataset prefix, vocab file) of a sentence-level corpus of random ids."""
     from megabert.data.indexed_dataset import IndexedDatasetWriter
 
     rng = np.random.default_rng(seed)
     vocab = os.path.join(workdir, "vocab.txt")
     with open(vocab, "w") as f:
-        f.write("\n".join(list(SPECIAL) + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]) + "\n")
+        f.write("\n".join(list(SPECIAL) + [f"w{i}" for i in range(vocab_size - len(SPECIAL))]) + "\n")
     prefix = os.path.join(workdir, "corpus_text_sentence")
     with IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
         for _ in range(num_documents):
             n = max(2, int(round(rng.lognormal(np.log(DOC_SENTENCES_MEDIAN), DOC_SENTENCES_SIGMA))))
             lengths = np.clip(np.rint(rng.lognormal(np.log(SENTENCE_MEDIAN), SENTENCE_SIGMA, n)),
                               *SENTENCE_RANGE).astype(np.int64)
-            w.add_document(rng.integers(len(SPECIAL), VOCAB, int(lengths.sum())), lengths)
+            w.add_document(rng.integers(len(SPECIAL), vocab_size, int(lengths.sum())), lengths)
     return prefix, vocab
 
 
-def bert_samples(seq_length: int, num_samples: int, seed: int = 1234, workdir: str | None = None) -> list[dict]:
+def bert_samples(seq_length: int, num_samples: int, seed: int = 1234, vocab_size: int = VOCAB) -> list[dict]:
     """`num_samples` pretrain_bert.py samples (dicts of numpy arrays, padded to seq_length) in
     the dataset's order, SOP head, short_seq_prob 0.1, 15% masking."""
     from megabert.data import build_tokenizer
     from megabert.tasks.pretraining.bert_dataset import BertDataset, SampleSpec
     from megabert.data.indexed_dataset import IndexedDataset
 
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         # ~0.4 samples per document at seq 512, a few at seq 128: enough documents for one pass.
-        prefix, vocab = write_corpus(tmp, num_documents=max(64, num_samples * 3))
+        prefix, vocab = write_corpus(tmp, num_documents=max(64, num_samples * 3), vocab_size=vocab_size)
         indexed = IndexedDataset(prefix)
         spec = SampleSpec(seq_length=seq_length, short_seq_prob=0.1, seed=seed)
         ds = BertDataset(indexed, (0, indexed.num_documents), "train", num_samples, spec,

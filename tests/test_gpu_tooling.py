@@ -309,3 +309,12 @@ def test_bench_figures_read_the_bert_large_lines():
     assert f["targets"]["1"] == {"side": "megabert-packed", "mfu": 0.477, "vs_transformers": 1.89,
                                  "mfu_target_met": True, "moonshot_met": False, "ratio_target_met": True}
     assert f["targets"]["2"]["mfu_target_met"] is None and f["targets"]["2"]["ratio_target_met"] is None
+
+
+def test_a_bench_step_past_its_time_limit_is_stopped_and_recorded(tmp_path):
+    run = bench_gpu.Run(str(tmp_path))
+    rc = run.step("slow", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"],
+                  timeout=2)
+    assert rc == 124 and run.summary["steps"][0]["exit_code"] == 124
+    log = (tmp_path / "slow.log").read_text()
+    assert "started" in log and "bench-gpu: slow stopped after its 2 s limit" in log

@@ -68,7 +68,7 @@ def bert_large(lines: Iterable[str]) -> dict:
         if m := _BERT.match(line):
             out["throughput"].append({
                 "phase": int(m.group(1)), "side": m.group(2), "seq_per_s": float(m.group(3)),
-                "real_tokens_per_s": float(m.group(4)), "real_token_share": float(m.group(5)) / 100,
+                "real_tokens_per_s": float(m.group(4)), "real_token_share": _share(m.group(5)),
                 "samples_per_row": float(m.group(6)), "tflops": float(m.group(7)), "mfu": _share(m.group(8)),
                 "vs_transformers": None if m.group(9) == "n/a" else float(m.group(9).rstrip("x")),
                 "peak_gb": None if m.group(10) == "n/a" else float(m.group(10))})
@@ -104,7 +104,7 @@ def targets(rows: list[dict]) -> dict:
 
 
 def _share(cell: str):
-    return None if cell == "n/a" else float(cell.rstrip("%")) / 100
+    return None if cell == "n/a" else round(float(cell.rstrip("%")) / 100, 6)
 
 
 def varlen_attention(lines: Iterable[str]) -> list[dict]:
