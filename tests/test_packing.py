@@ -180,7 +180,7 @@ def _step_worker(rank, world, argv, packed, tp, pp, out):
     try:
         metrics = trainer.train_step()
         grads = {n: p.grad.clone() for n, p in trainer.strategy.model.named_parameters() if p.grad is not None}
-        params = {n: p.detach().clone() for n, p in trainer.strategy.model.named_parameters()}
+        params = trainer.strategy.cpu_state_dict(keep=True)  # whole (TP-local) weights, ZeRO-3's gathered
         consumed = int(trainer.step_packing[0]) if trainer.step_packing is not None else N
     finally:
         trainer.close()
@@ -200,6 +200,7 @@ def _compare(tmp_path, world, argv_packed, argv_unpacked, tp=1, pp=1, *, grads=T
             assert p["grads"].keys() == u["grads"].keys() and p["grads"]
             for n in u["grads"]:
                 torch.testing.assert_close(p["grads"][n], u["grads"][n], atol=1e-6, rtol=0, msg=n)
+        assert p["params"].keys() == u["params"].keys() and all(v.numel() for v in u["params"].values())
         for n in u["params"]:
             torch.testing.assert_close(p["params"][n], u["params"][n], atol=1e-6, rtol=0, msg=n)
 
@@ -224,13 +225,15 @@ def test_packed_step_equals_unpacked_tp1(tmp_path, name, backend):
     ("tp2", 2, 2, 1, []),
     ("tp2-sequence-parallel", 2, 2, 1, ["--sequence-parallel", "--no-unpad-input"]),
     ("pp2", 2, 1, 2, []),
+    ("pp2-interleaved", 2, 1, 2, ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
     ("dp2-distributed-optimizer", 2, 1, 1, ["--use-distributed-optimizer"]),
     ("dp2-zero2", 2, 1, 1, ["--deepspeed", "--zero-stage", "2"]),
+    ("dp2-zero3", 2, 1, 1, ["--deepspeed", "--zero-stage", "3"]),
 ])
 def test_packed_step_equals_unpacked_across_layouts(tmp_path, name, world, tp, pp, extra):
     dp = world // (tp * pp)
     packed, unpacked = _batch_args(1, 4 // dp, dp)
-    # The distributed optimizer and ZeRO-2 keep only shards of the averaged gradients: there the
+    # The distributed optimizer and ZeRO keep only shards of the averaged gradients: there the
     # updated parameters carry them (see _step_worker).
     _compare(tmp_path, world, packed + extra, unpacked + extra, tp, pp,
              grads="--use-distributed-optimizer" not in extra and "--deepspeed" not in extra)
