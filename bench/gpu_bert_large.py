@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import os
 import sys
@@ -351,6 +352,7 @@ def main() -> None:
         print(f"recompiles {phase}: {graphs - graphs0} graphs compiled and {breaks - breaks0} graph breaks after "
               f"warm-up ({'--compile' if args.compile else 'eager: nothing compiles'})")
         del sides
+        gc.collect()  # the trainers hold their models in reference cycles: free them before the next phase
         if dev.cuda:
             torch.cuda.empty_cache()
 

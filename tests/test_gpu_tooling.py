@@ -147,7 +147,7 @@ def test_cuda_check_shows_diagnostics_not_the_compile_commands():
 # ------------------------------------------------------------ bench/gpu_bert_large.py (issue 41)
 
 BENCH = os.path.join(ROOT, "bench")
-sys.path.insert(0, BENCH)  # the bench's own modules import each other by name, as when run from bench/
+sys.path.append(BENCH)  # the bench's modules import each other by name, as when run from bench/ (last: no shadowing)
 import _kernel_breakdown as kb  # noqa: E402
 
 

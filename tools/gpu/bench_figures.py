@@ -13,8 +13,9 @@ _PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 # bench/kernels.py: "softmax   [8,12,128,128]      bfloat16       0.05 ..."
 _KERNEL = re.compile(r"^(softmax|layernorm)\s+(\[[\d,]+\])\s+(\w+)\s+([\d.]+)")
 _BANDWIDTH = re.compile(r"^\s+.*GB/s")
-# bench/gpu_bert_large.py, per phase and side:
-# "1      megabert-packed              1102.4      134512      97.1%        1.13     266.0   26.9%            1.49x    14.20"
+# bench/gpu_bert_large.py, per phase and side: phase, side, seq/s, real tokens/s, real share,
+# samples/row, TFLOP/s, MFU, vs transformers, peak GB:
+# "1      megabert-packed     1102.4      134512      97.1%        1.13     266.0   26.9%      1.49x    14.20"
 _BERT = re.compile(r"^([12])\s+(megabert(?:-packed)?|transformers)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)\s+"
                    r"([\d.]+)\s+([\d.]+%|n/a)\s+([\d.]+x|n/a)\s+([\d.]+|n/a)\s*$")
 # its kernel breakdown: "1      megabert     66.80     30.12 45.1%  ..." (wall, then ms and share of
