@@ -26,7 +26,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|varlen|megabert::.*softmax", re.I)),
     ("gemm", re.compile(r"cutlass|cublas|gemm|gemv|xmma|nvjet|triton_tem\w*mm|\baten::(_?addmm|mm|bmm|baddbmm)\b",
                         re.I)),
-    ("norm/elementwise", re.compile(r"layer_?norm|elementwise|vectorized|reduce|triton_(poi|red|per)_|dropout|"
+    # "reduce_kernel", not "reduce": NCCL's AllReduce kernels are communication ("other").
+    ("norm/elementwise", re.compile(r"layer_?norm|elementwise|vectorized|reduce_kernel|triton_(poi|red|per)_|dropout|"
                                     r"softmax|gelu", re.I)),
 )
 OTHER = "other"

@@ -294,7 +294,7 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the same logic on a CPU (with --tiny: what tests/test_gpu_tooling.py runs)")
     p.add_argument("--tiny", action="store_true",
-                   help=f"bert-tiny, a vocabulary of {TINY_VOCAB}, micro-batches 4 and 2, a window of 64 samples")
+                   help=f"bert-tiny, a vocabulary of {TINY_VOCAB}, micro-batches 4 and 1, a window of 64 samples")
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--compile", action="store_true", help="the megabert sides with --compile")
     p.add_argument("--rounds", type=int, default=20, help="timed steps per side")
@@ -316,7 +316,7 @@ def main() -> None:
     dev = Device(ps.device)
     window = args.packing_window or (64 if args.tiny else PACKING_WINDOW)
     phases = (("1", 128, args.phase1_batch or (4 if args.tiny else 64)),
-              ("2", 512, args.phase2_batch or (2 if args.tiny else 16)))
+              ("2", 512, args.phase2_batch or (1 if args.tiny else 16)))
     peak = device_peak_tflops(ps.device)
     name = torch.cuda.get_device_name(ps.device) if dev.cuda else "cpu"
     print(f"{name} | torch {torch.__version__} | {'bert-tiny' if args.tiny else 'BERT-large'} bf16 | dense bf16 peak "
