@@ -54,7 +54,7 @@ class Event:
 def device_events(trace: dict) -> list[Event]:
     """Kernels, memcpys and memsets of a Chrome trace (torch.profiler.export_chrome_trace)."""
     return [Event(e["name"], float(e["ts"]), float(e["dur"])) for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+            if e.get("ph", "X") == "X" and e.get("cat") in DEVICE_CATS]
 
 
 def cpu_ops(trace: dict) -> tuple[list[Event], list[Event]]:
@@ -63,7 +63,7 @@ def cpu_ops(trace: dict) -> tuple[list[Event], list[Event]]:
     nested operators count once, the second for the busy time."""
     by_thread: dict = {}
     for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+        if e.get("ph", "X") == "X" and e.get("cat") == "cpu_op":
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(
                 Event(e["name"], float(e["ts"]), float(e["dur"])))
     own, outer = [], []
