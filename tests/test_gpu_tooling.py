@@ -314,8 +314,24 @@ def test_bench_figures_read_the_bert_large_lines():
 
 def test_a_bench_step_past_its_time_limit_is_stopped_and_recorded(tmp_path):
     run = bench_gpu.Run(str(tmp_path))
-    rc = run.step("slow", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"],
-                  timeout=2)
+    child = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(child)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")
+    rc = run.step("slow", [sys.executable, "-c", script], timeout=3)
     assert rc == 124 and run.summary["steps"][0]["exit_code"] == 124
     log = (tmp_path / "slow.log").read_text()
-    assert "started" in log and "bench-gpu: slow stopped after its 2 s limit" in log
+    assert "started" in log and "bench-gpu: slow stopped after its 3 s limit" in log
+    import time
+
+    pid = int(child.read_text())  # its child goes with it (a zombie at most, until init reaps it)
+    for _ in range(50):  # SIGKILL lands within moments
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().split()[2]
+        except FileNotFoundError:
+            state = "gone"
+        if state in ("gone", "Z"):
+            break
+        time.sleep(0.1)
+    assert state in ("gone", "Z")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,10 +86,14 @@ class Run:
         print(f"bench-gpu: {name}: {' '.join(cmd)} (log: {log})", flush=True)
         t0 = time.time()
         with open(log, "w") as f:
+            # A session of its own, so that a step stopped at its limit takes its children
+            # (torch.compile's worker processes) with it.
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, check=False,
-                                    timeout=timeout).returncode
+                rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 f.write(f"\nbench-gpu: {name} stopped after its {timeout:.0f} s limit\n")
                 rc = 124
         entry = {"name": name, "command": cmd, "exit_code": rc, "seconds": round(time.time() - t0, 1),
