@@ -1,70 +1,183 @@
-"""`make bench-gpu`'s throughput part: BERT-large pre-training, phase 1 (seq 128) and
-phase 2 (seq 512), bf16, one GPU: pretrain_bert.py's training step (default flags plus
---bf16) against transformers' BertForPreTraining (sdpa, bf16 autocast, torch's fused AdamW,
-clipping at 1.0) on the same device, steps interleaved. Prints sequences/s, model TFLOP/s
-(Megatron's accounting, as the training log), MFU against the device's dense bf16 peak, and
-the ratio to transformers.
+"""`make bench-gpu`'s throughput part (issue 41): BERT-large pre-training, phase 1 (seq 128,
+micro-batch 64) and phase 2 (seq 512, micro-batch 16), bf16, one GPU, three sides:
 
-Batches are full-length (NVIDIA's phase 1/2 data packs sentences to the length; 15%
-masked), so unpadding buys nothing here: these figures are the dense step.
+  megabert          pretrain_bert.py's training step, default flags plus --bf16, samples padded
+                    one to a row
+  megabert-packed   the same plus --pack-sequences: rows of whole samples (first-fit decreasing
+                    over one --packing-window of 1024 samples, as pretrain_bert.py packs), the
+                    same number of rows per micro-batch
+  transformers      BertForPreTraining as its users run it: sdpa, bf16 autocast, torch's fused
+                    AdamW, clipping at 1.0; the padded rows of the megabert side
 
-    python bench/gpu_bert_large.py [--rounds 20] [--phase1-batch 64] [--phase2-batch 16] [--profile N]
+Samples come from megabert's own generator (short_seq_prob 0.1, SOP pairs, 15% masking) on a
+synthetic corpus whose lengths model Wikipedia's (bench/_bert_samples.py says where they come
+from). Steps are interleaved; each step ends with a device synchronisation.
 
---profile N: after the timing, each side's N heaviest operators over 3 profiled steps
-(torch.profiler, self CUDA time per step; the CPU time beside it shows where the host is
-the bottleneck).
+Per phase and side it prints sequences/s, real (non-padding) tokens/s, the rows' real-token
+share and samples per row, model TFLOP/s and MFU counting real tokens only (Megatron's
+accounting per sample, attention within each sample, MLM logits at the masked positions: a
+padded slot is not work), the ratio of real tokens/s to transformers, and the peak memory the
+side allocated (building it and its first steps); then the targets of issue 41 beside the
+figures; a kernel-time breakdown per step from torch.profiler (GEMM, attention,
+norm/elementwise, optimizer, other, and the idle time: step wall less the union of kernel busy
+time; bench/_kernel_breakdown.py); the host synchronisations per step (CUDA's sync debug mode,
+counted as warnings) and the graphs torch.compile built after warm-up. Figures, never asserts.
+
+    python bench/gpu_bert_large.py [--rounds 20] [--sides megabert megabert-packed transformers]
+    python bench/gpu_bert_large.py --sides megabert-packed --compile   # the compiled packed step
+    python bench/gpu_bert_large.py --device cpu --tiny --rounds 2      # the same logic on a CPU (tests)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import itertools
+import os
 import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 import megabert
-from _timing import interleaved
+import _kernel_breakdown as kb
+from _bert_samples import VOCAB, bert_samples
 from megabert.arguments import parse_args
-from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
+from megabert.data.packing import PACKED_COUNTS, pack_window, packed_micro_batches
+from megabert.tasks.pretraining.data import packing_spec
 from megabert.tasks.pretraining.task import build_pretraining
+from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
 from megabert.training.resolve import resolve_run
 
-VOCAB = 30522
+TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55
+SIDES = ("megabert", "megabert-packed", "transformers")
+PACKING_WINDOW = 1024  # pretrain_bert.py's --packing-window default
+NUM_BATCHES = 4  # distinct micro-batches each side cycles through
 
 
-def full_batches(batch: int, seq: int, device, count: int = 4) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        ids = torch.randint(1000, VOCAB, (batch, seq), generator=g)
-        labels = torch.where(torch.rand(batch, seq, generator=g) < 0.15, ids, torch.full_like(ids, -100))
-        out.append({"input_ids": ids, "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(batch, seq),
-                    "attention_mask": torch.ones(batch, seq, dtype=torch.long), "labels": labels,
-                    "next_sentence_label": torch.randint(0, 2, (batch,), generator=g)})
-    return [{k: v.to(device) for k, v in b.items()} for b in out]
+class Device:
+    """The few device-specific calls, in one place: on a CPU they do nothing or say None."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> Optional[int]:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+
+    def profiler_activities(self) -> list:
+        from torch.profiler import ProfilerActivity
+        # On CUDA the kernels alone: recording every host operator as well slows the host,
+        # which is what paces the GPU in the idle time we want to see.
+        return [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
+
+    def count_host_syncs(self, step: Callable[[], object], steps: int) -> Optional[int]:
+        """Synchronising CUDA calls over `steps` steps (sync debug mode "warn" raises one
+        warning per call); None on a CPU, where nothing waits for a device."""
+        if not self.cuda:
+            return None
+        self.sync()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(steps):
+                    step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        self.sync()
+        return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def ours(ps, seq: int, batch: int, batches: list[dict]):
-    cfg = parse_args(["--preset", "bert-large", "--bf16", "--seq-length", str(seq), "--max-position-embeddings", "512",
-                      "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--data-path", "unused",
-                      "--train-iters", "1000000", "--log-interval", "1000000", "--eval-interval", "0"])
-    trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB, lambda consumed: itertools.cycle(batches))
+@dataclass
+class Side:
+    """A side's step (no synchronisation), the per-batch figures of the batches it cycles
+    through, and what was measured."""
+    name: str
+    step: Callable[[], object]
+    samples: list[int]
+    real_tokens: list[int]
+    flops: list[float]
+    rows: int  # rows per micro-batch
+    seq: int
+    calls: int = 0
+    times: list = field(default_factory=list)
+    done: list = field(default_factory=list)  # batch index of each timed step
+    peak_bytes: Optional[int] = None
+
+    def run(self) -> int:
+        """One step; the index of the batch it consumed."""
+        self.step()
+        i = self.calls % len(self.samples)
+        self.calls += 1
+        return i
+
+    def seconds(self) -> float:
+        return sum(self.times)
+
+    def per_s(self, values: list) -> float:
+        return sum(values[i] for i in self.done) / self.seconds()
+
+    def real_share(self) -> float:
+        return sum(self.real_tokens) / (self.rows * self.seq * len(self.real_tokens))
+
+    def samples_per_row(self) -> float:
+        return sum(self.samples) / (self.rows * len(self.samples))
+
+
+TINY_VOCAB = 1024  # --tiny: a vocabulary that keeps the MLM heads as small as the rest
+
+
+def vocab_size(tiny: bool) -> int:
+    return TINY_VOCAB if tiny else VOCAB
+
+
+def model_flags(tiny: bool) -> list[str]:
+    return ["--preset", "bert-tiny" if tiny else "bert-large"]
+
+
+def megabert_step(ps, flags: list[str], seq: int, batch: int, batches: list[dict], packed: bool, compile_: bool,
+                  vocab: int):
+    argv = flags + ["--bf16", "--seq-length", str(seq), "--max-position-embeddings", "512",
+                    "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--data-path", "unused",
+                    "--train-iters", "1000000", "--log-interval", "1000000", "--eval-interval", "0"]
+    argv += (["--pack-sequences"] if packed else []) + (["--compile"] if compile_ else [])
+    cfg = parse_args(argv)
+    trainer = build_pretraining(resolve_run(cfg, ps), ps, vocab, lambda consumed: itertools.cycle(batches))
     trainer.strategy.model.train()
-    return trainer.train_step, cfg.model
+    return trainer.train_step, cfg
 
 
-def transformers_step(seq: int, batches: list[dict], device):
+def transformers_step(model_cfg, vocab: int, batches: list[dict], device: torch.device):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                     intermediate_size=4096, max_position_embeddings=512, attn_implementation="sdpa")
+    config = transformers.BertConfig(vocab_size=vocab, hidden_size=model_cfg.hidden_size,
+                                     num_hidden_layers=model_cfg.num_layers,
+                                     num_attention_heads=model_cfg.num_attention_heads,
+                                     intermediate_size=model_cfg.ffn_hidden_size, max_position_embeddings=512,
+                                     attn_implementation="sdpa")
     model = transformers.BertForPreTraining(config).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     it = itertools.cycle(batches)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(**next(it)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -74,66 +187,189 @@ def transformers_step(seq: int, batches: list[dict], device):
     return step
 
 
-def profile(name: str, step, top: int) -> None:
-    """The `top` operators by self CUDA time over 3 steps, per step."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-    # Operators (host events) only: their self device time is that of the kernels they
-    # launched, so the kernels themselves are not counted a second time.
-    ops = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in ops) / 3 / 1e3
-    print(f"  {name}: kernels {total:.2f} ms per step; top {top} operators (ms per step, share, calls per step)")
-    for e in sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
-        ms = e.self_device_time_total / 3 / 1e3
-        print(f"    {ms:8.3f} {ms / total:6.1%} {e.count // 3:5d}  {e.key[:90]}")
+def padded_batches(samples: list[dict], batch: int) -> list[dict]:
+    return [{k: torch.from_numpy(np.stack([s[k] for s in samples[i * batch:(i + 1) * batch]])) for k in samples[0]}
+            for i in range(NUM_BATCHES)]
 
 
-def synced(step):
-    def run():
-        step()
-        torch.cuda.synchronize()
-    return run
+def packed_batches(samples: list[dict], batch: int, cfg) -> tuple[list[dict], list[int]]:
+    """NUM_BATCHES micro-batches of `batch` packed rows from one window of `samples`, and the
+    samples each holds."""
+    spec = dataclasses.replace(packing_spec(cfg.data, cfg.train.seed), window=len(samples))
+    rows = packed_micro_batches([pack_window(samples, 0, spec)], spec, 0, batch, 0, 1)
+    out = list(itertools.islice(rows, NUM_BATCHES))
+    if len(out) < NUM_BATCHES:
+        sys.exit(f"bench/gpu_bert_large.py: {len(samples)} samples made {len(out)} packed micro-batches of {batch} "
+                 f"rows, fewer than {NUM_BATCHES}; raise --packing-window")
+    return [{k: v for k, v in b.items() if k != PACKED_COUNTS} for b in out], [int(b[PACKED_COUNTS][0]) for b in out]
+
+
+def batch_flops(model_cfg, batch: dict) -> float:
+    """Model FLOPs of a micro-batch's real tokens: each sample at its own length (attention
+    within it), the MLM head at the masked positions; padding counts nothing."""
+    if "packed_seqlens" in batch:
+        lengths = batch["packed_seqlens"][batch["packed_seqlens"] > 0]
+    else:
+        lengths = batch["attention_mask"].sum(1)
+    masked = int((batch["labels"] != -100).sum())
+    return (sum(bert_flops_per_sample(model_cfg, int(n), masked_tokens=0) for n in lengths)
+            + bert_flops_per_sample(model_cfg, 0, masked_tokens=masked))
+
+
+def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: list[dict]) -> list[Side]:
+    """Each side built in turn, with the peak memory of its building and first steps (less
+    what was allocated before it)."""
+    padded = padded_batches(samples, batch)
+    # One accounting for every side: the model's FLOPs at the vocabulary the samples use.
+    model_cfg = dataclasses.replace(parse_args(model_flags(args.tiny)).model, vocab_size=vocab_size(args.tiny))
+    sides = []
+    for name in names:
+        before = dev.allocated()
+        dev.reset_peak()
+        if name == "megabert-packed":  # packed as pretrain_bert.py --pack-sequences packs (its flags' spec)
+            host, counts = packed_batches(samples, batch, parse_args(
+                model_flags(args.tiny) + ["--seq-length", str(seq), "--pack-sequences", "--data-path", "unused"]))
+        else:
+            host, counts = padded, [batch] * NUM_BATCHES
+        on_device = [{k: v.to(ps.device) for k, v in b.items()} for b in host]
+        if name == "transformers":
+            step = transformers_step(model_cfg, vocab_size(args.tiny), on_device, ps.device)
+        else:
+            step, _ = megabert_step(ps, model_flags(args.tiny), seq, batch, on_device, name == "megabert-packed",
+                                    args.compile, vocab_size(args.tiny))
+        side = Side(name, step, counts, [int(b["attention_mask"].sum()) for b in host],
+                    [batch_flops(model_cfg, b) for b in host], rows=batch, seq=seq)
+        for _ in range(args.warmup):
+            side.run()
+        dev.sync()
+        peak = dev.peak()
+        side.peak_bytes = None if peak is None else peak - before
+        sides.append(side)
+    return sides
+
+
+def time_interleaved(sides: list[Side], dev: Device, rounds: int) -> None:
+    """`rounds` steps per side, in an order that rotates, each timed to its synchronisation."""
+    for r in range(rounds):
+        for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            dev.sync()
+            t0 = time.perf_counter()
+            i = side.run()
+            dev.sync()
+            side.times.append(time.perf_counter() - t0)
+            side.done.append(i)
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process (torch._dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+def fmt(x: Optional[float], spec: str, none: str = "n/a") -> str:
+    return none if x is None else format(x, spec)
+
+
+def report(phase: str, sides: list[Side], peak_tflops: Optional[float]) -> None:
+    """The figures table of one phase, then the targets of issue 41 beside each megabert side."""
+    base = next((s for s in sides if s.name == "transformers"), None)
+    targets = []
+    for s in sides:
+        tflops = s.per_s(s.flops) / 1e12
+        mfu = tflops / peak_tflops if peak_tflops else None
+        ratio = f"{s.per_s(s.real_tokens) / base.per_s(base.real_tokens):.2f}x" if base else "n/a"
+        peak_gb = None if s.peak_bytes is None else s.peak_bytes / 1e9
+        print(f"{phase:6} {s.name:26} {s.per_s(s.samples):9.1f} {s.per_s(s.real_tokens):11.0f} "
+              f"{s.real_share():10.1%} {s.samples_per_row():11.2f} {tflops:9.1f} {fmt(mfu, '.1%'):>7} {ratio:>16} "
+              f"{fmt(peak_gb, '.2f'):>8}")
+        if s.name != "transformers":
+            targets.append(f"  target {phase} {s.name}: MFU {fmt(mfu, '.1%')} against {TARGET_MFU:.0%} (moonshot "
+                           f"{MOONSHOT_MFU:.0%}), {ratio} against {TARGET_VS_TRANSFORMERS}x transformers")
+    print("\n".join(targets))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--phase1-batch", type=int, default=64)
-    p.add_argument("--phase2-batch", type=int, default=16)
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="print each side's N heaviest operators (torch.profiler) after the timing")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the same logic on a CPU (with --tiny: what tests/test_gpu_tooling.py runs)")
+    p.add_argument("--tiny", action="store_true",
+                   help=f"bert-tiny, a vocabulary of {TINY_VOCAB}, micro-batches 4 and 1, a window of 64 samples")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--compile", action="store_true", help="the megabert sides with --compile")
+    p.add_argument("--rounds", type=int, default=20, help="timed steps per side")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
+    p.add_argument("--phases", nargs="+", choices=("1", "2"), default=["1", "2"])
+    p.add_argument("--phase1-batch", type=int)
+    p.add_argument("--phase2-batch", type=int)
+    p.add_argument("--packing-window", type=int)
+    p.add_argument("--profile-steps", type=int, default=3, help="steps per side in the kernel breakdown (0: none)")
+    p.add_argument("--sync-steps", type=int, default=5, help="steps per side over which host syncs are counted")
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu_bert_large.py needs a CUDA GPU and a CUDA build of torch (this torch: "
-                 f"{torch.__version__}); on a CPU run `make bench`")
+                 f"{torch.__version__}); on a CPU run `make bench`, or --device cpu --tiny to try this script's logic")
     ps = megabert.init_parallel()
+    if ps.device.type != args.device:
+        sys.exit(f"bench/gpu_bert_large.py --device {args.device}: megabert runs on {ps.device.type} here "
+                 f"(hide the GPU with CUDA_VISIBLE_DEVICES= for --device cpu)")
+    dev = Device(ps.device)
+    window = args.packing_window or (64 if args.tiny else PACKING_WINDOW)
+    phases = (("1", 128, args.phase1_batch or (4 if args.tiny else 64)),
+              ("2", 512, args.phase2_batch or (1 if args.tiny else 16)))
     peak = device_peak_tflops(ps.device)
-    print(f"{torch.cuda.get_device_name(ps.device)} | torch {torch.__version__} | BERT-large bf16 | dense bf16 peak "
-          f"{peak or 'unknown'} TFLOP/s | median of {args.rounds} interleaved steps")
-    print(f"{'phase':8} {'side':14} {'seq/s':>9} {'TFLOP/s':>9} {'MFU':>7} {'vs transformers':>16}")
-    for phase, seq, batch in (("1", 128, args.phase1_batch), ("2", 512, args.phase2_batch)):
-        batches = full_batches(batch, seq, ps.device)
-        step, model_cfg = ours(ps, seq, batch, batches)
-        steps = {"megabert": synced(step), "transformers": synced(transformers_step(seq, batches, ps.device))}
-        medians = interleaved(steps, args.rounds, warmup=3)
-        # Both models compute the same FLOPs per sample except transformers' full-vocab
-        # MLM logits; count ours (masked-only), so MFU is of useful work for both.
-        flops = bert_flops_per_sample(model_cfg, seq, masked_tokens=int(round(0.15 * seq)))
-        for name, t in medians.items():
-            tflops = flops * batch / t / 1e12
-            mfu = f"{tflops / peak:6.1%}" if peak else "    n/a"
-            print(f"{phase:8} {name:14} {batch / t:9.1f} {tflops:9.1f} {mfu:>7} "
-                  f"{medians['transformers'] / t:15.2f}x")
-        if args.profile:
-            for name, side in steps.items():
-                profile(f"phase {phase} {name}", side, args.profile)
-        del steps, step
-        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(ps.device) if dev.cuda else "cpu"
+    print(f"{name} | torch {torch.__version__} | {'bert-tiny' if args.tiny else 'BERT-large'} bf16 | dense bf16 peak "
+          f"{peak or 'unknown'} TFLOP/s | {args.rounds} interleaved steps per side after {args.warmup} | "
+          f"megabert{' --compile' if args.compile else ''} | samples: megabert's generator, short_seq_prob 0.1, SOP, "
+          f"packing window {window}")
+    print(f"targets (issue 41): MFU >= {TARGET_MFU:.0%} in both phases, >= {TARGET_VS_TRANSFORMERS}x transformers in "
+          f"real tokens/s; moonshot {MOONSHOT_MFU:.0%} MFU")
+    for phase, seq, batch in (p for p in phases if p[0] in args.phases):
+        samples = bert_samples(seq, max(window, NUM_BATCHES * batch), vocab_size=vocab_size(args.tiny))
+        print(f"\nphase {phase}: seq {seq}, micro-batch {batch} rows")
+        print(f"{'phase':6} {'side':26} {'seq/s':>9} {'real tok/s':>11} {'real share':>10} {'samples/row':>11} "
+              f"{'TFLOP/s':>9} {'MFU':>7} {'vs transformers':>16} {'peak GB':>8}")
+        sides = build_sides(args.sides, ps, dev, args, seq, batch, samples)
+        graphs0, breaks0 = dynamo_counts()
+        time_interleaved(sides, dev, args.rounds)
+        report(phase, sides, peak)
+        if args.profile_steps:
+            print(f"kernel time per step, ms and share of the step's wall time (torch.profiler, "
+                  f"{args.profile_steps} steps; idle = wall - union of kernel busy time)")
+            print(kb.header())
+            for side in sides:
+                b = profile_side(side, dev, args.profile_steps)
+                print(kb.row(phase, side.name, b))
+                if (line := kb.other_line(b)) is not None:
+                    print(line)
+        for side in sides:
+            if side.name != "transformers":
+                syncs = dev.count_host_syncs(side.run, args.sync_steps)
+                print(f"host syncs {phase} {side.name}: " + ("n/a (no CUDA device)" if syncs is None else
+                      f"{syncs / args.sync_steps:.1f} per step ({syncs} in {args.sync_steps} steps after warm-up)"))
+        graphs, breaks = dynamo_counts()
+        print(f"recompiles {phase}: {graphs - graphs0} graphs compiled and {breaks - breaks0} graph breaks after "
+              f"warm-up ({'--compile' if args.compile else 'eager: nothing compiles'})")
+        del sides
+        gc.collect()  # the trainers hold their models in reference cycles: free them before the next phase
+        if dev.cuda:
+            torch.cuda.empty_cache()
+
+
+def profile_side(side: Side, dev: Device, steps: int) -> kb.Breakdown:
+    """The kernel breakdown of `steps` more steps of `side`, against its timed wall per step."""
+    from torch.profiler import profile
+
+    dev.sync()
+    with profile(activities=dev.profiler_activities()) as prof:
+        for _ in range(steps):
+            side.run()
+        dev.sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return kb.from_trace_file(path, dev.device.type, steps, side.seconds() / len(side.times) * 1e3)
 
 
 if __name__ == "__main__":

@@ -121,11 +121,6 @@ def test_bench_figures_read_each_benchmarks_lines():
         "                                        fwd    1800 GB/s ( 54%)  bwd    2100 GB/s ( 63%)  of 3350 GB/s peak"])
     assert kernels == [{"op": "softmax", "shape": "[8,12,128,128]", "dtype": "bfloat16", "ours_ms": 0.05,
                         "bandwidth": "fwd    1800 GB/s ( 54%)  bwd    2100 GB/s ( 63%)  of 3350 GB/s peak"}]
-    bert = bench_figures.bert_large(["1        megabert          812.3     201.1   20.3%            1.25x",
-                                     "2        transformers      100.0      90.0     n/a            1.00x"])
-    assert bert[0] == {"phase": 1, "side": "megabert", "seq_per_s": 812.3, "tflops": 201.1, "mfu": 0.203,
-                       "vs_transformers": 1.25}
-    assert bert[1]["mfu"] is None
     varlen = bench_figures.varlen_attention([
         "data                   dropout  attention      seq/s   TFLOP/s     MFU   vs sdpa",
         "padded, 82.8% real     0.1      varlen         208.2     212.4   21.5%     1.11x",
@@ -147,3 +142,196 @@ def test_cuda_check_shows_diagnostics_not_the_compile_commands():
            "layer_norm.cu(7): warning #177-D: variable \"x\" was declared but never referenced",
            "bindings.cpp:3:5: error: expected ';'", "FAILED: softmax.o", "ninja: build stopped"]
     assert cuda_check.first_errors(log) == log[1:5]
+
+
+# ------------------------------------------------------------ bench/gpu_bert_large.py (issue 41)
+
+BENCH = os.path.join(ROOT, "bench")
+sys.path.append(BENCH)  # the bench's modules import each other by name, as when run from bench/ (last: no shadowing)
+import _kernel_breakdown as kb  # noqa: E402
+
+
+def test_kernel_names_are_classified_by_kind():
+    names = {
+        "gemm": ["nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT",
+                 "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)",
+                 "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off",
+                 "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn",
+                 "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(...)",
+                 "triton_tem_fused_mm_0", "aten::addmm", "aten::mm", "aten::bmm"],
+        "attention": ["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>, true>(Params)",
+                      "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
+                      "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128",
+                      "void megabert::cuda::(anonymous namespace)::softmax_fwd_kernel<float, 7, 4>(float const*)",
+                      "megabert::varlen_attention"],
+        "norm/elementwise": ["void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>",
+                             "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+                             "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>",
+                             "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>",
+                             "triton_poi_fused_add_gelu_3", "triton_red_fused_native_layer_norm_1",
+                             "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float>",
+                             "void megabert::cuda::layer_norm_fwd_kernel<c10::BFloat16, 8, 2>",
+                             "aten::native_layer_norm"],
+        "optimizer": ["void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float>>",
+                      "aten::_fused_adamw_", "aten::_foreach_mul_", "megabert_lamb_update"],
+        "other": ["Memcpy DtoD (Device -> Device)", "Memset (Device)", "void at::native::index_select_kernel",
+                  "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                  "aten::copy_"],
+    }
+    got = {kind: [n for n in group if kb.classify(n) != kind] for kind, group in names.items()}
+    assert got == {kind: [] for kind in names}
+
+
+def _x(name, ts, dur, cat="kernel", tid=7):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+
+def test_breakdown_sums_kinds_and_counts_idle_as_wall_less_the_union_of_busy_time():
+    trace = {"traceEvents": [
+        _x("nvjet_tst_128x256", 0, 40), _x("flash_fwd_kernel", 40, 10),
+        _x("multi_tensor_apply_kernel<FusedAdam>", 60, 20, tid=8),  # 10 us overlap with the next on another stream
+        _x("vectorized_elementwise_kernel", 70, 20), _x("Memcpy DtoD", 100, 10, cat="gpu_memcpy"),
+        _x("aten::mm", 0, 500, cat="cpu_op"), _x("cudaLaunchKernel", 0, 5, cat="cuda_runtime"),
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0, "pid": 0, "tid": 7}]}
+    events = kb.device_events(trace)
+    assert [e.name for e in events] == ["nvjet_tst_128x256", "flash_fwd_kernel", "multi_tensor_apply_kernel<FusedAdam>",
+                                        "vectorized_elementwise_kernel", "Memcpy DtoD"]
+    b = kb.breakdown(events, steps=2, wall_ms=0.1)  # busy 90 of 2 x 100 us: [0, 50) [60, 90) [100, 110)
+    assert b.ms == {"gemm": 0.02, "attention": 0.005, "norm/elementwise": 0.01, "optimizer": 0.01, "other": 0.005}
+    assert abs(b.busy_ms - 0.045) < 1e-12 and abs(b.idle_ms - 0.055) < 1e-12
+    assert b.top_other == [("Memcpy DtoD", 0.005)]
+    assert kb.breakdown(events, steps=1, wall_ms=0.05).idle_ms == 0.0  # never below 0
+
+
+def test_cpu_operators_count_their_self_time_once_and_the_outermost_make_the_busy_time():
+    trace = {"traceEvents": [
+        _x("aten::linear", 0, 100, "cpu_op", 1), _x("aten::t", 0, 10, "cpu_op", 1),
+        _x("aten::addmm", 10, 80, "cpu_op", 1), _x("aten::copy_", 20, 30, "cpu_op", 1),
+        _x("aten::native_layer_norm", 150, 50, "cpu_op", 1),
+        _x("aten::_fused_adamw_", 120, 60, "cpu_op", 2)]}  # another thread, overlapping the first
+    own, outer = kb.cpu_ops(trace)
+    assert sorted((e.name, e.dur_us) for e in own) == [
+        ("aten::_fused_adamw_", 60), ("aten::addmm", 50), ("aten::copy_", 30), ("aten::linear", 10),
+        ("aten::native_layer_norm", 50), ("aten::t", 10)]
+    assert sorted(e.name for e in outer) == ["aten::_fused_adamw_", "aten::linear", "aten::native_layer_norm"]
+    b = kb.breakdown(own, steps=1, wall_ms=0.3, busy=outer)
+    assert b.ms["gemm"] == 0.05 and b.ms["optimizer"] == 0.06 and b.ms["norm/elementwise"] == 0.05
+    assert abs(b.busy_ms - 0.18) < 1e-12 and abs(b.idle_ms - 0.12) < 1e-12  # [0, 100) and [120, 200)
+
+
+def test_real_token_flops_of_samples_are_the_same_packed_or_padded():
+    """MFU counts real tokens only: a batch's FLOPs are its samples', however rows hold them."""
+    import numpy as np
+    import torch
+
+    from gpu_bert_large import batch_flops
+    from megabert.config import bert_tiny
+    from megabert.data.packing import PackingSpec, pack_window
+    from megabert.training.metrics import bert_flops_per_sample
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for n in rng.integers(5, 30, size=12):
+        mask = (np.arange(32) < n).astype(np.int64)
+        labels = np.where((np.arange(32) % 7 == 1) & (mask == 1), 5, -100)
+        samples.append({"input_ids": mask * 9, "token_type_ids": mask * 0, "attention_mask": mask, "labels": labels,
+                        "next_sentence_label": np.array(0)})
+    spec = PackingSpec(seq_length=32, max_samples_per_row=3, window=12, seed=0, sample_fields=("next_sentence_label",))
+    packed = {k: torch.from_numpy(v) for k, v in pack_window(samples, 0, spec).items() if k != "row_samples"}
+    padded = {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
+    cfg = bert_tiny(vocab_size=30522)
+    assert len(packed["input_ids"]) < len(samples)
+    assert abs(batch_flops(cfg, packed) / batch_flops(cfg, padded) - 1) < 1e-12
+    one = {k: v[:1] for k, v in padded.items()}
+    n, masked = int(one["attention_mask"].sum()), int((one["labels"] != -100).sum())
+    assert batch_flops(cfg, one) == bert_flops_per_sample(cfg, n, masked_tokens=masked)
+
+
+def test_bert_samples_model_wikipedias_padding_at_seq_512():
+    from _bert_samples import bert_samples, real_token_share
+
+    samples = bert_samples(512, 256)
+    assert set(samples[0]) == {"input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label"}
+    assert 0.35 < real_token_share(samples) < 0.6  # Krell et al.: over half of seq 512 is padding
+
+
+def test_the_bench_runs_end_to_end_on_a_cpu_and_its_figures_parse():
+    """The CUDA bench's logic on bert-tiny on a CPU: every side builds, steps, is timed and
+    profiled, and every line it prints for summary.json parses."""
+    import subprocess
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_bert_large.py"), "--device", "cpu", "--tiny",
+                          "--phases", "2", "--rounds", "1", "--warmup", "1", "--profile-steps", "1"],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("targets (issue 41): MFU >= 45% in both phases, >= 1.8x transformers") for line in lines)
+    figures = bench_figures.bert_large(lines)
+    rows = {r["side"]: r for r in figures["throughput"]}
+    assert set(rows) == {"megabert", "megabert-packed", "transformers"}
+    assert rows["megabert"]["samples_per_row"] == 1.0 and rows["megabert-packed"]["samples_per_row"] > 1.0
+    assert rows["megabert-packed"]["real_token_share"] > rows["megabert"]["real_token_share"]
+    assert rows["transformers"]["vs_transformers"] == 1.0 and rows["megabert"]["mfu"] is None  # no peak on a CPU
+    assert [b["side"] for b in figures["breakdown"]] == ["megabert", "megabert-packed", "transformers"]
+    assert all(b["wall_ms"] > 0 and b["gemm_ms"] > 0 for b in figures["breakdown"])
+    assert figures["host_syncs"] == [] and "host syncs 2 megabert-packed: n/a (no CUDA device)" in lines
+    assert figures["recompiles"] == [{"phase": 2, "graphs_compiled": 0, "graph_breaks": 0,
+                                      "mode": "eager: nothing compiles"}]
+    assert figures["targets"]["2"]["mfu_target_met"] is None
+
+
+def test_bench_figures_read_the_bert_large_lines():
+    lines = [
+        "phase  side                           seq/s  real tok/s real share samples/row   TFLOP/s     MFU  "
+        "vs transformers  peak GB",
+        "1      megabert                       812.3       88921      85.6%        1.00     201.1   20.3%"
+        "            1.25x    12.31",
+        "1      megabert-packed               1102.4      134512      97.1%        1.13     472.0   47.7%"
+        "            1.89x    14.20",
+        "1      transformers                   650.0       71200      85.6%        1.00     160.0   16.2%"
+        "            1.00x    20.02",
+        "2      megabert-packed                 30.0       14000      95.0%        2.00       1.0     n/a"
+        "              n/a      n/a",
+        "  target 1 megabert: MFU 20.3% against 45% (moonshot 55%), 1.25x against 1.8x transformers",
+        "1      megabert                      78.80     30.12 38.2%      5.02  6.4%     20.10 25.5%      3.60  4.6%"
+        "      2.00  2.5%     17.96 22.8%",
+        "host syncs 1 megabert-packed: 2.4 per step (12 in 5 steps after warm-up)",
+        "recompiles 1: 0 graphs compiled and 0 graph breaks after warm-up (--compile)"]
+    f = bench_figures.bert_large(lines)
+    assert f["throughput"][1] == {"phase": 1, "side": "megabert-packed", "seq_per_s": 1102.4,
+                                  "real_tokens_per_s": 134512.0, "real_token_share": 0.971, "samples_per_row": 1.13,
+                                  "tflops": 472.0, "mfu": 0.477, "vs_transformers": 1.89, "peak_gb": 14.2}
+    assert f["throughput"][3]["mfu"] is None and f["throughput"][3]["vs_transformers"] is None
+    assert f["breakdown"] == [{"phase": 1, "side": "megabert", "wall_ms": 78.8, "gemm_ms": 30.12, "attention_ms": 5.02,
+                               "norm_elementwise_ms": 20.1, "optimizer_ms": 3.6, "other_ms": 2.0, "idle_ms": 17.96}]
+    assert f["host_syncs"] == [{"phase": 1, "side": "megabert-packed", "per_step": 2.4, "count": 12, "steps": 5}]
+    assert f["recompiles"] == [{"phase": 1, "graphs_compiled": 0, "graph_breaks": 0, "mode": "--compile"}]
+    assert f["targets"]["1"] == {"side": "megabert-packed", "mfu": 0.477, "vs_transformers": 1.89,
+                                 "mfu_target_met": True, "moonshot_met": False, "ratio_target_met": True}
+    assert f["targets"]["2"]["mfu_target_met"] is None and f["targets"]["2"]["ratio_target_met"] is None
+
+
+def test_a_bench_step_past_its_time_limit_is_stopped_and_recorded(tmp_path):
+    run = bench_gpu.Run(str(tmp_path))
+    child = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(child)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")
+    rc = run.step("slow", [sys.executable, "-c", script], timeout=3)
+    assert rc == 124 and run.summary["steps"][0]["exit_code"] == 124
+    log = (tmp_path / "slow.log").read_text()
+    assert "started" in log and "bench-gpu: slow stopped after its 3 s limit" in log
+    import time
+
+    pid = int(child.read_text())  # its child goes with it (a zombie at most, until init reaps it)
+    for _ in range(50):  # SIGKILL lands within moments
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().split()[2]
+        except FileNotFoundError:
+            state = "gone"
+        if state in ("gone", "Z"):
+            break
+        time.sleep(0.1)
+    assert state in ("gone", "Z")

@@ -13,8 +13,20 @@ _PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 # bench/kernels.py: "softmax   [8,12,128,128]      bfloat16       0.05 ..."
 _KERNEL = re.compile(r"^(softmax|layernorm)\s+(\[[\d,]+\])\s+(\w+)\s+([\d.]+)")
 _BANDWIDTH = re.compile(r"^\s+.*GB/s")
-# bench/gpu_bert_large.py: "1        megabert          812.3     201.1   20.3%            1.25x"
-_BERT = re.compile(r"^([12])\s+(megabert|transformers)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+%|n/a)\s+([\d.]+)x")
+# bench/gpu_bert_large.py, per phase and side: phase, side, seq/s, real tokens/s, real share,
+# samples/row, TFLOP/s, MFU, vs transformers, peak GB:
+# "1      megabert-packed     1102.4      134512      97.1%        1.13     266.0   26.9%      1.49x    14.20"
+_BERT = re.compile(r"^([12])\s+(megabert(?:-packed)?|transformers)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)\s+"
+                   r"([\d.]+)\s+([\d.]+%|n/a)\s+([\d.]+x|n/a)\s+([\d.]+|n/a)\s*$")
+# its kernel breakdown: "1      megabert     66.80     30.12 45.1%  ..." (wall, then ms and share of
+# GEMM, attention, norm/elementwise, optimizer, other, idle)
+_PAIR = r"\s+([\d.]+)\s+([\d.]+)%"
+_BREAKDOWN = re.compile(r"^([12])\s+(megabert(?:-packed)?|transformers)\s+([\d.]+)" + _PAIR * 6 + r"\s*$")
+BREAKDOWN_PARTS = ("gemm", "attention", "norm_elementwise", "optimizer", "other", "idle")
+_SYNCS = re.compile(r"^host syncs ([12]) (\S+): ([\d.]+) per step \((\d+) in (\d+) steps")
+_RECOMPILES = re.compile(r"^recompiles ([12]): (\d+) graphs compiled and (\d+) graph breaks after warm-up \((.*)\)")
+# issue 41's targets (bench/gpu_bert_large.py prints them beside the figures)
+TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55
 # bench/gpu_varlen_attention.py:
 # "padded, 82.8% real     0.1      varlen         208.2     212.4   21.5%     1.11x"
 _VARLEN = re.compile(r"^(padded|full), ([\d.]+)% real\s+([\d.]+)\s+(varlen|sdpa)\s+([\d.]+)\s+([\d.]+)\s+"
@@ -45,15 +57,55 @@ def kernel_times(lines: Iterable[str]) -> list[dict]:
     return rows
 
 
-def bert_large(lines: Iterable[str]) -> list[dict]:
-    """Phase, side, sequences/s, TFLOP/s, MFU (None when the peak is unknown), ratio to transformers."""
-    rows = []
+def bert_large(lines: Iterable[str]) -> dict:
+    """bench/gpu_bert_large.py's figures: `throughput` (phase, side, seq/s, real tokens/s, the
+    rows' real-token share, samples per row, TFLOP/s and MFU of real tokens (None when the peak
+    is unknown), ratio of real tokens/s to transformers, peak GB), `breakdown` (ms per step of
+    the step's wall, each kind of kernel and the idle time), `host_syncs` (per step, for the
+    megabert sides on CUDA), `recompiles` (per phase) and `targets`: per phase, the best megabert
+    side against issue 41's targets."""
+    out: dict = {"throughput": [], "breakdown": [], "host_syncs": [], "recompiles": []}
     for line in lines:
         if m := _BERT.match(line):
-            mfu = None if m.group(5) == "n/a" else float(m.group(5).rstrip("%")) / 100
-            rows.append({"phase": int(m.group(1)), "side": m.group(2), "seq_per_s": float(m.group(3)),
-                         "tflops": float(m.group(4)), "mfu": mfu, "vs_transformers": float(m.group(6))})
-    return rows
+            out["throughput"].append({
+                "phase": int(m.group(1)), "side": m.group(2), "seq_per_s": float(m.group(3)),
+                "real_tokens_per_s": float(m.group(4)), "real_token_share": _share(m.group(5)),
+                "samples_per_row": float(m.group(6)), "tflops": float(m.group(7)), "mfu": _share(m.group(8)),
+                "vs_transformers": None if m.group(9) == "n/a" else float(m.group(9).rstrip("x")),
+                "peak_gb": None if m.group(10) == "n/a" else float(m.group(10))})
+        elif m := _BREAKDOWN.match(line):
+            ms = [float(m.group(i)) for i in range(4, 16, 2)]
+            out["breakdown"].append({"phase": int(m.group(1)), "side": m.group(2), "wall_ms": float(m.group(3)),
+                                     **{f"{k}_ms": v for k, v in zip(BREAKDOWN_PARTS, ms)}})
+        elif m := _SYNCS.match(line):
+            out["host_syncs"].append({"phase": int(m.group(1)), "side": m.group(2), "per_step": float(m.group(3)),
+                                      "count": int(m.group(4)), "steps": int(m.group(5))})
+        elif m := _RECOMPILES.match(line):
+            out["recompiles"].append({"phase": int(m.group(1)), "graphs_compiled": int(m.group(2)),
+                                      "graph_breaks": int(m.group(3)), "mode": m.group(4)})
+    out["targets"] = targets(out["throughput"])
+    return out
+
+
+def targets(rows: list[dict]) -> dict:
+    """{phase: the best megabert side's MFU and ratio to transformers, and whether they meet
+    the targets (None where a figure is missing)}."""
+    out = {}
+    for phase in sorted({r["phase"] for r in rows}):
+        ours = [r for r in rows if r["phase"] == phase and r["side"] != "transformers"]
+        if not ours:
+            continue
+        best = max(ours, key=lambda r: r["real_tokens_per_s"])
+        mfu, ratio = best["mfu"], best["vs_transformers"]
+        out[str(phase)] = {"side": best["side"], "mfu": mfu, "vs_transformers": ratio,
+                           "mfu_target_met": None if mfu is None else mfu >= TARGET_MFU,
+                           "moonshot_met": None if mfu is None else mfu >= MOONSHOT_MFU,
+                           "ratio_target_met": None if ratio is None else ratio >= TARGET_VS_TRANSFORMERS}
+    return out
+
+
+def _share(cell: str):
+    return None if cell == "n/a" else round(float(cell.rstrip("%")) / 100, 6)
 
 
 def varlen_attention(lines: Iterable[str]) -> list[dict]:
