@@ -13,7 +13,8 @@ sentences, -DOCSTART- lines skipped) or JSON lines (.json/.jsonl: {"tokens": [..
 "ner_tags": ["B-PER", ...]}); tags are taken as they come (IOB1, IOB2, IOBES), the label set
 from the training file. Only a word's first sub-word is labelled (--label-all-tokens: all);
 a sentence longer than --max-seq-length is cut into overlapping windows (--stride) and each
-word is predicted from the window where it sits most central. Writes eval_results.json
+word is predicted from the window where it sits most central; --pack-sequences trains on rows
+filled with whole features (evaluation stays unpacked). Writes eval_results.json
 (run_ner.py's keys: eval_precision, eval_recall, eval_f1 at the entity level as seqeval
 computes them, eval_accuracy) and predictions.txt (`word tag` lines, a blank line between
 sentences) to --output-dir; --save keeps the fine-tuned model with its tags (convert_hf.py

@@ -403,6 +403,24 @@ class TaskConfig:
             raise ConfigError(f"--predict-batch-size must be >= 1, got {self.predict_batch_size}")
 
 
+@dataclass(kw_only=True)
+class PackedTaskConfig(TaskConfig):
+    """A task whose training features pack into rows (megabert.data.packing: GLUE, NER):
+    --pack-sequences and its two limits."""
+
+    pack_sequences: bool = arg(False, "Train on rows of --max-seq-length filled with whole features (first-fit "
+                                      "decreasing; attention stays inside each): --micro-batch-size and "
+                                      "--global-batch-size then count rows. Evaluation and predictions are "
+                                      "unpacked.")
+    max_samples_per_row: int = arg(8, "With --pack-sequences: the most features one row holds.")
+    packing_window: int = arg(1024, "With --pack-sequences: how many consecutive features are packed together.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_samples_per_row < 1 or self.packing_window < 1:
+            raise ConfigError("--max-samples-per-row and --packing-window must be >= 1")
+
+
 @dataclass
 class FinetuneConfigs:
     """A fine-tuning entry script's configs: the model comes from --load, so no model or data

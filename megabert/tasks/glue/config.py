@@ -1,12 +1,12 @@
 """finetune_glue.py's own flags: the task, its files, the features and what to run. The
-flags every task has come from megabert.config's TaskConfig, the shared parallel, optimizer
-and training flags from its other sections."""
+flags every task has come from megabert.config's TaskConfig (--pack-sequences from its
+PackedTaskConfig), the shared parallel, optimizer and training flags from its other sections."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megabert.config import TaskConfig, arg
+from megabert.config import PackedTaskConfig, arg
 from megabert.errors import ConfigError
 from megabert.tasks.glue.tasks import ALIASES, TASKS
 
@@ -18,7 +18,7 @@ GLUE_DEFAULTS = {"optim.lr": 2e-5, "optim.lr_warmup_fraction": 0.1, "optim.lr_de
 
 
 @dataclass(kw_only=True)
-class GlueConfig(TaskConfig):
+class GlueConfig(PackedTaskConfig):
     """GLUE fine-tuning: the task, its data (the distribution's TSVs or CSV / JSON-lines files) and outputs."""
 
     task_name: str = arg(None, "The GLUE task (run_glue.py's sst2 and stsb are accepted too).",
@@ -37,17 +37,9 @@ class GlueConfig(TaskConfig):
     do_train: bool = arg(True, "Fine-tune on the training data (--no-do-train: evaluate / predict --load as it is).")
     do_eval: bool = arg(True, "Score the dev set(s) into eval_results.json.")
     do_predict: bool = arg(True, "Write GLUE submission files for the test set(s) that exist.")
-    pack_sequences: bool = arg(False, "Train on rows of --max-seq-length filled with whole features (first-fit "
-                                      "decreasing; attention stays inside each): --micro-batch-size and "
-                                      "--global-batch-size then count rows. Evaluation and predictions are "
-                                      "unpacked.")
-    max_samples_per_row: int = arg(8, "With --pack-sequences: the most features one row holds.")
-    packing_window: int = arg(1024, "With --pack-sequences: how many consecutive features are packed together.")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.max_samples_per_row < 1 or self.packing_window < 1:
-            raise ConfigError("--max-samples-per-row and --packing-window must be >= 1")
         if self.task_name is None:
             raise ConfigError(f"--task-name is required: one of {', '.join(TASKS)}")
         self.task_name = ALIASES.get(self.task_name.lower(), self.task_name.lower())

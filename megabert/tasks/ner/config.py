@@ -1,13 +1,13 @@
 """finetune_ner.py's own flags: the data files, the labels and the windows. The flags every
-task has come from megabert.config's TaskConfig, the shared parallel, optimizer and
-training flags from its other sections."""
+task has come from megabert.config's TaskConfig (--pack-sequences from its PackedTaskConfig),
+the shared parallel, optimizer and training flags from its other sections."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 from megabert.arguments import FINETUNE_DEFAULTS
-from megabert.config import TaskConfig, arg
+from megabert.config import PackedTaskConfig, arg
 from megabert.errors import ConfigError
 
 # BERT's fine-tuning recipe (warmup, linear decay, weight decay) at run_ner.py's learning
@@ -16,7 +16,7 @@ NER_DEFAULTS = {**FINETUNE_DEFAULTS, "optim.lr": 5e-5}
 
 
 @dataclass(kw_only=True)
-class NerConfig(TaskConfig):
+class NerConfig(PackedTaskConfig):
     """Token classification (NER): CoNLL or JSON-lines files, the tags as they come (IOB1, IOB2, IOBES)."""
 
     train_file: Optional[str] = arg(None, "Tagged sentences to fine-tune on: CoNLL (token per line, tag in the last "

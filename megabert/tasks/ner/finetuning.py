@@ -13,12 +13,13 @@ import torch
 
 from megabert.checkpoint.reader import read_model_config
 from megabert.config import FinetuneConfigs
+from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError, ConfigError
 from megabert.parallel import ParallelState
 from megabert.tasks.ner.data import Sentence, label_set, read_sentences
 from megabert.tasks.ner.features import Features, sentences_to_features, word_logits
 from megabert.tasks.ner.metrics import ner_metrics
-from megabert.tasks.ner.model import BertForTokenClassification
+from megabert.tasks.ner.model import IGNORE_INDEX, BertForTokenClassification
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.strategy import Task
 
@@ -26,9 +27,21 @@ logger = logging.getLogger(__name__)
 
 
 def ner_task() -> Task:
-    """TokenClassifierOutput -> (cross entropy over the labelled sub-words; {"ner_loss"})."""
-    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "labels"),
-                output_loss=lambda out: (out.loss, {"ner_loss": out.loss}))
+    """TokenClassifierOutput -> (cross entropy over the labelled sub-words; {"ner_loss"}); in
+    training the mean over the global batch's labelled sub-words (micro-batches and packed rows
+    hold different numbers), so a step's loss and gradients do not depend on how its features
+    are grouped."""
+
+    def loss_counts(batch: dict) -> torch.Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum().reshape(1)
+
+    def global_loss(out, shares):
+        loss = out.loss_sum / shares[0]
+        return loss, {"ner_loss": loss}
+
+    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids", "packed_seqlens"),
+                output_loss=lambda out: (out.loss, {"ner_loss": out.loss}), loss_counts=loss_counts,
+                global_loss=global_loss)
 
 
 def resolve_labels(load: str, train: Optional[list[Sentence]]) -> tuple[str, ...]:
@@ -113,6 +126,15 @@ class NerTask(FinetuneTask):
         unpadded: the padding's outputs are never labelled nor read."""
         return load_task_model(BertForTokenClassification, self.cfg, ps, vocab_size, num_labels=len(self.labels),
                                id2label=dict(enumerate(self.labels)), unpad_input=True)
+
+    def packing(self, seed: int) -> Optional[PackingSpec]:
+        """Windows pack as any feature: the labels are per token, so every field is a token
+        field and each feature keeps its positions from 0 and its token types."""
+        ft = self.config
+        if not ft.pack_sequences:
+            return None
+        return PackingSpec(seq_length=ft.max_seq_length, max_samples_per_row=ft.max_samples_per_row,
+                           window=ft.packing_window, seed=seed)
 
     def features(self, sentences: list[Sentence], tokenizer, *, train: bool = False) -> Features:
         ft = self.config

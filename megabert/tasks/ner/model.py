@@ -20,10 +20,10 @@ IGNORE_INDEX = -100
 
 
 class TokenClassifierOutput(ModelOutput):
-    """loss; logits [b, s, num_labels]."""
+    """loss; loss_sum (over the labelled positions, the mean's numerator); logits [b, s, num_labels]."""
 
-    def __init__(self, *, loss, logits):
-        super().__init__(loss=loss, logits=logits)
+    def __init__(self, *, loss, logits, loss_sum=None):
+        super().__init__(loss=loss, logits=logits, loss_sum=loss_sum)
 
 
 @register_model
@@ -37,9 +37,13 @@ class BertForTokenClassification(BertPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> TokenClassifierOutput:
+                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                packed_seqlens: Optional[torch.Tensor] = None) -> TokenClassifierOutput:
+        """Packed rows (megabert.data.packing): position_ids [b, s] (each sample's from 0) and
+        packed_seqlens [b, cap]; the labels stay per token, -100 past a row's samples."""
         return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
-                                              attention_mask=attention_mask, labels=labels))
+                                              attention_mask=attention_mask, labels=labels, position_ids=position_ids,
+                                              packed_seqlens=packed_seqlens))
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> TokenClassifierOutput:
         # The sequence is replicated over TP ranks (gathered after sequence parallelism) and
@@ -48,12 +52,13 @@ class BertForTokenClassification(BertPreTrainedModel):
         hidden = F.dropout(sequence.transpose(0, 1), self.config.hidden_dropout, self.training)  # [b, s, h]
         logits = self.classifier(hidden)  # [b, s, num_labels]
         labels = batch.get("labels")
-        loss = None
+        loss = loss_sum = None
         if labels is not None:
             # The mean over the labelled positions, as transformers'; a micro-batch with none
-            # (a window inside one very long word) gives 0, not NaN.
+            # (a window inside one very long word) gives 0, not NaN. Training divides loss_sum
+            # by the global batch's labelled positions instead (ner_task's global_loss).
             flat = labels.reshape(-1)
-            total = F.cross_entropy(logits.float().reshape(-1, self.config.num_labels), flat,
-                                    ignore_index=IGNORE_INDEX, reduction="sum")
-            loss = total / (flat != IGNORE_INDEX).sum().clamp(min=1)
-        return TokenClassifierOutput(loss=loss, logits=logits)
+            loss_sum = F.cross_entropy(logits.float().reshape(-1, self.config.num_labels), flat,
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = loss_sum / (flat != IGNORE_INDEX).sum().clamp(min=1)
+        return TokenClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
