@@ -2,7 +2,8 @@
 (transformers' tokenizer with is_split_into_words), windows that reassemble every word,
 seqeval's numbers on a hand-made file (and ours against seqeval directly), the model
 against transformers (TP 1 and 2), and finetune_ner.py end to end: outputs, exact resume,
-the transformers export, and DP=2 / TP=2 / PP=2 against one process."""
+the transformers export, DP=2 / TP=2 / PP=2 against one process, and --pack-sequences
+(packed rows equal the features unpacked; a packed run resumes exactly)."""
 import json
 import os
 import random
@@ -440,3 +441,105 @@ def test_layouts_follow_one_process(ner_setup, tmp_path):
         assert losses(tmp_path / f"{name}.jsonl") == pytest.approx(one, abs=1e-4), name
         assert json.load(open(tmp_path / name / "eval_results.json")) == pytest.approx(one_results, abs=1e-4), name
         assert open(tmp_path / name / "predictions.txt").read() == open(tmp_path / "one" / "predictions.txt").read()
+
+
+# ---------------------------------------------------------------- --pack-sequences
+
+
+def vocab_size_of(vocab):
+    return len(open(vocab).read().split())
+
+
+def ner_packing_spec(*, max_samples_per_row, window):
+    """NerTask.packing's spec for --max-seq-length 16."""
+    from megabert.arguments import parse_finetune_args
+    from megabert.tasks.ner.config import NER_DEFAULTS, NerConfig
+    from megabert.tasks.ner.finetuning import NerTask
+
+    cfg = parse_finetune_args(["--train-file", "unused.txt", "--load", "unused", "--max-seq-length", "16",
+                               "--pack-sequences", "--max-samples-per-row", str(max_samples_per_row),
+                               "--packing-window", str(window)], task_config=NerConfig, defaults=NER_DEFAULTS)
+    return NerTask(cfg).packing(seed=5)
+
+
+@pytest.mark.parametrize("unpad", [True, False], ids=["varlen", "block-diagonal-mask"])
+def test_packed_rows_equal_the_features_unpacked(vocab, unpad):
+    """BertForTokenClassification on packed rows of NER features (windows of long sentences
+    among them): every real token's logits equal its feature's unpacked (fp32, dropout 0),
+    and ner_task's training loss over the batch's labelled sub-words and every gradient
+    equal the unpacked batch's within 1e-6, on the unpadded encoder and on the padded one
+    (block-diagonal attention mask)."""
+    from megabert.config import ModelConfig
+    from megabert.data.packing import pack_window
+    from megabert.tasks.ner.finetuning import ner_task
+    from megabert.training.strategy import LOSS_SHARES
+
+    sentences = tagged_sentences(random.Random(4), 12, longest=20)
+    labels = label_set(sentences)
+    features = sentences_to_features(sentences, build_tokenizer("BertWordPieceLowerCase", vocab), 16,
+                                     label2id={t: i for i, t in enumerate(labels)}, drop_unlabelled=True)
+    n = len(features.windows)
+    assert n > len(sentences)  # windows of long sentences are features like any other
+    megabert.init_parallel()
+    try:
+        config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=vocab_size_of(vocab),
+                             max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0,
+                             num_labels=len(labels), unpad_input=unpad)
+        model = megabert.BertForTokenClassification(config, seed=3)
+        feats = [{k: t[i].numpy() for k, t in features.tensors.items()} for i in range(n)]
+        spec = ner_packing_spec(max_samples_per_row=4, window=n)
+        window = pack_window(feats, 0, spec)
+        assert len(window["row_samples"]) < n and window["row_samples"].sum() == n
+        packed = {k: torch.from_numpy(v) for k, v in window.items() if k != "row_samples"}
+        unpacked = dict(features.tensors)
+        task = ner_task()
+
+        def run(batch):
+            model.zero_grad()
+            batch = {**batch, LOSS_SHARES: task.loss_counts(batch).float()}  # one micro-batch, one rank
+            out = model(**task.model_inputs(batch))
+            loss, _ = task.train_loss(out, batch)
+            loss.backward()
+            return out, loss, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+        (p_out, p_loss, p_grads), (u_out, u_loss, u_grads) = run(packed), run(unpacked)
+        assert task.loss_counts(packed) == task.loss_counts(unpacked)
+        torch.testing.assert_close(p_loss, u_loss, atol=1e-6, rtol=0)
+        assert p_grads.keys() == u_grads.keys()
+        for name in u_grads:
+            torch.testing.assert_close(p_grads[name], u_grads[name], atol=1e-6, rtol=0, msg=name)
+        # Each feature's tokens sit in its row with its positions from 0 and its own logits.
+        for r, lengths in enumerate(window["packed_seqlens"]):
+            at = 0
+            for length in map(int, lengths[lengths > 0]):
+                tokens = window["input_ids"][r, at:at + length]
+                assert window["position_ids"][r, at:at + length].tolist() == list(range(length))
+                f = next(i for i in range(n) if features.tensors["attention_mask"][i].sum() == length
+                         and (features.tensors["input_ids"][i, :length].numpy() == tokens).all())
+                torch.testing.assert_close(p_out.logits[r, at:at + length], u_out.logits[f, :length],
+                                           atol=1e-5, rtol=1e-5)
+                at += length
+    finally:
+        megabert.destroy_parallel()
+
+
+def test_finetune_packed_resumes_exactly(ner_setup, tmp_path):
+    """finetune_ner.py --pack-sequences: rows of 32 holding several NER features (the windows
+    of long sentences among them); a run stopped after 2 steps resumes to the uninterrupted
+    run's losses (dropout on), and evaluation (unpacked) writes eval_results.json."""
+    dirs, train, dev, _ = ner_setup
+    packed = ["--pack-sequences", "--max-samples-per-row", 4, "--micro-batch-size", 2, "--global-batch-size", 4,
+              "--max-seq-length", 32, "--stride", 8, "--lr-decay-iters", 4, "--lr-warmup-fraction", 0.25]
+    full = common(dirs["dropout"], train, dev, tmp_path / "full", "--train-iters", 4, "--metrics-file",
+                  tmp_path / "f.jsonl", *packed)
+    ner(*full)
+    results = json.load(open(tmp_path / "full" / "eval_results.json"))
+    assert results["eval_samples"] == 16 and {"eval_loss", "eval_f1"} <= set(results)
+    rows = [json.loads(line) for line in open(tmp_path / "f.jsonl")]
+    assert len(rows) == 4 and all(r["samples_per_row"] > 1 and 0 < r["real_token_share"] <= 1 for r in rows)
+    part = common(dirs["dropout"], train, dev, tmp_path / "part", "--metrics-file", tmp_path / "p.jsonl", "--save",
+                  tmp_path / "ckpt", *packed)
+    ner(*[a for a in part if a not in ("--validation-file", dev)], "--train-iters", 2)  # train only
+    ner(*part, "--train-iters", 4)  # resumes at step 2
+    assert losses(tmp_path / "p.jsonl") == losses(tmp_path / "f.jsonl")
+    assert json.load(open(tmp_path / "part" / "eval_results.json")) == pytest.approx(results)
