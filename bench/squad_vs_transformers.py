@@ -3,12 +3,13 @@ against a plain transformers loop, same data, same initial weights and the same 
 N seeds a side, interleaved. Prints dev F1 / EM per seed and the mean and standard
 deviation per side. Nothing passes or fails: it measures.
 
-Data: a synthetic SQuAD v1.1-format set (no download). Each paragraph states facts about
-three made-up people (birthplace and year, job and employer, a move), in random order, so
-a question ("Where was Kavor Telmin born?") is answered only by matching its name and its
-relation to the right sentence; answers are 1 to 4 words. Contexts run 90 to 160
-WordPiece tokens, so at --max-seq-length 128 and --doc-stride 32 many questions span two
-windows. The vocab is a WordPiece trained on the set.
+Data: a synthetic SQuAD v1.1-format set (no download). Each paragraph states two facts
+(of three kinds: birthplace and year, job and employer, a move) about each of --people
+made-up people, in random order with a filler sentence, so a question ("Where was Kavor
+Telmin born?") is answered only by matching its name and its relation to the right
+sentence; answers are 1 to 2 words. With two people a context is about 50 WordPiece tokens
+(at most 56): at --max-seq-length 64 and --doc-stride 16 some questions span two windows,
+at 128 about half of every window is padding. The vocab is a WordPiece trained on the set.
 
 Model: per seed s, a random-init transformers BertForQuestionAnswering (torch seed s;
 2 layers, hidden 128, 2 heads, intermediate 512, dropout 0.1) saved as a Hugging Face
@@ -22,24 +23,26 @@ parameter, eps 1e-8), get_linear_schedule_with_warmup with 10% warm-up, no clipp
 a fresh shuffle per epoch, model dropout 0.1. Both sides are scored by the official
 v1.1 metric (megabert.tasks.squad.evaluate).
 
-    nice -n 5 python bench/squad_vs_transformers.py [--seeds 8] [--questions 2000] [--epochs 6]
-        [--lr 1e-3] [--batch 32] [--megabert-flag=--clip-grad=0 ...]
+    nice -n 5 python bench/squad_vs_transformers.py [--seeds 8] [--questions 1200] [--epochs 8]
+        [--max-seq-length 64 --doc-stride 16] [--lr 1e-3] [--batch 32] [--jobs 2]
+        [--sides transformers,megabert[,megabert-padfrozen]] [--megabert-flag=--clip-grad=0 ...]
 
-One thread per run (torch.set_num_threads(1)); about 25 s per run on one core of a laptop-class CPU
-at the defaults. --megabert-flag passes extra flags to finetune_squad.py (for ablations).
+Each run is a process of its own with one thread; --jobs runs that many at a time. A run
+at the defaults is about 60 CPU-seconds. --megabert-flag passes a flag to finetune_squad.py
+and the side megabert-padfrozen keeps the [PAD] embedding row still, as transformers'
+padding_idx does (ablations). A --work-dir that holds a set already is reused as it is.
 """
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import io
 import json
 import math
-import multiprocessing
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -253,7 +256,7 @@ def freeze_pad_row() -> None:
 
     def load_frozen(cfg, ps, vocab_size):
         model = load(cfg, ps, vocab_size)
-        weight = model.embeddings.word_embeddings.weight
+        weight = model.bert.embeddings.word_embeddings.weight
         weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), 0.0))
         return model
 
@@ -303,8 +306,15 @@ def main() -> None:
     p.add_argument("--megabert-flag", action="append", default=[],
                    help="an extra finetune_squad.py flag (repeat; --megabert-flag=--clip-grad=0)")
     p.add_argument("--work-dir", default=None, help="default a temporary dir")
+    p.add_argument("--one-run", default=None, help=argparse.SUPPRESS)  # SEED:SIDE, run by run_processes
     args = p.parse_args()
     args.megabert_flag = [x for f in args.megabert_flag for x in f.split("=", 1)]
+    if args.one_run:
+        seed, side = args.one_run.split(":")
+        args.train_file = os.path.join(args.work_dir, "train.json")
+        args.dev_file = os.path.join(args.work_dir, "dev.json")
+        print(json.dumps(one_run(args, args.work_dir, int(seed), side)))
+        return
     torch.set_num_threads(1)
     import logging
     import transformers
@@ -334,19 +344,39 @@ def main() -> None:
     # Seed by seed, the sides alternating which goes first; each run in a fresh process.
     runs = [(seed, side) for seed in seeds for side in (sides if seed % 2 else sides[::-1])]
     results: dict[str, dict[int, dict]] = {s: {} for s in sides}
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(one_run, args, work, seed, side): (seed, side) for seed, side in runs}
-        for future in concurrent.futures.as_completed(futures):
-            seed, side = futures[future]
-            r = results[side][seed] = future.result()
-            print(f"seed {seed} {side:<13} F1 {r['f1']:6.2f} EM {r['em']:6.2f} ({r['seconds']:.0f} s)", flush=True)
+    for (seed, side), r in run_processes(runs, args.jobs, work):
+        results[side][seed] = r
+        print(f"seed {seed} {side:<13} F1 {r['f1']:6.2f} EM {r['em']:6.2f} ({r['seconds']:.0f} s)", flush=True)
     print("seed  " + "  ".join(f"{s:>13}" for s in sides))
     for seed in seeds:
         print(f"{seed:<5} " + "  ".join(f"{results[s][seed]['f1']:13.2f}" for s in sides))
     for side in sides:
         print(summary(side, [results[side][seed] for seed in seeds]))
     print(json.dumps({s: [round(results[s][seed]["f1"], 2) for seed in seeds] for s in sides}))
+
+
+def run_processes(runs: list[tuple[int, str]], jobs: int, work: str):
+    """Yields ((seed, side), result) as runs end, `jobs` at a time, each run this script
+    again with --one-run in a process of its own (the same arguments otherwise)."""
+    pending, running = list(runs), {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            seed, side = pending.pop(0)
+            # The last --work-dir wins: the one this run resolved.
+            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--work-dir", work, "--one-run",
+                   f"{seed}:{side}"]
+            with open(os.path.join(work, f"{side}{seed}.log"), "w") as log:
+                running[(seed, side)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        time.sleep(1)
+        for key, proc in list(running.items()):
+            if proc.poll() is None:
+                continue
+            out = proc.stdout.read()
+            del running[key]
+            if proc.returncode:
+                print(f"run {key} failed (exit {proc.returncode}): see {work}/{key[1]}{key[0]}.log", flush=True)
+                continue
+            yield key, json.loads(out.strip().splitlines()[-1])
 
 
 def one_run(args, work: str, seed: int, side: str) -> dict:
@@ -362,7 +392,7 @@ def one_run(args, work: str, seed: int, side: str) -> dict:
     else:
         if side == "megabert-padfrozen":
             freeze_pad_row()
-        r = run_megabert(args, init_dir, seed, tempfile.mkdtemp(prefix=f"megabert{seed}_", dir=work))
+        r = run_megabert(args, init_dir, seed, tempfile.mkdtemp(prefix=f"{side}{seed}_", dir=work))
     r["seconds"] = time.perf_counter() - t0
     return r
 
