@@ -346,7 +346,8 @@ def test_nvidia_shards_pack_sample_for_sample(kind, sub, seq):
     from megabert.config import DataConfig
     from megabert.data import build_tokenizer
     from megabert.tasks.pretraining.data import packing_spec
-    from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets, detect_nvidia_data
+    from megabert.data.shard_sources import detect_nvidia_data
+    from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
     from tests.helpers.nvidia_shards import DLE_PHASE1, LDDL, NVIDIA_VOCAB
 
     path = DLE_PHASE1 if sub is None else os.path.join(LDDL, sub)

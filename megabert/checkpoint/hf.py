@@ -55,7 +55,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
 def hf_config_from_model(cfg: ModelConfig, architecture: str) -> dict:
     if cfg.model_family == "modernbert":
         return {**hf_modernbert.hf_config_from_model(cfg, architecture),
-                **(_classification_fields(cfg) if architecture.endswith("ForSequenceClassification") else {})}
+                **(_classification_fields(cfg, architecture) if architecture.endswith("ForSequenceClassification") else {})}
     if cfg.layernorm_position != "post":
         raise CheckpointError("transformers' BERT is post-LayerNorm; a pre-LN model cannot be exported to it")
     return {
@@ -79,7 +79,7 @@ def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:
     id2label = cfg.id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
     fields = {"num_labels": cfg.num_labels, "id2label": {str(k): v for k, v in sorted(id2label.items())},
               "label2id": {v: k for k, v in sorted(id2label.items())}}
-    if architecture == "BertForSequenceClassification":
+    if architecture.endswith("ForSequenceClassification"):
         fields["problem_type"] = "regression" if cfg.num_labels == 1 else "single_label_classification"
     return fields
 
