@@ -334,7 +334,7 @@ def test_modernbert_trains_exports_and_follows_tp2(setup, modernbert, tmp_path):
     1e-5); the export is a sentence-transformers ModernBertModel + tokenizer.json whose
     encode() equals megabert's mean-pooled, normalised embeddings of the fine-tuned model
     (from --save) within 1e-5, over texts of several lengths padded in one batch and one cut
-    at --max-seq-length."""
+    at --max-seq-length; and the [CLS] / dot-product variant's."""
     from safetensors.torch import load_file
 
     hf_dir, texts = modernbert
@@ -374,6 +374,21 @@ def test_modernbert_trains_exports_and_follows_tp2(setup, modernbert, tmp_path):
     assert max(lengths) == 24 and min(lengths) < 8, lengths
     np.testing.assert_allclose(st_encode(st_dir, sample), ours, atol=1e-5, rtol=0)
     assert np.allclose(np.linalg.norm(ours, axis=1), 1.0)
+
+    # [CLS] pooling without normalisation (the last layer computes position 0 alone), untrained.
+    run("--eval-dir", setup["beir"], "--load", hf_dir, "--output-dir", tmp_path / "cls", "--max-seq-length", 24,
+        "--pooling", "cls", "--no-normalize")
+    ps = megabert.init_parallel()
+    try:
+        model = ModernBertForSentenceEmbedding.from_pretrained(hf_dir, ps, unpad_input=True)
+        model.options = EmbeddingOptions(pooling="cls", normalize=False)
+        with torch.no_grad():
+            ours = model.eval()(**features).embeddings[:, 0].numpy()
+    finally:
+        megabert.destroy_parallel()
+    np.testing.assert_allclose(st_encode(tmp_path / "cls" / "sentence-transformers", sample), ours, atol=1e-5,
+                               rtol=0)
+    assert not np.allclose(np.linalg.norm(ours, axis=1), 1.0)
 
 
 def test_cli_errors_are_one_line(setup, tmp_path):
