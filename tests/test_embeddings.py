@@ -1,7 +1,8 @@
 """finetune_embeddings.py: retrieval metrics against a hand computation, the global-batch
 negatives (DP=2 equals DP=1, loss and gradients), the gradient cache (equals one forward
 with its graph, dropout masks replayed), the sentence-transformers export, exact resume,
-and the layouts (DP, TP, PP, gradient accumulation) against one process."""
+and the layouts (DP, TP, PP, gradient accumulation) against one process; the same from a
+transformers ModernBERT dir (its export a sentence-transformers ModernBertModel)."""
 import json
 import math
 import os
@@ -19,11 +20,12 @@ from megabert.tasks.embeddings.features import pairs_to_tensors, texts_to_tensor
 from megabert.tasks.embeddings.grad_cache import ContrastiveObjective, GradientCacheRunner
 from megabert.tasks.embeddings.loss import contrastive_loss
 from megabert.tasks.embeddings.metrics import retrieval_metrics
-from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions
+from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions, ModernBertForSentenceEmbedding
 from megabert.training.strategy import SequentialRunner, Task
 
 from tests.helpers.cli_utils import main_worker, run_main
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.modernbert_models import make_modernbert_dir, save_tokenizer
 from tests.helpers.retrieval_files import write_retrieval_set
 
 transformers = pytest.importorskip("transformers")
@@ -311,6 +313,82 @@ def test_layouts_follow_one_process(setup, tmp_path):
         assert weights.keys() == one_weights.keys(), name
         for k, v in weights.items():
             assert torch.allclose(v, one_weights[k], atol=1e-5, rtol=0), (name, k)
+
+
+@pytest.fixture(scope="module")
+def modernbert(setup, tmp_path_factory):
+    """A tiny random transformers ModernBERT (masked LM, 4 layers with local and global
+    attention, dropout 0) and a BPE tokenizer.json trained on the retrieval set's texts."""
+    root = tmp_path_factory.mktemp("modernbert")
+    make_modernbert_dir(root)
+    corpus = [json.loads(line) for line in open(os.path.join(setup["beir"], "corpus.jsonl"))]
+    texts = [d["title"] + " " + d["text"] for d in corpus]
+    texts += [t for p in read_pairs(setup["train"]) for t in (p.query, p.positive, *p.negatives)]
+    save_tokenizer(root, texts)
+    return str(root), texts
+
+
+def test_modernbert_trains_exports_and_follows_tp2(setup, modernbert, tmp_path):
+    """finetune_embeddings.py --load a transformers ModernBERT dir (its tokenizer.json): 2 steps
+    in one process and at TP=2 give the same losses, dev scores and exported weights (within
+    1e-5); the export is a sentence-transformers ModernBertModel + tokenizer.json whose
+    encode() equals megabert's mean-pooled, normalised embeddings of the fine-tuned model
+    (from --save) within 1e-5, over texts of several lengths padded in one batch and one cut
+    at --max-seq-length; and the [CLS] / dot-product variant's."""
+    from safetensors.torch import load_file
+
+    hf_dir, texts = modernbert
+
+    def args(name, *extra):
+        return common(setup, hf_dir, tmp_path / name, "--train-iters", 2, "--metrics-file",
+                      tmp_path / f"{name}.jsonl", *extra)
+
+    run(*args("one", "--save", tmp_path / "ckpt"))
+    run_distributed(main_worker, 2, SCRIPT, [str(a) for a in args("tp2", "--tensor-model-parallel-size", 2)])
+    one = losses(tmp_path / "one.jsonl")
+    assert len(one) == 2 and one[0] != one[1]
+    assert losses(tmp_path / "tp2.jsonl") == pytest.approx(one, abs=1e-5)
+    assert json.load(open(tmp_path / "tp2" / "eval_results.json")) == pytest.approx(
+        json.load(open(tmp_path / "one" / "eval_results.json")), abs=1e-5)
+    st_dir = tmp_path / "one" / "sentence-transformers"
+    one_weights, tp2_weights = load_file(st_dir / "model.safetensors"), \
+        load_file(tmp_path / "tp2" / "sentence-transformers" / "model.safetensors")
+    assert tp2_weights.keys() == one_weights.keys()
+    for k, v in tp2_weights.items():
+        assert torch.allclose(v, one_weights[k], atol=1e-5, rtol=0), k
+    assert json.load(open(st_dir / "config.json"))["architectures"] == ["ModernBertModel"]
+    assert os.path.isfile(st_dir / "tokenizer.json")
+
+    sample = texts[:6] + [" ".join(texts[:8]), texts[0].split()[0]]  # one cut at 24 tokens, one short
+    tok = build_tokenizer("HuggingFaceTokenizer", os.path.join(hf_dir, "tokenizer.json"))
+    ps = megabert.init_parallel()
+    try:
+        model = ModernBertForSentenceEmbedding.from_pretrained(str(tmp_path / "ckpt"), ps, unpad_input=True)
+        model.options = EmbeddingOptions(pooling="mean", texts_per_example=1)
+        features = texts_to_tensors(sample, tok, 24)
+        with torch.no_grad():
+            ours = model.eval()(**features).embeddings[:, 0].numpy()
+    finally:
+        megabert.destroy_parallel()
+    lengths = features["attention_mask"].sum(1).tolist()
+    assert max(lengths) == 24 and min(lengths) < 8, lengths
+    np.testing.assert_allclose(st_encode(st_dir, sample), ours, atol=1e-5, rtol=0)
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0)
+
+    # [CLS] pooling without normalisation (the last layer computes position 0 alone), untrained.
+    run("--eval-dir", setup["beir"], "--load", hf_dir, "--output-dir", tmp_path / "cls", "--max-seq-length", 24,
+        "--pooling", "cls", "--no-normalize")
+    ps = megabert.init_parallel()
+    try:
+        model = ModernBertForSentenceEmbedding.from_pretrained(hf_dir, ps, unpad_input=True)
+        model.options = EmbeddingOptions(pooling="cls", normalize=False)
+        with torch.no_grad():
+            ours = model.eval()(**features).embeddings[:, 0].numpy()
+    finally:
+        megabert.destroy_parallel()
+    np.testing.assert_allclose(st_encode(tmp_path / "cls" / "sentence-transformers", sample), ours, atol=1e-5,
+                               rtol=0)
+    assert not np.allclose(np.linalg.norm(ours, axis=1), 1.0)
 
 
 def test_cli_errors_are_one_line(setup, tmp_path):

@@ -9,6 +9,10 @@
       2_Normalize/                        when embeddings are normalised
       config_sentence_transformers.json   the similarity: cosine, or dot without normalisation
 
+A ModernBERT bi-encoder writes transformers' ModernBertModel (config.json, model.safetensors)
+and copies tokenizer.json, tokenizer_config.json and special_tokens_map.json from the
+directory of the run's tokenizer.json in place of the WordPiece files.
+
 `SentenceTransformer(dir).encode(texts)` then computes megabert's embeddings. The files
 are the layout sentence-transformers has written since v2 (and the hub's models use),
 which later versions still load.
@@ -17,9 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Optional
 
 from megabert.checkpoint import hf as hf_io
+from megabert.errors import CheckpointError
 from megabert.model.pretrained import gather_full
 from megabert.parallel import ParallelState, comm
 from megabert.parallel.param_spec import reference_table, spec_table
@@ -46,9 +52,15 @@ def write_sentence_transformers(path: str, model: BertForSentenceEmbedding, full
                                 lower_case: bool, max_seq_length: int) -> None:
     """Writes the directory from rank 0's gathered state (gather_whole_model)."""
     table = reference_table(model.config, type(model).__name__)
-    hf_state = {k.removeprefix("bert."): v for k, v in hf_io.megabert_to_hf(full, table).items()}
-    hf_io.write_hf_dir(path, hf_state, hf_io.hf_config_from_model(model.config, "BertModel"), vocab_file,
-                       lower_case=lower_case)
+    if model.config.model_family == "modernbert":
+        # transformers' ModernBertModel is the masked LM's `model.` without the prefix.
+        hf_state = {k.removeprefix("model."): v for k, v in hf_io.megabert_to_hf(full, table).items()}
+        hf_io.write_hf_dir(path, hf_state, hf_io.hf_config_from_model(model.config, "ModernBertModel"))
+        copy_tokenizer_json(vocab_file, path)
+    else:
+        hf_state = {k.removeprefix("bert."): v for k, v in hf_io.megabert_to_hf(full, table).items()}
+        hf_io.write_hf_dir(path, hf_state, hf_io.hf_config_from_model(model.config, "BertModel"), vocab_file,
+                           lower_case=lower_case)
     options = model.options
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
@@ -68,3 +80,20 @@ def write_sentence_transformers(path: str, model: BertForSentenceEmbedding, full
     for name, value in files.items():
         with open(os.path.join(path, name), "w", encoding="utf-8") as f:
             json.dump(value, f, indent=2)
+
+
+# What transformers' AutoTokenizer reads from a ModernBERT dir (tokenizer.json holds the model).
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer_json(vocab_file: str, path: str) -> None:
+    """The run's tokenizer.json and the config files beside it, readable by every user."""
+    source = os.path.dirname(os.path.abspath(vocab_file))
+    if not vocab_file.endswith(".json") or not os.path.isfile(vocab_file):
+        raise CheckpointError(f"--vocab-file {vocab_file} is not a tokenizer.json; the ModernBERT export copies "
+                              f"the tokenizer.json the model was trained with")
+    for name in TOKENIZER_JSON_FILES:
+        src = vocab_file if name == "tokenizer.json" else os.path.join(source, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(path, name))
+            os.chmod(os.path.join(path, name), 0o644)

@@ -13,6 +13,7 @@ import torch
 
 from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
+from megabert.model_family import checkpoint_model_config
 from megabert.parallel import ParallelState
 from megabert.tasks.embeddings.data import BeirSet, Pair, read_beir, read_pairs
 from megabert.tasks.embeddings.export import gather_whole_model, write_sentence_transformers
@@ -20,7 +21,7 @@ from megabert.tasks.embeddings.features import group_texts, pairs_to_tensors, te
 from megabert.tasks.embeddings.grad_cache import (EMBEDDING_FIELDS, ContrastiveObjective, GradientCacheRunner,
                                                    check_cache_layout, check_chunk_size)
 from megabert.tasks.embeddings.metrics import per_query_metrics
-from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions
+from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions, ModernBertForSentenceEmbedding
 from megabert.training.build import build_runner
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.resolve import ResolvedRun
@@ -68,13 +69,20 @@ class EmbeddingsTask(FinetuneTask):
         self.objective: Optional[ContrastiveObjective] = None
         self.model: Optional[BertForSentenceEmbedding] = None
         self.trainer: Optional[Trainer] = None
+        # A ModernBERT --load (a transformers dir or a megabert checkpoint of one) trains as
+        # ModernBertForSentenceEmbedding and exports with its tokenizer.json.
+        self.modernbert = checkpoint_model_config(cfg.train.load) is not None
 
     @property
     def trainer_task(self) -> Task:
         return Task(inputs=EMBEDDING_FIELDS, output_loss=self.objective)
 
     def check_inputs(self) -> None:
-        if self.config.output_dir and self.config.tokenizer_type not in WORDPIECE:
+        if self.config.output_dir and self.modernbert and self.config.tokenizer_type != "HuggingFaceTokenizer":
+            raise ConfigError(f"--tokenizer-type {self.config.tokenizer_type}: the sentence-transformers export of a "
+                              f"ModernBERT copies its tokenizer.json; use HuggingFaceTokenizer with --vocab-file "
+                              f"PATH/tokenizer.json (the default for a ModernBERT --load)")
+        if self.config.output_dir and not self.modernbert and self.config.tokenizer_type not in WORDPIECE:
             raise ConfigError(f"--tokenizer-type {self.config.tokenizer_type}: the sentence-transformers export "
                               f"writes a BERT WordPiece tokenizer; use {' or '.join(WORDPIECE)} with a vocab.txt")
         check_chunk_size(self.cfg.train.micro_batch_size, self.config.embedding_chunk_size)
@@ -86,7 +94,8 @@ class EmbeddingsTask(FinetuneTask):
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
         # Unpadded encoder: the pooling reads real tokens alone and retrieval texts leave much
         # of max_seq_length to padding.
-        model = load_task_model(BertForSentenceEmbedding, self.cfg, ps, vocab_size, unpad_input=True)
+        model_class = ModernBertForSentenceEmbedding if self.modernbert else BertForSentenceEmbedding
+        model = load_task_model(model_class, self.cfg, ps, vocab_size, unpad_input=True)
         ft = self.config
         model.options = EmbeddingOptions(pooling=ft.pooling, normalize=ft.normalize,
                                          texts_per_example=texts_per_pair(self.pairs) if self.pairs else 1)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
+from megabert.model.modernbert.model import ModernBertBackbone, ModernBertForMaskedLM
 from megabert.model.outputs import ModelOutput
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
@@ -87,6 +88,22 @@ class BertForSentenceEmbedding(BertPreTrainedModel):
             e = F.normalize(e, p=2, dim=-1)  # sentence-transformers' Normalize
         b, t = batch["texts"]
         return EmbeddingOutput(embeddings=e.view(b, t, -1), text_mask=batch.get("text_mask"))
+
+
+@register_model
+class ModernBertForSentenceEmbedding(BertForSentenceEmbedding):
+    """The bi-encoder over ModernBERT: the same pooling over its final-normed hidden states
+    (what sentence-transformers pools over transformers' ModernBertModel). ModernBERT has no
+    token types: the backbone ignores token_type_ids."""
+
+    backbone_class = ModernBertBackbone
+
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
+        if config.model_family != "modernbert":
+            raise ValueError(f"ModernBertForSentenceEmbedding needs a ModernBERT config, got {config.model_family!r}")
+        super().__init__(config, parallel_state, **kwargs)
+
+    initialize_parameters = ModernBertForMaskedLM.initialize_parameters
 
 
 def flatten_texts(batch: dict) -> dict:
