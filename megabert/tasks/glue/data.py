@@ -6,7 +6,7 @@ tab-separated, no quoting (a quote character is text: SST-2 and CoLA sentences h
 them), the header row skipped where the task's files have one. A row too short for its
 task's columns, or with a label outside the task's set, is an error naming file:line;
 QQP's short rows, which the real train.tsv holds, are skipped with one warning instead,
-as run_glue.py and the GLUE baselines do (see tasks.GlueTask.skip_short_rows).
+as run_glue.py and the GLUE baselines do (see tasks.GlueTaskSpec.skip_short_rows).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megabert.errors import DataError
-from megabert.tasks.glue.tasks import Columns, GlueTask
+from megabert.tasks.glue.tasks import Columns, GlueTaskSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class GlueExample:
     label: Label  # class id, STS-B's score, or None (test files)
 
 
-def label_of(task: GlueTask, value, where: str, ids: bool = False) -> Label:
+def label_of(task: GlueTaskSpec, value, where: str, ids: bool = False) -> Label:
     """A label as the file writes it -> class id (or STS-B's float score). A class is
     written by name; with `ids` (CSV / JSON files, where run_glue.py reads class ids) by
     its id too."""
@@ -50,7 +50,7 @@ def label_of(task: GlueTask, value, where: str, ids: bool = False) -> Label:
                     f"is this the {task.name} data, or the right --task-name?")
 
 
-def read_tsv(path: str, task: GlueTask, *, test: bool = False) -> list[GlueExample]:
+def read_tsv(path: str, task: GlueTaskSpec, *, test: bool = False) -> list[GlueExample]:
     """The examples of one GLUE TSV (`test`: a test file, laid out as task.test, no labels)."""
     cols: Columns = task.test if test else task.train
     width = cols.width()
@@ -80,7 +80,7 @@ def read_tsv(path: str, task: GlueTask, *, test: bool = False) -> list[GlueExamp
     return examples
 
 
-def read_named_columns(path: str, task: GlueTask, *, test: bool = False) -> list[GlueExample]:
+def read_named_columns(path: str, task: GlueTaskSpec, *, test: bool = False) -> list[GlueExample]:
     """A CSV (with a header row) or JSON-lines file: the sentences are `sentence1` and
     `sentence2` when both exist, else the first one or two columns that are not `label`
     (run_glue.py's rule); labels in `label`, by name or id."""
@@ -110,7 +110,7 @@ def read_named_columns(path: str, task: GlueTask, *, test: bool = False) -> list
     return examples
 
 
-def read_examples(path: str, task: GlueTask, *, test: bool = False) -> list[GlueExample]:
+def read_examples(path: str, task: GlueTaskSpec, *, test: bool = False) -> list[GlueExample]:
     """By extension: .csv and .json/.jsonl have named columns, anything else is GLUE's TSV."""
     ext = os.path.splitext(path)[1].lower()
     try:

@@ -21,7 +21,7 @@ from megabert.tasks.glue.metrics import glue_metrics
 from megabert.model import ModernBertForSequenceClassification
 from megabert.model_family import checkpoint_model_config
 from megabert.tasks.glue.model import BertForSequenceClassification
-from megabert.tasks.glue.tasks import TASKS, GlueTask
+from megabert.tasks.glue.tasks import TASKS, GlueTaskSpec
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.strategy import Task
 
@@ -99,19 +99,19 @@ def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) ->
                               f"fine-tuned on a task with the same labels") from None
 
 
-def tensors_of(path: str, task: GlueTask, tokenizer, max_seq_length: int, *, test: bool = False
+def tensors_of(path: str, task: GlueTaskSpec, tokenizer, max_seq_length: int, *, test: bool = False
                ) -> tuple[list[GlueExample], dict[str, torch.Tensor]]:
     examples = read_examples(path, task, test=test)
     logger.info("%s: %d examples", path, len(examples))
     return examples, examples_to_tensors(examples, tokenizer, max_seq_length, task.is_regression)
 
 
-def predictions_of(task: GlueTask, logits: np.ndarray) -> np.ndarray:
+def predictions_of(task: GlueTaskSpec, logits: np.ndarray) -> np.ndarray:
     """Class ids (argmax), or STS-B's scores."""
     return logits[:, 0] if task.is_regression else logits.argmax(axis=-1)
 
 
-def eval_results(task: GlueTask, logits: np.ndarray, labels: np.ndarray, suffix: str = "") -> dict[str, float]:
+def eval_results(task: GlueTaskSpec, logits: np.ndarray, labels: np.ndarray, suffix: str = "") -> dict[str, float]:
     """run_glue.py's eval_results.json fields for one dev set: eval_loss, eval_{metric}
     (eval_combined_score, their mean, where a task has two), eval_samples; MNLI's
     mismatched set adds them again with the suffix "_mm"."""
@@ -128,7 +128,7 @@ def eval_results(task: GlueTask, logits: np.ndarray, labels: np.ndarray, suffix:
     return {f"eval_{k}{suffix}": v for k, v in result.items()}
 
 
-def write_submission(path: str, task: GlueTask, logits: np.ndarray) -> None:
+def write_submission(path: str, task: GlueTaskSpec, logits: np.ndarray) -> None:
     """GLUE's submission format: a header, then index<TAB>prediction per test row in order;
     classes as the task's label words (MNLI, QNLI, RTE: entailment...; 0/1 elsewhere),
     STS-B's scores with three decimals (run_glue.py's format)."""

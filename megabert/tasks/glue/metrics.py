@@ -62,7 +62,7 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def glue_metrics(metric_names: tuple[str, ...], preds: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """{name: value} for the task's metrics (GlueTask.metrics), run_glue.py's names."""
+    """{name: value} for the task's metrics (GlueTaskSpec.metrics), run_glue.py's names."""
     fns = {"accuracy": accuracy, "f1": f1, "matthews_correlation": matthews_corrcoef, "pearson": pearson,
            "spearmanr": spearman}
     return {name: fns[name](preds, labels) for name in metric_names}

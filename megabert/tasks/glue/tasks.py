@@ -32,7 +32,7 @@ class Columns:
 
 
 @dataclass(frozen=True)
-class GlueTask:
+class GlueTaskSpec:
     name: str
     labels: Optional[tuple[str, ...]]  # None: regression (STS-B)
     metrics: tuple[str, ...]
@@ -59,26 +59,27 @@ class GlueTask:
 BINARY = ("0", "1")
 ENTAILMENT = ("entailment", "not_entailment")
 
-TASKS: dict[str, GlueTask] = {t.name: t for t in (
+TASKS: dict[str, GlueTaskSpec] = {t.name: t for t in (
     # CoLA's train/dev have no header: source, label, original label, sentence.
-    GlueTask("cola", BINARY, ("matthews_correlation",), Columns(3, None, 1, header=False), Columns(1, None, None, index=0),
-             submission="CoLA"),
-    GlueTask("sst-2", BINARY, ("accuracy",), Columns(0, None, 1), Columns(1, None, None, index=0), submission="SST-2"),
+    GlueTaskSpec("cola", BINARY, ("matthews_correlation",), Columns(3, None, 1, header=False),
+                 Columns(1, None, None, index=0), submission="CoLA"),
+    GlueTaskSpec("sst-2", BINARY, ("accuracy",), Columns(0, None, 1), Columns(1, None, None, index=0),
+                 submission="SST-2"),
     # MRPC: Quality, #1 ID, #2 ID, #1 String, #2 String (test: index in place of Quality).
-    GlueTask("mrpc", BINARY, ("accuracy", "f1"), Columns(3, 4, 0), Columns(3, 4, None, index=0), submission="MRPC"),
+    GlueTaskSpec("mrpc", BINARY, ("accuracy", "f1"), Columns(3, 4, 0), Columns(3, 4, None, index=0), submission="MRPC"),
     # STS-B: index, genre, filename, year, old_index, source1, source2, sentence1, sentence2, score.
-    GlueTask("sts-b", None, ("pearson", "spearmanr"), Columns(7, 8, -1), Columns(7, 8, None, index=0),
-             submission="STS-B"),
+    GlueTaskSpec("sts-b", None, ("pearson", "spearmanr"), Columns(7, 8, -1), Columns(7, 8, None, index=0),
+                 submission="STS-B"),
     # QQP: id, qid1, qid2, question1, question2, is_duplicate (test: id, question1, question2).
-    GlueTask("qqp", BINARY, ("accuracy", "f1"), Columns(3, 4, 5), Columns(1, 2, None, index=0), submission="QQP",
-             skip_short_rows=True),
+    GlueTaskSpec("qqp", BINARY, ("accuracy", "f1"), Columns(3, 4, 5), Columns(1, 2, None, index=0), submission="QQP",
+                 skip_short_rows=True),
     # MNLI: index, promptID, pairID, genre, 4 parses, sentence1, sentence2, label1[..label5], gold_label.
-    GlueTask("mnli", ("contradiction", "entailment", "neutral"), ("accuracy",), Columns(8, 9, -1),
-             Columns(8, 9, None, index=0), dev_files=(("dev_matched.tsv", ""), ("dev_mismatched.tsv", "_mm")),
-             test_files=(("test_matched.tsv", "MNLI-m"), ("test_mismatched.tsv", "MNLI-mm")), submission="MNLI"),
-    GlueTask("qnli", ENTAILMENT, ("accuracy",), Columns(1, 2, -1), Columns(1, 2, None, index=0), submission="QNLI"),
-    GlueTask("rte", ENTAILMENT, ("accuracy",), Columns(1, 2, -1), Columns(1, 2, None, index=0), submission="RTE"),
-    GlueTask("wnli", BINARY, ("accuracy",), Columns(1, 2, -1), Columns(1, 2, None, index=0), submission="WNLI"),
+    GlueTaskSpec("mnli", ("contradiction", "entailment", "neutral"), ("accuracy",), Columns(8, 9, -1),
+                 Columns(8, 9, None, index=0), dev_files=(("dev_matched.tsv", ""), ("dev_mismatched.tsv", "_mm")),
+                 test_files=(("test_matched.tsv", "MNLI-m"), ("test_mismatched.tsv", "MNLI-mm")), submission="MNLI"),
+    GlueTaskSpec("qnli", ENTAILMENT, ("accuracy",), Columns(1, 2, -1), Columns(1, 2, None, index=0), submission="QNLI"),
+    GlueTaskSpec("rte", ENTAILMENT, ("accuracy",), Columns(1, 2, -1), Columns(1, 2, None, index=0), submission="RTE"),
+    GlueTaskSpec("wnli", BINARY, ("accuracy",), Columns(1, 2, -1), Columns(1, 2, None, index=0), submission="WNLI"),
 )}
 
 # run_glue.py's names for the same tasks (its --task_name), accepted too.
