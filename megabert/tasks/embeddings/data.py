@@ -11,10 +11,10 @@ encoded as title + " " + text, as BEIR's and MTEB's dense retrievers do.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
+from megabert.data.json_lines import json_objects
 from megabert.errors import DataError
 
 
@@ -30,16 +30,7 @@ def _json_lines(path: str):
     if not os.path.isfile(path):
         raise DataError(f"{path} does not exist")
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg}); give one object per line (JSON lines)")
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object")
-            yield lineno, row
+        yield from json_objects(f, path)
 
 
 def _text(row: dict, key: str, where: str, required: bool = True) -> str:

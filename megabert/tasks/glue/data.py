@@ -11,12 +11,12 @@ as run_glue.py and the GLUE baselines do (see tasks.GlueTaskSpec.skip_short_rows
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from megabert.data.json_lines import json_objects
 from megabert.errors import DataError
 from megabert.tasks.glue.tasks import Columns, GlueTaskSpec
 
@@ -133,16 +133,7 @@ def _named_rows(path: str):
                     raise DataError(f"{path}:{reader.line_num}: more fields than the header's {len(reader.fieldnames)}")
                 yield reader.line_num, row
             return
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg}); give one object per line (JSON lines)")
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object with named columns")
-            yield lineno, row
+        yield from json_objects(f, path, "an object with named columns")
 
 
 def _open(path: str):

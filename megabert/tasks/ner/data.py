@@ -12,11 +12,11 @@ training file's tags; seqeval's default mode reads entities from each of them).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
+from megabert.data.json_lines import json_objects
 from megabert.errors import DataError
 
 DOCSTART = "-DOCSTART-"
@@ -80,15 +80,9 @@ def _read_conll(path: str, labelled: bool) -> list[Sentence]:
 def _read_json_lines(path: str, labelled: bool) -> list[Sentence]:
     sentences = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+        for lineno, row in json_objects(f, path, 'an object {"tokens": [...], "ner_tags": [...]}'):
             where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not a JSON object ({e.msg}); give one object per line (JSON lines)")
-            if not isinstance(row, dict) or not isinstance(row.get("tokens"), list):
+            if not isinstance(row.get("tokens"), list):
                 raise DataError(f"{where}: no \"tokens\" list; each line is {{\"tokens\": [...], \"ner_tags\": [...]}}")
             words = tuple(str(w) for w in row["tokens"])
             tags = row.get("ner_tags")
