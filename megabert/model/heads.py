@@ -37,7 +37,47 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(cls))
 
 
-class MLMHead(nn.Module):
+class VocabParallelDecoder(nn.Module):
+    """The MLM decoder of every family: `transform(hidden)` (the subclass's dense -> activation
+    -> norm), then logits against the tied (vocab-parallel) word embeddings plus `bias`. A
+    subclass sets tp_group, tp_size, bias and local_pad_start (the local index of the first
+    padding column, None when this rank holds none)."""
+
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.transform(hidden), word_embeddings)
+
+    def logits_and_loss(self, hidden: torch.Tensor, word_embeddings: torch.Tensor,
+                        target: torch.Tensor) -> tuple[Union[torch.Tensor, Callable[[], torch.Tensor]], torch.Tensor]:
+        """(logits [..., V/tp], per-token cross entropy [...]) against full-vocab targets
+        (-100: no loss). With the whole vocab on this rank, the projection and the loss are
+        one op that needs no [tokens, vocab] buffer unless the logits are asked for
+        (ops.linear_cross_entropy): the logits are then a function that makes them."""
+        x = self.transform(hidden)
+        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings):
+            vocab = self.local_pad_start if self.local_pad_start is not None else word_embeddings.size(0)
+            loss, logits = linear_cross_entropy(x, word_embeddings, self.bias, target, vocab)
+            return logits.full, loss
+        logits = self.logits(x, word_embeddings)
+        return logits, vocab_parallel_cross_entropy(logits, target, self.tp_group)
+
+    def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 and self.local_pad_start is not None:
+            # One rank holds the whole vocab: leave the padding rows out of the GEMM
+            # instead of computing and then masking their logits.
+            end = self.local_pad_start
+            return F.linear(x, word_embeddings[:end], self.bias[:end])
+        logits = F.linear(copy_to_tp(x, self.tp_group), word_embeddings, self.bias)
+        if self.local_pad_start is not None:
+            pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)
+            pad[max(self.local_pad_start, 0):] = True
+            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        return logits
+
+
+class MLMHead(VocabParallelDecoder):
     """dense -> GELU -> LayerNorm -> logits against the (vocab-parallel) word embeddings.
 
     Logits stay split over the vocab ([..., V/tp]); the loss is computed without
@@ -62,35 +102,5 @@ class MLMHead(nn.Module):
         self.local_pad_start = first_pad if first_pad < per_rank else None
         self.tp_size = ctx.tp_size
 
-    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        return self._logits(self._transform(hidden), word_embeddings)
-
-    def logits_and_loss(self, hidden: torch.Tensor, word_embeddings: torch.Tensor,
-                        target: torch.Tensor) -> tuple[Union[torch.Tensor, Callable[[], torch.Tensor]], torch.Tensor]:
-        """(logits [..., V/tp], per-token cross entropy [...]) against full-vocab targets
-        (-100: no loss). With the whole vocab on this rank, the projection and the loss are
-        one op that needs no [tokens, vocab] buffer unless the logits are asked for
-        (ops.linear_cross_entropy): the logits are then a function that makes them."""
-        x = self._transform(hidden)
-        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings):
-            vocab = self.local_pad_start if self.local_pad_start is not None else word_embeddings.size(0)
-            loss, logits = linear_cross_entropy(x, word_embeddings, self.bias, target, vocab)
-            return logits.full, loss
-        logits = self._logits(x, word_embeddings)
-        return logits, vocab_parallel_cross_entropy(logits, target, self.tp_group)
-
-    def _transform(self, hidden: torch.Tensor) -> torch.Tensor:
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.layernorm(F.gelu(self.dense(hidden)))
-
-    def _logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 and self.local_pad_start is not None:
-            # One rank holds the whole vocab: leave the padding rows out of the GEMM
-            # instead of computing and then masking their logits.
-            end = self.local_pad_start
-            return F.linear(x, word_embeddings[:end], self.bias[:end])
-        logits = F.linear(copy_to_tp(x, self.tp_group), word_embeddings, self.bias)
-        if self.local_pad_start is not None:
-            pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)
-            pad[max(self.local_pad_start, 0):] = True
-            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
-        return logits

@@ -9,7 +9,7 @@ real tokens; inputs and outputs are batch-first as in transformers.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,7 @@ from megabert.errors import ConfigError
 from megabert.model.bert import BertPreTrainedModel, attention_mask_to_bool
 from megabert.model.context import BuildContext
 from megabert.model.embeddings import word_embeddings
+from megabert.model.heads import VocabParallelDecoder
 from megabert.model.init import param_seed
 from megabert.model.modernbert.layers import ACTIVATIONS, AttentionInputs, ModernBertEncoder
 from megabert.model.modernbert.rope import RotaryTables, padded_positions, unpadded_positions
@@ -27,12 +28,10 @@ from megabert.model.outputs import ModelOutput
 from megabert.model.registry import register_model
 from megabert.model.unpad import TokenLayout
 from megabert.ops.compile_hints import maybe_mark_dynamic
-from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names, spec_of
-from megabert.tensor_parallel import (copy_to_tp, gather_from_sp_to_replicated, gather_from_tp, scatter_to_sp,
-                                      vocab_parallel_argmax, vocab_parallel_cross_entropy)
+from megabert.tensor_parallel import gather_from_sp_to_replicated, gather_from_tp, scatter_to_sp, vocab_parallel_argmax
 from megabert.tensor_parallel.layers import shard
 
 WORD_EMBEDDINGS_HF = "model.embeddings.tok_embeddings.weight"
@@ -146,7 +145,7 @@ class ModernBertBackbone(nn.Module):
         return self.embeddings.word_embeddings.weight
 
 
-class ModernBertMLMHead(nn.Module):
+class ModernBertMLMHead(VocabParallelDecoder):
     """norm(act(dense(h))) -> logits against the (vocab-parallel) word embeddings plus the
     decoder bias. Logits stay split over the vocab ([..., V/tp]); padding columns take the
     dtype's minimum (no probability mass), as BERT's MLMHead."""
@@ -179,29 +178,6 @@ class ModernBertMLMHead(nn.Module):
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(self.act(self.dense(hidden)))
-
-    def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 and self.local_pad_start is not None:
-            end = self.local_pad_start  # the whole vocab here: leave the padding rows out of the GEMM
-            return F.linear(x, word_embeddings[:end], self.bias[:end])
-        logits = F.linear(copy_to_tp(x, self.tp_group), word_embeddings, self.bias)
-        if self.local_pad_start is not None:
-            pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)
-            pad[max(self.local_pad_start, 0):] = True
-            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
-        return logits
-
-    def logits_and_loss(self, hidden: torch.Tensor, word_embeddings: torch.Tensor, target: torch.Tensor
-                        ) -> tuple[Union[torch.Tensor, Callable[[], torch.Tensor]], torch.Tensor]:
-        """(logits [..., V/tp] or a function making them, per-token cross entropy) as BERT's
-        MLMHead.logits_and_loss: fused projection + loss when one rank holds the vocab."""
-        x = self.transform(hidden)
-        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings):
-            vocab = self.local_pad_start if self.local_pad_start is not None else word_embeddings.size(0)
-            loss, logits = linear_cross_entropy(x, word_embeddings, self.bias, target, vocab)
-            return logits.full, loss
-        logits = self.logits(x, word_embeddings)
-        return logits, vocab_parallel_cross_entropy(logits, target, self.tp_group)
 
 
 class MaskedLMOutput(ModelOutput):
