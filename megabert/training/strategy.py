@@ -79,6 +79,19 @@ class Task:
         return self.output_loss(output)[1], counts
 
 
+def mean_loss_task(name: str, inputs: tuple[str, ...], count: Callable[[dict], torch.Tensor]) -> Task:
+    """A task with one loss, a mean over items (`count(batch)`: a micro-batch's number of them,
+    a 0-d tensor): in training its output's `loss_sum` over the whole global batch's count
+    (Task.loss_counts), logged as `name`."""
+
+    def global_loss(out, shares: torch.Tensor):
+        loss = out.loss_sum / shares[0]
+        return loss, {name: loss}
+
+    return Task(inputs=inputs, output_loss=lambda out: (out.loss, {name: out.loss}),
+                loss_counts=lambda batch: count(batch).reshape(1), global_loss=global_loss)
+
+
 def _detached(metrics: Metrics) -> Metrics:
     return {k: v.detach() for k, v in metrics.items()}
 

@@ -23,7 +23,7 @@ from megabert.model_family import checkpoint_model_config
 from megabert.tasks.glue.model import BertForSequenceClassification
 from megabert.tasks.glue.tasks import TASKS, GlueTaskSpec
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
-from megabert.training.strategy import Task
+from megabert.training.strategy import Task, mean_loss_task
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +32,13 @@ def glue_task() -> Task:
     """SequenceClassifierOutput -> (cross entropy, or MSE for regression; {"glue_loss"}); in
     training the mean over the global batch's samples (packed rows hold different numbers)."""
 
-    def loss_counts(batch: dict) -> torch.Tensor:
+    def samples(batch: dict) -> torch.Tensor:
         packed = batch.get("packed_seqlens")
-        samples = (packed > 0).sum() if packed is not None \
+        return (packed > 0).sum() if packed is not None \
             else torch.tensor(batch["labels"].numel(), device=batch["labels"].device)
-        return samples.reshape(1)
 
-    def global_loss(out, shares):
-        loss = out.loss_sum / shares[0]
-        return loss, {"glue_loss": loss}
-
-    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids", "packed_seqlens"),
-                output_loss=lambda out: (out.loss, {"glue_loss": out.loss}), loss_counts=loss_counts,
-                global_loss=global_loss)
+    return mean_loss_task("glue_loss", ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
+                                        "packed_seqlens"), samples)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from megabert.tasks.ner.features import Features, sentences_to_features, word_lo
 from megabert.tasks.ner.metrics import ner_metrics
 from megabert.tasks.ner.model import IGNORE_INDEX, BertForTokenClassification
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
-from megabert.training.strategy import Task
+from megabert.training.strategy import Task, mean_loss_task
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +32,8 @@ def ner_task() -> Task:
     hold different numbers), so a step's loss and gradients do not depend on how its features
     are grouped."""
 
-    def loss_counts(batch: dict) -> torch.Tensor:
-        return (batch["labels"] != IGNORE_INDEX).sum().reshape(1)
-
-    def global_loss(out, shares):
-        loss = out.loss_sum / shares[0]
-        return loss, {"ner_loss": loss}
-
-    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids", "packed_seqlens"),
-                output_loss=lambda out: (out.loss, {"ner_loss": out.loss}), loss_counts=loss_counts,
-                global_loss=global_loss)
+    return mean_loss_task("ner_loss", ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
+                                       "packed_seqlens"), lambda batch: (batch["labels"] != IGNORE_INDEX).sum())
 
 
 def resolve_labels(load: str, train: Optional[list[Sentence]]) -> tuple[str, ...]:
