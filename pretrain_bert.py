@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     run = resolve_run(cfg, ps)  # flags + DeepSpeed JSON, checked once; everything below reads it
     if not cfg.data.data_path:
         raise megabert.ConfigError("--data-path is required: a dataset prefix made by tools/preprocess_data.py")
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
+    tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.vocab_file)
     if ps.is_logging_rank:
         log_memory_preflight(run, ps, tokenizer.vocab_size)
     train_batches, valid_batches = build_data(run, ps, tokenizer)

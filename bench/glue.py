@@ -55,7 +55,7 @@ def ours(args, ps, batches):
                             vocab_size=args.vocab, max_position_embeddings=512, num_labels=2, unpad_input=True)
     model = megabert.BertForSequenceClassification(model_cfg, ps)
     run = resolve_run(cfg, ps, model=model_cfg)
-    run = dataclasses.replace(run, train=dataclasses.replace(run.train, load=None, train_iters=1_000_000))
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, train_iters=1_000_000))
     trainer = build_trainer(model, ps, run, glue_task(), lambda consumed: itertools.cycle(batches))
     trainer.strategy.model.train()
     return trainer.train_step, f"{model.ctx.attention_backend}/{model.ctx.layernorm_backend}"

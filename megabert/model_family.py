@@ -5,7 +5,8 @@ ModernBERT's recipe where a flag was left out (MODERNBERT_DEFAULTS: 30% masking,
 head, no dropout, LayerNorm eps 1e-5, 8192 positions). A run that starts from a ModernBERT
 checkpoint (`--load` or `--pretrained-checkpoint` of a transformers ModernBERT directory or
 of a megabert checkpoint of one) takes its architecture from that checkpoint's config:
-continued pre-training is one command. Flags then choose only how the model computes
+continued pre-training is one command. The checkpoint is the run's start, decided once
+(megabert.checkpoint.start); resolve_run adopts its architecture here. Flags then choose only how the model computes
 (RUN_TIME_FIELDS) and its dropouts; an architecture flag that contradicts the checkpoint is
 an error. BERT runs are unchanged: their architecture comes from the flags, as before.
 """
@@ -15,6 +16,8 @@ import dataclasses
 import os
 from typing import Optional
 
+from megabert.checkpoint.reader import read_model_config
+from megabert.checkpoint.start import Format, Source
 from megabert.config import MODERNBERT_MODEL_DEFAULTS, Configs, ModelConfig
 from megabert.errors import ConfigError, MegabertError
 
@@ -28,20 +31,13 @@ RUN_TIME_FIELDS = ("attention_backend", "layernorm_backend", "dropout_add_backen
 OVERRIDABLE_FIELDS = ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout")
 
 
-def checkpoint_model_config(path: Optional[str]) -> Optional[ModelConfig]:
-    """The ModernBERT config of the checkpoint at `path` (a transformers ModernBERT dir or a
-    megabert checkpoint of one), or None (no path, nothing there yet, another family)."""
-    if not path:
-        return None
-    from megabert.checkpoint.reader import read_model_config
-    from megabert.checkpoint.run_state import holds_checkpoint
-
-    from megabert.checkpoint import megatron
-
-    if not holds_checkpoint(path) or megatron.is_megatron_dir(path):  # Megatron-LM trains no ModernBERT
+def checkpoint_model_config(source: Optional[Source]) -> Optional[ModelConfig]:
+    """The ModernBERT config of the checkpoint `source` (a transformers ModernBERT dir or a
+    megabert checkpoint of one), or None (no checkpoint, another family)."""
+    if source is None or source.format is Format.MEGATRON:  # Megatron-LM trains no ModernBERT
         return None
     try:
-        saved = read_model_config(path)
+        saved = read_model_config(source)
     except MegabertError:
         return None  # unreadable: reported where the run loads it, as for any family
     if saved.get("model_family") != "modernbert":
@@ -49,23 +45,11 @@ def checkpoint_model_config(path: Optional[str]) -> Optional[ModelConfig]:
     return ModelConfig(**saved)
 
 
-def _start_path(cfg: Configs) -> Optional[str]:
-    """The checkpoint the run starts from (megabert.checkpoint.run_state.resolve_start's rule),
-    or None. A start that does not resolve (a wrong path) is reported where the run resolves
-    its start, after the flags' own rules (megabert.training.resolve)."""
-    from megabert.checkpoint.run_state import resolve_start
-
-    try:
-        return resolve_start(cfg.train).path
-    except MegabertError:
-        return None
-
-
-def resolve_model_family(cfg: Configs) -> Configs:
-    """cfg with the architecture of a ModernBERT start checkpoint adopted, and ModernBERT's
-    defaults where the family is ModernBERT and a flag was left out (see the module docstring)."""
-    loaded = checkpoint_model_config(_start_path(cfg)) if (cfg.train.load or cfg.train.pretrained_checkpoint) \
-        else None
+def resolve_model_family(cfg: Configs, start: Optional[Source] = None) -> Configs:
+    """cfg with the architecture of a ModernBERT start checkpoint (`start`: the run's
+    RunStart.source) adopted, and ModernBERT's defaults where the family is ModernBERT and a
+    flag was left out (see the module docstring). Without `start` (parsing): the flags alone."""
+    loaded = checkpoint_model_config(start)
     model = cfg.model
     if loaded is not None:
         if "model.model_family" in cfg.explicit and model.model_family != "modernbert":
@@ -100,9 +84,8 @@ def resolve_model_family(cfg: Configs) -> Configs:
         # The checkpoint's vocab (transformers' ModernBERT pads its tokenizer's 50,280 ids to
         # 50,368) is the model's, not the tokenizer's: see model_vocab_size.
         explicit = explicit | {"model.vocab_size"}
-        start = _start_path(cfg)
-        beside = os.path.join(start, "tokenizer.json") if os.path.isdir(start) else None
-        if cfg.data.vocab_file is None and beside and os.path.isfile(beside):
+        beside = os.path.join(start.directory, "tokenizer.json")
+        if cfg.data.vocab_file is None and os.path.isfile(beside):
             data_values.update(vocab_file=beside, tokenizer_type="HuggingFaceTokenizer")
     model = dataclasses.replace(model, **model_values)
     return dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, **data_values), explicit=explicit)

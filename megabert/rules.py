@@ -13,8 +13,10 @@ runs at one point of the one resolution:
   the model's split over TP/PP (`check_model_split`), the batch over the data-parallel
   ranks (megabert.parallel.layout.BatchLayout), the ZeRO plan that runs
   (`check_zero`) when the engine's JSON chose its stage or an offload (a plan from the
-  flags alone was checked with the flags), and the binary head's objective on the data
-  that --data-path names (`sentence_pair_task`).
+  flags alone was checked with the flags), the binary head's objective on the data
+  that --data-path names (`sentence_pair_task`), and --seq-length against the model's
+  positions (`check_seq_length`) once the run's start has given the model its shape (a
+  loaded ModernBERT brings its own).
 
 The layout planner applies the same functions to candidate layouts that no flag describes
 yet, checkpoint conversion to the layout it writes, and a model being built to its own
@@ -130,7 +132,7 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     """The rules that need no process group and no DeepSpeed JSON (run at parsing). A ZeRO
     plan from the flags alone is checked here; one that a --deepspeed_config may change, in
     resolve_run once merged."""
-    train, model, data = cfg.train, getattr(cfg, "model", None), getattr(cfg, "data", None)
+    train, model = cfg.train, getattr(cfg, "model", None)
     check_train(train)
     if isinstance(cfg, FinetuneConfigs) and train.save and train.load and \
             os.path.realpath(train.save) == os.path.realpath(train.load):
@@ -141,9 +143,6 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     check_optim(cfg.optim)
     if model is not None:
         check_model(model)
-    if model is not None and data is not None and data.seq_length > model.max_position_embeddings:
-        raise ConfigError(f"--seq-length {data.seq_length} exceeds --max-position-embeddings "
-                          f"{model.max_position_embeddings}")
     check_distributed_optimizer(cfg.parallel.use_distributed_optimizer, deepspeed=train.deepspeed,
                                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
     if not train.deepspeed:
@@ -155,6 +154,14 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     check_sequence_parallel(bool(model and model.sequence_parallel), deepspeed=True)
     if not train.deepspeed_config:
         check_zero(zero_plan_from_flags(train), pp=cfg.parallel.pipeline_model_parallel_size, compile=train.compile)
+
+
+def check_seq_length(seq_length: int, model: ModelConfig) -> None:
+    """Run in resolve_run, once the model's shape is known (a loaded ModernBERT brings its own
+    8,192 positions)."""
+    if seq_length > model.max_position_embeddings:
+        raise ConfigError(f"--seq-length {seq_length} exceeds --max-position-embeddings "
+                          f"{model.max_position_embeddings}")
 
 
 def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) -> str:

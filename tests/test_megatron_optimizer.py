@@ -22,11 +22,12 @@ import megabert
 from megabert.checkpoint.megatron import adam_state
 from megabert.checkpoint.optimizer_state import shard_optimizer_state
 from megabert.checkpoint.reader import read_rank
-from megabert.checkpoint.run_state import load_checkpoint
+from megabert.checkpoint.start import require_source
 from megabert.config import OptimConfig
 from megabert.optim import build_optimizer
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import spec_table
+from megabert.training.restore import restore
 from megabert.training.strategy import LocalStrategy
 from tests.helpers import cli_utils
 from tests.helpers.dist_utils import run_distributed
@@ -48,7 +49,7 @@ def _next_step(fmt: str, ps=None, load_moments: bool = True) -> tuple[float, flo
     model = megabert.BertForPreTraining.from_pretrained(path, ps, attention_backend="torch")
     optimizer = build_optimizer(model, _optim_config(), model.parallel_state.tp_group)
     strategy = LocalStrategy(model, optimizer, model.parallel_state, None, scaler=None, clip_grad=0.0)
-    loaded = load_checkpoint(path, model, model.parallel_state, strategy=strategy, load_optimizer=load_moments)
+    loaded = restore(require_source(path), model, model.parallel_state, strategy=strategy, load_optimizer=load_moments)
     assert loaded.state.iteration == OPTIM_STEPS
     batch = train_batch(OPTIM_STEPS + 1)
     model.train()

@@ -217,16 +217,17 @@ def _qa_from_unpadded_pretraining(rank, world, root):
     from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
     from megabert.tasks.squad.config import SquadConfig
     from megabert.tasks.squad.finetuning import load_qa_model
-    from megabert.checkpoint.run_state import TrainingState, save_checkpoint
+    from megabert.checkpoint.run_state import TrainingState
+    from megabert.checkpoint.start import require_source
     from megabert.training.strategy import Strategy
 
     ps = megabert.init_parallel()
     model = megabert.BertForPreTraining(_cfg(unpad_input=True), ps)
-    save_checkpoint(root, TrainingState(), Strategy(model, None, ps, runner=None))  # weights, no optimizer
+    Strategy(model, None, ps, runner=None).save(root, TrainingState(), extra={}, keep_last=None)  # no optimizer
     cfg = FinetuneConfigs(parallel=ParallelConfig(), optim=OptimConfig(), train=TrainConfig(load=root),
                           finetune=SquadConfig(train_file="t.json", max_seq_length=32,
                                                                    max_query_length=8, doc_stride=8))
-    assert not load_qa_model(cfg, ps, 99).config.unpad_input
+    assert not load_qa_model(cfg, require_source(root), ps, 99).config.unpad_input
 
 
 def test_squad_fine_tuning_keeps_the_padded_encoder(tmp_path):

@@ -81,6 +81,16 @@ def _argv(d, *extra):
             "--eval-interval", "0", "--num-workers", "0", "--split", "1,0,0", *extra]
 
 
+def _resolved(argv):
+    from megabert.training.resolve import resolve_run
+
+    ps = megabert.init_parallel()
+    try:
+        return resolve_run(parse_args(argv), ps)
+    finally:
+        megabert.destroy_parallel()
+
+
 def test_family_defaults_and_loaded_architecture(setup):
     d, hf_dir = setup
     scratch = parse_args(_argv(d, "--model-family", "modernbert", "--vocab-file", "v", "--num-layers", "2"))
@@ -90,14 +100,14 @@ def test_family_defaults_and_loaded_architecture(setup):
     assert parse_args(_argv(d, "--model-family", "modernbert", "--mask-prob", "0.15")).data.mask_prob == 0.15
     assert parse_args(_argv(d)).data.mask_prob == 0.15  # BERT unchanged
 
-    loaded = parse_args(_argv(d, "--load", hf_dir, "--attention-dropout", "0.1"))
+    loaded = _resolved(_argv(d, "--load", hf_dir, "--attention-dropout", "0.1"))  # the start's architecture
     m = loaded.model
     assert (m.model_family, m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.local_attention) == \
         ("modernbert", 4, 32, 48, 99, 8)
     assert m.unpad_input and m.mlm_logits_at_masked_only and m.attention_dropout == 0.1  # the flags' choices
     assert loaded.data.mask_prob == 0.3 and loaded.data.vocab_file == os.path.join(hf_dir, "tokenizer.json")
     with pytest.raises(ConfigError, match="--hidden-size 64 contradicts"):
-        parse_args(_argv(d, "--load", hf_dir, "--hidden-size", "64"))
+        _resolved(_argv(d, "--load", hf_dir, "--hidden-size", "64"))
 
 
 def test_continued_pretraining_first_loss_equals_transformers(setup, tmp_path):
@@ -112,7 +122,7 @@ def test_continued_pretraining_first_loss_equals_transformers(setup, tmp_path):
     cfg = parse_args(argv)
     ps = megabert.init_parallel()
     run = resolve_run(cfg, ps)
-    batch = next(build_data(run, ps, build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file))[0](0))
+    batch = next(build_data(run, ps, build_tokenizer(run.data.tokenizer_type, run.data.vocab_file))[0](0))
     megabert.destroy_parallel()
     masked = (batch["labels"] != -100).float().mean().item() / batch["attention_mask"].float().mean().item()
     assert 0.2 < masked < 0.4  # 30% of the real tokens

@@ -240,7 +240,7 @@ def ner_packing_spec(*, max_samples_per_row, window):
     cfg = parse_finetune_args(["--train-file", "unused.txt", "--load", "unused", "--max-seq-length", "16",
                                "--pack-sequences", "--max-samples-per-row", str(max_samples_per_row),
                                "--packing-window", str(window)], task_config=NerConfig, defaults=NER_DEFAULTS)
-    return NerTask(cfg).packing(seed=5)
+    return NerTask(cfg, None).packing(seed=5)  # no --load is read for packing
 
 
 @pytest.mark.parametrize("unpad", [True, False], ids=["varlen", "block-diagonal-mask"])

@@ -234,16 +234,20 @@ def test_convert_source_flags_are_exclusive_and_checked(tmp_path):
 
 def test_external_reads_hf_and_tf_dirs_alike(tmp_path):
     from megabert.checkpoint import external
+    from megabert.checkpoint.start import Format, detect_source
 
     for path in (PRETRAINING, os.path.join(PRETRAINING, "bert_model.ckpt"), os.path.join(PRETRAINING, "hf")):
-        assert external.is_external(path), path
-        config, state = external.read_external(path)
+        source = detect_source(path)
+        assert source is not None and source.external and source.weights_only, path
+        assert source.format is (Format.HF if path.endswith("hf") else Format.TF)
+        config, state = external.read_external(source)
         assert config["hidden_size"] == 32
         assert torch.equal(state["cls.predictions.bias"], twin(PRETRAINING)["cls.predictions.bias"])
-    assert external.external_vocab_file(PRETRAINING) == os.path.join(PRETRAINING, "vocab.txt")
-    assert external.external_vocab_file(os.path.join(SQUAD, "model.ckpt-2")) == os.path.join(SQUAD, "vocab.txt")
-    assert external.external_vocab_file(os.path.join(PRETRAINING, "hf")) is None  # the twin ships none
-    assert not external.is_external(str(tmp_path))
+    vocab = lambda path: external.external_vocab_file(detect_source(path))  # noqa: E731
+    assert vocab(PRETRAINING) == os.path.join(PRETRAINING, "vocab.txt")
+    assert vocab(os.path.join(SQUAD, "model.ckpt-2")) == os.path.join(SQUAD, "vocab.txt")
+    assert vocab(os.path.join(PRETRAINING, "hf")) is None  # the twin ships none
+    assert detect_source(str(tmp_path)) is None
 
 
 def test_state_file_with_the_training_machines_path(tmp_path):

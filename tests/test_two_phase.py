@@ -5,7 +5,7 @@ uninterrupted phase 2."""
 import pytest
 
 from megabert.checkpoint.layout import commit, staging_dir, write_rank_file
-from megabert.checkpoint.run_state import resolve_start
+from megabert.checkpoint.start import decide_start
 from megabert.config import TrainConfig
 from megabert.errors import CheckpointError
 
@@ -18,7 +18,7 @@ def _run(args, log):
 
 
 def _checkpoint(root, iteration):
-    """A committed checkpoint of one rank file (what resolve_start reads: the pointer and
+    """A committed checkpoint of one rank file (what decide_start reads: the pointer and
     each rank file's zip index, no tensor)."""
     write_rank_file(staging_dir(str(root), iteration), 0, 0, 1, {"iteration": iteration})
     commit(str(root), iteration)
@@ -30,14 +30,14 @@ def test_start_point_prefers_the_runs_own_checkpoint(tmp_path):
     own.mkdir()
     (own / "metrics.jsonl").write_text("")  # metrics alone are no checkpoint
     for kw in ({"load": str(own)}, {"save": str(own)}, {}):
-        start = resolve_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
+        start = decide_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
         assert (start.path, start.weights_only) == (str(p1), True)
     _checkpoint(own, 2)
     for kw, flag in (({"load": str(own)}, "--load"), ({"save": str(own)}, "--save")):
-        start = resolve_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
+        start = decide_start(TrainConfig(pretrained_checkpoint=str(p1), **kw))
         assert (start.path, start.weights_only, start.flag) == (str(own), False, flag)
     with pytest.raises(CheckpointError, match="--pretrained-checkpoint .* holds no checkpoint"):
-        resolve_start(TrainConfig(pretrained_checkpoint=str(tmp_path), save=str(tmp_path / "new")))
+        decide_start(TrainConfig(pretrained_checkpoint=str(tmp_path), save=str(tmp_path / "new")))
 
 
 def test_interrupted_phase2_continues_from_its_own_checkpoint(dataset, tmp_path):

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from megabert.checkpoint import external
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint import megatron
+from megabert.checkpoint.start import Format, Source, require_source
 from megabert.checkpoint.layout import load_file, parallel_meta, resolve_checkpoint_dir, saved_layout, \
     saved_virtual_stage_layers
 from megabert.checkpoint.optimizer_state import shard_optimizer_state, unshard_optimizer_states
@@ -48,19 +49,26 @@ class RankCheckpoint:
     saved_pp: Optional[int] = None
 
 
-def read_model_config(path: str, overrides: Optional[dict] = None) -> dict:
+def as_source(source: Union[Source, str]) -> Source:
+    """A path from a caller outside the run (the Python API, the tools): detected here, once."""
+    return source if isinstance(source, Source) else require_source(source, "checkpoint")
+
+
+def read_model_config(source: Union[Source, str], overrides: Optional[dict] = None) -> dict:
     """The ModelConfig fields a checkpoint was saved with (rank 0's file; for a Hugging Face
     or TF directory, its config translated; for a Megatron-LM directory, its args or tensor
     shapes checked against `overrides`). Reads no tensor."""
-    if megatron.is_megatron_dir(path):
+    source = as_source(source)
+    path = source.path
+    if source.format is Format.MEGATRON:
         return dataclasses.asdict(megatron.read_config(path, overrides))
-    if external.is_external(path):
-        return dataclasses.asdict(hf_io.model_config_from_hf(external.read_external_config(path)))
+    if source.external:
+        return dataclasses.asdict(hf_io.model_config_from_hf(external.read_external_config(source)))
     layout = saved_layout(resolve_checkpoint_dir(path))
     return load_file(layout.files[(0, 0)], mmap=True)["model_config"]
 
 
-def read_rank(path: str, *, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int] = None,
+def read_rank(source: Union[Source, str], *, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int] = None,
               table: Optional[dict[str, ParamSpec]] = None, optimizer: bool = True,
               model_config: Optional[ModelConfig] = None) -> RankCheckpoint:
     """Rank (tp_rank, stage.pp_rank)'s view of the checkpoint at `path` for a model of
@@ -69,10 +77,12 @@ def read_rank(path: str, *, tp_rank: int, tp_size: int, stage: StageLayout, padd
     needed for a Hugging Face / TF directory, whose files carry none. `optimizer=False`
     leaves the moments unread when resharding (weights-only starts). `model_config`: the
     reading model's, which a Megatron directory without args needs (its number of heads)."""
-    if megatron.is_megatron_dir(path):
+    source = as_source(source)
+    path = source.path
+    if source.format is Format.MEGATRON:
         return _read_megatron(path, tp_rank, tp_size, stage, padded_vocab_size, table, model_config, optimizer)
-    if external.is_external(path):
-        return _read_external(path, tp_rank, tp_size, stage, padded_vocab_size, table)
+    if source.external:
+        return _read_external(source, tp_rank, tp_size, stage, padded_vocab_size, table)
     layout = saved_layout(resolve_checkpoint_dir(path))
     if (layout.tp_size, layout.pp_size) == (tp_size, stage.pp_size):
         payload = load_file(layout.files[(tp_rank, stage.pp_rank)])
@@ -84,11 +94,12 @@ def read_rank(path: str, *, tp_rank: int, tp_size: int, stage: StageLayout, padd
     return RankCheckpoint(payload, resharded=True, saved_tp=layout.tp_size, saved_pp=layout.pp_size)
 
 
-def read_full(path: str) -> tuple[dict, dict, dict[str, ParamSpec]]:
+def read_full(source: Union[Source, str]) -> tuple[dict, dict, dict[str, ParamSpec]]:
     """(full state dict, rank 0's metadata, spec table): the whole model as one rank of a
     TP 1 x PP 1 layout reads it (conversion, export). Vocab rows stay padded as saved."""
-    cfg = ModelConfig(**read_model_config(path))
-    ckpt = read_rank(path, tp_rank=0, tp_size=1, stage=StageLayout(cfg.num_layers), optimizer=False,
+    source = as_source(source)
+    cfg = ModelConfig(**read_model_config(source))
+    ckpt = read_rank(source, tp_rank=0, tp_size=1, stage=StageLayout(cfg.num_layers), optimizer=False,
                      padded_vocab_size=None)
     payload = ckpt.payload
     meta = {k: v for k, v in payload.items() if k != "model"}
@@ -96,11 +107,11 @@ def read_full(path: str) -> tuple[dict, dict, dict[str, ParamSpec]]:
     return payload["model"], meta, table
 
 
-def _read_external(path: str, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int],
+def _read_external(source: Source, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int],
                    table: Optional[dict[str, ParamSpec]]) -> RankCheckpoint:
     if table is None:
-        raise ValueError(f"{path} is a Hugging Face / TF directory: reading it needs the model's spec table")
-    hf_config, hf_state = external.read_external(path)
+        raise ValueError(f"{source.path} is a Hugging Face / TF directory: reading it needs the model's spec table")
+    hf_config, hf_state = external.read_external(source)
     cfg = hf_io.model_config_from_hf(hf_config)
     full = hf_io.hf_to_megabert(hf_state, table)
     full = repad_vocab(full, table, padded_vocab_size or cfg.padded_vocab_size(tp_size))
@@ -139,7 +150,7 @@ def _read_megatron(path: str, tp_rank: int, tp_size: int, stage: StageLayout, pa
     moments = None
     if read.moments is not None:
         full_optim = {"state": repad_vocab({k: v for k, v in read.moments.items() if k in held}, table, padded),
-                      "param_groups": []}  # the run's own groups and flags: run_state.load_checkpoint
+                      "param_groups": []}  # the run's own groups and flags: training.restore
         moments = shard_optimizer_state(full_optim, table, set(model), tp_rank, tp_size)
     return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": header["iteration"],
                            "megatron_args": header["args"], "optimizer": moments, "optimizer_note": read.note},

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from megabert.checkpoint import hf as hf_io
-from megabert.checkpoint.reader import RankCheckpoint, read_model_config, read_rank
+from megabert.checkpoint.reader import RankCheckpoint, as_source, read_model_config, read_rank
+from megabert.checkpoint.start import Source
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError, ConfigError
 from megabert.parallel import ParallelState, comm, get_parallel_state
@@ -35,25 +36,28 @@ class PretrainedMixin:
     """Loading and saving for the task models (see megabert.model.bert)."""
 
     @classmethod
-    def from_pretrained(cls, path: str, parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
+    def from_pretrained(cls, path: Union[str, Source], parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
                         device=None, params_dtype: torch.dtype = torch.float32,
                         num_layers_per_virtual_stage: Optional[int] = None, **config_overrides):
         """Loads a Hugging Face BERT directory (config.json + safetensors or pytorch_model.bin),
         a Google TF BERT directory (bert_config.json + bert_model.ckpt.*), or a megabert
         checkpoint of any TP x PP layout; each rank reads and keeps only its own shard. `config_overrides` replace ModelConfig fields (e.g.
         hidden_dropout=0.0). pretrain_bert.py's speed choices saved in a checkpoint
-        (RUN_TIME_CHOICES) go back to the library's defaults unless overridden."""
+        (RUN_TIME_CHOICES) go back to the library's defaults unless overridden. `path` may be
+        a Source a run has detected already (megabert.checkpoint.start)."""
         ps = parallel_state or get_parallel_state()
-        model = cls(_library_config(read_model_config(path, config_overrides), config_overrides), ps, seed=seed, device=device,
-                    params_dtype=params_dtype, num_layers_per_virtual_stage=num_layers_per_virtual_stage)
-        model.load_local_state_dict(model.read_checkpoint(path, optimizer=False).payload["model"], source=path)
+        source = as_source(path)
+        model = cls(_library_config(read_model_config(source, config_overrides), config_overrides), ps, seed=seed,
+                    device=device, params_dtype=params_dtype, num_layers_per_virtual_stage=num_layers_per_virtual_stage)
+        model.load_local_state_dict(model.read_checkpoint(source, optimizer=False).payload["model"],
+                                    source=source.path)
         return model
 
-    def read_checkpoint(self, path: str, optimizer: bool = True) -> RankCheckpoint:
+    def read_checkpoint(self, source: Union[str, Source], optimizer: bool = True) -> RankCheckpoint:
         """This rank's view of any checkpoint (megabert at any layout, Hugging Face, TF), in
         this model's shapes (megabert.checkpoint.reader)."""
         ps = self.parallel_state
-        return read_rank(path, tp_rank=ps.tp_rank, tp_size=ps.tp_size, stage=self.stage,
+        return read_rank(source, tp_rank=ps.tp_rank, tp_size=ps.tp_size, stage=self.stage,
                          padded_vocab_size=self.padded_vocab_size, table=spec_table(self), optimizer=optimizer,
                          model_config=self.config)
 

@@ -8,16 +8,14 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
-from megabert.checkpoint import megatron
-from megabert.checkpoint.megatron import adam_state
 from megabert.config import TrainConfig
 from megabert.model.transformer import compile_layers
 from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
-from megabert.checkpoint.run_state import StartPoint, TrainingState, load_checkpoint, resolve_start
 from megabert.training.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler, autocast
+from megabert.training.restore import continue_run, preload_weights
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, Task
 from megabert.training.trainer import Batches, Trainer
 
@@ -96,73 +94,14 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun",
                   train_batches: Callable[[int], Iterator[dict]],
                   valid_batches: Optional[Callable[[], Iterator[dict]]] = None, *,
                   flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None) -> Trainer:
-    """`run` trains `model` on `task` (its loss and metrics) at `run.seq_length`.
-    `train_batches(consumed_samples)` gives the training batches from that point on, so a
-    resumed run sees exactly the samples the interrupted one would have."""
-    start = resolve_start(run.train)
-    if ps.is_logging_rank and start.note:
-        (logger.warning if start.warn else logger.info)(start.note)
-    loaded = None
-    preload = start.path and (start.weights_only or run.deepspeed_config is not None)
-    if preload:
-        # Weights go into the whole model before DeepSpeed wraps it: ZeRO-3 then partitions
-        # them and ZeRO-1/2 copy them into their fp32 masters. A weights-only start is done
-        # here (fresh optimizer and loss scale); a resume restores the rest below. A plain
-        # resume reads its rank file once, below.
-        loaded = load_checkpoint(start.path, model, ps, load_optimizer=False)
+    """`run` trains `model` on `task` (its loss and metrics) at `run.seq_length`, from
+    `run.start` (megabert.training.restore). `train_batches(consumed_samples)` gives the
+    training batches from that point on, so a resumed run sees exactly the samples the
+    interrupted one would have."""
+    preloaded = preload_weights(run, model, ps)
     strategy = build_strategy(model, ps, run, task)
-    state = TrainingState()
-    if start.path:
-        if not start.weights_only:
-            loaded = strategy.load(start.path, load_optimizer=_load_optimizer(start.path, run, ps),
-                                   load_model=not preload)
-        state = loaded.state
-        if ps.is_logging_rank:
-            logger.info("loaded %s: iteration %d, %d samples consumed", start.path, state.iteration,
-                        state.consumed_samples)
-            _note_seq_length(loaded.saved_args, run.seq_length, start)
-        if start.weights_only:
-            if ps.is_logging_rank and state.iteration:
-                logger.info("%s: weights of iteration %d kept; iteration, optimizer and data position reset to 0",
-                            start.flag, state.iteration)
-            state = TrainingState()
+    state = continue_run(run, model, ps, strategy, preloaded)
     return Trainer(strategy, Batches(train_batches(state.consumed_samples), valid_batches), run.train, run.batch,
                    LRSchedule(run.optim, run.train.train_iters), state=state, flops_per_sample=flops_per_sample,
                    checkpoint_extra=checkpoint_extra)
 
-
-def _load_optimizer(path: str, run: "ResolvedRun", ps: ParallelState) -> bool:
-    """Whether a resume restores the checkpoint's optimizer state: not with --no-load-optim;
-    for a Megatron-LM run's directory, only into the optimizer its Adam state belongs to
-    (megabert.checkpoint.megatron.adam_state), with one info line either way."""
-    reason, note = None, None
-    if not run.train.load_optim:
-        reason = "--no-load-optim"
-    elif megatron.is_megatron_dir(path):
-        args = megatron.read_header(path)["args"]
-        reason = ("--deepspeed: the optimizer is DeepSpeed's" if run.deepspeed_config is not None
-                  else adam_state.mismatch(args, run.optim))
-        note = adam_state.hyperparameter_note(args, run.optim)
-    if ps.is_logging_rank:
-        if reason is not None:
-            logger.info("%s: optimizer state not restored (%s); the optimizer starts afresh", path, reason)
-        elif note is not None:
-            logger.info("%s: its Adam moments continue under this run's %s", path, note)
-    return reason is None
-
-
-def _note_seq_length(saved_args: dict, seq_length: int, start: StartPoint) -> None:
-    """Phase 2 of BERT's two-phase recipe starts from phase 1's weights at a longer
-    --seq-length: worth an info line. Resuming a run at another length is rarely meant: it
-    keeps the iteration count, the LR schedule and the consumed samples, which now index a
-    dataset built for the new length; so a warning that names both values."""
-    saved = (saved_args.get("data") or {}).get("seq_length")
-    if saved is None or saved == seq_length:
-        return
-    if start.weights_only:
-        logger.info("%s was trained at --seq-length %d; this run trains at --seq-length %d", start.path, saved,
-                    seq_length)
-    else:
-        logger.warning("--seq-length %d differs from the %d that %s was saved with: it continues its iteration, LR "
-                       "schedule and data position at the new length; to start a new phase from its weights, use "
-                       "--pretrained-checkpoint (or --load --finetune)", seq_length, saved, start.path)

@@ -1,7 +1,8 @@
 """The one fine-tuning driver: every task (SQuAD, GLUE, the next one) runs the same steps,
 
-    parallel state -> tokenizer -> the task's inputs checked -> the task model from --load
-    -> the run resolved -> train (resuming --save) -> the task's predictions, scores, outputs
+    parallel state -> the run resolved (its start: the pre-trained --load, and --save once
+    it holds a checkpoint) -> tokenizer -> the task's inputs checked -> the task model from
+    --load -> train (resuming --save) -> the task's predictions, scores, outputs
 
 and plugs in what is its own through `FinetuneTask`: its training features, its model and
 head, and how it predicts, scores and writes its outputs. The task's config section is a
@@ -19,16 +20,14 @@ import dataclasses
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-from megabert.checkpoint import external
-from megabert.checkpoint.layout import has_checkpoint
-from megabert.config import FinetuneConfigs, TaskConfig, TrainConfig
+from megabert.checkpoint.start import Source
+from megabert.config import FinetuneConfigs, TaskConfig
 from megabert.data import build_tokenizer
 from megabert.data.packing import PackingSpec, packed_feature_batches, rows_per_epoch
 from megabert.errors import ConfigError, DataError
@@ -70,13 +69,14 @@ class Predictor:
 
 class FinetuneTask(abc.ABC):
     """What a fine-tuning task plugs into the driver. Built from the run's configs (its own
-    section, `self.config`, a TaskConfig, has the vocab already resolved)."""
+    section, `self.config`, a TaskConfig, has the vocab already resolved) and the run's
+    pre-trained model, `self.pretrained` (--load, detected once: megabert.checkpoint.start)."""
 
     name: str = "task"
     """For log lines."""
 
-    def __init__(self, cfg: FinetuneConfigs):
-        self.cfg, self.config = cfg, cfg.finetune
+    def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
+        self.cfg, self.config, self.pretrained = cfg, cfg.finetune, pretrained
 
     @property
     @abc.abstractmethod
@@ -118,15 +118,14 @@ def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
     ps = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                        backend=par.distributed_backend, timeout_minutes=par.distributed_timeout_minutes)
     configure_process_logging(ps.is_logging_rank)
-    # The vocab in use is recorded with the checkpoint (--save), where convert_hf.py export finds it.
-    vocab_file = resolve_vocab_file(cfg)
-    cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, vocab_file=vocab_file,
-                                                                tokenizer_type=tokenizer_type_of(cfg, vocab_file)))
-    task = task_class(cfg)
+    # The start, the layout, the batch and the DeepSpeed JSON, checked once; the vocab in use
+    # (recorded with the checkpoint in --save, where convert_hf.py export finds it) resolved.
+    run = resolve_run(cfg, ps)
+    cfg = dataclasses.replace(cfg, finetune=run.finetune)
+    task = task_class(cfg, run.start.pretrained)
     tokenizer = build_tokenizer(cfg.finetune.tokenizer_type, cfg.finetune.vocab_file)
     task.check_inputs()
     model = task.load_model(ps, tokenizer.vocab_size)
-    run = resolve_run(cfg, ps, model.config)  # the layout, the batch and the DeepSpeed JSON, checked once
     trainer = train(run, ps, model, task, tokenizer)
     try:
         t = cfg.train
@@ -136,14 +135,6 @@ def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
         if trainer is not None:  # after predicting: a ZeRO-3 engine holds the partitioned weights until then
             trainer.close()
     destroy_parallel()
-
-
-def resume_from_save(train: TrainConfig) -> TrainConfig:
-    """--load named the pre-trained model (already in the task model); --save keeps the
-    fine-tuned one. Once --save holds a checkpoint, the training starts from it with
-    everything restored (the restart pattern of pre-training's --save X --load X, whose
-    rules apply: a damaged newest checkpoint is named and the newest intact one resumed)."""
-    return dataclasses.replace(train, load=train.save if train.save and has_checkpoint(train.save) else None)
 
 
 def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: FinetuneTask, tokenizer
@@ -156,7 +147,7 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
     n = len(tensors["input_ids"])
     packing = task.packing(t.seed)
     if packing is None:
-        train_cfg = dataclasses.replace(resume_from_save(t), train_iters=num_train_steps(n, ft, batch.global_batch_size))
+        train_cfg = dataclasses.replace(t, train_iters=num_train_steps(n, ft, batch.global_batch_size))
         logger.info("fine-tuning %s for %d steps of %d features (%.2f epochs of %d)", task.name,
                     train_cfg.train_iters, batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / n,
                     n)
@@ -167,8 +158,7 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
     else:
         # --epochs counts passes over the features; a step holds global batch rows of several each.
         rows = rows_per_epoch(tensors, packing)
-        train_cfg = dataclasses.replace(resume_from_save(t), train_iters=num_train_steps(rows, ft,
-                                                                                         batch.global_batch_size))
+        train_cfg = dataclasses.replace(t, train_iters=num_train_steps(rows, ft, batch.global_batch_size))
         logger.info("fine-tuning %s for %d steps of %d packed rows (%d features in %d rows an epoch, %.2f a row)",
                     task.name, train_cfg.train_iters, batch.global_batch_size, n, rows, n / rows)
 
@@ -190,43 +180,23 @@ def write_json(path: str, value) -> None:
         json.dump(value, f, indent=2, ensure_ascii=False)
 
 
-def resolve_vocab_file(cfg: FinetuneConfigs) -> str:
-    """--vocab-file, else the vocab.txt that came with --load: a Hugging Face or Google TF
-    directory's own, or the one convert_hf.py import put beside a megabert checkpoint."""
-    if cfg.finetune.vocab_file:
-        return cfg.finetune.vocab_file
-    candidate = external.external_vocab_file(cfg.train.load) or os.path.join(cfg.train.load, "vocab.txt")
-    if os.path.isfile(candidate):
-        return candidate
-    if os.path.isfile(os.path.join(cfg.train.load, "tokenizer.json")):  # a ModernBERT's (see tokenizer_type_of)
-        return os.path.join(cfg.train.load, "tokenizer.json")
-    raise ConfigError(f"--vocab-file is required: {cfg.train.load} has no vocab.txt; pass the vocab the model was "
-                      f"pre-trained with")
-
-
-def tokenizer_type_of(cfg: FinetuneConfigs, vocab_file: str) -> str:
-    """--tokenizer-type, or HuggingFaceTokenizer for a tokenizer.json when the flag was left out."""
-    if vocab_file.endswith(".json") and "finetune.tokenizer_type" not in cfg.explicit:
-        return "HuggingFaceTokenizer"
-    return cfg.finetune.tokenizer_type
-
-
-def load_task_model(model_class: type, cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int,
-                    **config_overrides) -> torch.nn.Module:
-    """`model_class` from --load (megabert checkpoint of any TP layout, or a Hugging Face /
-    TF directory); its task head is new unless the checkpoint already has one.
+def load_task_model(model_class: type, cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState,
+                    vocab_size: int, **config_overrides) -> torch.nn.Module:
+    """`model_class` from `pretrained`, the run's --load (megabert checkpoint of any TP layout,
+    a Megatron-LM run, or a Hugging Face / TF directory); its task head is new unless the
+    checkpoint already has one.
     `config_overrides`: ModelConfig fields the task sets (e.g. the number of labels);
     --recompute-granularity unless the task sets it."""
     seed_default_stream(cfg.train.seed, ps.pp_rank, ps.device)
     config_overrides.setdefault("recompute_granularity", cfg.finetune.recompute_granularity)
     model = model_class.from_pretrained(
-        cfg.train.load, ps, seed=cfg.train.seed,
+        pretrained, ps, seed=cfg.train.seed,
         num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage, **config_overrides)
     if cfg.finetune.max_seq_length > model.config.max_position_embeddings:
         raise ConfigError(f"--max-seq-length {cfg.finetune.max_seq_length} exceeds the model's "
                           f"{model.config.max_position_embeddings} position embeddings ({cfg.train.load})")
     if vocab_size > model.config.vocab_size:
-        raise DataError(f"the tokenizer of {resolve_vocab_file(cfg)} has {vocab_size} ids but the model of "
+        raise DataError(f"the tokenizer of {cfg.finetune.vocab_file} has {vocab_size} ids but the model of "
                         f"{cfg.train.load} has {model.config.vocab_size}: pass the vocab it was pre-trained with")
     apply_compile(model, ps, cfg.train)
     return model

@@ -1,5 +1,7 @@
-"""The run, resolved once: flags + the DeepSpeed JSON + the world -> one frozen, checked
-description. The memory preflight, the trainer, fine-tuning and the logs read this object;
+"""The run, resolved once: flags + the DeepSpeed JSON + the world + the disk -> one frozen,
+checked description. Where the run starts (megabert.checkpoint.start) is decided here, once,
+and logged once; the model family, the model's shape for fine-tuning and the trainer's
+restore read it from `ResolvedRun.start`. The memory preflight, the trainer, fine-tuning and the logs read this object;
 none of them re-reads a flag that the JSON may have overridden (a ZeRO stage or an offload
 set only in --deepspeed_config is what runs, so it is what the planner predicts), and none
 reads DeepSpeed's JSON: its ZeRO arrives typed, as `zero` (a ZeroPlan).
@@ -11,17 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megabert.checkpoint.run_state import resolve_start
+from megabert.checkpoint.external import external_vocab_file
+from megabert.checkpoint.reader import read_model_config
+from megabert.checkpoint.start import RunStart, Source, decide_start
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
-    TrainConfig
+    TaskConfig, TrainConfig
+from megabert.model_family import resolve_model_family
 from megabert.data.shard_sources import detect_nvidia_data
 from megabert.errors import ConfigError
 from megabert.parallel.layout import BatchLayout
 from megabert.parallel.zero import ZeroPlan
-from megabert.rules import check_model_split, check_zero, sentence_pair_task
+from megabert.rules import check_model_split, check_seq_length, check_zero, sentence_pair_task
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +35,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ResolvedRun:
     """What this run does. `optim` and `train` are the flags' configs with the DeepSpeed
-    JSON's optimizer, scheduler and ZeRO stage applied; `model` is None for fine-tuning
-    until the model has been loaded (its shape comes from --load)."""
+    JSON's optimizer, scheduler and ZeRO stage applied; `model` is the architecture (for
+    fine-tuning, the pre-trained checkpoint's as saved: the task's head comes on top);
+    `start` is where the run starts."""
 
     model: Optional[ModelConfig]
     parallel: ParallelConfig
@@ -48,6 +55,8 @@ class ResolvedRun:
     to the DeepSpeed strategy as it is; None without --deepspeed. Only megabert.training.deepspeed
     reads it."""
     explicit: frozenset = frozenset()
+    start: RunStart = RunStart()
+    """Where the run starts (megabert.checkpoint.start): the one decision, made in resolve_run."""
 
     @property
     def zero_stage(self) -> int:
@@ -83,36 +92,67 @@ class ResolvedRun:
 
 
 def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig] = None) -> ResolvedRun:
-    """Applies the rules that need the world or the DeepSpeed JSON (megabert.rules), each
-    once, and merges the JSON (its conflicts with the flags are one-line errors). `ps`: the
-    ParallelState (its DP and PP sizes and device; the world-size rule held when it was
-    built). `model`: the loaded model's config when fine-tuning."""
-    model = model if model is not None else getattr(cfg, "model", None)
-    if model is not None:
-        check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-                          cfg.parallel.num_layers_per_virtual_pipeline_stage)
+    """Decides the run's start (once, logged once: other ranks' loggers are quiet), takes a
+    loaded ModernBERT's architecture, applies the rules that need the world, the disk or the
+    DeepSpeed JSON (megabert.rules), each once, and merges the JSON (its conflicts with the
+    flags are one-line errors). `ps`: the ParallelState (its DP and PP sizes and device; the
+    world-size rule held when it was built). `model`: fine-tuning a model the caller built in
+    code (the Python API, benchmarks): no --load is read and the run starts from the seed."""
+    finetuning = isinstance(cfg, FinetuneConfigs)
+    if finetuning and model is not None:
+        start = RunStart()
+    else:
+        start = decide_start(cfg.train, finetuning=finetuning)
+        (logger.warning if start.warn else logger.info)(start.describe())
+    if finetuning and model is None:
+        model = ModelConfig(**read_model_config(start.pretrained))
+        cfg = dataclasses.replace(cfg, finetune=_task_vocab(cfg.finetune, cfg.explicit, start.pretrained))
+    elif not finetuning:
+        # A --load / --pretrained-checkpoint that holds nothing stopped the run above, before
+        # index mappings are built.
+        cfg = resolve_model_family(cfg, start.source)
+        model = cfg.model
+        check_seq_length(cfg.data.seq_length, model)
+    check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
+                      cfg.parallel.num_layers_per_virtual_pipeline_stage)
     batch = BatchLayout.of(cfg.train.micro_batch_size, cfg.train.global_batch_size, ps.dp_size)
     optim, train, ds_config, zero = cfg.optim, cfg.train, None, ZeroPlan()
     if cfg.train.deepspeed:
         from megabert.training.deepspeed.config import resolve_deepspeed_config
 
-        ds_config, optim, zero = resolve_deepspeed_config(cfg, ps, model.hidden_size if model is not None else None)
+        ds_config, optim, zero = resolve_deepspeed_config(cfg, ps, model.hidden_size)
         if cfg.train.deepspeed_config:  # the JSON may have chosen the stage or an offload: the plan that runs
             check_zero(zero, pp=ps.pp_size, compile=cfg.train.compile)
         train = dataclasses.replace(train, zero_stage=zero.stage)
     data = getattr(cfg, "data", None)
     if data is not None:
-        # A --load / --pretrained-checkpoint that holds nothing stops the run here, before
-        # index mappings are built (fine-tuning reads --load when it builds its model).
-        resolve_start(train)
         data = _sentence_pairs(data, model, cfg.explicit)
-        if data.pack_sequences and model is not None and model.model_family == "modernbert":
+        if data.pack_sequences and model.model_family == "modernbert":
             raise ConfigError("--pack-sequences does not pack --model-family modernbert yet (its RoPE and local "
                               "windows take per-sequence positions from unpadding only): leave out --pack-sequences")
     return ResolvedRun(model=model, parallel=cfg.parallel, optim=optim, train=train, batch=batch,
                        world_size=ps.world_size, data=data,
                        finetune=getattr(cfg, "finetune", None), zero=zero, deepspeed_config=ds_config,
-                       explicit=cfg.explicit)
+                       explicit=cfg.explicit, start=start)
+
+
+def _task_vocab(task: TaskConfig, explicit: frozenset, pretrained: Source) -> TaskConfig:
+    """--vocab-file, else the vocab.txt that came with the pre-trained model: a Hugging Face
+    or Google TF directory's own, or the one convert_hf.py import put beside a megabert
+    checkpoint; a ModernBERT's tokenizer.json, read as HuggingFaceTokenizer unless
+    --tokenizer-type says otherwise."""
+    vocab = task.vocab_file
+    if not vocab:
+        candidates = [external_vocab_file(pretrained), os.path.join(pretrained.directory, "vocab.txt"),
+                      os.path.join(pretrained.directory, "tokenizer.json")]
+        vocab = next((c for c in candidates if c and os.path.isfile(c)), None)
+        if vocab is None:
+            raise ConfigError(f"--vocab-file is required: {pretrained.path} has no vocab.txt; pass the vocab the "
+                              f"model was pre-trained with")
+    kind = task.tokenizer_type
+    if vocab.endswith(".json") and "finetune.tokenizer_type" not in explicit:
+        kind = "HuggingFaceTokenizer"
+    return dataclasses.replace(task, vocab_file=vocab, tokenizer_type=kind)
 
 
 def _sentence_pairs(data: DataConfig, model: Optional[ModelConfig], explicit: frozenset) -> DataConfig:

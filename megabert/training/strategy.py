@@ -5,7 +5,8 @@ another (`SequentialRunner`, PP=1) or through pipeline stages (`PipelineSchedule
 interleaved). A *strategy* turns the accumulated gradients into an update: ours
 (`LocalStrategy`: explicit reductions, fp16 loss scaling, global-norm clipping, the
 optimizer) or DeepSpeed's (megabert.training.deepspeed: ZeRO partitions). The Trainer only
-calls `train_step`, `forward_only`, `save` and `load`.
+calls `train_step`, `forward_only` and `save`; a run's start is restored by
+megabert.training.restore.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 from megabert.parallel import ParallelState
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.errors import CheckpointError
-from megabert.checkpoint.run_state import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
+from megabert.checkpoint.run_state import RankContents, TrainingState, capture_rng, save_checkpoint
+from megabert.parallel.param_spec import spec_table, table_to_dict
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from megabert.training.overlap import OverlappedGradReducer
@@ -141,9 +143,10 @@ class StepResult:
 
 
 class Strategy:
-    """Shared by every strategy: the model, its optimizer, the runner, checkpoints. The
-    checkpoint code calls the hooks below; a strategy that keeps its own state (DeepSpeed's
-    ZeRO partitions: megabert.training.deepspeed) overrides them."""
+    """Shared by every strategy: the model, its optimizer, the runner, checkpoints. `save` and
+    megabert.training.restore call the hooks below; a strategy that keeps its own state
+    (DeepSpeed's ZeRO partitions: megabert.training.deepspeed) overrides them. `save_own_files`
+    and `discard_own_files` are megabert.checkpoint's OwnFiles protocol."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ps: ParallelState, runner, *,
                  scaler: Optional[DynamicLossScaler] = None):
@@ -172,11 +175,15 @@ class Strategy:
             self.module.train()
 
     def save(self, root: str, state: TrainingState, *, extra: dict, keep_last: Optional[int]) -> None:
-        save_checkpoint(root, state, self, extra=extra, keep_last=keep_last)
-
-    def load(self, path: str, *, load_optimizer: bool, load_model: bool = True) -> LoadedCheckpoint:
-        return load_checkpoint(path, self.model, self.ps, strategy=self, load_optimizer=load_optimizer,
-                               load_model=load_model)
+        """Collective: what the rank files hold, gathered here, then megabert.checkpoint writes it."""
+        model, ps = self.model, self.ps
+        weights = self.cpu_state_dict(keep=ps.dp_rank == 0)  # collective when parameters are partitioned
+        optimizer = self.optimizer_state()  # collective when the states are sharded over DP
+        contents = RankContents(
+            weights, model.config, type(model).__name__, table_to_dict(spec_table(model)), model.virtual_stage_layers,
+            capture_rng(model.rng.get_states()), optimizer,
+            self.scaler.state_dict() if self.scaler is not None else None)
+        save_checkpoint(root, state, ps, contents, own_files=self, extra=extra, keep_last=keep_last)
 
     # ------------------------------------------------------------ checkpoint hooks
 

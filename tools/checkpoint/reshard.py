@@ -12,9 +12,9 @@ import os
 import shutil
 import sys
 
-from megabert.checkpoint import megatron
 from megabert.checkpoint.layout import commit, read_tracker, staging_dir, write_rank_file
 from megabert.checkpoint.reader import read_model_config, read_rank
+from megabert.checkpoint.start import Format, require_source
 from megabert.errors import ConfigError, cli_main
 from megabert.parallel.layout import StageLayout
 from megabert.tasks import model_classes
@@ -34,19 +34,20 @@ def main(argv=None) -> None:
         raise ConfigError("--save must differ from --load: resharding writes a new checkpoint")
     model_classes()  # a checkpoint saved before spec tables is read with its class's reference table
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    num_layers = read_model_config(args.load)["num_layers"]
+    source = require_source(args.load)  # what --load holds, detected once
+    num_layers = read_model_config(source)["num_layers"]
     tag = read_tracker(args.load) or "release"
     tag = tag if tag == "release" else int(tag)
     os.makedirs(args.save, exist_ok=True)
     shutil.rmtree(staging_dir(args.save, tag), ignore_errors=True)
-    external = megatron.is_megatron_dir(args.load)
+    external = source.format is Format.MEGATRON
     # One new rank at a time, as the ranks of a run at the new layout would read it.
     for p in range(pp):
         stage = StageLayout(num_layers, pp, p, args.num_layers_per_virtual_pipeline_stage)
         for t in range(tp):
             # A Megatron directory's moments continue through --load itself (under the run's own
             # param groups); convert_megatron.py import is its conversion, weights only.
-            ckpt = read_rank(args.load, tp_rank=t, tp_size=tp, stage=stage, optimizer=not external)
+            ckpt = read_rank(source, tp_rank=t, tp_size=tp, stage=stage, optimizer=not external)
             write_rank_file(staging_dir(args.save, tag), t, p, pp, ckpt.payload)
     print(f"wrote {commit(args.save, tag)} (tp={tp}, pp={pp})")
 

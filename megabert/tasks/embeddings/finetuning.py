@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
 from megabert.model_family import checkpoint_model_config
@@ -62,8 +63,8 @@ class EmbeddingsTask(FinetuneTask):
 
     name = "embeddings"
 
-    def __init__(self, cfg: FinetuneConfigs):
-        super().__init__(cfg)
+    def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
+        super().__init__(cfg, pretrained)
         self.pairs: Optional[list[Pair]] = None
         self.beir: Optional[BeirSet] = None
         self.objective: Optional[ContrastiveObjective] = None
@@ -71,7 +72,7 @@ class EmbeddingsTask(FinetuneTask):
         self.trainer: Optional[Trainer] = None
         # A ModernBERT --load (a transformers dir or a megabert checkpoint of one) trains as
         # ModernBertForSentenceEmbedding and exports with its tokenizer.json.
-        self.modernbert = checkpoint_model_config(cfg.train.load) is not None
+        self.modernbert = checkpoint_model_config(pretrained) is not None
 
     @property
     def trainer_task(self) -> Task:
@@ -95,7 +96,7 @@ class EmbeddingsTask(FinetuneTask):
         # Unpadded encoder: the pooling reads real tokens alone and retrieval texts leave much
         # of max_seq_length to padding.
         model_class = ModernBertForSentenceEmbedding if self.modernbert else BertForSentenceEmbedding
-        model = load_task_model(model_class, self.cfg, ps, vocab_size, unpad_input=True)
+        model = load_task_model(model_class, self.cfg, self.pretrained, ps, vocab_size, unpad_input=True)
         ft = self.config
         model.options = EmbeddingOptions(pooling=ft.pooling, normalize=ft.normalize,
                                          texts_per_example=texts_per_pair(self.pairs) if self.pairs else 1)

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError
@@ -71,7 +72,7 @@ def glue_files(cfg: FinetuneConfigs) -> GlueFiles:
     return GlueFiles(train, dev, test)
 
 
-def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> BertForSequenceClassification:
+def load_glue_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState, vocab_size: int) -> BertForSequenceClassification:
     """BertForSequenceClassification from --load with the task's labels. The classifier is
     new unless --load is a model fine-tuned on a task with as many labels. The encoder runs
     unpadded: the head reads [CLS] alone, so padding changes no output, and GLUE's
@@ -79,10 +80,10 @@ def load_glue_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) ->
     task = TASKS[cfg.finetune.task_name]
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     # A ModernBERT --load fine-tunes as ModernBertForSequenceClassification (its pooling from its config).
-    model_class = ModernBertForSequenceClassification if checkpoint_model_config(cfg.train.load) is not None \
+    model_class = ModernBertForSequenceClassification if checkpoint_model_config(pretrained) is not None \
         else BertForSequenceClassification
     try:
-        return load_task_model(model_class, cfg, ps, vocab_size, num_labels=task.num_labels,
+        return load_task_model(model_class, cfg, pretrained, ps, vocab_size, num_labels=task.num_labels,
                                id2label=id2label, unpad_input=True)
     except CheckpointError as e:
         if "classifier.weight has shape" not in str(e):
@@ -139,8 +140,8 @@ class GlueTask(FinetuneTask):
 
     name = "glue"
 
-    def __init__(self, cfg: FinetuneConfigs):
-        super().__init__(cfg)
+    def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
+        super().__init__(cfg, pretrained)
         self.glue, self.files = TASKS[self.config.task_name], glue_files(cfg)
         self.name = self.glue.name
 
@@ -154,7 +155,7 @@ class GlueTask(FinetuneTask):
                 read_examples(path, self.glue)
 
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
-        return load_glue_model(self.cfg, ps, vocab_size)
+        return load_glue_model(self.cfg, self.pretrained, ps, vocab_size)
 
     def packing(self, seed: int) -> Optional[PackingSpec]:
         ft = self.config

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from megabert.checkpoint.reader import read_model_config
+from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError, ConfigError
@@ -36,11 +37,12 @@ def ner_task() -> Task:
                                        "packed_seqlens"), lambda batch: (batch["labels"] != IGNORE_INDEX).sum())
 
 
-def resolve_labels(load: str, train: Optional[list[Sentence]]) -> tuple[str, ...]:
+def resolve_labels(pretrained: Source, train: Optional[list[Sentence]]) -> tuple[str, ...]:
     """The label set, in id order: the training file's tags (sorted, as run_ner.py), or,
     when --load was fine-tuned on the same tags, its order, so its classifier keeps its
     meaning; without training, the tags --load was fine-tuned on (its id2label)."""
-    saved = read_model_config(load).get("id2label")
+    load = pretrained.path
+    saved = read_model_config(pretrained).get("id2label")
     saved = tuple(saved[k] for k in sorted(saved, key=int)) if saved else None
     if train is None:
         if saved is None:
@@ -92,8 +94,8 @@ class NerTask(FinetuneTask):
 
     name = "ner"
 
-    def __init__(self, cfg: FinetuneConfigs):
-        super().__init__(cfg)
+    def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
+        super().__init__(cfg, pretrained)
         self.labels: tuple[str, ...] = ()
         self.sentences: dict[str, list[Sentence]] = {}
 
@@ -107,7 +109,7 @@ class NerTask(FinetuneTask):
             if path:
                 self.sentences[key] = read_sentences(path, labelled=key != "test")
                 logger.info("%s: %d sentences", path, len(self.sentences[key]))
-        self.labels = resolve_labels(self.cfg.train.load, self.sentences.get("train"))
+        self.labels = resolve_labels(self.pretrained, self.sentences.get("train"))
         unseen = sorted({t for s in self.sentences.get("validation", []) for t in s.tags} - set(self.labels))
         if unseen:
             logger.warning("%s has tags the model never predicts (not in the training file): %s", ft.validation_file,
@@ -116,7 +118,7 @@ class NerTask(FinetuneTask):
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
         """The classifier is new unless --load was fine-tuned on these tags. The encoder runs
         unpadded: the padding's outputs are never labelled nor read."""
-        return load_task_model(BertForTokenClassification, self.cfg, ps, vocab_size, num_labels=len(self.labels),
+        return load_task_model(BertForTokenClassification, self.cfg, self.pretrained, ps, vocab_size, num_labels=len(self.labels),
                                id2label=dict(enumerate(self.labels)), unpad_input=True)
 
     def packing(self, seed: int) -> Optional[PackingSpec]:

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import torch
 
+from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.parallel import ParallelState
 from megabert.tasks.squad.evaluate import evaluate
@@ -28,10 +29,10 @@ def qa_task() -> Task:
                 output_loss=lambda out: (out.loss, {"qa_loss": out.loss}))
 
 
-def load_qa_model(cfg: FinetuneConfigs, ps: ParallelState, vocab_size: int) -> BertForQuestionAnswering:
+def load_qa_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState, vocab_size: int) -> BertForQuestionAnswering:
     """BertForQuestionAnswering from --load (megabert checkpoint of any TP layout, or a
     Hugging Face / TF directory); the QA head is new unless the checkpoint already has one."""
-    return load_task_model(BertForQuestionAnswering, cfg, ps, vocab_size)
+    return load_task_model(BertForQuestionAnswering, cfg, pretrained, ps, vocab_size)
 
 
 class SquadTask(FinetuneTask):
@@ -50,7 +51,7 @@ class SquadTask(FinetuneTask):
                 load_squad_json(path)
 
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
-        return load_qa_model(self.cfg, ps, vocab_size)
+        return load_qa_model(self.cfg, self.pretrained, ps, vocab_size)
 
     def features(self, path: str, tokenizer, is_training: bool):
         ft = self.config
