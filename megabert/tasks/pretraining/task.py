@@ -19,7 +19,7 @@ from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_trainer
 from megabert.training.metrics import bert_flops_per_sample
 from megabert.training.resolve import ResolvedRun
-from megabert.training.strategy import Counts, Task
+from megabert.training.strategy import Counts, TrainingTask
 from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ PRETRAINING_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "labels",
 PACKED_INPUTS = ("position_ids", "packed_seqlens")  # packed rows only (megabert.data.packing)
 
 
-def pretraining_task(binary_head_task: Optional[str]) -> Task:
+def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:
     """BertPreTrainingOutput -> (loss, {"lm_loss", "sop_loss"|"nsp_loss"}); at evaluation
     also the counts behind "lm_accuracy" and "sop_accuracy"|"nsp_accuracy"."""
 
@@ -46,7 +46,7 @@ def pretraining_task(binary_head_task: Optional[str]) -> Task:
         return counts
 
     # The MLM loss is a mean over the global batch's masked tokens, the sentence-pair loss over
-    # its samples (Task.loss_counts): a step's loss and gradients then depend on which samples it
+    # its samples (TrainingTask.loss_counts): a step's loss and gradients then depend on which samples it
     # holds, not on how micro-batches, data-parallel ranks or packed rows group them.
     def loss_counts(batch: dict) -> torch.Tensor:
         masked = (batch["labels"] != -100).sum()
@@ -64,7 +64,7 @@ def pretraining_task(binary_head_task: Optional[str]) -> Task:
         return lm, metrics
 
     inputs = PRETRAINING_INPUTS if binary_head_task else PRETRAINING_INPUTS[:-1]
-    return Task(inputs=inputs + PACKED_INPUTS, output_loss=output_loss, output_counts=output_counts,
+    return TrainingTask(inputs=inputs + PACKED_INPUTS, output_loss=output_loss, output_counts=output_counts,
                 loss_counts=loss_counts, global_loss=global_loss)
 
 
