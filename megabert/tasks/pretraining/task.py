@@ -1,15 +1,13 @@
-"""BERT pre-training pieces handed to the generic Trainer: the task (inputs, loss, evaluation counts),
-batch checks, DeepSpeed config, and the assembly used by pretrain_bert.py."""
+"""BERT pre-training pieces handed to the generic Trainer: the TrainingTask (inputs, loss,
+evaluation counts) and the assembly of model, optimizer and strategy used by pretrain_bert.py."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from megabert.errors import DataError
 from megabert.model import ModernBertForMaskedLM
 from megabert.model_family import model_vocab_size
 from megabert.tasks.pretraining import BertForPreTraining
@@ -85,18 +83,6 @@ def sentence_pair_counts(out: BertPreTrainingOutput) -> torch.Tensor:
     return torch.stack([correct.sum(), (labels != -100).sum()])
 
 
-def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:
-    """Stops with a clear error when the data holds token ids the vocab does not have
-    (a dataset preprocessed with another vocab), instead of an index error deep in the
-    embedding. Checked on the CPU batch, so it costs no device sync."""
-    for batch in batches:
-        top = max(int(batch["input_ids"].max()), int(batch["labels"].max()))
-        if top >= vocab_size:
-            raise DataError(f"{source} holds token id {top} but the vocab has {vocab_size} entries: the data was "
-                            f"preprocessed with another vocab; pass that --vocab-file or preprocess again")
-        yield batch
-
-
 def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                       train_batches: Callable[[int], Iterator[dict]],
                       valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
@@ -113,8 +99,3 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                          flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
                          checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
                                            "data": dataclasses.asdict(run.data)})
-
-
-def infinite(loader_factory) -> Iterator[dict]:
-    """Chains epochs of a loader factory (a fresh iterator each pass)."""
-    return itertools.chain.from_iterable(loader_factory() for _ in itertools.count())
