@@ -18,7 +18,7 @@ from megabert.arguments import parse_args
 from megabert.errors import cli_main
 from megabert.training.metrics import configure_process_logging
 from megabert.data import build_tokenizer
-from megabert.tasks.pretraining.data import build_data
+from megabert.tasks.pretraining.batches import build_batches
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.resolve import resolve_run
 
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.vocab_file)
     if ps.is_logging_rank:
         log_memory_preflight(run, ps, tokenizer.vocab_size)
-    train_batches, valid_batches = build_data(run, ps, tokenizer)
+    train_batches, valid_batches = build_batches(run, ps, tokenizer)
     trainer = build_pretraining(run, ps, tokenizer.vocab_size, train_batches, valid_batches)
     try:
         state = trainer.train()

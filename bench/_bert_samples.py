@@ -51,7 +51,7 @@ def bert_samples(seq_length: int, num_samples: int, seed: int = 1234, vocab_size
     """`num_samples` pretrain_bert.py samples (dicts of numpy arrays, padded to seq_length) in
     the dataset's order, SOP head, short_seq_prob 0.1, 15% masking."""
     from megabert.data import build_tokenizer
-    from megabert.tasks.pretraining.bert_dataset import BertDataset, SampleSpec
+    from megabert.tasks.pretraining.indexed_samples import BertDataset, SampleSpec
     from megabert.data.indexed_dataset import IndexedDataset
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -49,7 +49,7 @@ import _kernel_breakdown as kb
 from _bert_samples import VOCAB, bert_samples
 from megabert.arguments import parse_args
 from megabert.data.packing import PACKED_COUNTS, pack_window, packed_micro_batches
-from megabert.tasks.pretraining.data import packing_spec
+from megabert.tasks.pretraining.batches import packing_spec
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
 from megabert.training.resolve import resolve_run

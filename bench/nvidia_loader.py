@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 from megabert.config import DataConfig
 from megabert.data import build_pretraining_data_loader, build_tokenizer
 from megabert.data.shard_sources import detect_nvidia_data
-from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
+from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "nvidia", "dle",

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from megabert.config import DataConfig
 from megabert.data import build_tokenizer
 from megabert.data.shard_sources import detect_nvidia_data
-from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
+from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
 from megabert.tasks.pretraining.shard_order import ShardOrder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

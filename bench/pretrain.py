@@ -101,7 +101,7 @@ def prepare_data(workdir: str, vocab_size: int, corpus_kind: str = "stdlib") -> 
 def real_batches(cfg, num_batches: int) -> list[dict]:
     """`num_batches` collated micro-batches of the train split, as the DataLoader yields them."""
     from megabert.data import build_tokenizer
-    from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
+    from megabert.tasks.pretraining.indexed_splits import build_train_valid_test_datasets
 
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)
     n = num_batches * cfg.train.micro_batch_size
@@ -204,8 +204,8 @@ def compare_packing(args, shape: list[str], ps, num_samples: int = 256) -> None:
 
     from megabert.data import build_tokenizer
     from megabert.data.packing import PACKED_COUNTS, pack_window, packed_micro_batches
-    from megabert.tasks.pretraining.data import packing_spec
-    from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
+    from megabert.tasks.pretraining.batches import packing_spec
+    from megabert.tasks.pretraining.indexed_splits import build_train_valid_test_datasets
 
     cfg = parse_args(shape)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file)

@@ -26,6 +26,21 @@ def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None 
     return field(default=default, metadata=meta)
 
 
+def flag_of(f: dataclasses.Field) -> str:
+    """A config field's CLI flag: its `arg(flag=...)`, else --its-name."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def check_at_least(config, minimum: int, *names: str) -> None:
+    """Each named field of `config` (None: not given, not checked) is at least `minimum`, else a
+    one-line error that names its flag."""
+    flags = {f.name: flag_of(f) for f in dataclasses.fields(config)}
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{flags[name]} must be >= {minimum}, got {value}")
+
+
 # The activations megabert's ModernBERT implements, by transformers' ACT2FN names.
 MODERNBERT_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
@@ -124,8 +139,7 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout", "classifier_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
-        if self.global_attn_every_n_layers < 1:
-            raise ConfigError(f"--global-attn-every-n-layers must be >= 1, got {self.global_attn_every_n_layers}")
+        check_at_least(self, 1, "global_attn_every_n_layers")
         if self.local_attention < 2 or self.local_attention % 2:
             raise ConfigError(f"--local-attention must be an even window of at least 2 tokens, got "
                               f"{self.local_attention}")
@@ -178,10 +192,7 @@ class ParallelConfig:
                                      "all at once after the optimizer step).")
 
     def __post_init__(self):
-        if self.tensor_model_parallel_size < 1:
-            raise ConfigError("--tensor-model-parallel-size must be >= 1")
-        if self.pipeline_model_parallel_size < 1:
-            raise ConfigError("--pipeline-model-parallel-size must be >= 1")
+        check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
         if self.distributed_timeout_minutes <= 0:
             raise ConfigError("--distributed-timeout-minutes must be positive")
         if self.ddp_bucket_size < 1:
@@ -221,16 +232,11 @@ class DataConfig:
                                     "a window, since their lengths decide the rows).")
 
     def __post_init__(self):
-        if self.max_samples_per_row < 1:
-            raise ConfigError(f"--max-samples-per-row must be >= 1, got {self.max_samples_per_row}")
-        if self.packing_window < 1:
-            raise ConfigError(f"--packing-window must be >= 1, got {self.packing_window}")
+        check_at_least(self, 1, "max_samples_per_row", "packing_window", "max_predictions_per_seq")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise ConfigError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
-        if self.max_predictions_per_seq is not None and self.max_predictions_per_seq < 1:
-            raise ConfigError(f"--max-predictions-per-seq must be >= 1, got {self.max_predictions_per_seq}")
         if self.seq_length < 8:
             raise ConfigError(f"--seq-length must be at least 8, got {self.seq_length}")
         try:
@@ -347,10 +353,8 @@ class TrainConfig:
                                             "a budget is compared with the peak resident set size.")
 
     def __post_init__(self):
-        if self.micro_batch_size < 1:
-            raise ConfigError("--micro-batch-size must be >= 1")
-        if self.train_iters < 0:
-            raise ConfigError("--train-iters must be >= 0")
+        check_at_least(self, 1, "micro_batch_size")
+        check_at_least(self, 0, "train_iters")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ConfigError(f"--memory-budget-gb must be a positive number of GB per rank, "
                               f"got {self.memory_budget_gb}")
@@ -397,10 +401,7 @@ class TaskConfig:
             raise ConfigError(f"--max-seq-length must be at least 8, got {self.max_seq_length}")
         if self.epochs <= 0:
             raise ConfigError(f"--epochs must be positive, got {self.epochs}")
-        if self.train_iters is not None and self.train_iters < 1:
-            raise ConfigError(f"--train-iters must be >= 1, got {self.train_iters}")
-        if self.predict_batch_size is not None and self.predict_batch_size < 1:
-            raise ConfigError(f"--predict-batch-size must be >= 1, got {self.predict_batch_size}")
+        check_at_least(self, 1, "train_iters", "predict_batch_size")
 
 
 @dataclass(kw_only=True)
@@ -417,8 +418,7 @@ class PackedTaskConfig(TaskConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.max_samples_per_row < 1 or self.packing_window < 1:
-            raise ConfigError("--max-samples-per-row and --packing-window must be >= 1")
+        check_at_least(self, 1, "max_samples_per_row", "packing_window")
 
 
 @dataclass

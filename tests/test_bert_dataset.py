@@ -10,8 +10,8 @@ import torch
 from megabert.config import DataConfig
 from megabert.tasks.pretraining.sample_mapping import DataWarning
 from megabert.data import IndexedDataset, IndexedDatasetWriter, build_pretraining_data_loader, build_tokenizer
-from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
-from megabert.tasks.pretraining.bert_dataset import truncate_pair
+from megabert.tasks.pretraining.indexed_splits import build_train_valid_test_datasets
+from megabert.tasks.pretraining.indexed_samples import truncate_pair
 from megabert.tasks.pretraining.masking import IGNORE_INDEX
 from megabert.tasks.pretraining.sample_mapping import build_mapping
 from megabert.errors import DataError
@@ -297,7 +297,7 @@ def test_real_data_parallel_ranks_see_the_single_process_order(corpus, vocab, to
 @pytest.mark.parametrize("data_path,words", [([], "required"), (["0.3", "A", "B"], "weight/prefix pairs"),
                                              (["A", "B"], "weight/prefix pairs"), (["0", "A", "0", "B"], "positive")])
 def test_data_path_errors(data_path, words):
-    from megabert.tasks.pretraining.datasets import parse_data_path
+    from megabert.tasks.pretraining.indexed_splits import parse_data_path
     from megabert.errors import ConfigError
 
     with pytest.raises(ConfigError, match=words):

@@ -46,7 +46,7 @@ class _FakeBackend:
 
 
 def test_deepspeed_backend_is_counted_as_zero():
-    from megabert.training.deepspeed.comm import DoorBackend
+    from megabert.training.deepspeed.door_backend import DoorBackend
 
     fake = _FakeBackend()
     backend = DoorBackend(fake, timeout=None)

@@ -19,7 +19,7 @@ from megabert.data import build_pretraining_data_loader, build_tokenizer
 from megabert.errors import DataError
 from megabert.tasks.pretraining import pretraining_samples
 from megabert.data.shard_sources import detect_nvidia_data
-from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
+from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
 from tests.helpers.nvidia_shards import (VOCAB, flip_hdf5_chunk, flip_parquet_pages, replace_parquet_column,
                                          truncate, write_dle_hdf5, write_dle_hdf5_as, write_lddl_parquet, write_vocab)
 from tests.helpers.pretrain_runs import ROOT, run_main

@@ -12,7 +12,7 @@ from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainC
 from megabert.tasks.squad.config import SquadConfig
 from megabert.errors import ConfigError
 from megabert.parallel.zero import ZeroBuckets
-from megabert.training.deepspeed.config import bucket_keys, build_config, offloads_optimizer, resolve_deepspeed_config
+from megabert.training.deepspeed.ds_config import bucket_keys, build_config, offloads_optimizer, resolve_deepspeed_config
 from megabert.training.resolve import resolve_run
 
 CPU = SimpleNamespace(world_size=2, dp_size=2, pp_size=1, device=torch.device("cpu"))

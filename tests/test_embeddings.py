@@ -21,7 +21,7 @@ from megabert.tasks.embeddings.grad_cache import ContrastiveObjective, GradientC
 from megabert.tasks.embeddings.loss import contrastive_loss
 from megabert.tasks.embeddings.metrics import retrieval_metrics
 from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions, ModernBertForSentenceEmbedding
-from megabert.training.strategy import SequentialRunner, Task
+from megabert.training.strategy import SequentialRunner, TrainingTask
 
 from tests.helpers.cli_utils import main_worker, run_main
 from tests.helpers.dist_utils import run_distributed
@@ -176,7 +176,8 @@ def test_gradient_cache_equals_one_forward(setup, dropout):
         batch = _features(setup)
         model = _model(setup["dropout" if dropout else "plain"], ps, batch["input_ids"].size(1), fp64=True).train()
         objective = ContrastiveObjective(0.05, None)
-        task = Task(inputs=("input_ids", "token_type_ids", "attention_mask", "text_mask"), output_loss=objective)
+        task = TrainingTask(inputs=("input_ids", "token_type_ids", "attention_mask", "text_mask"),
+                            output_loss=objective)
         runner = GradientCacheRunner(SequentialRunner(model, task), model, objective, ps, piece_size=2)
         torch.manual_seed(5)
         tracked = model.rng.get_states()  # the per-TP-rank stream (attention dropout) too

@@ -176,7 +176,7 @@ def test_deepspeed_is_entered_through_one_door(graph):
     """Only the strategy builder and the run resolver open the DeepSpeed subpackage."""
     door = {"megabert.training.build", "megabert.training.resolve"}
     inside = {m for m in graph if m.startswith("megabert.training.deepspeed")}
-    assert {"megabert.training.deepspeed.strategy", "megabert.training.deepspeed.config"} <= inside
+    assert {"megabert.training.deepspeed.strategy", "megabert.training.deepspeed.ds_config"} <= inside
     users = sorted(f"{m} -> {t}" for m, targets in graph.items() if m not in inside | door
                    for t in targets if t in inside)
     assert users == []

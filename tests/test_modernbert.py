@@ -98,9 +98,9 @@ def _check_pp(rank, world, hf_dir, unpad):
                                                            unpad_input=unpad)
     batch = dict(input_ids=ids, attention_mask=am, labels=labels)
     comm = PipeComm(ps, model.activation_shape(ids.size(1), ids.size(0)), torch.float32)
-    from megabert.training.strategy import Task
+    from megabert.training.strategy import TrainingTask
 
-    schedule = PipelineSchedule(model, ps, comm, 1, Task(inputs=(), output_loss=lambda out: (out.loss, {})))
+    schedule = PipelineSchedule(model, ps, comm, 1, TrainingTask(inputs=(), output_loss=lambda out: (out.loss, {})))
     logits = schedule.forward_only([dict(batch, labels=None)], lambda out: out.logits)
     schedule.forward_backward([batch])
     sync_tied_embedding_grads(list(model.parameters()), ps)

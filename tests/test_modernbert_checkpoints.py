@@ -114,7 +114,7 @@ def test_continued_pretraining_first_loss_equals_transformers(setup, tmp_path):
     """pretrain_bert.py --load HF_DIR: its first logged loss is transformers' loss on the same
     batch (the trainer's unpadded encoder, masked-only logits and fused loss included)."""
     from megabert.data import build_tokenizer
-    from megabert.tasks.pretraining.data import build_data
+    from megabert.tasks.pretraining.batches import build_batches
     from megabert.training.resolve import resolve_run
 
     d, hf_dir = setup
@@ -122,7 +122,7 @@ def test_continued_pretraining_first_loss_equals_transformers(setup, tmp_path):
     cfg = parse_args(argv)
     ps = megabert.init_parallel()
     run = resolve_run(cfg, ps)
-    batch = next(build_data(run, ps, build_tokenizer(run.data.tokenizer_type, run.data.vocab_file))[0](0))
+    batch = next(build_batches(run, ps, build_tokenizer(run.data.tokenizer_type, run.data.vocab_file))[0](0))
     megabert.destroy_parallel()
     masked = (batch["labels"] != -100).float().mean().item() / batch["attention_mask"].float().mean().item()
     assert 0.2 < masked < 0.4  # 30% of the real tokens

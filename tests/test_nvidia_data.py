@@ -17,7 +17,7 @@ from megabert.data import build_pretraining_data_loader, build_tokenizer
 from megabert.errors import ConfigError, DataError
 from megabert.tasks.pretraining import pretraining_samples
 from megabert.data.shard_sources import detect_nvidia_data
-from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
+from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
 from tests.helpers.nvidia_shards import SPECIAL, VOCAB, write_dle_hdf5, write_lddl_parquet, write_vocab
 
 KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels")

@@ -245,7 +245,7 @@ def test_packed_step_equals_unpacked_across_layouts(tmp_path, name, world, tp, p
 def _bert_samples(d, n, seq=32):
     from megabert.config import DataConfig
     from megabert.data import build_tokenizer
-    from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
+    from megabert.tasks.pretraining.indexed_splits import build_train_valid_test_datasets
 
     data = DataConfig(data_path=[str(d / "c_text_sentence")], vocab_file=str(d / "vocab.txt"), split="90,10,0",
                       seq_length=seq)
@@ -345,9 +345,9 @@ def test_nvidia_shards_pack_sample_for_sample(kind, sub, seq):
 
     from megabert.config import DataConfig
     from megabert.data import build_tokenizer
-    from megabert.tasks.pretraining.data import packing_spec
+    from megabert.tasks.pretraining.batches import packing_spec
     from megabert.data.shard_sources import detect_nvidia_data
-    from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
+    from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
     from tests.helpers.nvidia_shards import DLE_PHASE1, LDDL, NVIDIA_VOCAB
 
     path = DLE_PHASE1 if sub is None else os.path.join(LDDL, sub)

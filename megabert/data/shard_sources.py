@@ -2,7 +2,7 @@
 
 Below the tasks so that the run's resolver can let the data decide the binary head (NVIDIA's
 shards hold next-sentence pairs) without importing a task; the readers live in
-megabert/tasks/pretraining (nvidia_data.py, nvidia_hdf5.py, lddl_parquet.py).
+megabert/tasks/pretraining (nvidia_samples.py, nvidia_hdf5.py, lddl_parquet.py).
 """
 from __future__ import annotations
 

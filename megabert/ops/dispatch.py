@@ -51,6 +51,12 @@ def use_fused_kernel(op: str, device_type: str, outside_limits: Optional[str]) -
     return True
 
 
+# The dtypes the compiled kernels take. CPU: fp32 and bf16 with fp32 math, fp64 with fp64 math
+# (for gradcheck). CUDA (softmax, LayerNorm): the half types and fp32, with fp32 math.
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+CUDA_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def dtype_outside(x: torch.Tensor, supported: dict[str, tuple[torch.dtype, ...]]) -> Optional[str]:
     """A reason string when x's dtype is not among those the kernel for its device takes."""
     allowed = supported.get(x.device.type, ())

@@ -22,9 +22,9 @@ from torch.autograd.function import once_differentiable
 
 from megabert.errors import ConfigError
 from megabert.ops import kernel_ops
-from megabert.ops.dispatch import dtype_outside, resolve_backend, use_fused_kernel
+from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, resolve_backend, use_fused_kernel
 
-_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
+_DTYPES = {"cpu": CPU_KERNEL_DTYPES}  # CPU only: there is no CUDA dropout-add kernel
 # Philox keys: any 63-bit value (the kernel takes an int64).
 _SEED_HIGH = 2**63 - 1
 

@@ -7,7 +7,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megabert.ops import kernel_ops
-from megabert.ops.dispatch import dtype_outside, use_fused_kernel, resolve_backend
+from megabert.ops.dispatch import CPU_KERNEL_DTYPES, CUDA_KERNEL_DTYPES, dtype_outside, resolve_backend, use_fused_kernel
 from megabert.ops.reference import layer_norm_reference
 
 
@@ -17,10 +17,8 @@ def resolve_layernorm_backend(backend: str, device_type: str = "cpu") -> str:
     return resolve_backend("layernorm", "--layernorm-backend", backend, "torch", device_type)
 
 
-# What the kernels take. CPU: fp32 and bf16 with fp32 math, fp64 with fp64 math (for
-# gradcheck). CUDA: one block per row holds the row in registers, hence the width limit.
-_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64),
-           "cuda": (torch.float16, torch.bfloat16, torch.float32)}
+# What the kernels take. CUDA: one block per row holds the row in registers, hence the width limit.
+_DTYPES = {"cpu": CPU_KERNEL_DTYPES, "cuda": CUDA_KERNEL_DTYPES}
 _MAX_HIDDEN = {"cuda": 8192}
 
 

@@ -7,13 +7,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megabert.ops import kernel_ops
-from megabert.ops.dispatch import dtype_outside, use_fused_kernel
+from megabert.ops.dispatch import CPU_KERNEL_DTYPES, CUDA_KERNEL_DTYPES, dtype_outside, use_fused_kernel
 from megabert.ops.reference import scaled_masked_softmax_reference
 
-# What the kernels take. CPU: fp32 and bf16 with fp32 math, fp64 with fp64 math (for
-# gradcheck). CUDA: one warp per row holds the row in registers, hence the key limit.
-_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64),
-           "cuda": (torch.float16, torch.bfloat16, torch.float32)}
+# What the kernels take. CUDA: one warp per row holds the row in registers, hence the key limit.
+_DTYPES = {"cpu": CPU_KERNEL_DTYPES, "cuda": CUDA_KERNEL_DTYPES}
 _MAX_KEYS = {"cuda": 4096}
 
 

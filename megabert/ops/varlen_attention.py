@@ -41,10 +41,9 @@ from torch.autograd.function import once_differentiable
 
 from megabert.ops import kernel_ops
 from megabert.ops.compile_hints import assume_constant_result
-from megabert.ops.dispatch import say_once, use_fused_kernel
+from megabert.ops.dispatch import CPU_KERNEL_DTYPES, say_once, use_fused_kernel
 from megabert.ops.dropout_add import draw_seed
 
-_CPU_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64)}
 # FlashAttention 2's limits: half types, head dims that are multiples of 8 up to 256, Ampere
 # or newer.
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -153,9 +152,9 @@ def varlen_impl(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
 
 
 def _cpu_dtype_reason(dtype: torch.dtype) -> Optional[str]:
-    if dtype in _CPU_DTYPES["cpu"]:
+    if dtype in CPU_KERNEL_DTYPES:
         return None
-    names = ", ".join(str(d).removeprefix("torch.") for d in _CPU_DTYPES["cpu"])
+    names = ", ".join(str(d).removeprefix("torch.") for d in CPU_KERNEL_DTYPES)
     return f"{str(dtype).removeprefix('torch.')} on cpu (the kernel takes {names})"
 
 

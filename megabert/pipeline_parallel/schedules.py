@@ -66,7 +66,8 @@ class PipelineSchedule:
 
     def __init__(self, model, ps: ParallelState, comm: PipeComm, num_micro: int, task,
                  autocast: Callable[[], AbstractContextManager] = nullcontext):
-        """`task.train_loss(last chunk's output, batch) -> (loss, {name: scalar})` (a training.strategy.Task)."""
+        """`task.train_loss(last chunk's output, batch) -> (loss, {name: scalar})` (a
+        training.strategy.TrainingTask)."""
         check_interleaving(num_micro, ps, model.num_chunks)
         self.model, self.ps, self.comm, self.num_micro = model, ps, comm, num_micro
         self.task, self.autocast = task, autocast

@@ -29,7 +29,7 @@ with an all-reduce of each bucket, not the reduce-scatter of the ZeRO paper (its
 `use_multi_rank_bucket_allreduce`: one all-reduce instead of a reduce per owning rank),
 which measured 1.5x (ZeRO-1) and 1.67x (ZeRO-2, two micro-batches) a reduce-scatter's
 figures; megabert's DeepSpeed config turns it off where the version has the key
-(megabert.training.deepspeed.config.ring_volume_settings), so ZeRO-1 sends a ring
+(megabert.training.deepspeed.ds_config.ring_volume_settings), so ZeRO-1 sends a ring
 all-reduce's bytes (reduce-scatter once per step + the parameters' all-gather) and ZeRO-2
 a reduce-scatter in each micro-batch's backward + the all-gather. ZeRO-3 reduce-scatters gradients in every
 backward and all-gathers the partitioned parameters for every forward and again for every

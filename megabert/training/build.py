@@ -16,7 +16,7 @@ from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtyp
 from megabert.training.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.restore import continue_run, preload_weights
-from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, Task
+from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, TrainingTask
 from megabert.training.trainer import Batches, Trainer
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig)
                     "first evaluation compile them (once per process)", n)
 
 
-def build_runner(model: torch.nn.Module, ps: ParallelState, task: Task, *, seq_length: int, micro_batch_size: int,
-                 num_micro_batches: int, bf16: bool = False, fp16: bool = False):
+def build_runner(model: torch.nn.Module, ps: ParallelState, task: TrainingTask, *, seq_length: int,
+                 micro_batch_size: int, num_micro_batches: int, bf16: bool = False, fp16: bool = False):
     """What takes micro-batches through the model, for training and forward-only alike:
     the pipeline schedule with PP > 1 (stages exchange [s, b, h] activations of this
     micro-batch size), else one micro-batch after another."""
@@ -48,7 +48,7 @@ def build_runner(model: torch.nn.Module, ps: ParallelState, task: Task, *, seq_l
     return SequentialRunner(model, task, amp)
 
 
-def build_predictor(model: torch.nn.Module, ps: ParallelState, task: Task, *, seq_length: int,
+def build_predictor(model: torch.nn.Module, ps: ParallelState, task: TrainingTask, *, seq_length: int,
                     micro_batch_size: int, bf16: bool = False, fp16: bool = False) -> Strategy:
     """A strategy without an optimizer, for forward-only use (prediction, trained here or
     loaded with --load): its `forward_only` takes groups of `ps.pp_size` micro-batches of
@@ -58,7 +58,7 @@ def build_predictor(model: torch.nn.Module, ps: ParallelState, task: Task, *, se
                                                   bf16=bf16, fp16=fp16))
 
 
-def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: Task) -> Strategy:
+def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: TrainingTask) -> Strategy:
     """How `run` updates `model`: DeepSpeed's strategy with --deepspeed, else ours."""
     t, ds_cfg = run.train, run.deepspeed_config
 
@@ -90,7 +90,7 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
                          reducer=reducer)
 
 
-def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: Task,
+def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: TrainingTask,
                   train_batches: Callable[[int], Iterator[dict]],
                   valid_batches: Optional[Callable[[], Iterator[dict]]] = None, *,
                   flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None) -> Trainer:

@@ -36,7 +36,7 @@ from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_predictor, build_trainer
 from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
 from megabert.training.resolve import ResolvedRun, resolve_run
-from megabert.training.strategy import Task
+from megabert.training.strategy import TrainingTask
 from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Predictor:
 
     model: torch.nn.Module
     ps: ParallelState
-    task: Task
+    task: TrainingTask
     batch_size: int
     bf16: bool = False
     fp16: bool = False
@@ -80,7 +80,7 @@ class FinetuneTask(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def trainer_task(self) -> Task:
+    def trainer_task(self) -> TrainingTask:
         """The inputs a micro-batch feeds the model and how its output gives the loss."""
 
     @abc.abstractmethod
@@ -237,7 +237,7 @@ def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micr
 
 @torch.no_grad()
 def predict_outputs(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps: ParallelState, batch_size: int,
-                    task: Task, outputs_of: Callable[[object], Sequence[torch.Tensor]], *, bf16: bool = False,
+                    task: TrainingTask, outputs_of: Callable[[object], Sequence[torch.Tensor]], *, bf16: bool = False,
                     fp16: bool = False) -> list[np.ndarray]:
     """The arrays `outputs_of(model output)` picks (each [batch, ...], float CPU), for every
     feature in order, on every rank. DP rank r takes the r-th contiguous shard (all TP ranks

@@ -118,7 +118,7 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
     batch = BatchLayout.of(cfg.train.micro_batch_size, cfg.train.global_batch_size, ps.dp_size)
     optim, train, ds_config, zero = cfg.optim, cfg.train, None, ZeroPlan()
     if cfg.train.deepspeed:
-        from megabert.training.deepspeed.config import resolve_deepspeed_config
+        from megabert.training.deepspeed.ds_config import resolve_deepspeed_config
 
         ds_config, optim, zero = resolve_deepspeed_config(cfg, ps, model.hidden_size)
         if cfg.train.deepspeed_config:  # the JSON may have chosen the stage or an offload: the plan that runs

@@ -31,17 +31,18 @@ from megabert.training.precision import DynamicLossScaler
 logger = logging.getLogger(__name__)
 Metrics = dict[str, torch.Tensor]
 Counts = dict[str, torch.Tensor]  # name -> int64 tensor([hits, total])
-LOSS_SHARES = "loss_shares"  # see Task.loss_counts
+LOSS_SHARES = "loss_shares"  # see TrainingTask.loss_counts
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Task:
+class TrainingTask:
     """What the training loop knows of a task: which batch fields the model takes, how the
     model's output becomes (loss, {name: scalar tensor}) and, at evaluation only, which
     counts it adds (`output_counts`: {name: tensor([hits, total])}, reported as the ratio
     of their sums, e.g. accuracy). Pipeline stages get the whole batch and pick their
-    fields themselves."""
+    fields themselves. A task package (megabert.tasks.*) makes one: pretraining_task(), or
+    a fine-tuning task's (training.finetune.FinetuneTask) trainer_task()."""
 
     inputs: tuple[str, ...]
     output_loss: Callable[[Any], tuple[torch.Tensor, Metrics]]
@@ -61,7 +62,7 @@ class Task:
 
     def __post_init__(self):
         if (self.loss_counts is None) != (self.global_loss is None):
-            raise ValueError("Task: loss_counts and global_loss go together")
+            raise ValueError("TrainingTask: loss_counts and global_loss go together")
 
     def model_inputs(self, batch: dict) -> dict:
         return {k: batch[k] for k in self.inputs if k in batch}
@@ -81,16 +82,16 @@ class Task:
         return self.output_loss(output)[1], counts
 
 
-def mean_loss_task(name: str, inputs: tuple[str, ...], count: Callable[[dict], torch.Tensor]) -> Task:
+def mean_loss_task(name: str, inputs: tuple[str, ...], count: Callable[[dict], torch.Tensor]) -> TrainingTask:
     """A task with one loss, a mean over items (`count(batch)`: a micro-batch's number of them,
     a 0-d tensor): in training its output's `loss_sum` over the whole global batch's count
-    (Task.loss_counts), logged as `name`."""
+    (TrainingTask.loss_counts), logged as `name`."""
 
     def global_loss(out, shares: torch.Tensor):
         loss = out.loss_sum / shares[0]
         return loss, {name: loss}
 
-    return Task(inputs=inputs, output_loss=lambda out: (out.loss, {name: out.loss}),
+    return TrainingTask(inputs=inputs, output_loss=lambda out: (out.loss, {name: out.loss}),
                 loss_counts=lambda batch: count(batch).reshape(1), global_loss=global_loss)
 
 
@@ -107,7 +108,7 @@ class SequentialRunner:
     loss goes through autograd and .grad accumulates; a strategy whose update happens per
     micro-batch hands its own `backward` (megabert.training.deepspeed's)."""
 
-    def __init__(self, module, task: Task, autocast: Callable[[], AbstractContextManager] = nullcontext,
+    def __init__(self, module, task: TrainingTask, autocast: Callable[[], AbstractContextManager] = nullcontext,
                  backward: Optional[Backward] = None):
         self.module, self.task, self.autocast, self.backward = module, task, autocast, backward
 

@@ -125,8 +125,8 @@ class Trainer:
         return out
 
     def _share_loss_counts(self, batches: list[dict]) -> None:
-        """Task.loss_counts: each micro-batch gets the global batch's item counts per loss,
-        divided by micro-batches x dp_size (see Task). One small all-reduce over DP, no host sync."""
+        """TrainingTask.loss_counts: each micro-batch gets the global batch's item counts per loss,
+        divided by micro-batches x dp_size (see TrainingTask). One small all-reduce over DP, no host sync."""
         task = self.strategy.runner.task
         if task.loss_counts is None:
             return

@@ -26,7 +26,7 @@ from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingO
 from megabert.training.build import build_runner
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.resolve import ResolvedRun
-from megabert.training.strategy import Task
+from megabert.training.strategy import TrainingTask
 from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ class EmbeddingsTask(FinetuneTask):
         self.modernbert = checkpoint_model_config(pretrained) is not None
 
     @property
-    def trainer_task(self) -> Task:
-        return Task(inputs=EMBEDDING_FIELDS, output_loss=self.objective)
+    def trainer_task(self) -> TrainingTask:
+        return TrainingTask(inputs=EMBEDDING_FIELDS, output_loss=self.objective)
 
     def check_inputs(self) -> None:
         if self.config.output_dir and self.modernbert and self.config.tokenizer_type != "HuggingFaceTokenizer":

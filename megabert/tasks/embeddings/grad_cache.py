@@ -40,7 +40,7 @@ EMBEDDING_FIELDS = ("input_ids", "token_type_ids", "attention_mask", "text_mask"
 
 
 class ContrastiveObjective:
-    """The embedding task's `Task.output_loss`: an EmbeddingOutput -> (loss, {"contrastive_loss"}).
+    """The embedding task's `TrainingTask.output_loss`: an EmbeddingOutput -> (loss, {"contrastive_loss"}).
     Directly the InfoNCE loss of the output's examples against the global batch; inside a
     gradient-cache step, the surrogate of the next piece (pass 3 above), its metric the
     step's loss."""

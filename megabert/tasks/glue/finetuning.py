@@ -24,12 +24,12 @@ from megabert.model_family import checkpoint_model_config
 from megabert.tasks.glue.model import BertForSequenceClassification
 from megabert.tasks.glue.tasks import TASKS, GlueTaskSpec
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
-from megabert.training.strategy import Task, mean_loss_task
+from megabert.training.strategy import TrainingTask, mean_loss_task
 
 logger = logging.getLogger(__name__)
 
 
-def glue_task() -> Task:
+def glue_task() -> TrainingTask:
     """SequenceClassifierOutput -> (cross entropy, or MSE for regression; {"glue_loss"}); in
     training the mean over the global batch's samples (packed rows hold different numbers)."""
 
@@ -146,7 +146,7 @@ class GlueTask(FinetuneTask):
         self.name = self.glue.name
 
     @property
-    def trainer_task(self) -> Task:
+    def trainer_task(self) -> TrainingTask:
         return glue_task()
 
     def check_inputs(self) -> None:

@@ -4,45 +4,24 @@ config.num_labels outputs; cross entropy over the classes, or mean squared error
 output (regression, STS-B)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
-from megabert.config import ModelConfig
-from megabert.model.bert import BertPreTrainedModel
-from megabert.model.heads import head_linear
-from megabert.model.outputs import ModelOutput
+from megabert.model.classifier import BertClassifier, ClassifierOutput
 from megabert.model.registry import register_model
-from megabert.parallel import ParallelState
 
 
-class SequenceClassifierOutput(ModelOutput):
+class SequenceClassifierOutput(ClassifierOutput):
     """loss; loss_sum (over the samples, the mean's numerator); logits [b, num_labels]
     ([b * cap, num_labels] for packed rows: one per slot)."""
 
-    def __init__(self, *, loss, logits, loss_sum=None):
-        super().__init__(loss=loss, logits=logits, loss_sum=loss_sum)
-
 
 @register_model
-class BertForSequenceClassification(BertPreTrainedModel):
-    """Sequence classification / regression on the pooled [CLS], as transformers'."""
+class BertForSequenceClassification(BertClassifier):
+    """Sequence classification / regression on the pooled [CLS], as transformers'. Packed rows:
+    labels [b, cap], one per slot (empty slots are left out of the loss)."""
 
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
-        super().__init__(config, parallel_state, add_pooler=True, output_embeddings=False, **kwargs)
-        self.classifier = head_linear(self.ctx, config.num_labels, "classifier.") if self.stage.is_last_stage \
-            else None
-
-    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                packed_seqlens: Optional[torch.Tensor] = None) -> SequenceClassifierOutput:
-        """Packed rows (megabert.data.packing): position_ids [b, s], packed_seqlens [b, cap] and
-        labels [b, cap] (empty slots are left out of the loss)."""
-        return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
-                                              attention_mask=attention_mask, labels=labels, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens))
+    reads_pooler = True
 
     def head(self, sequence: torch.Tensor, pooled: torch.Tensor, batch: dict) -> SequenceClassifierOutput:
         # The pooled [CLS] is replicated over TP ranks and the dropout mask comes from the

@@ -22,12 +22,12 @@ from megabert.tasks.ner.features import Features, sentences_to_features, word_lo
 from megabert.tasks.ner.metrics import ner_metrics
 from megabert.tasks.ner.model import IGNORE_INDEX, BertForTokenClassification
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
-from megabert.training.strategy import Task, mean_loss_task
+from megabert.training.strategy import TrainingTask, mean_loss_task
 
 logger = logging.getLogger(__name__)
 
 
-def ner_task() -> Task:
+def ner_task() -> TrainingTask:
     """TokenClassifierOutput -> (cross entropy over the labelled sub-words; {"ner_loss"}); in
     training the mean over the global batch's labelled sub-words (micro-batches and packed rows
     hold different numbers), so a step's loss and gradients do not depend on how its features
@@ -100,7 +100,7 @@ class NerTask(FinetuneTask):
         self.sentences: dict[str, list[Sentence]] = {}
 
     @property
-    def trainer_task(self) -> Task:
+    def trainer_task(self) -> TrainingTask:
         return ner_task()
 
     def check_inputs(self) -> None:

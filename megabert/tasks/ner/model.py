@@ -3,47 +3,26 @@ BertForTokenClassification: every position's final hidden state -> dropout -> li
 config.num_labels tag scores; cross entropy over the labelled positions (-100: none)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
-from megabert.config import ModelConfig
-from megabert.model.bert import BertPreTrainedModel
-from megabert.model.heads import head_linear
-from megabert.model.outputs import ModelOutput
+from megabert.model.classifier import BertClassifier, ClassifierOutput
 from megabert.model.registry import register_model
-from megabert.parallel import ParallelState
 
 IGNORE_INDEX = -100
 """A position without a label: padding, [CLS]/[SEP], a word's later sub-words."""
 
 
-class TokenClassifierOutput(ModelOutput):
+class TokenClassifierOutput(ClassifierOutput):
     """loss; loss_sum (over the labelled positions, the mean's numerator); logits [b, s, num_labels]."""
-
-    def __init__(self, *, loss, logits, loss_sum=None):
-        super().__init__(loss=loss, logits=logits, loss_sum=loss_sum)
 
 
 @register_model
-class BertForTokenClassification(BertPreTrainedModel):
-    """A tag per token (NER), as transformers' (no pooler)."""
+class BertForTokenClassification(BertClassifier):
+    """A tag per token (NER), as transformers' (no pooler). Packed rows: the labels stay per
+    token, -100 past a row's samples."""
 
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
-        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
-        self.classifier = head_linear(self.ctx, config.num_labels, "classifier.") if self.stage.is_last_stage \
-            else None
-
-    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                packed_seqlens: Optional[torch.Tensor] = None) -> TokenClassifierOutput:
-        """Packed rows (megabert.data.packing): position_ids [b, s] (each sample's from 0) and
-        packed_seqlens [b, cap]; the labels stay per token, -100 past a row's samples."""
-        return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
-                                              attention_mask=attention_mask, labels=labels, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens))
+    reads_pooler = False
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> TokenClassifierOutput:
         # The sequence is replicated over TP ranks (gathered after sequence parallelism) and

@@ -2,6 +2,6 @@
 read from NVIDIA's HDF5 / LDDL parquet shards, the BertForPreTraining model, its loss and
 evaluation counts, and the assembly that pretrain_bert.py runs."""
 from megabert.tasks.pretraining.model import BertForPreTraining, BertPreTrainingOutput
-from megabert.tasks.pretraining.nvidia_data import pretraining_samples
+from megabert.tasks.pretraining.nvidia_samples import pretraining_samples
 
 __all__ = ["BertForPreTraining", "BertPreTrainingOutput", "pretraining_samples"]

@@ -60,3 +60,20 @@ def mask_tokens(tokens: np.ndarray, maskable: np.ndarray, rng: np.random.Generat
     randomized = chosen[(draw >= 0.8) & (draw < 0.9)]
     out[randomized] = random_ids[rng.integers(0, len(random_ids), len(randomized))]
     return out, labels
+
+
+class TokenTable:
+    """What samples need from a tokenizer, as plain arrays (cheap to send to DataLoader workers):
+    the framing ids ([CLS], [SEP], [PAD]) and what mask_tokens takes (the [MASK] id, the ids a
+    random replacement draws from, the word starts of whole-word masking)."""
+
+    def __init__(self, tokenizer, whole_word_masking: bool):
+        self.cls, self.sep, self.pad, self.mask = tokenizer.cls, tokenizer.sep, tokenizer.pad, tokenizer.mask
+        vocab_size = tokenizer.vocab_size
+        special = np.zeros(vocab_size, dtype=bool)
+        special[[i for i in tokenizer.special_ids if i < vocab_size]] = True
+        # Random replacements are real tokens: never [PAD], [CLS], [SEP], [MASK] or [UNK].
+        present = np.zeros(vocab_size, dtype=bool)
+        present[list(tokenizer.inv_vocab)] = True
+        self.random_ids = np.flatnonzero(present & ~special)
+        self.word_start = tokenizer.word_start_mask() if whole_word_masking else None

@@ -17,11 +17,7 @@ import numpy as np
 
 from megabert.data.indexed_dataset import IndexedDataset, idx_path
 
-try:
-    from megabert.data import _helpers
-except ImportError as e:  # required, never silently replaced by a slow path
-    raise ImportError(f"megabert.data._helpers (megabert/data/helpers.cpp) is not built ({e}); "
-                      f"run `make install` (or `pip install --no-build-isolation -e .`)") from e
+from megabert.tasks.pretraining.cpp_helpers import build_sample_mapping
 
 MAPPING_VERSION = 1  # bump when helpers.cpp changes what it builds
 
@@ -47,7 +43,7 @@ def build_mapping(indexed: IndexedDataset, doc_range: tuple[int, int], num_sampl
     first, last = doc_range
     docs = np.ascontiguousarray(indexed.document_indices[first:last + 1])
     num_epochs = 1 if num_samples is None else np.iinfo(np.int32).max
-    return _helpers.build_sample_mapping(docs, indexed.sequence_lengths, num_epochs,
+    return build_sample_mapping(docs, indexed.sequence_lengths, num_epochs,
                                          -1 if num_samples is None else int(num_samples), int(max_seq_length),
                                          float(short_seq_prob), int(seed) & 0xFFFFFFFFFFFFFFFF, int(min_num_sent))
 

@@ -1,15 +1,13 @@
-"""BERT pre-training pieces handed to the generic Trainer: the task (inputs, loss, evaluation counts),
-batch checks, DeepSpeed config, and the assembly used by pretrain_bert.py."""
+"""BERT pre-training pieces handed to the generic Trainer: the TrainingTask (inputs, loss,
+evaluation counts) and the assembly of model, optimizer and strategy used by pretrain_bert.py."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from megabert.errors import DataError
 from megabert.model import ModernBertForMaskedLM
 from megabert.model_family import model_vocab_size
 from megabert.tasks.pretraining import BertForPreTraining
@@ -19,7 +17,7 @@ from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_trainer
 from megabert.training.metrics import bert_flops_per_sample
 from megabert.training.resolve import ResolvedRun
-from megabert.training.strategy import Counts, Task
+from megabert.training.strategy import Counts, TrainingTask
 from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -29,7 +27,7 @@ PRETRAINING_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "labels",
 PACKED_INPUTS = ("position_ids", "packed_seqlens")  # packed rows only (megabert.data.packing)
 
 
-def pretraining_task(binary_head_task: Optional[str]) -> Task:
+def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:
     """BertPreTrainingOutput -> (loss, {"lm_loss", "sop_loss"|"nsp_loss"}); at evaluation
     also the counts behind "lm_accuracy" and "sop_accuracy"|"nsp_accuracy"."""
 
@@ -46,7 +44,7 @@ def pretraining_task(binary_head_task: Optional[str]) -> Task:
         return counts
 
     # The MLM loss is a mean over the global batch's masked tokens, the sentence-pair loss over
-    # its samples (Task.loss_counts): a step's loss and gradients then depend on which samples it
+    # its samples (TrainingTask.loss_counts): a step's loss and gradients then depend on which samples it
     # holds, not on how micro-batches, data-parallel ranks or packed rows group them.
     def loss_counts(batch: dict) -> torch.Tensor:
         masked = (batch["labels"] != -100).sum()
@@ -64,7 +62,7 @@ def pretraining_task(binary_head_task: Optional[str]) -> Task:
         return lm, metrics
 
     inputs = PRETRAINING_INPUTS if binary_head_task else PRETRAINING_INPUTS[:-1]
-    return Task(inputs=inputs + PACKED_INPUTS, output_loss=output_loss, output_counts=output_counts,
+    return TrainingTask(inputs=inputs + PACKED_INPUTS, output_loss=output_loss, output_counts=output_counts,
                 loss_counts=loss_counts, global_loss=global_loss)
 
 
@@ -85,18 +83,6 @@ def sentence_pair_counts(out: BertPreTrainingOutput) -> torch.Tensor:
     return torch.stack([correct.sum(), (labels != -100).sum()])
 
 
-def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:
-    """Stops with a clear error when the data holds token ids the vocab does not have
-    (a dataset preprocessed with another vocab), instead of an index error deep in the
-    embedding. Checked on the CPU batch, so it costs no device sync."""
-    for batch in batches:
-        top = max(int(batch["input_ids"].max()), int(batch["labels"].max()))
-        if top >= vocab_size:
-            raise DataError(f"{source} holds token id {top} but the vocab has {vocab_size} entries: the data was "
-                            f"preprocessed with another vocab; pass that --vocab-file or preprocess again")
-        yield batch
-
-
 def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                       train_batches: Callable[[int], Iterator[dict]],
                       valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
@@ -113,8 +99,3 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                          flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
                          checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
                                            "data": dataclasses.asdict(run.data)})
-
-
-def infinite(loader_factory) -> Iterator[dict]:
-    """Chains epochs of a loader factory (a fresh iterator each pass)."""
-    return itertools.chain.from_iterable(loader_factory() for _ in itertools.count())

@@ -18,14 +18,14 @@ from megabert.tasks.squad.features import convert_examples_to_features, features
 from megabert.tasks.squad.model import BertForQuestionAnswering
 from megabert.tasks.squad.postprocess import postprocess_predictions
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
-from megabert.training.strategy import Task
+from megabert.training.strategy import TrainingTask
 
 logger = logging.getLogger(__name__)
 
 
-def qa_task() -> Task:
+def qa_task() -> TrainingTask:
     """QuestionAnsweringOutput -> (mean of the start and end cross entropies, {"qa_loss"})."""
-    return Task(inputs=("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions"),
+    return TrainingTask(inputs=("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions"),
                 output_loss=lambda out: (out.loss, {"qa_loss": out.loss}))
 
 
@@ -42,7 +42,7 @@ class SquadTask(FinetuneTask):
     name = "squad"
 
     @property
-    def trainer_task(self) -> Task:
+    def trainer_task(self) -> TrainingTask:
         return qa_task()
 
     def check_inputs(self) -> None:

@@ -13,7 +13,7 @@ import torch
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_table
-from megabert.training.deepspeed.comm import guard_deepspeed_comm
+from megabert.training.deepspeed.door_backend import guard_deepspeed_comm
 from megabert.training.deepspeed.jit_ops import note_jit_build
 from megabert.training.deepspeed.mpu import DeepSpeedMpu, mark_pipe_replicated
 from megabert.training.deepspeed.zero_masters import share_fp32_masters

@@ -15,7 +15,7 @@ from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import build_optimizer
 from megabert.training.deepspeed.engine import initialize, reduce_gradients
 from megabert.training.grads import grad_norm, sync_tied_embedding_grads
-from megabert.training.strategy import SequentialRunner, StepResult, Strategy, Task
+from megabert.training.strategy import SequentialRunner, StepResult, Strategy, TrainingTask
 
 DEEPSPEED_SUBDIR = "deepspeed"  # DeepSpeed's ZeRO files, beside our rank files: SAVE/deepspeed/iter_NNNNNNN/
 
@@ -27,7 +27,7 @@ class DeepSpeedStrategy(Strategy):
     boundary only); with it, our schedule runs the micro-batches and ZeRO-1 takes the
     gradients after. `runner`: the pipeline schedule with PP > 1, else None."""
 
-    def __init__(self, engine, ps, runner, task: Task, *, zero_stage: int, fp16: bool, bf16: bool):
+    def __init__(self, engine, ps, runner, task: TrainingTask, *, zero_stage: int, fp16: bool, bf16: bool):
         # NOTE: at PP=1 no autocast of ours: DeepSpeed's bf16/fp16 modes cast the module
         # itself, and its forward (training and evaluation alike) is the engine's.
         runner = runner or SequentialRunner(engine, task, backward=self._micro_batch_backward)
@@ -136,7 +136,7 @@ class DeepSpeedStrategy(Strategy):
 
 
 def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim: OptimConfig, train: TrainConfig,
-                             runner, task: Task) -> DeepSpeedStrategy:
+                             runner, task: TrainingTask) -> DeepSpeedStrategy:
     """DeepSpeed's engine around `model` with our optimizer and the strategy that drives it.
     `runner`: the pipeline schedule with PP > 1, else None (a SequentialRunner through the engine).
 

@@ -1,4 +1,5 @@
-"""--data-path and --split -> train/valid/test BERT datasets, weighted blends included."""
+"""--data-path (Megatron prefixes, weighted) and --split -> the train/valid/test BertDatasets of
+Megatron's indexed data, each a blend when --data-path names several prefixes."""
 from __future__ import annotations
 
 import math
@@ -9,9 +10,10 @@ import numpy as np
 import torch
 
 from megabert.config import DataConfig
-from megabert.tasks.pretraining.bert_dataset import BertDataset, SampleSpec
+from megabert.tasks.pretraining.blending import BlendedDataset
+from megabert.tasks.pretraining.indexed_samples import BertDataset, SampleSpec
 from megabert.data.indexed_dataset import IndexedDataset
-from megabert.tasks.pretraining.sample_mapping import DataWarning, _helpers
+from megabert.tasks.pretraining.sample_mapping import DataWarning
 from megabert.errors import ConfigError, DataError
 
 SPLITS = ("train", "valid", "test")
@@ -54,29 +56,6 @@ def split_ranges(split: str, num_docs: int) -> list[tuple[int, int]]:
         bounds.append(min(int(round(fraction * num_docs)), num_docs))
     bounds.append(num_docs)
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
-
-
-class BlendedDataset(torch.utils.data.Dataset):
-    """Interleaves datasets by weight; sample i comes from dataset_index[i], its sample_index[i]."""
-
-    def __init__(self, datasets: list, weights: list[float], size: int):
-        self.datasets, self.weights = datasets, weights
-        self.dataset_index, self.sample_index = _helpers.build_blending_indices(np.asarray(weights, np.float64), size)
-        for k, ds in enumerate(datasets):
-            taken = self.sample_index[self.dataset_index == k]
-            if len(taken) and taken.max() >= len(ds):
-                raise DataError(f"blend component {k} has {len(ds)} samples but the blend needs {taken.max() + 1}")
-
-    def __len__(self) -> int:
-        return len(self.dataset_index)
-
-    def __getitem__(self, idx: int) -> dict:
-        return self.datasets[int(self.dataset_index[idx])][int(self.sample_index[idx])]
-
-    def sample_error(self, idx: int, error: Exception):
-        """The component's account of a sample it could not read (megabert.data.sample_errors)."""
-        part = self.datasets[int(self.dataset_index[idx])]
-        return part.sample_error(int(self.sample_index[idx]), error)
 
 
 def _no_sample_error(prefix: str, split: str, doc_range, num_docs: int, config_split: str, stats: dict,

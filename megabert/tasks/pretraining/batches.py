@@ -1,27 +1,28 @@
-"""pretrain_bert.py's data: train/valid loaders over BERT samples of Megatron's indexed
-dataset or of NVIDIA's HDF5 / LDDL parquet shards, positioned by consumed samples
-(Megatron's sample counts), so a resumed run sees exactly the samples the interrupted one
-would have."""
+"""pretrain_bert.py's batches: train/valid loaders over BERT samples of Megatron's indexed
+dataset (indexed_splits) or of NVIDIA's HDF5 / LDDL parquet shards (nvidia_samples),
+positioned by consumed samples (Megatron's sample counts), so a resumed run sees exactly the
+samples the interrupted one would have; packed when asked, their token ids checked."""
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
 from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches
-from megabert.parallel import ParallelState
-from megabert.tasks.pretraining.datasets import build_train_valid_test_datasets
 from megabert.data.shard_sources import detect_nvidia_data
-from megabert.tasks.pretraining.nvidia_data import build_nvidia_datasets
-from megabert.tasks.pretraining.task import checked_batches, infinite
 from megabert.config import DataConfig
+from megabert.errors import DataError
+from megabert.parallel import ParallelState
+from megabert.tasks.pretraining.indexed_splits import build_train_valid_test_datasets
+from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
 from megabert.training.resolve import ResolvedRun
 
 logger = logging.getLogger(__name__)
 
 
-def build_data(run: ResolvedRun, ps: ParallelState, tokenizer
-               ) -> tuple[Callable[[int], Iterator[dict]], Optional[Callable[[], Iterator[dict]]]]:
+def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
+                  ) -> tuple[Callable[[int], Iterator[dict]], Optional[Callable[[], Iterator[dict]]]]:
     """(train_batches(consumed_samples), valid_batches() or None) for this DP rank."""
     t, data = run.train, run.data
     global_batch = run.batch.global_batch_size
@@ -86,3 +87,20 @@ def packing_spec(data: DataConfig, seed: int) -> PackingSpec:
     """--pack-sequences: how BERT samples pack (the sentence-pair label is per sample)."""
     return PackingSpec(seq_length=data.seq_length, max_samples_per_row=data.max_samples_per_row,
                        window=data.packing_window, seed=seed, sample_fields=("next_sentence_label",))
+
+
+def checked_batches(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:
+    """Stops with a clear error when the data holds token ids the vocab does not have
+    (a dataset preprocessed with another vocab), instead of an index error deep in the
+    embedding. Checked on the CPU batch, so it costs no device sync."""
+    for batch in batches:
+        top = max(int(batch["input_ids"].max()), int(batch["labels"].max()))
+        if top >= vocab_size:
+            raise DataError(f"{source} holds token id {top} but the vocab has {vocab_size} entries: the data was "
+                            f"preprocessed with another vocab; pass that --vocab-file or preprocess again")
+        yield batch
+
+
+def infinite(loader_factory) -> Iterator[dict]:
+    """Chains epochs of a loader factory (a fresh iterator each pass)."""
+    return itertools.chain.from_iterable(loader_factory() for _ in itertools.count())

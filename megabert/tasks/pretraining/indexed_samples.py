@@ -20,7 +20,7 @@ import torch
 
 from megabert.data.indexed_dataset import IndexedDataset
 from megabert.data.sample_errors import cause
-from megabert.tasks.pretraining.masking import mask_tokens
+from megabert.tasks.pretraining.masking import TokenTable, mask_tokens
 from megabert.tasks.pretraining.sample_mapping import get_mapping
 from megabert.errors import ConfigError, DataError
 
@@ -43,21 +43,6 @@ class SampleSpec:
     def max_tokens(self) -> int:
         """Token budget of A + B: seq_length less [CLS] and one [SEP] per segment."""
         return self.seq_length - (3 if self.binary_head else 2)
-
-
-class _TokenTable:
-    """What samples need from a tokenizer, as plain arrays (cheap to send to DataLoader workers)."""
-
-    def __init__(self, tokenizer, whole_word_masking: bool):
-        self.cls, self.sep, self.pad, self.mask = tokenizer.cls, tokenizer.sep, tokenizer.pad, tokenizer.mask
-        vocab_size = tokenizer.vocab_size
-        special = np.zeros(vocab_size, dtype=bool)
-        special[[i for i in tokenizer.special_ids if i < vocab_size]] = True
-        # Random replacements are real tokens: never [PAD], [CLS], [SEP], [MASK] or [UNK].
-        present = np.zeros(vocab_size, dtype=bool)
-        present[list(tokenizer.inv_vocab)] = True
-        self.random_ids = np.flatnonzero(present & ~special)
-        self.word_start = tokenizer.word_start_mask() if whole_word_masking else None
 
 
 def truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.Generator):
@@ -87,7 +72,7 @@ class BertDataset(torch.utils.data.Dataset):
         self.indexed, self.doc_range, self.split, self.spec = indexed, doc_range, split, spec
         if spec.task not in ("sop", "nsp"):
             raise ConfigError(f"--binary-head-task must be sop or nsp, got {spec.task!r}")
-        self.tokens = _TokenTable(tokenizer, spec.whole_word_masking)
+        self.tokens = TokenTable(tokenizer, spec.whole_word_masking)
         self.max_predictions = spec.max_predictions or max(1, int(round(spec.mask_prob * spec.seq_length)))
         self.mapping, self.stats = get_mapping(
             indexed, doc_range, num_samples, spec.max_tokens, spec.short_seq_prob, spec.seed,

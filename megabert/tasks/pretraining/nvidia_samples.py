@@ -25,10 +25,9 @@ from megabert.data.shard_sources import HDF5, PARQUET, NvidiaSource, shard_forma
 from megabert.data.tokenizers import read_wordpiece_vocab
 from megabert.errors import ConfigError, DataError, MegabertError
 from megabert.rules import sentence_pair_task
-from megabert.tasks.pretraining.bert_dataset import _TokenTable
-from megabert.tasks.pretraining.datasets import BlendedDataset
+from megabert.tasks.pretraining.blending import BlendedDataset
 from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, non_special
-from megabert.tasks.pretraining.masking import IGNORE_INDEX, mask_tokens
+from megabert.tasks.pretraining.masking import IGNORE_INDEX, TokenTable, mask_tokens
 from megabert.tasks.pretraining.nvidia_hdf5 import Hdf5Shard
 from megabert.tasks.pretraining.shard_order import Block, BlockCache, ShardOrder
 
@@ -77,7 +76,7 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
     masked here from a generator seeded by (seed, split, sample index), so a sample depends on
     its index alone, across epochs, workers and resumes."""
 
-    def __init__(self, files: list[str], spec: RowSpec, size: Optional[int], tokens: Optional[_TokenTable] = None,
+    def __init__(self, files: list[str], spec: RowSpec, size: Optional[int], tokens: Optional[TokenTable] = None,
                  words: Optional[WordPieceIds] = None, shuffle: bool = True, global_batch: int = 1):
         self.shards = [open_shard(f) for f in files]
         self.spec, self.tokens, self.words = spec, tokens, words
@@ -151,7 +150,7 @@ def build_nvidia_datasets(source: NvidiaSource, data: DataConfig, tokenizer, num
     if binary_head:  # resolve_run chose NSP for a run; a caller of this function chose data.binary_head_task
         sentence_pair_task(source.format, data.binary_head_task, given=True)
     words = WordPieceIds(tokenizer.vocab, data.vocab_file) if source.format == PARQUET else None
-    tokens = _TokenTable(tokenizer, data.whole_word_masking) if source.format == PARQUET else None
+    tokens = TokenTable(tokenizer, data.whole_word_masking) if source.format == PARQUET else None
 
     def build(split_id: int, files_per_component, n):
         spec = RowSpec(seq_length=data.seq_length, max_predictions=data.max_predictions_per_seq,

@@ -1,0 +1,44 @@
+"""What BERT's classifier task models share (GLUE's sequence classification, NER's token
+classification): a linear of config.num_labels outputs on the last stage, one forward that also
+takes packed rows, and one output (loss, loss_sum, logits). Each task model writes its `head`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megabert.config import ModelConfig
+from megabert.model.bert import BertPreTrainedModel
+from megabert.model.heads import head_linear
+from megabert.model.outputs import ModelOutput
+from megabert.parallel import ParallelState
+
+
+class ClassifierOutput(ModelOutput):
+    """loss (the mean over the micro-batch's labelled items); loss_sum (its numerator: training
+    divides it by the global batch's count instead); logits."""
+
+    def __init__(self, *, loss, logits, loss_sum=None):
+        super().__init__(loss=loss, logits=logits, loss_sum=loss_sum)
+
+
+class BertClassifier(BertPreTrainedModel):
+    """BERT -> `classifier` (transformers' name, config.num_labels outputs). A subclass says
+    whether its head reads the pooled [CLS] (`reads_pooler`) and writes `head`."""
+
+    reads_pooler: bool
+
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
+        super().__init__(config, parallel_state, add_pooler=self.reads_pooler, output_embeddings=False, **kwargs)
+        self.classifier = head_linear(self.ctx, config.num_labels, "classifier.") if self.stage.is_last_stage \
+            else None
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                packed_seqlens: Optional[torch.Tensor] = None) -> ClassifierOutput:
+        """Packed rows (megabert.data.packing): position_ids [b, s] (each sample's from 0) and
+        packed_seqlens [b, cap]; labels as the subclass's head reads them."""
+        return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
+                                              attention_mask=attention_mask, labels=labels, position_ids=position_ids,
+                                              packed_seqlens=packed_seqlens))
