@@ -87,7 +87,7 @@ class ParallelState:
     def new_dp_group(self, backend: Optional[str] = None) -> dist.ProcessGroup:
         """A second communicator over this rank's data-parallel ranks, for traffic that runs
         beside the DP group's own collectives (the distributed optimizer's ring thread on
-        gloo: megabert.parallel.ring), on the run's timeout. Collective over the world, as
+        gloo: megabert.data_parallel.ring), on the run's timeout. Collective over the world, as
         `build`: every rank calls it, and it creates every DP group in build's order."""
         if self.timeout is None:
             raise RuntimeError("an offline ParallelState has no process groups")

@@ -23,7 +23,7 @@ from megabert.errors import CheckpointError
 from megabert.checkpoint.run_state import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
-from megabert.training.overlap import OverlappedGradReducer
+from megabert.data_parallel.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)

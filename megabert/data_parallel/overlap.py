@@ -108,7 +108,7 @@ class OverlappedGradReducer:
             self._next += 1
 
     def _issue(self, bucket: _Bucket) -> None:
-        """Starts a ready bucket's reduction (megabert.training.sharded_buffers reduce-scatters it)."""
+        """Starts a ready bucket's reduction (megabert.data_parallel.sharded_buffers reduce-scatters it)."""
         bucket.handle = comm.all_reduce(bucket.flat, group=self.ps.dp_group, async_op=True)
 
     def _complete(self, bucket: _Bucket, scale: float) -> None:

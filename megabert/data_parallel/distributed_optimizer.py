@@ -4,7 +4,7 @@ parameters all-gathered while the next forward runs.
 
 Per step: backward fills the contiguous gradient buffer, and each bucket is
 reduce-scattered as soon as its last micro-batch's gradients are in
-(megabert.training.sharded_buffers); each DP rank then holds the averaged gradients of
+(megabert.data_parallel.sharded_buffers); each DP rank then holds the averaged gradients of
 its shard of every bucket. The sums over TP (sequence-parallel LayerNorms) and over the
 embedding group (the pipeline's tied word embeddings, bucketed alone so that both stages
 shard them alike) apply to the shards; the global norm sums the shards' squares over
@@ -23,23 +23,16 @@ so a checkpoint moves between DP sizes and between runs with and without the fla
 """
 from __future__ import annotations
 
-import logging
-import math
 from typing import Optional
 
 import torch
 
 from megabert.config import OptimConfig
+from megabert.data_parallel.sharded_buffers import Piece, ShardedBuffers
 from megabert.errors import CheckpointError
 from megabert.optim import Lamb, build_optimizer, param_groups
 from megabert.parallel import ParallelState, comm
 from megabert.parallel.param_spec import spec_of
-from megabert.training.grads import clip_grads, grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
-from megabert.training.precision import DynamicLossScaler
-from megabert.training.sharded_buffers import Piece, ShardedBuffers
-from megabert.training.strategy import LocalStrategy, StepResult
-
-logger = logging.getLogger(__name__)
 
 # The optimizers' per-element states (AdamW's and LAMB's, torch's names); "step" is a scalar.
 ELEMENT_STATES = ("exp_avg", "exp_avg_sq")
@@ -180,80 +173,3 @@ class DistributedOptimizer:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [position[id(t)] for t in live["params"]]}
                   for g, live in zip(saved["param_groups"], self.optimizer.param_groups)]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-class DistributedOptimizerStrategy(LocalStrategy):
-    """LocalStrategy's update with the distributed optimizer: the reductions, the loss
-    scaler, the norm and the clipping act on this rank's shards (the pieces)."""
-
-    def __init__(self, model, dist_opt: DistributedOptimizer, ps, runner, *, scaler: Optional[DynamicLossScaler],
-                 clip_grad: float):
-        super().__init__(model, dist_opt.optimizer, ps, runner, scaler=scaler, clip_grad=clip_grad,
-                         reducer=dist_opt.buffers)
-        self.dist_opt = dist_opt
-
-    def train_step(self, batches: list[dict]) -> StepResult:
-        buffers, pieces, ps = self.reducer, self.dist_opt.tensors, self.ps
-        scale = self.scaler.scale if self.scaler else 1.0
-        buffers.start(len(batches))
-        metrics = self.runner.forward_backward(batches, scale)
-        buffers.finish()  # the reduce-scatters, issued during the last micro-batch's backward
-        # The shards of the sums over TP and over the embedding group: every TP rank and
-        # both embedding stages lay their buffers out alike, so shard i is the same
-        # elements on each.
-        sync_sequence_parallel_grads(pieces, ps)
-        sync_tied_embedding_grads(pieces, ps)
-        if self.scaler is not None:
-            if self.scaler.found_overflow(pieces, ps.device):  # over the world: every shard
-                self.scaler.update(overflow=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(metrics, float("nan"), skipped=True, loss_scale=scale)
-            self.scaler.unscale_(pieces)
-        norm = grad_norm(pieces, ps, dp_sharded=True)
-        norm_value = norm.item()
-        if not math.isfinite(norm_value):
-            logger.warning("gradient norm is %s; step skipped", norm_value)
-            self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
-        clip_grads(pieces, self.clip_grad, norm)
-        self.optimizer.step()
-        buffers.gather_params()  # with --overlap-param-gather, waited for by the next forward
-        if self.scaler is not None:
-            self.scaler.update(overflow=False)
-        return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
-
-    def forward_only(self, batches, output_fn):
-        self.reducer.wait_params()
-        return super().forward_only(batches, output_fn)
-
-    def settle(self) -> None:
-        # The last step's parameter all-gathers are otherwise issued as forward waits for
-        # them: a rank with no batch to predict would leave the others waiting.
-        self.reducer.wait_params()
-
-    def cpu_state_dict(self, keep: bool) -> dict:
-        self.reducer.wait_params()
-        return super().cpu_state_dict(keep)
-
-    def optimizer_state(self) -> dict:
-        return self.dist_opt.state_by_name()  # collective: save_checkpoint calls it on every rank
-
-    def load_optimizer_state(self, path: str, payload: dict, state) -> None:
-        if payload.get("optimizer") is None:
-            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
-                                  f"or start the optimizer fresh with --finetune")
-        self.dist_opt.load_state_by_name(payload["optimizer"])
-
-
-def build_distributed_optimizer_strategy(model: torch.nn.Module, ps: ParallelState, cfg: OptimConfig, runner, *,
-                                         bucket_elements: int, overlap_param_gather: bool, fp16: bool,
-                                         clip_grad: float) -> DistributedOptimizerStrategy:
-    params = [p for p in model.parameters() if p.requires_grad]
-    # The pipeline's tied word embeddings get a bucket of their own: the first and the last
-    # stage then shard them alike and can sum their shards over the embedding group.
-    isolate = (lambda p: spec_of(p).placement == "tied") if ps.pp_size > 1 else (lambda p: False)
-    buffers = ShardedBuffers(params, ps, bucket_elements, isolate=isolate, overlap_param_gather=overlap_param_gather)
-    buffers.install_forward_hooks(model)
-    dist_opt = DistributedOptimizer(model, cfg, ps, buffers)
-    scaler = DynamicLossScaler(cfg) if fp16 else None
-    return DistributedOptimizerStrategy(model, dist_opt, ps, runner, scaler=scaler, clip_grad=clip_grad)

@@ -1,5 +1,5 @@
 """Contiguous parameter and gradient buffers split over data parallelism, for the
-distributed optimizer (megabert.training.distributed_optimizer).
+distributed optimizer (megabert.data_parallel.distributed_optimizer).
 
 The layout is OverlappedGradReducer's (buckets in the order backward produces gradients,
 a hook counting each parameter's accumulations), with three changes, as Megatron-LM's
@@ -22,7 +22,7 @@ for the buckets up to the one holding its parameters, so the first layers comput
 the later buckets are still arriving.
 
 On gloo (CPU) both collectives are rings of point-to-point transfers, in place, run in
-issue order by one thread on a communicator of their own (megabert.parallel.ring): gloo's
+issue order by one thread on a communicator of their own (megabert.data_parallel.ring): gloo's
 own reduce_scatter and all_gather stage copies of the whole bucket for every call in
 flight, and backward issues the reduce-scatters faster than two cores complete them (with
 BERT-large at DP=2 that held more than the sharded moments saved), and composing them from
@@ -39,10 +39,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megabert.data_parallel.overlap import OverlappedGradReducer, _Bucket
+from megabert.data_parallel.ring import RingCommunicator
 from megabert.parallel import ParallelState, comm
 from megabert.parallel.param_spec import ATTR
-from megabert.parallel.ring import RingCommunicator
-from megabert.training.overlap import OverlappedGradReducer, _Bucket
 
 logger = logging.getLogger(__name__)
 
