@@ -23,7 +23,7 @@ from megabert.errors import CheckpointError
 from megabert.checkpoint.run_state import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
 from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
                                      sync_sequence_parallel_grads, sync_tied_embedding_grads)
-from megabert.data_parallel.overlap import OverlappedGradReducer
+from megabert.data_parallel.grad_buckets import GradReducer
 from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ class LocalStrategy(Strategy):
     per step (the norm), however many parameters."""
 
     def __init__(self, model, optimizer, ps, runner, *, scaler: Optional[DynamicLossScaler], clip_grad: float,
-                 reducer: Optional[OverlappedGradReducer] = None):
+                 reducer: Optional[GradReducer] = None):
         super().__init__(model, optimizer, ps, runner, scaler=scaler)
         self.clip_grad = clip_grad
         self.reducer = reducer  # None: DP gradients averaged after backward (DP = 1, --no-overlap-grad-reduce)
