@@ -1,6 +1,8 @@
 """The distributed optimizer (--use-distributed-optimizer, Megatron-LM's flag): optimizer
 states sharded over data parallelism, gradients reduce-scattered while backward runs,
-parameters all-gathered while the next forward runs.
+parameters all-gathered while the next forward runs. This module holds the optimizer over
+this rank's pieces and its states by name; the training step that orders the reductions
+around it is megabert.training.distributed_optimizer_strategy's.
 
 Per step: backward fills the contiguous gradient buffer, and each bucket is
 reduce-scattered as soon as its last micro-batch's gradients are in
@@ -23,58 +25,20 @@ so a checkpoint moves between DP sizes and between runs with and without the fla
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from megabert.config import OptimConfig
 from megabert.data_parallel.sharded_buffers import Piece, ShardedBuffers
+from megabert.data_parallel.sharded_lamb import ShardedLamb
 from megabert.errors import CheckpointError
-from megabert.optim import Lamb, build_optimizer, param_groups
+from megabert.optim import build_optimizer, param_groups
 from megabert.parallel import ParallelState, comm
-from megabert.parallel.param_spec import spec_of
 
 # The optimizers' per-element states (AdamW's and LAMB's, torch's names); "step" is a scalar.
 ELEMENT_STATES = ("exp_avg", "exp_avg_sq")
-
-
-class ShardedLamb(Lamb):
-    """LAMB over pieces of parameters: a trust ratio needs the norms of the whole
-    parameter, so the pieces' squared norms are summed per parameter over the DP ranks
-    (and over TP for split parameters), all groups in one reduction per step."""
-
-    def bind(self, pieces: list[Piece], params: list[torch.nn.Parameter], ps: ParallelState) -> None:
-        index = {id(p): i for i, p in enumerate(params)}
-        self._parent = {id(piece.tensor): index[id(piece.param)] for piece in pieces}
-        self._split = torch.tensor([spec_of(p).is_tensor_parallel for p in params], device=ps.device)
-        self._n, self._ps = len(params), ps
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        work = [(group, self._updates(group)) for group in self.param_groups]
-        work = [(g, w) for g, w in work if w is not None]
-        # [2, n_params] float64: squares of ||w|| and ||update|| per whole parameter. A
-        # piece's norm squared in float64 is exact, so a parameter held whole by one
-        # rank gets the very norm plain LAMB computes.
-        sums = torch.zeros(2, self._n, dtype=torch.float64, device=self._ps.device)
-        for _, (params, updates, fp32_params) in work:
-            idx = torch.tensor([self._parent[id(p)] for p in params], device=sums.device)
-            sums[0].index_add_(0, idx, torch.stack(torch._foreach_norm(fp32_params, 2, dtype=torch.float32))
-                               .double().square())
-            sums[1].index_add_(0, idx, torch.stack(torch._foreach_norm(updates, 2)).double().square())
-        ps = self._ps
-        if ps.dp_size > 1:
-            comm.all_reduce(sums, group=ps.dp_group)  # every rank calls it, with or without pieces
-        if ps.tp_size > 1 and bool(self._split.any()):
-            split = sums[:, self._split]
-            comm.all_reduce(split, group=ps.tp_group)
-            sums[:, self._split] = split
-        norms = sums.sqrt().float()
-        for group, (params, updates, _) in work:
-            idx = torch.tensor([self._parent[id(p)] for p in params], device=norms.device)
-            self._apply(group, params, updates, norms[0, idx], norms[1, idx])
-        return loss
 
 
 class DistributedOptimizer:
@@ -92,9 +56,8 @@ class DistributedOptimizer:
             groups[group_of[id(piece.param)]]["params"].append(piece.tensor)
         self.pieces = buffers.pieces
         self.tensors = [piece.tensor for piece in self.pieces]
-        self.optimizer = build_optimizer(model, cfg, ps.tp_group, groups=groups, lamb=ShardedLamb)
-        if isinstance(self.optimizer, ShardedLamb):
-            self.optimizer.bind(self.pieces, self.params, ps)
+        lamb = functools.partial(ShardedLamb, pieces=self.pieces, params=self.params, ps=ps)
+        self.optimizer = build_optimizer(model, cfg, ps.tp_group, groups=groups, lamb=lamb)
 
     # ------------------------------------------------------------ checkpoints
 
