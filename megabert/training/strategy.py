@@ -21,9 +21,9 @@ from megabert.parallel import ParallelState
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.errors import CheckpointError
 from megabert.checkpoint.run_state import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
-from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
-                                     sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from megabert.data_parallel.averaging import average_data_parallel_grads
 from megabert.data_parallel.grad_buckets import GradReducer
+from megabert.training.grads import clip_grads, grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
 from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
