@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megabert.parallel.layout import data_parallel_size
+from megabert.parallel.layout import PipelinePosition, data_parallel_size
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:
@@ -30,8 +30,9 @@ def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int
 
 
 @dataclass
-class ParallelState:
-    """The rank grid of one process and the groups it belongs to."""
+class ParallelState(PipelinePosition):
+    """The rank grid of one process and the groups it belongs to (is_first_stage and
+    is_last_stage: PipelinePosition's)."""
 
     rank: int
     world_size: int
@@ -56,14 +57,6 @@ class ParallelState:
     # How long any op on these groups waits for a peer (--distributed-timeout-minutes);
     # groups made later (new_dp_group) get it too. None: an offline state, no groups.
     timeout: Optional[datetime.timedelta] = None
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
     @property
     def is_logging_rank(self) -> bool:
