@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from tests.helpers.dist_utils import run_distributed
 
+from megabert.data_parallel.ring import RingCommunicator
 from megabert.errors import CommunicationError
 from megabert.parallel.comm import CommLedger
-from megabert.data_parallel.ring import RingCommunicator
 
 CHUNKS = (1, 37, 1001)  # elements per rank's chunk: odd, and one
 WIRE_CHUNK = 256 * 1024  # elements per chunk where the sockets' bytes are compared: 1 MB in fp32
