@@ -33,9 +33,10 @@ class DistributedOptimizerStrategy(LocalStrategy):
         super().__init__(model, dist_opt.optimizer, ps, runner, scaler=scaler, clip_grad=clip_grad,
                          reducer=dist_opt.buffers)
         self.dist_opt = dist_opt
+        self.buffers: ShardedBuffers = dist_opt.buffers  # the reducer, with the parameter all-gathers too
 
     def train_step(self, batches: list[dict]) -> StepResult:
-        buffers, pieces, ps = self.reducer, self.dist_opt.tensors, self.ps
+        buffers, pieces, ps = self.buffers, self.dist_opt.tensors, self.ps
         scale = self.scaler.scale if self.scaler else 1.0
         buffers.start(len(batches))
         metrics = self.runner.forward_backward(batches, scale)
@@ -65,16 +66,16 @@ class DistributedOptimizerStrategy(LocalStrategy):
         return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
 
     def forward_only(self, batches, output_fn):
-        self.reducer.wait_params()
+        self.buffers.wait_params()
         return super().forward_only(batches, output_fn)
 
     def settle(self) -> None:
         # The last step's parameter all-gathers are otherwise issued as forward waits for
         # them: a rank with no batch to predict would leave the others waiting.
-        self.reducer.wait_params()
+        self.buffers.wait_params()
 
     def cpu_state_dict(self, keep: bool) -> dict:
-        self.reducer.wait_params()
+        self.buffers.wait_params()
         return super().cpu_state_dict(keep)
 
     def optimizer_state(self) -> dict:
