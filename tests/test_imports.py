@@ -20,6 +20,13 @@ FORBIDDEN = [
     ("data", "tasks"), ("data", "corpus"), ("data", "training"),
     ("parallel", "model"), ("tensor_parallel", "model"), ("ops", "model"),
     ("training", "tasks"),
+    # megabert's own data parallelism sits between them: below training/ (which runs it
+    # inside a step), above parallel/, optim/ and tensor_parallel/ (which know no DP sharding).
+    ("data_parallel", "training"), ("data_parallel", "tasks"), ("data_parallel", "model"),
+    ("data_parallel", "checkpoint"), ("data_parallel", "planning"),
+    ("parallel", "data_parallel"), ("optim", "data_parallel"), ("tensor_parallel", "data_parallel"),
+    ("pipeline_parallel", "data_parallel"), ("checkpoint", "data_parallel"), ("planning", "data_parallel"),
+    ("model", "data_parallel"), ("config", "data_parallel"), ("rules", "data_parallel"),
 ]
 
 
@@ -184,7 +191,7 @@ def test_deepspeed_is_entered_through_one_door(graph):
 
 # The core packages: DeepSpeed enters through megabert.training.deepspeed only, and its JSON
 # is read there alone (everything else gets the resolved run's typed ZeroPlan).
-CORE = ("parallel", "model", "checkpoint", "tensor_parallel", "pipeline_parallel", "ops")
+CORE = ("parallel", "model", "checkpoint", "tensor_parallel", "pipeline_parallel", "data_parallel", "ops")
 
 
 def _sources(*parts):

@@ -100,7 +100,7 @@ def _mp_norm(ps):
 
 
 def _dp_bucket(ps):
-    from megabert.training.overlap import OverlappedGradReducer
+    from megabert.data_parallel.overlap import OverlappedGradReducer
 
     model = torch.nn.Linear(4, 4)
     reducer = OverlappedGradReducer(list(model.parameters()), ps, bucket_elements=8)
@@ -115,7 +115,7 @@ def _dp_bucket(ps):
 
 
 def _dp_ring(ps):
-    from megabert.parallel.ring import RingCommunicator
+    from megabert.data_parallel.ring import RingCommunicator
 
     ring = RingCommunicator(ps.new_dp_group(), 64, device=torch.device("cpu"))
     ring.reduce_scatter(torch.ones(16)).wait()
@@ -217,7 +217,7 @@ def outcomes():
     """{case: (outcome, the survivor's line, seconds from its op to the error)}, every
     pair run at once."""
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch.distributed", "megabert", "megabert.training.overlap", "megabert.parallel.ring",
+    preload = ["torch", "torch.distributed", "megabert", "megabert.data_parallel.overlap", "megabert.data_parallel.ring",
                "megabert.pipeline_parallel.p2p", "megabert.tensor_parallel.layers", "megabert.training.grads",
                "deepspeed.comm", "megabert.training.deepspeed.engine", __name__]
     ctx.set_forkserver_preload(preload)

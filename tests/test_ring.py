@@ -1,4 +1,4 @@
-"""megabert.parallel.ring: the distributed optimizer's reduce-scatter and all-gather on gloo,
+"""megabert.data_parallel.ring: the distributed optimizer's reduce-scatter and all-gather on gloo,
 rings of send/recv run by one thread. Against dist.all_reduce at 2 and 3 ranks, odd chunk
 lengths, fp32 and bf16, many ops queued at once; the ledger counts a ring's bytes and the
 sockets carry exactly those; a peer that stops makes wait() raise a CommunicationError that
@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from tests.helpers.dist_utils import run_distributed
 
+from megabert.data_parallel.ring import RingCommunicator
 from megabert.errors import CommunicationError
 from megabert.parallel.comm import CommLedger
-from megabert.parallel.ring import RingCommunicator
 
 CHUNKS = (1, 37, 1001)  # elements per rank's chunk: odd, and one
 WIRE_CHUNK = 256 * 1024  # elements per chunk where the sockets' bytes are compared: 1 MB in fp32

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,12 +45,13 @@ def fused_adamw_supports(p: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group: Optional[dist.ProcessGroup] = None, *,
-                    groups: Optional[list[dict]] = None, lamb: type = Lamb) -> torch.optim.Optimizer:
+                    groups: Optional[list[dict]] = None, lamb: Callable[..., Lamb] = Lamb) -> torch.optim.Optimizer:
     """The optimizer `cfg` describes, over BERT's parameter groups; which implementation
     runs is logged once ("optimizer: AdamW (fused)"). ZeRO-Offload steps the same
-    optimizer on its CPU partitions (the fused kernel runs there too). The distributed optimizer hands
-    `groups` of its shards' pieces (param_groups' order and hyper-parameters) and its
-    LAMB, whose trust ratios sum the pieces' norms over data parallelism."""
+    optimizer on its CPU partitions (the fused kernel runs there too). A caller that steps
+    tensors of its own hands their `groups` (param_groups' order and hyper-parameters) and,
+    where those tensors are parts of parameters, `lamb`: what builds LAMB from the groups
+    and its hyper-parameters (a Lamb whose trust ratios take the whole parameters' norms)."""
     groups = groups if groups is not None else param_groups(model, cfg.weight_decay)
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "lamb":

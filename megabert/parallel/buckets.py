@@ -1,6 +1,7 @@
-"""How much megabert's own data-parallel gradient all-reduce holds at once. Training uses
-it and the layout planner (megabert.planning) predicts with the same number, so both read
-it from here, below either. ZeRO's buffer sizes: megabert.parallel.zero.
+"""How much megabert's own data-parallel gradient all-reduce holds at once. The reducers
+(megabert.data_parallel), the flag's default (megabert.config) and the layout planner
+(megabert.planning) read the same number, so it lives here, below all of them. ZeRO's
+buffer sizes: megabert.parallel.zero.
 """
 from __future__ import annotations
 

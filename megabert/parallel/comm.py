@@ -21,7 +21,7 @@ so a measured step and a predicted step are in the same unit. gloo's own algorit
 other amounts on the wire; and where megabert composes an op from others on gloo (the
 sequence-parallel reduce-scatter as an all-reduce: `reduce_scatter_by_all_reduce`; the
 distributed optimizer's reduce-scatter and all-gather as rings of send/recv:
-megabert.parallel.ring, which counts through `count`) the op asked for is counted, so a
+megabert.data_parallel.ring, which counts through `count`) the op asked for is counted, so a
 CPU step counts what the same step sends on NCCL (the ring sends exactly that).
 
 Why an active ledger installed by a context manager, and not one passed to each call:
@@ -124,7 +124,7 @@ def active_ledger() -> Optional[CommLedger]:
 
 def count(group, op: str, nbytes: int, label: Optional[str] = None) -> None:
     """Counts `op` on `nbytes` over `group` as if sent now, for a collective composed
-    outside this module from transfers it does not count (megabert.parallel.ring)."""
+    outside this module from transfers it does not count (megabert.data_parallel.ring)."""
     _record(group, op, nbytes, label)
 
 

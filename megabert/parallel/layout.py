@@ -46,8 +46,25 @@ class BatchLayout:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
 
+class PipelinePosition:
+    """Where a rank sits in its pipeline, read from its `pp_rank` and `pp_size`: the
+    ParallelState (megabert.parallel.state) and a StageLayout are both one, so the rule
+    is written once."""
+
+    pp_rank: int
+    pp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
 @dataclass(frozen=True)
-class StageLayout:
+class StageLayout(PipelinePosition):
     """Layers of one pipeline rank. The layers are cut into pp_size x V chunks of
     `layers_per_chunk`; rank r holds global chunks r, r + pp, r + 2 pp, ... (V = 1 unless
     the schedule is interleaved). Global chunk 0 starts with the embeddings; the last ends
@@ -90,14 +107,6 @@ class StageLayout:
 
     def is_last_chunk(self, v: int) -> bool:
         return self.global_chunk(v) == self.num_chunks * self.pp_size - 1
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
     def stage_of_layer(self, layer: int) -> int:
         return (layer // self.layers_per_chunk) % self.pp_size

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megabert.parallel.layout import data_parallel_size
+from megabert.parallel.layout import PipelinePosition, data_parallel_size
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:
@@ -30,8 +30,9 @@ def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int
 
 
 @dataclass
-class ParallelState:
-    """The rank grid of one process and the groups it belongs to."""
+class ParallelState(PipelinePosition):
+    """The rank grid of one process and the groups it belongs to (is_first_stage and
+    is_last_stage: PipelinePosition's)."""
 
     rank: int
     world_size: int
@@ -58,14 +59,6 @@ class ParallelState:
     timeout: Optional[datetime.timedelta] = None
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
     def is_logging_rank(self) -> bool:
         return self.rank == 0
 
@@ -87,7 +80,7 @@ class ParallelState:
     def new_dp_group(self, backend: Optional[str] = None) -> dist.ProcessGroup:
         """A second communicator over this rank's data-parallel ranks, for traffic that runs
         beside the DP group's own collectives (the distributed optimizer's ring thread on
-        gloo: megabert.parallel.ring), on the run's timeout. Collective over the world, as
+        gloo: megabert.data_parallel.ring), on the run's timeout. Collective over the world, as
         `build`: every rank calls it, and it creates every DP group in build's order."""
         if self.timeout is None:
             raise RuntimeError("an offline ParallelState has no process groups")

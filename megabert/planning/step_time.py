@@ -12,7 +12,7 @@
   adjacent, then DP, then PP; nodes are blocks of `gpus_per_node` consecutive ranks.
   Bandwidth only: no per-message latency (at the bench's sizes it is under 1% of a step).
 - TP collectives sit on the critical path: all exposed.
-- DP with the overlap (megabert.training.overlap): n buckets become ready evenly over the
+- DP with the overlap (megabert.data_parallel.overlap): n buckets become ready evenly over the
   last micro-batch's backward (taken as 2/3 of its compute) and are reduced one after the
   other, so the reduction ends at max(W + c, W / n + D) for a window W, a bucket's time c
   and the whole reduction D: exposed = max(c, D - W (1 - 1/n)), never less than the last

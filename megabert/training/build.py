@@ -13,7 +13,7 @@ from megabert.model.transformer import compile_layers
 from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
-from megabert.training.overlap import OverlappedGradReducer
+from megabert.data_parallel.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler, autocast
 from megabert.training.restore import continue_run, preload_weights
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, TrainingTask
@@ -74,7 +74,7 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
         return build_deepspeed_strategy(model, ps, ds_cfg, run.optim, t, runner() if ps.pp_size > 1 else None,
                                         task)
     if run.parallel.use_distributed_optimizer:
-        from megabert.training.distributed_optimizer import build_distributed_optimizer_strategy
+        from megabert.training.distributed_optimizer_strategy import build_distributed_optimizer_strategy
 
         return build_distributed_optimizer_strategy(model, ps, run.optim, runner(),
                                                     bucket_elements=run.parallel.ddp_bucket_size,

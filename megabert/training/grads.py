@@ -1,52 +1,30 @@
-"""Gradient reductions between backward and the optimizer step.
+"""The gradient step between backward and the optimizer: the sums that model parallelism
+needs, the global norm and the clipping.
 
-Order matters: sequence-parallel LayerNorm grads are summed over TP first (each rank
-saw only its slice of the sequence), the pipeline's two copies of the tied word
-embeddings are summed, then all grads are averaged over DP, then the global norm is
-taken over the model-parallel group for clipping. Which parameter needs what is read
-from its ParamSpec. The norm and the clipping stay on the device (foreach kernels): no
-host synchronisation per parameter.
+Sequence-parallel LayerNorm grads are summed over TP (each rank saw only its slice of the
+sequence) and the pipeline's two copies of the tied word embeddings over the embedding
+group; the average over DP (megabert.data_parallel: overlapped with backward, or
+averaging.py after it) commutes with both. Then the global norm is taken over the
+model-parallel group for clipping. Which parameter needs what is read from its ParamSpec.
+The norm and the clipping stay on the device (foreach kernels): no host synchronisation
+per parameter.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megabert.data_parallel.averaging import all_reduce_coalesced
 from megabert.parallel import ParallelState, comm
-from megabert.parallel.buckets import BUCKET_ELEMENTS
 from megabert.parallel.param_spec import ParamSpec, spec_of
-
-
-
-def _buckets(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
-    bucket, size = [], 0
-    for t in tensors:
-        if bucket and (size + t.numel() > BUCKET_ELEMENTS or t.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += t.numel()
-    if bucket:
-        yield bucket
-
-
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0, label=None) -> None:
-    for bucket in _buckets(tensors):
-        flat = _flatten_dense_tensors(bucket)
-        comm.all_reduce(flat, group=group, label=label)
-        if scale != 1.0:
-            flat.mul_(scale)
-        for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            t.copy_(reduced)
 
 
 def _sum_grads(params: Iterable[torch.nn.Parameter], wanted: Callable[[ParamSpec], bool], group,
                label=None) -> None:
     grads = [p.grad for p in params if p.grad is not None and wanted(spec_of(p))]
     if grads:
-        _all_reduce_coalesced(grads, group, label=label)
+        all_reduce_coalesced(grads, group, label=label)
 
 
 def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
@@ -60,14 +38,6 @@ def sync_tied_embedding_grads(params: Iterable[torch.nn.Parameter], ps: Parallel
     gives both the full gradient, so identical optimizer steps keep them equal."""
     if ps.pp_size > 1:
         _sum_grads(params, lambda s: s.placement == "tied", ps.embedding_group)
-
-
-def average_data_parallel_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState) -> None:
-    """Mean over DP replicas: each replica's loss is a mean over its own samples."""
-    if ps.dp_size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    _all_reduce_coalesced(grads, ps.dp_group, scale=1.0 / ps.dp_size)
 
 
 def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState, dp_sharded: bool = False) -> torch.Tensor:

@@ -22,10 +22,10 @@ from megabert.parallel import ParallelState
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.errors import CheckpointError
 from megabert.checkpoint.run_state import RankContents, TrainingState, capture_rng, save_checkpoint
+from megabert.data_parallel.averaging import average_data_parallel_grads
+from megabert.data_parallel.grad_buckets import GradReducer
 from megabert.parallel.param_spec import spec_table, table_to_dict
-from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
-                                     sync_sequence_parallel_grads, sync_tied_embedding_grads)
-from megabert.training.overlap import OverlappedGradReducer
+from megabert.training.grads import clip_grads, grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
 from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class LocalStrategy(Strategy):
     per step (the norm), however many parameters."""
 
     def __init__(self, model, optimizer, ps, runner, *, scaler: Optional[DynamicLossScaler], clip_grad: float,
-                 reducer: Optional[OverlappedGradReducer] = None):
+                 reducer: Optional[GradReducer] = None):
         super().__init__(model, optimizer, ps, runner, scaler=scaler)
         self.clip_grad = clip_grad
         self.reducer = reducer  # None: DP gradients averaged after backward (DP = 1, --no-overlap-grad-reduce)

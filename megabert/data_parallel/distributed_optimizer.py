@@ -1,10 +1,12 @@
 """The distributed optimizer (--use-distributed-optimizer, Megatron-LM's flag): optimizer
 states sharded over data parallelism, gradients reduce-scattered while backward runs,
-parameters all-gathered while the next forward runs.
+parameters all-gathered while the next forward runs. This module holds the optimizer over
+this rank's pieces and its states by name; the training step that orders the reductions
+around it is megabert.training.distributed_optimizer_strategy's.
 
 Per step: backward fills the contiguous gradient buffer, and each bucket is
 reduce-scattered as soon as its last micro-batch's gradients are in
-(megabert.training.sharded_buffers); each DP rank then holds the averaged gradients of
+(megabert.data_parallel.sharded_buffers); each DP rank then holds the averaged gradients of
 its shard of every bucket. The sums over TP (sequence-parallel LayerNorms) and over the
 embedding group (the pipeline's tied word embeddings, bucketed alone so that both stages
 shard them alike) apply to the shards; the global norm sums the shards' squares over
@@ -23,65 +25,20 @@ so a checkpoint moves between DP sizes and between runs with and without the fla
 """
 from __future__ import annotations
 
-import logging
-import math
+import functools
 from typing import Optional
 
 import torch
 
 from megabert.config import OptimConfig
+from megabert.data_parallel.sharded_buffers import Piece, ShardedBuffers
+from megabert.data_parallel.sharded_lamb import ShardedLamb
 from megabert.errors import CheckpointError
-from megabert.optim import Lamb, build_optimizer, param_groups
+from megabert.optim import build_optimizer, param_groups
 from megabert.parallel import ParallelState, comm
-from megabert.parallel.param_spec import spec_of
-from megabert.training.grads import clip_grads, grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
-from megabert.training.precision import DynamicLossScaler
-from megabert.training.sharded_buffers import Piece, ShardedBuffers
-from megabert.training.strategy import LocalStrategy, StepResult
-
-logger = logging.getLogger(__name__)
 
 # The optimizers' per-element states (AdamW's and LAMB's, torch's names); "step" is a scalar.
 ELEMENT_STATES = ("exp_avg", "exp_avg_sq")
-
-
-class ShardedLamb(Lamb):
-    """LAMB over pieces of parameters: a trust ratio needs the norms of the whole
-    parameter, so the pieces' squared norms are summed per parameter over the DP ranks
-    (and over TP for split parameters), all groups in one reduction per step."""
-
-    def bind(self, pieces: list[Piece], params: list[torch.nn.Parameter], ps: ParallelState) -> None:
-        index = {id(p): i for i, p in enumerate(params)}
-        self._parent = {id(piece.tensor): index[id(piece.param)] for piece in pieces}
-        self._split = torch.tensor([spec_of(p).is_tensor_parallel for p in params], device=ps.device)
-        self._n, self._ps = len(params), ps
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        work = [(group, self._updates(group)) for group in self.param_groups]
-        work = [(g, w) for g, w in work if w is not None]
-        # [2, n_params] float64: squares of ||w|| and ||update|| per whole parameter. A
-        # piece's norm squared in float64 is exact, so a parameter held whole by one
-        # rank gets the very norm plain LAMB computes.
-        sums = torch.zeros(2, self._n, dtype=torch.float64, device=self._ps.device)
-        for _, (params, updates, fp32_params) in work:
-            idx = torch.tensor([self._parent[id(p)] for p in params], device=sums.device)
-            sums[0].index_add_(0, idx, torch.stack(torch._foreach_norm(fp32_params, 2, dtype=torch.float32))
-                               .double().square())
-            sums[1].index_add_(0, idx, torch.stack(torch._foreach_norm(updates, 2)).double().square())
-        ps = self._ps
-        if ps.dp_size > 1:
-            comm.all_reduce(sums, group=ps.dp_group)  # every rank calls it, with or without pieces
-        if ps.tp_size > 1 and bool(self._split.any()):
-            split = sums[:, self._split]
-            comm.all_reduce(split, group=ps.tp_group)
-            sums[:, self._split] = split
-        norms = sums.sqrt().float()
-        for group, (params, updates, _) in work:
-            idx = torch.tensor([self._parent[id(p)] for p in params], device=norms.device)
-            self._apply(group, params, updates, norms[0, idx], norms[1, idx])
-        return loss
 
 
 class DistributedOptimizer:
@@ -99,9 +56,8 @@ class DistributedOptimizer:
             groups[group_of[id(piece.param)]]["params"].append(piece.tensor)
         self.pieces = buffers.pieces
         self.tensors = [piece.tensor for piece in self.pieces]
-        self.optimizer = build_optimizer(model, cfg, ps.tp_group, groups=groups, lamb=ShardedLamb)
-        if isinstance(self.optimizer, ShardedLamb):
-            self.optimizer.bind(self.pieces, self.params, ps)
+        lamb = functools.partial(ShardedLamb, pieces=self.pieces, params=self.params, ps=ps)
+        self.optimizer = build_optimizer(model, cfg, ps.tp_group, groups=groups, lamb=lamb)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -180,80 +136,3 @@ class DistributedOptimizer:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [position[id(t)] for t in live["params"]]}
                   for g, live in zip(saved["param_groups"], self.optimizer.param_groups)]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-class DistributedOptimizerStrategy(LocalStrategy):
-    """LocalStrategy's update with the distributed optimizer: the reductions, the loss
-    scaler, the norm and the clipping act on this rank's shards (the pieces)."""
-
-    def __init__(self, model, dist_opt: DistributedOptimizer, ps, runner, *, scaler: Optional[DynamicLossScaler],
-                 clip_grad: float):
-        super().__init__(model, dist_opt.optimizer, ps, runner, scaler=scaler, clip_grad=clip_grad,
-                         reducer=dist_opt.buffers)
-        self.dist_opt = dist_opt
-
-    def train_step(self, batches: list[dict]) -> StepResult:
-        buffers, pieces, ps = self.reducer, self.dist_opt.tensors, self.ps
-        scale = self.scaler.scale if self.scaler else 1.0
-        buffers.start(len(batches))
-        metrics = self.runner.forward_backward(batches, scale)
-        buffers.finish()  # the reduce-scatters, issued during the last micro-batch's backward
-        # The shards of the sums over TP and over the embedding group: every TP rank and
-        # both embedding stages lay their buffers out alike, so shard i is the same
-        # elements on each.
-        sync_sequence_parallel_grads(pieces, ps)
-        sync_tied_embedding_grads(pieces, ps)
-        if self.scaler is not None:
-            if self.scaler.found_overflow(pieces, ps.device):  # over the world: every shard
-                self.scaler.update(overflow=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(metrics, float("nan"), skipped=True, loss_scale=scale)
-            self.scaler.unscale_(pieces)
-        norm = grad_norm(pieces, ps, dp_sharded=True)
-        norm_value = norm.item()
-        if not math.isfinite(norm_value):
-            logger.warning("gradient norm is %s; step skipped", norm_value)
-            self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
-        clip_grads(pieces, self.clip_grad, norm)
-        self.optimizer.step()
-        buffers.gather_params()  # with --overlap-param-gather, waited for by the next forward
-        if self.scaler is not None:
-            self.scaler.update(overflow=False)
-        return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
-
-    def forward_only(self, batches, output_fn):
-        self.reducer.wait_params()
-        return super().forward_only(batches, output_fn)
-
-    def settle(self) -> None:
-        # The last step's parameter all-gathers are otherwise issued as forward waits for
-        # them: a rank with no batch to predict would leave the others waiting.
-        self.reducer.wait_params()
-
-    def cpu_state_dict(self, keep: bool) -> dict:
-        self.reducer.wait_params()
-        return super().cpu_state_dict(keep)
-
-    def optimizer_state(self) -> dict:
-        return self.dist_opt.state_by_name()  # collective: save_checkpoint calls it on every rank
-
-    def load_optimizer_state(self, path: str, payload: dict, state) -> None:
-        if payload.get("optimizer") is None:
-            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
-                                  f"or start the optimizer fresh with --finetune")
-        self.dist_opt.load_state_by_name(payload["optimizer"])
-
-
-def build_distributed_optimizer_strategy(model: torch.nn.Module, ps: ParallelState, cfg: OptimConfig, runner, *,
-                                         bucket_elements: int, overlap_param_gather: bool, fp16: bool,
-                                         clip_grad: float) -> DistributedOptimizerStrategy:
-    params = [p for p in model.parameters() if p.requires_grad]
-    # The pipeline's tied word embeddings get a bucket of their own: the first and the last
-    # stage then shard them alike and can sum their shards over the embedding group.
-    isolate = (lambda p: spec_of(p).placement == "tied") if ps.pp_size > 1 else (lambda p: False)
-    buffers = ShardedBuffers(params, ps, bucket_elements, isolate=isolate, overlap_param_gather=overlap_param_gather)
-    buffers.install_forward_hooks(model)
-    dist_opt = DistributedOptimizer(model, cfg, ps, buffers)
-    scaler = DynamicLossScaler(cfg) if fp16 else None
-    return DistributedOptimizerStrategy(model, dist_opt, ps, runner, scaler=scaler, clip_grad=clip_grad)

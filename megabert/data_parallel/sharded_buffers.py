@@ -1,11 +1,11 @@
 """Contiguous parameter and gradient buffers split over data parallelism, for the
-distributed optimizer (megabert.training.distributed_optimizer).
+distributed optimizer (megabert.data_parallel.distributed_optimizer).
 
-The layout is OverlappedGradReducer's (buckets in the order backward produces gradients,
-a hook counting each parameter's accumulations), with three changes, as Megatron-LM's
-param_and_grad_buffer lays them out:
+The gradients are a GradBuckets (megabert.data_parallel.grad_buckets: the buckets in the
+order backward produces gradients, issued as backward fills them), as OverlappedGradReducer
+holds them, with three changes, as Megatron-LM's param_and_grad_buffer lays them out:
 - every bucket is padded to a multiple of lcm(DP, 128) elements and split in DP equal
-  shards; DP rank r owns shard r of every bucket;
+  shards; DP rank r owns shard r of every bucket (megabert.data_parallel.bucket_layout);
 - a ready bucket is reduce-scattered, not all-reduced: rank r receives the sum of shard r
   only (half the bytes of a ring all-reduce), in place in the gradient buffer;
 - the parameters live in a second buffer of the same layout (each parameter's `.data` is a
@@ -22,7 +22,7 @@ for the buckets up to the one holding its parameters, so the first layers comput
 the later buckets are still arriving.
 
 On gloo (CPU) both collectives are rings of point-to-point transfers, in place, run in
-issue order by one thread on a communicator of their own (megabert.parallel.ring): gloo's
+issue order by one thread on a communicator of their own (megabert.data_parallel.ring): gloo's
 own reduce_scatter and all_gather stage copies of the whole bucket for every call in
 flight, and backward issues the reduce-scatters faster than two cores complete them (with
 BERT-large at DP=2 that held more than the sharded moments saved), and composing them from
@@ -32,23 +32,19 @@ time (issue 32). NCCL's run in place as they are.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megabert.data_parallel.bucket_layout import layout_buffers, pieces
+from megabert.data_parallel.grad_buckets import Bucket, GradBuckets
+from megabert.data_parallel.ring import RingCommunicator
 from megabert.parallel import ParallelState, comm
 from megabert.parallel.param_spec import ATTR
-from megabert.parallel.ring import RingCommunicator
-from megabert.training.overlap import OverlappedGradReducer, _Bucket
 
 logger = logging.getLogger(__name__)
-
-# Megatron pads each bucket to lcm(DP, 128) elements so that every shard starts aligned for
-# NCCL's fast paths; the padding is at most 127 elements per bucket.
-BUCKET_ALIGNMENT = 128
 
 
 # Parameter all-gathers in flight at once on NCCL: two keep the link busy (one runs while
@@ -71,7 +67,27 @@ class Piece:
     grad: torch.Tensor  # the gradient buffer's view, reduced and averaged after `finish`
 
 
-class ShardedBuffers(OverlappedGradReducer):
+@dataclass(eq=False)
+class ShardedBucket:
+    """One bucket of both buffers."""
+
+    grads: Bucket
+    """The gradient side, which GradBuckets reduce-scatters: `grads.kept` is this rank's shard."""
+    params_flat: torch.Tensor
+    """Its span of the parameter buffer: what the all-gather fills."""
+    param_shard: torch.Tensor
+    """This rank's shard of it: what the optimizer steps."""
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.grads.params
+
+    @property
+    def start(self) -> int:
+        return self.grads.start
+
+
+class ShardedBuffers:
     """Owns the parameters' storage and gradients of `params` (DP > 1 or not). Per step:
     `start(n)` before the first backward, `finish()` after the last (this rank's shards
     then hold the averaged gradients: each piece's `.grad`), the optimizer steps the
@@ -81,17 +97,40 @@ class ShardedBuffers(OverlappedGradReducer):
 
     def __init__(self, params: list[torch.nn.Parameter], ps: ParallelState, bucket_elements: int, *,
                  isolate: Callable[[torch.nn.Parameter], bool] = lambda p: False, overlap_param_gather: bool = True):
-        self._isolate = isolate
+        self.ps = ps
+        self.params = list(params)
+        self.ring: Optional[RingCommunicator] = None  # chosen below, once the shards' sizes are known
+        layouts = layout_buffers(list(reversed(self.params)), bucket_elements, shards=ps.dp_size, shard=ps.dp_rank,
+                                 isolate=isolate)
         self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        self.pieces: list[Piece] = []
         self.offsets: dict[torch.nn.Parameter, int] = {}  # where each parameter starts in its dtype's buffers
-        super().__init__(params, ps, bucket_elements)
+        for layout in layouts:
+            values = self.param_buffers[layout.dtype] = torch.zeros(layout.size, dtype=layout.dtype,
+                                                                    device=layout.device)
+            self.offsets.update(layout.offsets)
+            for p, o in layout.offsets.items():
+                view = values[o:o + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view  # the parameter now lives in the buffer: the all-gather writes it
+        self.grads = GradBuckets(self.params, layouts, ps.dp_size, self._reduce_scatter)
+        self.pieces: list[Piece] = []
+        self.buckets: list[ShardedBucket] = []
+        grad_buckets = iter(self.grads.buckets)  # the layouts' buckets, in the layouts' order
+        for layout in layouts:
+            values, grads = self.param_buffers[layout.dtype], self.grads.buffers[layout.dtype]
+            for span in layout.buckets:
+                self.buckets.append(ShardedBucket(next(grad_buckets), values[span.start:span.end],
+                                                  values[span.shard_start:span.shard_end]))
+            for s in pieces(layout):
+                n = s.hi - s.lo
+                piece = Piece(s.param, s.lo, s.hi, values[s.at:s.at + n], grads[s.at:s.at + n])
+                setattr(piece.tensor, ATTR, getattr(s.param, ATTR))  # the spec: norms and sums read it
+                self.pieces.append(piece)
         # Chosen once, from the DP group's backend: gloo's own collectives stage copies (see
         # the module docstring); where the group is a single rank nothing is sent either way.
         # NOTE: new_dp_group is collective over the world; every rank builds its buffers here.
-        self.ring: Optional[RingCommunicator] = None
         if ps.dp_size > 1 and dist.get_backend(ps.dp_group) == "gloo":
-            chunk_bytes = max(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets)
+            chunk_bytes = max(b.grads.kept.numel() * b.grads.kept.element_size() for b in self.buckets)
             self.ring = RingCommunicator(ps.new_dp_group(backend="gloo"), chunk_bytes, device=ps.device, label="dp")
             if ps.is_logging_rank:
                 logger.info("distributed optimizer on gloo: gradient buckets reduce-scattered and parameters "
@@ -105,75 +144,28 @@ class ShardedBuffers(OverlappedGradReducer):
         # tests and benchmarks): several entries = the gathers were spread over forward.
         self.forward_waits: list[int] = []
 
-    # ---------------------------------------------------------------- layout
+    @property
+    def buffers(self) -> dict[torch.dtype, torch.Tensor]:
+        """The gradient buffers, one per dtype."""
+        return self.grads.buffers
 
-    def _build(self, order: list[torch.nn.Parameter], bucket_elements: int) -> None:
-        dp, dp_rank = self.ps.dp_size, self.ps.dp_rank
-        align = math.lcm(dp, BUCKET_ALIGNMENT)
-        for dtype in dict.fromkeys(p.dtype for p in order):
-            group = [p for p in order if p.dtype == dtype]
-            plan: list[tuple[list[torch.nn.Parameter], int, int]] = []  # (members, start, padded end)
-            offsets: dict[torch.nn.Parameter, int] = {}
-            start, offset, members = 0, 0, []
-            for p in group:
-                if members and (self._isolate(p) or self._isolate(members[-1])
-                                or offset + p.numel() - start > bucket_elements):
-                    end = _round_up(offset, align)
-                    plan.append((members, start, end))
-                    start = offset = end
-                    members = []
-                offsets[p] = self.offsets[p] = offset
-                members.append(p)
-                offset += p.numel()
-            plan.append((members, start, _round_up(offset, align)))
-            total = plan[-1][2]
-            grads = torch.zeros(total, dtype=dtype, device=group[0].device)
-            values = torch.zeros(total, dtype=dtype, device=group[0].device)
-            self.buffers[dtype], self.param_buffers[dtype] = grads, values
-            for members, start, end in plan:
-                for p in members:
-                    o, n = offsets[p], p.numel()
-                    view = values[o:o + n].view_as(p)
-                    view.copy_(p.detach())
-                    p.data = view  # the parameter now lives in the buffer: the all-gather writes it
-                    self._views[p] = grads[o:o + n].view_as(p)
-                bucket = _Bucket(grads[start:end], members)
-                shard = (end - start) // dp
-                lo, hi = start + dp_rank * shard, start + (dp_rank + 1) * shard
-                bucket.start, bucket.params_flat = start, values[start:end]
-                bucket.grad_shard, bucket.param_shard = grads[lo:hi], values[lo:hi]
-                self._add_bucket(bucket)
-                for p in members:
-                    a, b = max(offsets[p], lo), min(offsets[p] + p.numel(), hi)
-                    if a < b:
-                        piece = Piece(p, a - offsets[p], b - offsets[p], values[a:b], grads[a:b])
-                        setattr(piece.tensor, ATTR, getattr(p, ATTR))  # the spec: norms and sums read it
-                        self.pieces.append(piece)
+    @property
+    def issued_in_backward(self) -> int:
+        return self.grads.issued_in_backward
 
-    def bucket_of(self, p: torch.nn.Parameter) -> _Bucket:
-        return self._bucket_of[p]
-
-    def _add_bucket(self, bucket) -> None:  # type: ignore[override]
-        self.buckets.append(bucket)
-        for p in bucket.params:
-            self._bucket_of[p] = bucket
+    def bucket_of(self, p: torch.nn.Parameter) -> ShardedBucket:
+        return self.buckets[self.grads.index_of(p)]
 
     # ---------------------------------------------------------------- gradients
 
     def start(self, num_micro_batches: int) -> None:
         self.forward_waits = []
-        super().start(num_micro_batches)
+        self.grads.start(num_micro_batches)
 
-    def _issue(self, bucket: _Bucket) -> None:
+    def _reduce_scatter(self, bucket: Bucket):
         if self.ring is not None:
-            bucket.handle = self.ring.reduce_scatter(bucket.flat)
-        else:
-            bucket.handle = comm.reduce_scatter_tensor(bucket.grad_shard, bucket.flat, group=self.ps.dp_group,
-                                                       async_op=True)
-
-    def _complete(self, bucket: _Bucket, scale: float) -> None:
-        bucket.handle.wait()
-        bucket.grad_shard.mul_(scale)
+            return self.ring.reduce_scatter(bucket.flat)
+        return comm.reduce_scatter_tensor(bucket.kept, bucket.flat, group=self.ps.dp_group, async_op=True)
 
     def finish(self) -> None:
         """The DP average of this rank's shards, as each piece's `.grad` (None for a
@@ -181,9 +173,9 @@ class ShardedBuffers(OverlappedGradReducer):
         Outside the shards the gradient buffer holds no meaningful values: the model's
         `.grad`s are not the averaged gradients after this; the pieces' are."""
         self.wait_params()  # no all-gather may still write a shard the optimizer is about to step
-        super().finish()
+        self.grads.finish()
         for piece in self.pieces:
-            piece.tensor.grad = piece.grad if self._counts[piece.param] else None
+            piece.tensor.grad = piece.grad if self.grads.received(piece.param) else None
 
     # ---------------------------------------------------------------- parameters
 
@@ -229,10 +221,10 @@ class ShardedBuffers(OverlappedGradReducer):
         it, since its bucket is the first gathered: buckets are waited for in order."""
         forward_index = {id(b): i for i, b in enumerate(reversed(self.buckets))}
         for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if p in self._bucket_of]
+            own = [p for p in module.parameters(recurse=False) if self.grads.holds(p)]
             if not own:
                 continue
-            upto = max(forward_index[id(self._bucket_of[p])] for p in own)
+            upto = max(forward_index[id(self.bucket_of(p))] for p in own)
             self._pre_hooks.append(module.register_forward_pre_hook(
                 lambda mod, args, upto=upto: self._wait_in_forward(upto)))
 
@@ -249,8 +241,5 @@ class ShardedBuffers(OverlappedGradReducer):
         self._pre_hooks = []
         if self.ring is not None:
             self.ring.close()
-        super().close()
+        self.grads.close()
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple

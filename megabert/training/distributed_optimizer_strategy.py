@@ -1,0 +1,102 @@
+"""The training step with the distributed optimizer (--use-distributed-optimizer): LocalStrategy's
+update, with the reductions, the loss scaler, the norm and the clipping acting on this rank's
+shards. The sharded buffers and the optimizer over their pieces are megabert.data_parallel's
+(sharded_buffers, distributed_optimizer); this module only orders them inside one step.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from megabert.config import OptimConfig
+from megabert.data_parallel.distributed_optimizer import DistributedOptimizer
+from megabert.data_parallel.sharded_buffers import ShardedBuffers
+from megabert.errors import CheckpointError
+from megabert.parallel import ParallelState
+from megabert.parallel.param_spec import spec_of
+from megabert.training.grads import clip_grads, grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
+from megabert.training.precision import DynamicLossScaler
+from megabert.training.strategy import LocalStrategy, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedOptimizerStrategy(LocalStrategy):
+    """LocalStrategy's update with the distributed optimizer: the reductions, the loss
+    scaler, the norm and the clipping act on this rank's shards (the pieces)."""
+
+    def __init__(self, model, dist_opt: DistributedOptimizer, ps, runner, *, scaler: Optional[DynamicLossScaler],
+                 clip_grad: float):
+        super().__init__(model, dist_opt.optimizer, ps, runner, scaler=scaler, clip_grad=clip_grad,
+                         reducer=dist_opt.buffers)
+        self.dist_opt = dist_opt
+        self.buffers: ShardedBuffers = dist_opt.buffers  # the reducer, with the parameter all-gathers too
+
+    def train_step(self, batches: list[dict]) -> StepResult:
+        buffers, pieces, ps = self.buffers, self.dist_opt.tensors, self.ps
+        scale = self.scaler.scale if self.scaler else 1.0
+        buffers.start(len(batches))
+        metrics = self.runner.forward_backward(batches, scale)
+        buffers.finish()  # the reduce-scatters, issued during the last micro-batch's backward
+        # The shards of the sums over TP and over the embedding group: every TP rank and
+        # both embedding stages lay their buffers out alike, so shard i is the same
+        # elements on each.
+        sync_sequence_parallel_grads(pieces, ps)
+        sync_tied_embedding_grads(pieces, ps)
+        if self.scaler is not None:
+            if self.scaler.found_overflow(pieces, ps.device):  # over the world: every shard
+                self.scaler.update(overflow=True)
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(metrics, float("nan"), skipped=True, loss_scale=scale)
+            self.scaler.unscale_(pieces)
+        norm = grad_norm(pieces, ps, dp_sharded=True)
+        norm_value = norm.item()
+        if not math.isfinite(norm_value):
+            logger.warning("gradient norm is %s; step skipped", norm_value)
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
+        clip_grads(pieces, self.clip_grad, norm)
+        self.optimizer.step()
+        buffers.gather_params()  # with --overlap-param-gather, waited for by the next forward
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
+
+    def forward_only(self, batches, output_fn):
+        self.buffers.wait_params()
+        return super().forward_only(batches, output_fn)
+
+    def settle(self) -> None:
+        # The last step's parameter all-gathers are otherwise issued as forward waits for
+        # them: a rank with no batch to predict would leave the others waiting.
+        self.buffers.wait_params()
+
+    def cpu_state_dict(self, keep: bool) -> dict:
+        self.buffers.wait_params()
+        return super().cpu_state_dict(keep)
+
+    def optimizer_state(self) -> dict:
+        return self.dist_opt.state_by_name()  # collective: save_checkpoint calls it on every rank
+
+    def load_optimizer_state(self, path: str, payload: dict, state) -> None:
+        if payload.get("optimizer") is None:
+            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
+                                  f"or start the optimizer fresh with --finetune")
+        self.dist_opt.load_state_by_name(payload["optimizer"])
+
+
+def build_distributed_optimizer_strategy(model: torch.nn.Module, ps: ParallelState, cfg: OptimConfig, runner, *,
+                                         bucket_elements: int, overlap_param_gather: bool, fp16: bool,
+                                         clip_grad: float) -> DistributedOptimizerStrategy:
+    params = [p for p in model.parameters() if p.requires_grad]
+    # The pipeline's tied word embeddings get a bucket of their own: the first and the last
+    # stage then shard them alike and can sum their shards over the embedding group.
+    isolate = (lambda p: spec_of(p).placement == "tied") if ps.pp_size > 1 else (lambda p: False)
+    buffers = ShardedBuffers(params, ps, bucket_elements, isolate=isolate, overlap_param_gather=overlap_param_gather)
+    buffers.install_forward_hooks(model)
+    dist_opt = DistributedOptimizer(model, cfg, ps, buffers)
+    scaler = DynamicLossScaler(cfg) if fp16 else None
+    return DistributedOptimizerStrategy(model, dist_opt, ps, runner, scaler=scaler, clip_grad=clip_grad)
