@@ -9,7 +9,6 @@ mpirun and srun, or as one process.
 """
 from __future__ import annotations
 
-import logging
 import sys
 
 import megabert
@@ -21,16 +20,6 @@ from megabert.data import build_tokenizer
 from megabert.tasks.pretraining.batches import build_batches
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.resolve import resolve_run
-
-
-def log_memory_preflight(run, ps, vocab_size: int) -> None:
-    """Before any model tensor is allocated: the planner's predicted per-rank peak against
-    --memory-budget-gb (default the GPU's memory; no check on CPU without the flag). A
-    layout that will not fit is named with the flags that would make it fit, instead of an
-    out-of-memory error minutes later; one that fits gets one info line."""
-    check = megabert.planning.preflight(run, ps.device, vocab_size=vocab_size)
-    if check is not None:
-        logging.getLogger("megabert").log(logging.INFO if check.fits else logging.WARNING, check.message())
 
 
 @cli_main
@@ -45,8 +34,8 @@ def main(argv=None) -> None:
     if not cfg.data.data_path:
         raise megabert.ConfigError("--data-path is required: a dataset prefix made by tools/preprocess_data.py")
     tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.vocab_file)
-    if ps.is_logging_rank:
-        log_memory_preflight(run, ps, tokenizer.vocab_size)
+    if ps.is_logging_rank:  # the planner's predicted peak against --memory-budget-gb
+        megabert.planning.log_preflight(run, ps.device, vocab_size=tokenizer.vocab_size)
     train_batches, valid_batches = build_batches(run, ps, tokenizer)
     trainer = build_pretraining(run, ps, tokenizer.vocab_size, train_batches, valid_batches)
     try:

@@ -57,6 +57,9 @@ class Source:
     megatron_args: Optional[dict] = field(default=None, compare=False)
     """A Megatron-LM run's args (its optimizer and schedule flags among them), read with its
     header when it was detected; None for every other format."""
+    root: Optional[str] = None
+    """A megabert checkpoint's root (the directory with the tracker file, for a path that
+    names one of its iteration directories too): where a strategy's own files lie beside it."""
 
     @property
     def external(self) -> bool:
@@ -84,7 +87,8 @@ def detect_source(path: str) -> Optional[Source]:
     if tf_io.is_tf_dir(path):
         return Source(path, Format.TF)
     if has_checkpoint(path):
-        return Source(path, Format.RELEASE if read_tracker(path) == "release" else Format.MEGABERT)
+        return Source(path, Format.RELEASE if read_tracker(path) == "release" else Format.MEGABERT,
+                      root=checkpoint_root(path))
     return None
 
 
@@ -228,7 +232,7 @@ def _intact(start: RunStart, train: TrainConfig) -> RunStart:
                               f"from the seed with another --save directory")
     ckpt_dir, iteration = intact
     if train.save and _same_dir(root, train.save) and not start.weights_only:
-        return RunStart(Source(ckpt_dir, Format.MEGABERT), False, start.flag, warn=True,
+        return RunStart(Source(ckpt_dir, Format.MEGABERT, root=root), False, start.flag, warn=True,
                         note=f"{damaged} cannot be read: resuming the newest intact checkpoint, {ckpt_dir} "
                              f"(iteration {iteration}); the damaged files are left in place",
                         pretrained=start.pretrained)

@@ -13,9 +13,9 @@ is the CLI; bench/memory.py checks the predictions against measured peaks.
 """
 from megabert.planning.communication import CommEstimate, communication
 from megabert.planning.memory import MemoryEstimate, estimate
-from megabert.planning.preflight import Preflight, preflight, preflight_warning, run_and_layout
+from megabert.planning.preflight import Preflight, log_preflight, preflight, preflight_warning, run_and_layout
 from megabert.planning.search import Candidate, candidate_layouts, fit_warning, plan
 from megabert.planning.spec import Layout, Workload
 
 __all__ = ["Candidate", "CommEstimate", "Layout", "MemoryEstimate", "Preflight", "Workload", "candidate_layouts",
-           "communication", "estimate", "fit_warning", "plan", "preflight", "preflight_warning", "run_and_layout"]
+           "communication", "estimate", "fit_warning", "log_preflight", "plan", "preflight", "preflight_warning", "run_and_layout"]

@@ -3,13 +3,12 @@ before it builds the model, so a layout that will not fit is named (one line, wi
 flags that would make it fit) instead of running out of memory minutes later.
 
     run = resolve_run(configs, ps)   # megabert.training.resolve: flags + DeepSpeed JSON, checked
-    check = preflight(run, device=ps.device, vocab_size=tokenizer.vocab_size)
-    if check is not None:
-        logger.log(logging.INFO if check.fits else logging.WARNING, check.message())
+    log_preflight(run, ps.device, vocab_size=tokenizer.vocab_size)   # on the logging rank
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -110,6 +109,16 @@ def preflight(run: "ResolvedRun", device: torch.device | str, budget_gb: Optiona
     model = run.model if vocab_size is None else dataclasses.replace(run.model, vocab_size=vocab_size)
     work, layout = run_and_layout(run, "cuda" if device.type == "cuda" else "cpu")
     return Preflight(estimate(model, work, layout), *budget)
+
+
+def log_preflight(run: "ResolvedRun", device: torch.device | str, vocab_size: Optional[int] = None) -> None:
+    """Before any model tensor is allocated: the predicted per-rank peak against
+    --memory-budget-gb (default the GPU's memory; no check on CPU without the flag). A layout
+    that will not fit is named in a warning with the flags that would make it fit, instead of
+    an out-of-memory error minutes later; one that fits gets one info line."""
+    check = preflight(run, device, vocab_size=vocab_size)
+    if check is not None:
+        logging.getLogger("megabert").log(logging.INFO if check.fits else logging.WARNING, check.message())
 
 
 def preflight_warning(run: "ResolvedRun", device: torch.device | str, budget_gb: Optional[float] = None

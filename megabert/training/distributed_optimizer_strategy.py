@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megabert.checkpoint.start import Source
 from megabert.config import OptimConfig
 from megabert.data_parallel.distributed_optimizer import DistributedOptimizer
 from megabert.data_parallel.sharded_buffers import ShardedBuffers
@@ -81,9 +82,9 @@ class DistributedOptimizerStrategy(LocalStrategy):
     def optimizer_state(self) -> dict:
         return self.dist_opt.state_by_name()  # collective: save_checkpoint calls it on every rank
 
-    def load_optimizer_state(self, path: str, payload: dict, state) -> None:
+    def load_optimizer_state(self, source: Source, payload: dict, state) -> None:
         if payload.get("optimizer") is None:
-            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
+            raise CheckpointError(f"{source.path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
                                   f"or start the optimizer fresh with --finetune")
         self.dist_opt.load_state_by_name(payload["optimizer"])
 

@@ -73,7 +73,7 @@ def restore(source: Source, model, ps: ParallelState, *, strategy: Optional["Str
             state = TrainingState(int(payload["iteration"]),
                                   int(payload["megatron_args"].get("consumed_train_samples") or 0))
             if load_optimizer and strategy is not None:
-                _continue_megatron_optimizer(path, payload, state, strategy, ps)
+                _continue_megatron_optimizer(source, payload, state, strategy, ps)
             return LoadedCheckpoint(state, {})
         return LoadedCheckpoint(TrainingState(), {})
     if ckpt.resharded and ps.rank == 0:
@@ -92,7 +92,7 @@ def restore(source: Source, model, ps: ParallelState, *, strategy: Optional["Str
         if release:
             return LoadedCheckpoint(TrainingState(), saved_args)
     else:
-        strategy.load_optimizer_state(path, payload, state)
+        strategy.load_optimizer_state(source, payload, state)
     if strategy is not None and strategy.scaler is not None and payload.get("loss_scaler") is not None:
         strategy.scaler.load_state_dict(payload["loss_scaler"])
     if payload.get("rng") is not None:  # None when resharded: the streams were another layout's
@@ -121,18 +121,19 @@ def restores_optimizer(run: "ResolvedRun", ps: ParallelState) -> bool:
     return reason is None
 
 
-def _continue_megatron_optimizer(path: str, payload: dict, state: TrainingState, strategy: "Strategy",
+def _continue_megatron_optimizer(source: Source, payload: dict, state: TrainingState, strategy: "Strategy",
                                  ps: ParallelState) -> None:
     """Megatron's Adam moments (read and resharded by name: megabert.checkpoint.megatron) into
     the run's optimizer, under the run's own param groups and flags (LR, betas, eps, weight
     decay); a checkpoint without them starts the optimizer afresh with one info line."""
+    path = source.path
     if payload.get("optimizer") is None:
         if ps.rank == 0:
             logger.info("%s: Megatron-LM optimizer state not continued: %s; the optimizer starts afresh", path,
                         payload.get("optimizer_note"))
         return
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in strategy.optimizer.param_groups]
-    strategy.load_optimizer_state(path, {**payload, "optimizer": {**payload["optimizer"], "param_groups": groups}},
+    strategy.load_optimizer_state(source, {**payload, "optimizer": {**payload["optimizer"], "param_groups": groups}},
                                   state)
     if ps.rank == 0:
         logger.info("%s: Megatron-LM's Adam moments continued (optimizer step %d)", path,

@@ -21,6 +21,7 @@ import torch
 from megabert.parallel import ParallelState
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.errors import CheckpointError
+from megabert.checkpoint.start import Source
 from megabert.checkpoint.run_state import RankContents, TrainingState, capture_rng, save_checkpoint
 from megabert.data_parallel.averaging import average_data_parallel_grads
 from megabert.data_parallel.grad_buckets import GradReducer
@@ -205,10 +206,11 @@ class Strategy:
     def discard_own_files(self, root: str, state: TrainingState) -> None:
         """A save failed (rank 0 calls this): take back what save_own_files wrote for it."""
 
-    def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
-        """Restores the optimizer of a resumed run from what save wrote."""
+    def load_optimizer_state(self, source: Source, payload: dict, state: TrainingState) -> None:
+        """Restores the optimizer of a resumed run from what save wrote (`payload`: its rank
+        file's view for this rank; `source`: the checkpoint, for what lies beside it)."""
         if payload.get("optimizer") is None:
-            raise CheckpointError(f"{path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
+            raise CheckpointError(f"{source.path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
                                   f"or start the optimizer fresh with --finetune")
         load_optimizer_state_by_name(self.optimizer, self.model, payload["optimizer"])
 

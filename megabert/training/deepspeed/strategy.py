@@ -8,8 +8,9 @@ from typing import Optional
 
 import torch
 
-from megabert.checkpoint.layout import checkpoint_root, tag_dir_name
+from megabert.checkpoint.layout import tag_dir_name
 from megabert.checkpoint.run_state import TrainingState
+from megabert.checkpoint.start import Source
 from megabert.errors import CheckpointError
 from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import build_optimizer
@@ -107,12 +108,12 @@ class DeepSpeedStrategy(Strategy):
         if not os.path.isdir(os.path.join(root, tag_dir_name(state.iteration))):
             shutil.rmtree(os.path.join(root, DEEPSPEED_SUBDIR, tag_dir_name(state.iteration)), ignore_errors=True)
 
-    def load_optimizer_state(self, path: str, payload: dict, state: TrainingState) -> None:
+    def load_optimizer_state(self, source: Source, payload: dict, state: TrainingState) -> None:
         # NOTE: DeepSpeed reads its ZeRO files with torch.load(weights_only=False), which
         # unpickles: resume only checkpoints you trust (README, "Checkpoints").
-        ds_dir = os.path.join(checkpoint_root(path), DEEPSPEED_SUBDIR)
+        ds_dir = os.path.join(source.root, DEEPSPEED_SUBDIR)  # beside the rank files (a megabert checkpoint)
         if not os.path.isdir(ds_dir):
-            raise CheckpointError(f"{path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
+            raise CheckpointError(f"{source.path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
                                   f"drop --deepspeed or load the weights only with --finetune")
         _, client = self.engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}",
                                                 load_optimizer_states=True, load_lr_scheduler_states=False)
