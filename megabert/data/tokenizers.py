@@ -104,7 +104,21 @@ class _RustTokenizer(Tokenizer):
         pipeline's offsets, as transformers' return_offsets_mapping): SQuAD maps
         answer characters to tokens and predicted tokens back to text with them."""
         enc = self._backend.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets
+        return enc.ids, [_trimmed(text, a, b) for a, b in enc.offsets]
+
+
+def _trimmed(text: str, start: int, end: int) -> tuple[int, int]:
+    """A token's span without the whitespace at its ends: a byte-level "Ġword" covers the
+    space before the word, and a span that reaches into whitespace would put it into an
+    answer (what the ByteLevel post-processor's trim_offsets does; ModernBERT's tokenizer.json
+    has a TemplateProcessing one, which does not). A token of whitespace alone keeps its span;
+    WordPiece and Metaspace spans never hold whitespace, so they are unchanged."""
+    a, b = start, end
+    while a < b and text[a].isspace():
+        a += 1
+    while b > a and text[b - 1].isspace():
+        b -= 1
+    return (a, b) if a < b else (start, end)
 
 
 def read_wordpiece_vocab(path: str) -> dict[str, int]:
