@@ -169,6 +169,28 @@ def test_sequence_classification_pools_each_packed_sample(pooling, backend, unpa
     torch.testing.assert_close(packed.loss, alone.loss, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend,unpad", [("varlen", True), ("torch", False)])
+def test_token_classification_tags_each_packed_sample(backend, unpad):
+    """NER's packed rows (--pack-sequences): every real token's tag logits equal its sample's alone."""
+    megabert.init_parallel()
+    cfg = megabert.modernbert_tiny(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                                   vocab_size=99, max_position_embeddings=64, local_attention=8, num_labels=5,
+                                   attention_backend=backend, unpad_input=unpad)
+    model = megabert.ModernBertForTokenClassification(cfg, seed=2).eval()
+    samples = [{k: v for k, v in s.items() if k != "labels"} for s in _packed_samples()]
+    w = pack_window(samples, 0, PackingSpec(seq_length=SEQ, max_samples_per_row=CAP, window=len(samples), seed=1))
+    batch = {k: torch.from_numpy(v) for k, v in w.items() if k != "row_samples"}
+    with torch.no_grad():
+        packed = model(**batch).logits
+        alone = model(torch.from_numpy(np.stack([s["input_ids"] for s in samples])),
+                      attention_mask=torch.from_numpy(np.stack([s["attention_mask"] for s in samples]))).logits
+    for r, c in zip(*np.nonzero(w["packed_seqlens"])):
+        start, n = int(w["packed_seqlens"][r, :c].sum()), int(w["packed_seqlens"][r, c])
+        i = next(i for i, s in enumerate(samples) if int(s["attention_mask"].sum()) == n
+                 and np.array_equal(s["input_ids"][:n], w["input_ids"][r, start:start + n]))
+        torch.testing.assert_close(packed[r, start:start + n], alone[i, :n], atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------ fine-tuning runs on a ModernBERT --load
 
 
@@ -287,3 +309,98 @@ def test_finetune_ner_on_a_modernbert(ner_modernbert, tmp_path):
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3, losses
     results = json.load(open(out / "eval_results.json"))
     assert 0 <= results["eval_f1"] <= 1 and results["eval_accuracy"] > 0.5
+
+
+# ------------------------------------------------------------------ whole-word masking on byte-level BPE
+
+
+@pytest.fixture(scope="module")
+def byte_level_tokenizer(tmp_path_factory):
+    """A small byte-level BPE (few merges: most words are several pieces) trained on the SQuAD
+    demo's sentences, and the sentences."""
+    from megabert.data.tokenizers import HuggingFaceTokenizer
+
+    sentences = [s.strip().rstrip(".") + "." for t in _squad_texts() for s in t.split(". ") if len(s.strip()) > 3]
+    d = tmp_path_factory.mktemp("bpe")
+    save_byte_level_tokenizer(d, sentences, vocab_size=320)
+    return HuggingFaceTokenizer(str(d)), sentences
+
+
+def _true_word_starts(tok, text: str) -> list[bool]:
+    """The truth from the `tokenizers` library: a piece begins a word when its span begins one
+    of the byte-level pre-tokenizer's words (which no BPE piece crosses; a word takes the space
+    before it, so a lone "Ġ" piece begins the word after it)."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(tok.source if tok.source.endswith(".json")
+                                  else os.path.join(tok.source, "tokenizer.json"))
+    starts = {a for _, (a, _) in backend.pre_tokenizer.pre_tokenize_str(text)}
+    return [a in starts for a, _ in backend.encode(text, add_special_tokens=False).offsets]
+
+
+def test_word_starts_of_byte_level_sentences(byte_level_tokenizer):
+    """Sentences tokenized one by one (preprocess_data.py --split-sentences) and framed as a
+    sample: the first word of every sentence (no "Ġ") starts a word, and so does every piece
+    that begins a word of the pre-tokenizer; the pieces inside a word do not."""
+    tok, sentences = byte_level_tokenizer
+    rule = tok.word_starts()
+    old = tok.word_start_mask()  # the context-free rule alone: a piece begins a word where it has a "Ġ"
+    checked = continuations = first_without_g = 0
+    for k in range(0, 60, 3):
+        group = sentences[k:k + 3]
+        ids = [tok.cls] + [t for s in group for t in tok.tokenize(s)] + [tok.sep]
+        got = rule(np.asarray(ids[1:-1]))
+        want = [w for s in group for w in _true_word_starts(tok, s)]
+        assert got.tolist() == want, group
+        at = 0
+        for s in group:
+            n = len(tok.tokenize(s))
+            assert got[at], s  # every sentence's first word
+            first_without_g += not old[ids[1 + at]]
+            at += n
+        checked += len(want)
+        continuations += want.count(False)
+    assert first_without_g >= 10  # sentence-initial pieces carry no "Ġ": the old rule missed them
+    assert continuations > 0.2 * checked  # the vocab is small: many words are several pieces
+
+
+def test_word_starts_after_a_newline_and_inside_numbers(byte_level_tokenizer):
+    tok, _ = byte_level_tokenizer
+    text = "Results\nThe json module was released in 2008 (version 2.6), as json.dumps shows."
+    got = tok.word_starts()(np.asarray(tok.tokenize(text)))
+    assert got.tolist() == _true_word_starts(tok, text)
+    pieces = [tok.inv_vocab[i] for i in tok.tokenize(text)]
+    assert pieces[pieces.index("Ċ") + 1] == "The" or pieces[pieces.index("Ċ") + 1].startswith("T")
+
+
+def test_whole_word_masking_masks_byte_level_words_whole(byte_level_tokenizer):
+    """mask_tokens with the rule: a piece is masked exactly when the first piece of its word is,
+    words counted as the pre-tokenizer counts them."""
+    from megabert.tasks.pretraining.masking import IGNORE_INDEX, mask_tokens
+
+    tok, sentences = byte_level_tokenizer
+    rule = tok.word_starts()
+    rng = np.random.default_rng(0)
+    for k in range(0, 40, 2):
+        ids = np.asarray([tok.cls] + [t for s in sentences[k:k + 2] for t in tok.tokenize(s)] + [tok.sep])
+        maskable = np.ones(len(ids), dtype=bool)
+        maskable[[0, -1]] = False
+        _, labels = mask_tokens(ids, maskable, rng, mask_prob=0.3, max_predictions=len(ids), mask_id=tok.mask,
+                                random_ids=np.arange(5, 300), word_start=rule)
+        at = labels != IGNORE_INDEX
+        starts = [w for s in sentences[k:k + 2] for w in _true_word_starts(tok, s)]
+        for p in range(2, len(ids) - 1):
+            if not starts[p - 1]:  # p is inside a word: masked with the piece before it
+                assert at[p] == at[p - 1]
+
+
+def test_whole_word_masking_needs_word_marks(tmp_path):
+    """A BPE whose pieces mark no word (a whitespace pre-tokenizer, no prefix or suffix) cannot
+    say where words start: a one-line error, not a silent all-one-word rule."""
+    from megabert.data.tokenizers import HuggingFaceTokenizer
+    from megabert.errors import ConfigError
+    from tests.helpers.modernbert_models import save_tokenizer
+
+    save_tokenizer(tmp_path, ["the quick brown fox jumps over the lazy dog"] * 5)
+    with pytest.raises(ConfigError, match="whole-word-masking"):
+        HuggingFaceTokenizer(str(tmp_path)).word_starts()

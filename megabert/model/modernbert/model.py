@@ -97,7 +97,7 @@ class ModernBertBackbone(nn.Module):
         self.unpad = ctx.config.unpad_input
 
     def _inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], tokens: Optional[TokenLayout],
-                packed_seqlens: Optional[torch.Tensor]) -> AttentionInputs:
+                packed_seqlens: Optional[torch.Tensor] = None) -> AttentionInputs:
         cfg = self.ctx.config
         if tokens is not None:
             # Each sequence of cu_seqlens (a row, or a packed row's sample) counts from 0.

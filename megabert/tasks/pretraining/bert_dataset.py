@@ -57,7 +57,7 @@ class _TokenTable:
         present = np.zeros(vocab_size, dtype=bool)
         present[list(tokenizer.inv_vocab)] = True
         self.random_ids = np.flatnonzero(present & ~special)
-        self.word_start = tokenizer.word_start_mask() if whole_word_masking else None
+        self.word_start = tokenizer.word_starts() if whole_word_masking else None
 
 
 def truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.Generator):
