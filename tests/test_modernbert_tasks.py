@@ -5,7 +5,8 @@
 - sequence classification pools packed rows per sample ([CLS] or mean, as classifier_pooling);
 - finetune_squad.py and finetune_ner.py fine-tune a ModernBERT --load (a transformers dir with a
   byte-level BPE tokenizer.json): SQuAD's character offsets and NER's first sub-words line up
-  with the `tokenizers` library's offsets, the run finishes and its loss falls;
+  with the `tokenizers` library's offsets, the run finishes, its loss falls, and the fine-tuned
+  model exports to transformers' class (labels included) with the same logits;
 - whole-word masking on byte-level BPE: the first word of every sentence starts a word, the
   pieces inside a word do not."""
 import json
@@ -18,6 +19,7 @@ import torch
 
 import megabert
 from megabert.data.packing import PackingSpec, pack_window
+from megabert.tasks.ner.data import read_sentences
 
 from tests.helpers.cli_utils import run_main
 from tests.helpers.dist_utils import run_distributed
@@ -245,7 +247,7 @@ def test_finetune_squad_on_a_modernbert(squad_modernbert, tmp_path):
                  "--predict-file", os.path.join(DEMO, "dev.json"), "--output-dir", str(out), "--max-seq-length",
                  "128", "--doc-stride", "32", "--max-query-length", "32", "--micro-batch-size", "8",
                  "--global-batch-size", "8", "--train-iters", "30", "--lr", "2e-3", "--seed", "3", "--log-interval",
-                 "1", "--metrics-file", str(metrics))
+                 "1", "--metrics-file", str(metrics), "--save", str(tmp_path / "ckpt"))
     assert r.returncode == 0, r.stderr[-3000:]
     losses = _losses(metrics, "qa_loss")
     assert len(losses) == 30
@@ -254,6 +256,10 @@ def test_finetune_squad_on_a_modernbert(squad_modernbert, tmp_path):
     assert set(results) >= {"exact_match", "f1"}
     predictions = json.load(open(out / "predictions.json"))
     assert predictions and all(p == p.strip() for p in predictions.values())  # spans from trimmed offsets
+    # The fine-tuned model exports to transformers' ModernBertForQuestionAnswering, which scores
+    # spans as megabert does.
+    hf = _export(tmp_path / "ckpt", tmp_path / "hf", "ModernBertForQuestionAnswering")
+    _same_logits(tmp_path / "ckpt", hf, "start_logits", "end_logits")
 
 
 @pytest.fixture(scope="module")
@@ -302,13 +308,38 @@ def test_finetune_ner_on_a_modernbert(ner_modernbert, tmp_path):
     r = run_main("finetune_ner.py", "--load", hf_dir, "--train-file", train, "--validation-file", dev,
                  "--output-dir", str(out), "--max-seq-length", "64", "--micro-batch-size", "8",
                  "--global-batch-size", "8", "--train-iters", "24", "--lr", "3e-3", "--seed", "3", "--log-interval",
-                 "1", "--metrics-file", str(metrics))
+                 "1", "--metrics-file", str(metrics), "--save", str(tmp_path / "ckpt"))
     assert r.returncode == 0, r.stderr[-3000:]
     losses = _losses(metrics, "ner_loss")
     assert len(losses) == 24
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3, losses
     results = json.load(open(out / "eval_results.json"))
     assert 0 <= results["eval_f1"] <= 1 and results["eval_accuracy"] > 0.5
+    hf = _export(tmp_path / "ckpt", tmp_path / "hf", "ModernBertForTokenClassification")
+    assert sorted(hf.config.id2label.values()) == sorted({t for s in read_sentences(train) for t in s.tags})
+    _same_logits(tmp_path / "ckpt", hf, "logits")
+
+
+def _export(ckpt, hf_dir, arch):
+    r = run_main("tools/checkpoint/convert_hf.py", "export", "--load", str(ckpt), "--hf-dir", str(hf_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    hf = getattr(transformers, f"AutoModelFor{'QuestionAnswering' if 'Question' in arch else 'TokenClassification'}"
+                 ).from_pretrained(hf_dir, attn_implementation="eager").eval()
+    assert type(hf).__name__ == arch
+    return hf
+
+
+def _same_logits(ckpt, hf, *names):
+    """megabert's model from the checkpoint and the export give the same logits on real tokens."""
+    megabert.init_parallel()
+    model = getattr(megabert, type(hf).__name__).from_pretrained(str(ckpt), attention_backend="torch").eval()
+    ids = torch.randint(5, BPE_VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, 30:] = 0
+    with torch.no_grad():
+        ours, ref = model(ids, attention_mask=am), hf(input_ids=ids, attention_mask=am)
+    for name in names:
+        close(getattr(ours, name)[am.bool()], getattr(ref, name)[am.bool()], name)
 
 
 # ------------------------------------------------------------------ whole-word masking on byte-level BPE
