@@ -3,8 +3,9 @@
 Every tokenizer exposes `vocab_size`, `vocab` (token -> id), `inv_vocab` (id -> token),
 `tokenize(text) -> list[int]`, `tokenize_batch(texts)`, `detokenize(ids)`, the special
 ids `cls`, `sep`, `pad`, `mask`, `unk`, `eod`, and `word_starts()` for whole-word masking
-(which tokens of a sequence begin a word: WordStarts). The WordPiece tokenizers run on the Rust `tokenizers` library configured as
-Hugging Face's BertTokenizer, so ids are identical to transformers' for the same vocab.
+(which tokens of a sequence begin a word: WordStarts). The WordPiece tokenizers run on the
+Rust `tokenizers` library configured as Hugging Face's BertTokenizer, so ids are identical to
+transformers' for the same vocab.
 """
 from __future__ import annotations
 

@@ -108,8 +108,8 @@ class ModernBertBackbone(nn.Module):
             positions = padded_positions(s, hidden.size(1), hidden.device)  # [s, b]
         rope = RotaryTables(positions, cfg.head_dim, cfg.global_rope_theta, cfg.local_rope_theta)
         # Packed rows: the padded cores (global layers off the varlen kernel, local ones on the
-        # reference backend) see each sample alone; the local ones add their band to it.
-        # (None where no layer has a padded core: the varlen kernel and the blocked window take cu_seqlens.)
+        # reference backend) see each sample alone; the local ones add their band to it. None
+        # where no layer has a padded core (the varlen kernel and the blocked window take cu_seqlens).
         if packed_seqlens is None:
             mask = attention_mask_to_bool(attention_mask)
         elif tokens is not None and self.ctx.attention_backend == "varlen":
