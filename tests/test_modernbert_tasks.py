@@ -120,6 +120,21 @@ def test_heads_from_a_masked_lm_take_its_prediction_head(tmp_path, arch):
     close(getattr(out, name)[am.bool()], getattr(ref, name)[am.bool()], name)
 
 
+@pytest.mark.parametrize("arch", ["ModernBertForQuestionAnswering", "ModernBertForTokenClassification"])
+def test_convert_hf_imports_the_task_heads(tmp_path, arch):
+    """convert_hf.py import of a transformers ModernBERT task dir keeps its head (and a tagger's
+    labels): the megabert checkpoint gives transformers' logits."""
+    labels = {"id2label": {0: "O", 1: "B-PER", 2: "I-PER"}} if "Token" in arch else {}
+    hf_dir = make_modernbert_dir(tmp_path / "hf", arch, classifier_bias=True, **labels)
+    r = run_main("tools/checkpoint/convert_hf.py", "import", "--hf-dir", hf_dir, "--output", str(tmp_path / "ckpt"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    hf = getattr(transformers, arch).from_pretrained(hf_dir, attn_implementation="eager").eval()
+    _same_logits(tmp_path / "ckpt", hf, *(("logits",) if labels else ("start_logits", "end_logits")), vocab=99)
+    if labels:
+        assert megabert.ModernBertForTokenClassification.from_pretrained(str(tmp_path / "ckpt")).config.id2label \
+            == labels["id2label"]
+
+
 # ------------------------------------------------------------------ packed rows, per sample
 
 SEQ, CAP = 24, 3
@@ -329,11 +344,11 @@ def _export(ckpt, hf_dir, arch):
     return hf
 
 
-def _same_logits(ckpt, hf, *names):
-    """megabert's model from the checkpoint and the export give the same logits on real tokens."""
+def _same_logits(ckpt, hf, *names, vocab=BPE_VOCAB):
+    """megabert's model from the checkpoint and transformers' give the same logits on real tokens."""
     megabert.init_parallel()
     model = getattr(megabert, type(hf).__name__).from_pretrained(str(ckpt), attention_backend="torch").eval()
-    ids = torch.randint(5, BPE_VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(5, vocab, (2, 40), generator=torch.Generator().manual_seed(0))
     am = torch.ones_like(ids)
     am[1, 30:] = 0
     with torch.no_grad():
