@@ -16,6 +16,7 @@ __all__ = [
     "init_parallel", "get_parallel_state", "destroy_parallel",
     "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
     "ModernBertForMaskedLM", "ModernBertForSequenceClassification", "BertForTokenClassification",
+    "ModernBertForQuestionAnswering", "ModernBertForTokenClassification",
 ]
 
 
@@ -29,10 +30,10 @@ def __getattr__(name: str):
         from megabert.tasks.pretraining import BertForPreTraining
 
         return BertForPreTraining
-    if name == "BertForQuestionAnswering":
-        from megabert.tasks.squad import BertForQuestionAnswering
+    if name in ("BertForQuestionAnswering", "ModernBertForQuestionAnswering"):
+        import megabert.tasks.squad
 
-        return BertForQuestionAnswering
+        return getattr(megabert.tasks.squad, name)
     if name == "BertForSequenceClassification":
         from megabert.tasks.glue import BertForSequenceClassification
 
@@ -41,8 +42,8 @@ def __getattr__(name: str):
         import megabert.model
 
         return getattr(megabert.model, name)
-    if name == "BertForTokenClassification":
-        from megabert.tasks.ner import BertForTokenClassification
+    if name in ("BertForTokenClassification", "ModernBertForTokenClassification"):
+        import megabert.tasks.ner
 
-        return BertForTokenClassification
+        return getattr(megabert.tasks.ner, name)
     raise AttributeError(f"module 'megabert' has no attribute {name!r}")

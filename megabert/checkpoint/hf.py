@@ -55,7 +55,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
 def hf_config_from_model(cfg: ModelConfig, architecture: str) -> dict:
     if cfg.model_family == "modernbert":
         return {**hf_modernbert.hf_config_from_model(cfg, architecture),
-                **(_classification_fields(cfg, architecture) if architecture.endswith("ForSequenceClassification") else {})}
+                **(_classification_fields(cfg, architecture)
+                   if architecture.endswith(("ForSequenceClassification", "ForTokenClassification")) else {})}
     if cfg.layernorm_position != "post":
         raise CheckpointError("transformers' BERT is post-LayerNorm; a pre-LN model cannot be exported to it")
     return {

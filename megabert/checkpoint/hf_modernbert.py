@@ -70,7 +70,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         initializer_cutoff_factor=get("initializer_cutoff_factor") or 3.0,  # transformers: None means 3
         classifier_pooling=get("classifier_pooling"), classifier_dropout=hf.get("classifier_dropout") or 0.0,
         special_token_ids=special or None)
-    if "ModernBertForSequenceClassification" in (hf.get("architectures") or []):
+    if {"ModernBertForSequenceClassification", "ModernBertForTokenClassification"} & set(hf.get("architectures") or []):
         id2label = hf.get("id2label")  # transformers derives num_labels from id2label
         fields.update(num_labels=len(id2label) if id2label else hf.get("num_labels", 2), id2label=id2label)
     for act in ("hidden_activation", "classifier_activation"):

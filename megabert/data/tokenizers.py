@@ -2,14 +2,18 @@
 
 Every tokenizer exposes `vocab_size`, `vocab` (token -> id), `inv_vocab` (id -> token),
 `tokenize(text) -> list[int]`, `tokenize_batch(texts)`, `detokenize(ids)`, the special
-ids `cls`, `sep`, `pad`, `mask`, `unk`, `eod`, and `word_start_mask()` for whole-word
-masking. The WordPiece tokenizers run on the Rust `tokenizers` library configured as
-Hugging Face's BertTokenizer, so ids are identical to transformers' for the same vocab.
+ids `cls`, `sep`, `pad`, `mask`, `unk`, `eod`, and `word_starts()` for whole-word masking
+(which tokens of a sequence begin a word: WordStarts). The WordPiece tokenizers run on the
+Rust `tokenizers` library configured as Hugging Face's BertTokenizer, so ids are identical to
+transformers' for the same vocab.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import numpy as np
@@ -17,6 +21,46 @@ import numpy as np
 from megabert.errors import ConfigError, DataError
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+
+
+@dataclass(frozen=True)
+class WordStarts:
+    """Which tokens of a sequence begin a word (whole-word masking's units), as plain arrays
+    over the vocab (cheap to send to DataLoader workers). Token i of a sequence begins a word
+    when it is the sequence's first, when it does so by itself (`starts`: a WordPiece without
+    "##", a "▁" or byte-level "Ġ" piece, a special token), when the token before it ends one
+    (`ends`: a special token, a BPE end-of-word suffix, a byte-level piece ending in a newline
+    "Ċ" or another whitespace but the space), or, with `first_class`/`last_class` (byte-level BPE), when the
+    character class changes between the two (letter, number, other: the byte-level
+    pre-tokenizer's regex splits there, so no BPE piece spans it).
+
+    NOTE: byte-level BPE tokenizes a sentence on its own (preprocessing with
+    --split-sentences) without the "Ġ" its first word has in running text; the class rule
+    still starts it after the previous sentence's final punctuation, or after a newline, but
+    not after a sentence ending in a letter followed by one starting with a letter."""
+
+    starts: np.ndarray  # bool [vocab]
+    ends: np.ndarray  # bool [vocab]
+    first_class: Optional[np.ndarray] = None  # int8 [vocab]; 0 = none or unknown (mid-character byte)
+    last_class: Optional[np.ndarray] = None
+    # bool [vocab]: a piece ending in an apostrophe / one that may go on an English contraction
+    # ('s 't 're 've 'm 'll 'd: one word of the byte-level regex, letters after a non-letter).
+    apostrophe: Optional[np.ndarray] = None
+    contraction: Optional[np.ndarray] = None
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [n] (ids) -> bool [n]: True where a word begins."""
+        out = self.starts[tokens]
+        if len(tokens) == 0:
+            return out
+        out[0] = True
+        prev, cur = tokens[:-1], tokens[1:]
+        out[1:] |= self.ends[prev]
+        if self.first_class is not None:
+            first, last = self.first_class[cur], self.last_class[prev]
+            changed = (first != 0) & (last != 0) & (first != last)
+            out[1:] |= changed & ~(self.apostrophe[prev] & self.contraction[cur])
+        return out
 
 
 class Tokenizer:
@@ -82,6 +126,16 @@ class Tokenizer:
     def _continues_word(self, token: str) -> bool:
         return token.startswith("##")
 
+    def word_starts(self) -> WordStarts:
+        """The rule whole-word masking groups a sequence's tokens by (see WordStarts): here a
+        token's own marker, and a new word after every special token."""
+        return WordStarts(starts=self.word_start_mask(), ends=self._special_mask())
+
+    def _special_mask(self) -> np.ndarray:
+        out = np.zeros(self.vocab_size, dtype=bool)
+        out[[i for i in self.special_ids if i < self.vocab_size]] = True
+        return out
+
 
 class _RustTokenizer(Tokenizer):
     """A tokenizer backed by a `tokenizers.Tokenizer` (Rust): fast batch encoding without offsets."""
@@ -104,7 +158,21 @@ class _RustTokenizer(Tokenizer):
         pipeline's offsets, as transformers' return_offsets_mapping): SQuAD maps
         answer characters to tokens and predicted tokens back to text with them."""
         enc = self._backend.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets
+        return enc.ids, [_trimmed(text, a, b) for a, b in enc.offsets]
+
+
+def _trimmed(text: str, start: int, end: int) -> tuple[int, int]:
+    """A token's span without the whitespace at its ends: a byte-level "Ġword" covers the
+    space before the word, and a span that reaches into whitespace would put it into an
+    answer (what the ByteLevel post-processor's trim_offsets does; ModernBERT's tokenizer.json
+    has a TemplateProcessing one, which does not). A token of whitespace alone keeps its span;
+    WordPiece and Metaspace spans never hold whitespace, so they are unchanged."""
+    a, b = start, end
+    while a < b and text[a].isspace():
+        a += 1
+    while b > a and text[b - 1].isspace():
+        b -= 1
+    return (a, b) if a < b else (start, end)
 
 
 def read_wordpiece_vocab(path: str) -> dict[str, int]:
@@ -301,12 +369,117 @@ class HuggingFaceTokenizer(_RustTokenizer):
             self._special[role] = next((self._vocab[n] for n in names if n in self._vocab), None)
         model = backend.model
         self._prefix = getattr(model, "continuing_subword_prefix", None) or None
+        self._suffix = getattr(model, "end_of_word_suffix", None) or None
+        spec = json.loads(backend.to_str())
+        self._byte_level = _has_component(spec, "ByteLevel")
+        self._metaspace = _has_component(spec, "Metaspace")
+        self._added = sorted(t["id"] for t in spec.get("added_tokens") or [] if t.get("special"))
         self._set_backend(backend)
 
     def _continues_word(self, token: str) -> bool:
         if self._prefix:  # WordPiece: "##" marks a continuation
             return token.startswith(self._prefix)
-        return not token.startswith(("\u2581", "\u0120"))  # Metaspace "▁" / byte-level "Ġ" mark a word start
+        if self._byte_level:  # a piece that begins with a whitespace byte ("Ġ" a space, "Ċ" a newline)
+            return _byte_class(token, first=True) not in (_BLANK, _SPACE)
+        return not token.startswith("\u2581")  # Metaspace "▁" marks a word start
+
+    def _special_mask(self) -> np.ndarray:
+        out = super()._special_mask()
+        out[[i for i in self._added if i < self.vocab_size]] = True  # every special added token
+        return out
+
+    def word_starts(self) -> WordStarts:
+        if not (self._prefix or self._suffix or self._byte_level or self._metaspace):
+            raise ConfigError(f"--whole-word-masking: the tokens of {self.source} carry no word boundary (no "
+                              f"continuing-subword prefix such as '##', no end-of-word suffix, neither byte-level "
+                              f"'Ġ' nor Metaspace '▁' pieces), so whole words cannot be found; leave out "
+                              f"--whole-word-masking or use a tokenizer whose pieces mark words")
+        special = self._special_mask()
+        starts = self.word_start_mask()
+        starts[special] = True
+        ends = special.copy()
+        if self._suffix:  # BPE "</w>": a word ends with the piece that carries it
+            starts[~special] = False
+            for i, tok in self._inv_vocab.items():
+                ends[i] |= tok.endswith(self._suffix)
+        if not self._byte_level:
+            return WordStarts(starts=starts, ends=ends)
+        first = np.zeros(self.vocab_size, dtype=np.int8)
+        last = np.zeros(self.vocab_size, dtype=np.int8)
+        apostrophe = np.zeros(self.vocab_size, dtype=bool)
+        contraction = np.zeros(self.vocab_size, dtype=bool)
+        decode = _byte_decoder()
+        for i, tok in self._inv_vocab.items():
+            if special[i]:
+                continue
+            first[i], last[i] = _byte_class(tok, first=True), _byte_class(tok, first=False)
+            if all(c in decode for c in tok):
+                text = bytes(decode[c] for c in tok).decode("utf-8", errors="replace")
+                apostrophe[i] = text.endswith("'") and not text[:-1].endswith(" ")  # " '" opens a quote
+                contraction[i] = text.startswith(_CONTRACTIONS) or text in ("r", "v", "l")
+            # A piece ending in a newline or a tab ends a word; one ending in a space does not:
+            # the pre-tokenizer's words take one space in front (" ?\p{L}+"), so a lone "Ġ" piece
+            # is the first of the next word's pieces.
+            ends[i] |= last[i] == _SPACE
+        # Whitespace is handled by starts/ends; classes compare letters, numbers and the rest.
+        first[first >= _BLANK] = 0
+        last[last >= _BLANK] = 0
+        return WordStarts(starts=starts, ends=ends, first_class=first, last_class=last, apostrophe=apostrophe,
+                          contraction=contraction)
+
+
+def _has_component(spec, kind: str) -> bool:
+    """Whether a tokenizer.json's pre-tokenizer or decoder (nested in a Sequence or not) is of `kind`."""
+    def walk(node) -> bool:
+        if isinstance(node, dict):
+            return node.get("type") == kind or any(walk(v) for v in node.values())
+        if isinstance(node, list):
+            return any(walk(v) for v in node)
+        return False
+    return walk(spec.get("pre_tokenizer")) or walk(spec.get("decoder"))
+
+
+_CONTRACTIONS = ("s", "t", "re", "ve", "m", "ll", "d")  # after "'": the byte-level regex's first alternatives
+# 0: no class (empty, or part of a multi-byte character); _BLANK is the space " ", _SPACE other whitespace.
+_LETTER, _NUMBER, _OTHER, _BLANK, _SPACE = 1, 2, 3, 4, 5
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet back to bytes (the inverse of its bytes_to_unicode): printable
+    Latin-1 bytes stand for themselves, the others for chr(256 + k) ("Ġ" is the space, "Ċ" the newline)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, k = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + k)] = b
+            k += 1
+    return chars
+
+
+def _char_class(c: str) -> int:
+    if c == " ":
+        return _BLANK
+    if c.isspace():
+        return _SPACE
+    if c.isalpha():
+        return _LETTER
+    if c.isnumeric():
+        return _NUMBER
+    return _OTHER if c != "\ufffd" else 0  # U+FFFD: an incomplete UTF-8 sequence
+
+
+def _byte_class(token: str, *, first: bool) -> int:
+    """The class of a byte-level piece's first (or last) character; 0 when the piece starts
+    (ends) inside a multi-byte character, or is not byte-level text (an added token)."""
+    decode = _byte_decoder()
+    if not token or any(c not in decode for c in token):
+        return 0
+    raw = bytes(decode[c] for c in token)
+    text = raw.decode("utf-8", errors="replace")
+    return _char_class(text[0] if first else text[-1])
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str]) -> Tokenizer:

@@ -165,8 +165,9 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         ps = parallel_state or get_parallel_state()
         if config.model_family != "bert" and self.backbone_class is BertBackbone:
             raise ConfigError(f"{type(self).__name__} is a BERT model but the config is a {config.model_family} one "
-                              f"(a ModernBERT checkpoint?): megabert builds ModernBERT as ModernBertForMaskedLM; "
-                              f"its fine-tuning heads are not there yet")
+                              f"(a ModernBERT checkpoint?): build ModernBERT as ModernBertForMaskedLM or its task "
+                              f"models (ModernBertForSequenceClassification, ModernBertForQuestionAnswering, "
+                              f"ModernBertForTokenClassification)")
         # The model's own door (the Python API builds it without a resolved run): its shape
         # must split over this rank grid.
         check_model_split(config, ps.tp_size, ps.pp_size, num_layers_per_virtual_stage)

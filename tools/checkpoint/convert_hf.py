@@ -74,13 +74,14 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
 
 
 def _import_modernbert(output: str, tp: int, pp: int, hf_config: dict, hf_state: dict, source_dir: str) -> str:
-    """A transformers ModernBERT dir -> a ModernBertForMaskedLM (or ModernBertForSequenceClassification)
-    checkpoint, its tokenizer files beside it."""
+    """A transformers ModernBERT dir -> a ModernBertForMaskedLM (or the task model its
+    architectures name: sequence or token classification, question answering) checkpoint, its
+    tokenizer files beside it."""
     cfg = hf_io.model_config_from_hf(hf_config)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
     model_classes()
-    model_class = "ModernBertForSequenceClassification" if "ModernBertForSequenceClassification" in \
-        (hf_config.get("architectures") or []) else "ModernBertForMaskedLM"
+    tasks = ("ModernBertForSequenceClassification", "ModernBertForTokenClassification", "ModernBertForQuestionAnswering")
+    model_class = next((a for a in tasks if a in (hf_config.get("architectures") or [])), "ModernBertForMaskedLM")
     table = reference_table(cfg, model_class)
     full = hf_io.hf_to_megabert(hf_state, table)
     missing = sorted(set(table) - set(full))

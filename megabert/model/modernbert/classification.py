@@ -2,7 +2,7 @@
 the last hidden states pooled (the [CLS] token, or the mean over real tokens, as
 config.classifier_pooling says) -> the prediction head (dense, activation, norm) -> dropout
 -> a linear classifier to config.num_labels outputs; cross entropy over the classes, or mean
-squared error with one output (regression)."""
+squared error with one output (regression). Packed rows pool each sample on its own."""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,6 +17,7 @@ from megabert.model.context import BuildContext
 from megabert.model.modernbert.layers import ACTIVATIONS
 from megabert.model.modernbert.model import ModernBertBackbone, ModernBertForMaskedLM
 from megabert.model.outputs import ModelOutput
+from megabert.model.packed import cls_positions_mask, gather_cls
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
@@ -45,6 +46,26 @@ class ModernBertPredictionHead(nn.Module):
         return self.norm(self.act(self.dense(x)))
 
 
+def classifier_linear(ctx: BuildContext, outputs: int) -> nn.Linear:
+    """transformers' `classifier` of ModernBERT's task models: hidden -> `outputs`, replicated on
+    the last stage, always with a bias (config.classifier_bias is the prediction head's dense)."""
+    linear = nn.Linear(ctx.config.hidden_size, outputs, dtype=ctx.params_dtype, device=ctx.device)
+    describe(linear.weight, placement="last", hf_names=("classifier.weight",))
+    describe(linear.bias, placement="last", init="zeros", weight_decay=False, hf_names=("classifier.bias",))
+    return linear
+
+
+def packed_mean(x: torch.Tensor, packed_seqlens: torch.Tensor) -> torch.Tensor:
+    """x [b, s, h] of packed rows -> [b * cap, h]: each slot's mean over its sample's tokens
+    (zeros for an empty slot)."""
+    ends = packed_seqlens.cumsum(1)  # [b, cap]
+    positions = torch.arange(x.size(1), device=x.device)
+    slot = (positions[None, :, None] >= ends[:, None, :]).sum(-1)  # [b, s]: the sample slot, cap past them
+    member = F.one_hot(slot, packed_seqlens.size(1) + 1)[..., :-1].to(x.dtype)  # [b, s, cap]
+    sums = torch.einsum("bsc,bsh->bch", member, x)
+    return (sums / packed_seqlens.clamp(min=1).unsqueeze(-1).to(x.dtype)).reshape(-1, x.size(-1))
+
+
 class SequenceClassifierOutput(ModelOutput):
     """loss; loss_sum (over the samples, the mean's numerator: the fine-tuning task divides it
     by the global batch's samples); logits [b, num_labels]."""
@@ -67,47 +88,65 @@ class ModernBertForSequenceClassification(BertPreTrainedModel):
         self.prediction_head = self.classifier = None
         if self.stage.is_last_stage:
             self.prediction_head = ModernBertPredictionHead(self.ctx, "head.")
-            # transformers' classifier always has a bias (classifier_bias is the head's dense).
-            self.classifier = nn.Linear(config.hidden_size, config.num_labels, dtype=self.ctx.params_dtype,
-                                        device=self.ctx.device)
-            describe(self.classifier.weight, placement="last", hf_names=("classifier.weight",))
-            describe(self.classifier.bias, placement="last", init="zeros", weight_decay=False,
-                     hf_names=("classifier.bias",))
+            self.classifier = classifier_linear(self.ctx, config.num_labels)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None
+                labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, packed_seqlens: Optional[torch.Tensor] = None
                 ) -> SequenceClassifierOutput:
+        """Packed rows (megabert.data.packing): packed_seqlens [b, cap] and labels [b, cap]; the
+        logits are then [b * cap, num_labels], one per slot (empty slots are left out of the loss)."""
         return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                                              token_type_ids=token_type_ids))
+                                              token_type_ids=token_type_ids, position_ids=position_ids,
+                                              packed_seqlens=packed_seqlens))
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
-        """[CLS] pooling reads position 0 alone (the last layer computes only it, unpadded)."""
+        """[CLS] pooling reads each sample's first token alone (the last layer computes only
+        those, unpadded)."""
         if self.config.classifier_pooling != "cls" or batch.get("input_ids") is None:
             return None
+        packed = batch.get("packed_seqlens")
+        if packed is not None:
+            return cls_positions_mask(packed, batch["input_ids"].size(1))
         positions = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
         positions[:, 0] = True
         return positions
 
-    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> SequenceClassifierOutput:
-        x = sequence.transpose(0, 1)  # [b, s, h]
+    def _pool(self, sequence: torch.Tensor, batch: dict) -> torch.Tensor:
+        """sequence [s, b, h] -> [b, h] (or [b * cap, h] for packed rows): the [CLS] token, or
+        the mean over the sample's real tokens, as config.classifier_pooling says."""
+        packed = batch.get("packed_seqlens")
         if self.config.classifier_pooling == "cls":
-            x = x[:, 0]
-        else:
-            am = batch.get("attention_mask")
-            am = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if am is None else am.to(x.dtype)
-            x = (x * am.unsqueeze(-1)).sum(dim=1) / am.sum(dim=1, keepdim=True)
+            return sequence[0] if packed is None else gather_cls(sequence, packed)
+        x = sequence.transpose(0, 1)  # [b, s, h]
+        if packed is not None:
+            return packed_mean(x, packed)
+        am = batch.get("attention_mask")
+        am = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if am is None else am.to(x.dtype)
+        return (x * am.unsqueeze(-1)).sum(dim=1) / am.sum(dim=1, keepdim=True)
+
+    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> SequenceClassifierOutput:
         # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
-        x = F.dropout(self.prediction_head(x), self.config.classifier_dropout, self.training)
-        logits = self.classifier(x)  # [b, num_labels]
+        x = F.dropout(self.prediction_head(self._pool(sequence, batch)), self.config.classifier_dropout,
+                      self.training)
+        logits = self.classifier(x)  # [b (* cap), num_labels]
         labels = batch.get("labels")
         loss = loss_sum = None
         if labels is not None:
+            labels = labels.reshape(-1)
             if self.config.num_labels == 1:
-                loss_sum = F.mse_loss(logits.float().squeeze(-1), labels.float().view(-1), reduction="sum")
+                per_sample = F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
             else:
-                loss_sum = F.cross_entropy(logits.float().view(-1, self.config.num_labels), labels.view(-1),
-                                           reduction="sum")
-            loss = loss_sum / labels.numel()
+                per_sample = F.cross_entropy(logits.float().view(-1, self.config.num_labels),
+                                             labels.long().clamp(min=0), reduction="none")
+            packed = batch.get("packed_seqlens")
+            if packed is not None:  # an empty slot of a packed row has no sample
+                real = packed.reshape(-1) > 0
+                per_sample, count = per_sample * real, real.sum()
+            else:
+                count = torch.tensor(labels.numel(), device=labels.device)
+            loss_sum = per_sample.sum()
+            loss = loss_sum / count.clamp(min=1)
         return SequenceClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
 
     initialize_parameters = ModernBertForMaskedLM.initialize_parameters

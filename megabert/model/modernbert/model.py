@@ -25,6 +25,7 @@ from megabert.model.init import param_seed
 from megabert.model.modernbert.layers import ACTIVATIONS, AttentionInputs, ModernBertEncoder
 from megabert.model.modernbert.rope import RotaryTables, padded_positions, unpadded_positions
 from megabert.model.outputs import ModelOutput
+from megabert.model.packed import block_diagonal_mask
 from megabert.model.registry import register_model
 from megabert.model.unpad import TokenLayout
 from megabert.ops.compile_hints import maybe_mark_dynamic
@@ -95,34 +96,58 @@ class ModernBertBackbone(nn.Module):
         self.pooler = None
         self.unpad = ctx.config.unpad_input
 
-    def _inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                tokens: Optional[TokenLayout]) -> AttentionInputs:
+    def _inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], tokens: Optional[TokenLayout],
+                packed_seqlens: Optional[torch.Tensor] = None) -> AttentionInputs:
         cfg = self.ctx.config
         if tokens is not None:
+            # Each sequence of cu_seqlens (a row, or a packed row's sample) counts from 0.
             positions = unpadded_positions(tokens.cu_seqlens, tokens.num_tokens)  # [T]
             s = tokens.s
         else:
             s = hidden.size(0) * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
             positions = padded_positions(s, hidden.size(1), hidden.device)  # [s, b]
         rope = RotaryTables(positions, cfg.head_dim, cfg.global_rope_theta, cfg.local_rope_theta)
-        return AttentionInputs(attention_mask_to_bool(attention_mask), tokens, rope, s, cfg.local_attention // 2,
-                               hidden.device)
+        # Packed rows: the padded cores (global layers off the varlen kernel, local ones on the
+        # reference backend) see each sample alone; the local ones add their band to it. None
+        # where no layer has a padded core (the varlen kernel and the blocked window take cu_seqlens).
+        if packed_seqlens is None:
+            mask = attention_mask_to_bool(attention_mask)
+        elif tokens is not None and self.ctx.attention_backend == "varlen":
+            mask = None
+        else:
+            mask = block_diagonal_mask(packed_seqlens, s)
+        return AttentionInputs(mask, tokens, rope, s, cfg.local_attention // 2, hidden.device)
+
+    def _token_layout(self, input_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                      packed_seqlens: Optional[torch.Tensor]) -> Optional[TokenLayout]:
+        """The unpadded layout (real tokens, a sequence per row or per packed sample), or None
+        for the padded [s, b] one. Packed rows always take a layout: its cu_seqlens give RoPE
+        each sample's own positions from 0 and the local layers each sample as a segment."""
+        if self.unpad and attention_mask is not None and attention_mask.dim() == 2:
+            return TokenLayout(attention_mask, packed_seqlens)
+        if packed_seqlens is None:
+            return None
+        if self.ctx.sequence_parallel:
+            # The padded local path has no sample segments; a run stops at resolve first.
+            raise ConfigError("--pack-sequences with --model-family modernbert does not combine with "
+                              "--sequence-parallel: leave out --sequence-parallel")
+        # Every position, fixed shapes (no host sync): each row's padding is one more sequence.
+        return TokenLayout.packed_rows(packed_seqlens, input_ids.size(1) if input_ids is not None
+                                       else attention_mask.size(1))
 
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
                       token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
                       head_positions: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                       packed_seqlens: Optional[torch.Tensor] = None):
         """As BertBackbone.forward_chunk (token_type_ids are ignored: ModernBERT has none); the
-        model's last chunk returns (sequence [s, b, h], None). Packed rows are not taken yet
-        (the resolver stops --pack-sequences with this family first)."""
-        if packed_seqlens is not None or position_ids is not None:
-            raise ConfigError("--model-family modernbert does not take packed rows yet: leave out --pack-sequences")
+        model's last chunk returns (sequence [s, b, h], None). Packed rows (megabert.model.packed):
+        `packed_seqlens` [b, cap] decides everything; `position_ids` (each sample's from 0) are
+        what RoPE derives from it, so they are not read."""
         if self.stage.is_first_chunk(v):
             hidden = self.embeddings(input_ids)
         last = self.stage.is_last_chunk(v)
-        tokens = TokenLayout(attention_mask) if self.unpad and attention_mask is not None \
-            and attention_mask.dim() == 2 else None
-        inputs = self._inputs(hidden, attention_mask, tokens)
+        tokens = self._token_layout(input_ids, attention_mask, packed_seqlens)
+        inputs = self._inputs(hidden, attention_mask, tokens, packed_seqlens)
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
             maybe_mark_dynamic(hidden, 0)
@@ -262,9 +287,14 @@ class ModernBertForMaskedLM(BertPreTrainedModel):
             if self.stage.is_last_stage else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None) -> MaskedLMOutput:
+                labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, packed_seqlens: Optional[torch.Tensor] = None
+                ) -> MaskedLMOutput:
+        """Packed rows (megabert.data.packing): packed_seqlens [b, cap] (and position_ids [b, s],
+        each sample's from 0); labels stay per token."""
         return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                                              token_type_ids=token_type_ids))
+                                              token_type_ids=token_type_ids, position_ids=position_ids,
+                                              packed_seqlens=packed_seqlens))
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
         labels = batch.get("labels")

@@ -4,23 +4,34 @@ Of the maskable tokens, `mask_prob` (15%) are chosen, at most `max_predictions` 
 sequence; a chosen token becomes [MASK] 80% of the time, a random token 10% and stays
 itself 10%, and the model must predict the original at every chosen position. With
 whole-word masking the choice is made per word (a word-start WordPiece with the "##"
-pieces after it), so a word is either masked whole or not at all.
+pieces after it; for byte-level BPE, a piece that starts a word by the rule of
+megabert.data.tokenizers.WordStarts and the pieces after it), so a word is either masked
+whole or not at all.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
+
+from megabert.data.tokenizers import WordStarts
 
 IGNORE_INDEX = -100  # transformers' and torch's cross-entropy ignore index
 
 
-def _words(positions: np.ndarray, tokens: np.ndarray, word_start: Optional[np.ndarray]) -> list[np.ndarray]:
+WordStartRule = Union[WordStarts, np.ndarray]
+"""A tokenizer's WordStarts (`Tokenizer.word_starts()`: a piece's context counts), or a bool
+[vocab] array of the pieces that start a word wherever they stand (`word_start_mask()`)."""
+
+
+def _words(positions: np.ndarray, tokens: np.ndarray, word_start: Optional[WordStartRule]) -> list[np.ndarray]:
     """Groups maskable positions into units: single tokens, or whole words."""
     if word_start is None:
         return [positions[i:i + 1] for i in range(len(positions))]
-    # A new word starts at a word-start piece, or where the maskable run is broken by [SEP].
-    starts = word_start[tokens[positions]]
+    # A new word starts at a word-start piece, or where the maskable run is broken by [SEP]
+    # (each run's first piece: after [CLS] or [SEP], a word starts whatever the piece is).
+    pieces = tokens[positions]
+    starts = word_start(pieces) if isinstance(word_start, WordStarts) else word_start[pieces]
     starts[1:] |= np.diff(positions) != 1
     starts[0] = True
     return np.split(positions, np.flatnonzero(starts)[1:])
@@ -28,7 +39,7 @@ def _words(positions: np.ndarray, tokens: np.ndarray, word_start: Optional[np.nd
 
 def mask_tokens(tokens: np.ndarray, maskable: np.ndarray, rng: np.random.Generator, *, mask_prob: float,
                 max_predictions: int, mask_id: int, random_ids: np.ndarray,
-                word_start: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+                word_start: Optional[WordStartRule] = None) -> tuple[np.ndarray, np.ndarray]:
     """Returns (corrupted tokens, labels); labels hold the original id at chosen positions and
     IGNORE_INDEX elsewhere. `maskable` is False at [CLS], [SEP] and padding."""
     positions = np.flatnonzero(maskable)
@@ -76,4 +87,4 @@ class TokenTable:
         present = np.zeros(vocab_size, dtype=bool)
         present[list(tokenizer.inv_vocab)] = True
         self.random_ids = np.flatnonzero(present & ~special)
-        self.word_start = tokenizer.word_start_mask() if whole_word_masking else None
+        self.word_start = tokenizer.word_starts() if whole_word_masking else None

@@ -1,5 +1,5 @@
-"""BERT for span extraction (SQuAD): start/end logits per token, as transformers'
-BertForQuestionAnswering, and its output."""
+"""Span extraction (SQuAD): start/end logits per token, as transformers'
+BertForQuestionAnswering and ModernBertForQuestionAnswering, and their output."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import head_linear
+from megabert.model.modernbert.classification import ModernBertPredictionHead, classifier_linear
+from megabert.model.modernbert.model import ModernBertBackbone, ModernBertForMaskedLM
 from megabert.model.outputs import ModelOutput
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
@@ -39,14 +41,53 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> QuestionAnsweringOutput:
         logits = self.qa_outputs(sequence.transpose(0, 1))  # [b, s, 2]
-        start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
-        start_positions, end_positions = batch.get("start_positions"), batch.get("end_positions")
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            # As transformers: positions outside the sequence are ignored, not errors.
-            ignored = start_logits.size(1)
-            start = start_positions.view(-1).clamp(0, ignored)
-            end = end_positions.view(-1).clamp(0, ignored)
-            loss = (F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
-                    + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)) / 2
-        return QuestionAnsweringOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+        return span_output(logits, batch)
+
+
+def span_output(logits: torch.Tensor, batch: dict) -> QuestionAnsweringOutput:
+    """logits [b, s, 2] -> start/end logits and, with start/end positions, the mean of their
+    cross entropies (transformers' question-answering loss)."""
+    start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
+    start_positions, end_positions = batch.get("start_positions"), batch.get("end_positions")
+    loss = None
+    if start_positions is not None and end_positions is not None:
+        # As transformers: positions outside the sequence are ignored, not errors.
+        ignored = start_logits.size(1)
+        start = start_positions.view(-1).clamp(0, ignored)
+        end = end_positions.view(-1).clamp(0, ignored)
+        loss = (F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
+                + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)) / 2
+    return QuestionAnsweringOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+
+
+@register_model
+class ModernBertForQuestionAnswering(BertPreTrainedModel):
+    """Span extraction on ModernBERT, as transformers' ModernBertForQuestionAnswering: the
+    final-normed hidden states -> the prediction head (dense, activation, norm) -> dropout ->
+    a linear to 2 outputs (start, end)."""
+
+    backbone_class = ModernBertBackbone
+
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
+        if config.model_family != "modernbert":
+            raise ValueError(f"ModernBertForQuestionAnswering needs a ModernBERT config, got {config.model_family!r}")
+        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
+        self.prediction_head = self.classifier = None
+        if self.stage.is_last_stage:
+            self.prediction_head = ModernBertPredictionHead(self.ctx, "head.")
+            self.classifier = classifier_linear(self.ctx, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                start_positions: Optional[torch.Tensor] = None, end_positions: Optional[torch.Tensor] = None,
+                token_type_ids: Optional[torch.Tensor] = None) -> QuestionAnsweringOutput:
+        return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask,
+                                              start_positions=start_positions, end_positions=end_positions,
+                                              token_type_ids=token_type_ids))
+
+    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> QuestionAnsweringOutput:
+        # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
+        hidden = F.dropout(self.prediction_head(sequence.transpose(0, 1)), self.config.classifier_dropout,
+                           self.training)  # [b, s, h]
+        return span_output(self.classifier(hidden), batch)
+
+    initialize_parameters = ModernBertForMaskedLM.initialize_parameters
