@@ -3,7 +3,8 @@
 Order matters: sequence-parallel LayerNorm grads are summed over TP first (each rank
 saw only its slice of the sequence), the pipeline's two copies of the tied word
 embeddings are summed, then all grads are averaged over DP, then the global norm is
-taken over the model-parallel group for clipping. Which parameter needs what is read
+taken over the model-parallel group for clipping (megabert.optim.clip folds the clip into the
+optimizer step). Which parameter needs what is read
 from its ParamSpec. The norm and the clipping stay on the device (foreach kernels): no
 host synchronisation per parameter.
 """
@@ -97,11 +98,3 @@ def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState, dp_sharde
         comm.all_reduce(total, group=ps.mp_group)
     return total.sqrt()
 
-
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Scales gradients so their global norm is at most `max_norm` (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if max_norm <= 0 or not grads:
-        return
-    coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-    torch._foreach_mul_(grads, coeff)

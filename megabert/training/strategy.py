@@ -21,8 +21,9 @@ from megabert.parallel import ParallelState
 from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from megabert.errors import CheckpointError
 from megabert.checkpoint.run_state import LoadedCheckpoint, TrainingState, load_checkpoint, save_checkpoint
-from megabert.training.grads import (average_data_parallel_grads, clip_grads, grad_norm,
-                                     sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from megabert.optim.clip import clipped_step
+from megabert.training.grads import (average_data_parallel_grads, grad_norm, sync_sequence_parallel_grads,
+                                     sync_tied_embedding_grads)
 from megabert.training.overlap import OverlappedGradReducer
 from megabert.training.precision import DynamicLossScaler
 
@@ -255,8 +256,7 @@ class LocalStrategy(Strategy):
             logger.warning("gradient norm is %s; step skipped", norm_value)
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
-        clip_grads(self.params, self.clip_grad, norm)
-        self.optimizer.step()
+        clipped_step(self.optimizer, self.params, self.clip_grad, norm)  # the clip folded into the step
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
