@@ -91,12 +91,14 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias=False`: the output without the bias, for a fused epilogue to add it
+        (megabert.ops.epilogues; Megatron's skip_bias_add)."""
         if self.sequence_parallel:
             x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
         else:
             x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias if add_bias else None)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -128,12 +130,14 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias=False`: the output without the bias, for a fused epilogue to add it
+        (megabert.ops.epilogues; Megatron's skip_bias_add)."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
         y = F.linear(x, self.weight)
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        return y + self.bias if self.bias is not None and add_bias else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}"
