@@ -21,6 +21,33 @@ from megabert.tensor_parallel.mappings import (Group, copy_to_tp, gather_from_sp
 
 InitMethod = Callable[[torch.Tensor], None]
 
+# A weight's 16-bit copy for its GEMM, kept by megabert.training.precision.MasterWeights
+# under --bf16 (the parameter stays the fp32 master): (copy, the parameter's _version when
+# the copy was made).
+GEMM_COPY = "_megabert_gemm_copy"
+
+
+def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """What the GEMM multiplies by: `weight`'s 16-bit copy when MasterWeights keeps one and
+    autocast runs in its dtype (outside autocast the fp32 weight, so fp32 maths stays fp32),
+    remade first if stale (the optimizer's step, a checkpoint load or any other in-place
+    write bumps the parameter's version); else the weight itself. Under torch.compile the
+    weight itself (the traced graph casts it)."""
+    if torch.compiler.is_compiling():
+        return weight
+    entry = getattr(weight, GEMM_COPY, None)
+    if entry is None:
+        return weight
+    copy, version = entry
+    device = weight.device.type
+    if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == copy.dtype):
+        return weight
+    if version != weight._version:
+        with torch.no_grad():
+            copy.copy_(weight)
+        setattr(weight, GEMM_COPY, (copy, weight._version))
+    return copy
+
 
 def default_init(tensor: torch.Tensor) -> None:
     nn.init.normal_(tensor, mean=0.0, std=0.02)
@@ -98,7 +125,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
         else:
             x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias if add_bias else None)
+        y = F.linear(x, gemm_weight(self.weight), self.bias if add_bias else None)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -135,7 +162,7 @@ class RowParallelLinear(nn.Module):
         (megabert.ops.epilogues; Megatron's skip_bias_add)."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, gemm_weight(self.weight))
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None and add_bias else y
 
