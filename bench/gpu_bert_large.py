@@ -7,7 +7,7 @@ micro-batch 64) and phase 2 (seq 512, micro-batch 16), bf16, one GPU, three side
                     over one --packing-window of 1024 samples, as pretrain_bert.py packs), the
                     same number of rows per micro-batch
   megabert-chain    megabert with --dropout-add-backend torch: the layers' epilogues (bias +
-                    GELU, bias + dropout + residual add + LayerNorm) as PyTorch's op chain
+                    GELU, dropout + residual add + LayerNorm) as PyTorch's op chain
                     instead of the torch.compile'd fused functions CUDA runs by default (issue 41)
   transformers      BertForPreTraining as its users run it: sdpa, bf16 autocast, torch's fused
                     AdamW, clipping at 1.0; the padded rows of the megabert side

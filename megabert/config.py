@@ -68,7 +68,7 @@ class ModelConfig:
                                  choices=("auto", "torch", "sdpa", "fused", "varlen"))
     layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused on CPU when "
                                  "built, else torch).", choices=("auto", "torch", "fused"))
-    dropout_add_backend: str = arg("auto", "The layers' GEMM epilogues (bias + hidden dropout + residual add "
+    dropout_add_backend: str = arg("auto", "The layers' GEMM epilogues (hidden dropout + residual add "
                                    "(+ post-LN LayerNorm), bias + GELU): torch (PyTorch's op chain), fused "
                                    "(megabert CPU kernel for dropout + add: Philox mask, one pass), compiled "
                                    "(each epilogue one torch.compile'd function), auto (fused on CPU when built, "

@@ -29,17 +29,19 @@ class MLP(nn.Module):
         set_hf_names(self, {f"dense_h_to_4h.{k}": f"{hf_prefix}intermediate.dense.{k}" for k in ("weight", "bias")})
         set_hf_names(self, {f"dense_4h_to_h.{k}": f"{hf_prefix}output.dense.{k}" for k in ("weight", "bias")})
 
-    def forward(self, x: torch.Tensor, add_output_bias: bool = True) -> torch.Tensor:
-        """`add_output_bias=False`: the output without dense_4h_to_h's bias, which the
-        layer's fused epilogue adds (ops.bias_dropout_add_layer_norm)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Exact (erf) GELU, as BERT and transformers' "gelu". The 'compiled' epilogue backend
         # fuses the bias add into it (megabert.ops.epilogues); otherwise the GEMM adds it
         # (addmm), which costs no pass of its own.
         if self.epilogue_backend == "compiled":
-            h = ops.bias_gelu(self.dense_h_to_4h(x, add_bias=False), self.dense_h_to_4h.bias, backend="compiled")
+            h = self.dense_h_to_4h(x, epilogue=_compiled_bias_gelu)
         else:
             h = ops.bias_gelu(self.dense_h_to_4h(x), None)
-        return self.dense_4h_to_h(h, add_bias=add_output_bias)
+        return self.dense_4h_to_h(h)
+
+
+def _compiled_bias_gelu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return ops.bias_gelu(y, bias, backend="compiled")
 
 
 class TransformerLayer(nn.Module):
@@ -58,20 +60,23 @@ class TransformerLayer(nn.Module):
         set_hf_names(self, {f"mlp_layernorm.{k}": f"{hf}output.LayerNorm.{k}" for k in ("weight", "bias")})
         describe_module(self, placement="layer", layer=layer_number)
 
-    def _epilogue(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                  layer_norm: Optional[nn.Module] = None) -> torch.Tensor:
-        """layer_norm(residual + dropout(x + bias)) (no LayerNorm when None): one fused
-        function with the 'compiled' backend, else the bias add, the fused CPU kernel or
-        PyTorch's dropout + add, then the LayerNorm, as ctx.dropout_add_backend says."""
+    def _epilogue(self, x: torch.Tensor, residual: torch.Tensor, layer_norm: Optional[nn.Module] = None
+                  ) -> torch.Tensor:
+        """layer_norm(residual + dropout(x)) (no LayerNorm when None): with the 'compiled'
+        backend one fused function (inside the LayerNorm's forward when there is one), else
+        the fused CPU kernel or PyTorch's dropout + add, then the LayerNorm, as
+        ctx.dropout_add_backend says."""
         # Replicated activations: the default stream, identical on TP ranks. Sequence-
         # parallel slices: the per-rank stream, so slices get independent masks. The fused
         # kernel draws its Philox key from the default generator, which the fork swaps (the
         # compiled epilogue draws with ATen's dropout from it too).
-        drop = self.dropout_p != 0.0 and self.training
+        p = self.dropout_p if self.training else 0.0
         # No draw, so no stream to swap in (a swap is a graph break under torch.compile).
-        fork = self.ctx.rng.fork() if self.ctx.sequence_parallel and drop else contextlib.nullcontext()
+        fork = self.ctx.rng.fork() if self.ctx.sequence_parallel and p else contextlib.nullcontext()
         with fork:
-            return ops.bias_dropout_add_layer_norm(x, bias, residual, self.dropout_p, drop, layer_norm,
+            if layer_norm is not None and self.ctx.dropout_add_backend == "compiled":
+                return layer_norm(x, residual=residual, dropout_p=p)
+            return ops.bias_dropout_add_layer_norm(x, None, residual, p, p > 0.0, layer_norm,
                                                    backend=self.ctx.dropout_add_backend)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None,
@@ -81,15 +86,11 @@ class TransformerLayer(nn.Module):
         reads every token's keys and values; all that follows it is token-wise, so it runs on
         those rows alone."""
         residual = x if rows is None else x.index_select(0, rows)
-        # The attention block's output projection adds its own bias (SelfAttention); the
-        # MLP's is left to the epilogue, which fuses it with dropout, the residual add and,
-        # post-LN, the LayerNorm.
-        mlp_bias = self.mlp.dense_4h_to_h.bias
         if self.pre_ln:
-            x = self._epilogue(self.attention(self.attention_layernorm(x), mask, tokens, rows), None, residual)
-            return self._epilogue(self.mlp(self.mlp_layernorm(x), add_output_bias=False), mlp_bias, x)
-        x = self._epilogue(self.attention(x, mask, tokens, rows), None, residual, self.attention_layernorm)
-        return self._epilogue(self.mlp(x, add_output_bias=False), mlp_bias, x, self.mlp_layernorm)
+            x = self._epilogue(self.attention(self.attention_layernorm(x), mask, tokens, rows), residual)
+            return self._epilogue(self.mlp(self.mlp_layernorm(x)), x)
+        x = self._epilogue(self.attention(x, mask, tokens, rows), residual, self.attention_layernorm)
+        return self._epilogue(self.mlp(x), x, self.mlp_layernorm)
 
 
 class TransformerBlock(nn.Module):

@@ -42,7 +42,7 @@ def compiled_unavailable(device_type: str) -> Optional[str]:
 
 
 def resolve_dropout_add_backend(backend: str, device_type: str = "cpu") -> str:
-    """The backend of the layers' epilogues: bias + dropout + residual add (+ post-LN's
+    """The backend of the layers' epilogues: dropout + residual add (+ post-LN's
     LayerNorm) and bias + GELU (megabert.ops.epilogues). 'auto' -> 'fused' on the CPU when
     its kernels are built (our one-pass dropout + add kernel; the rest PyTorch's), on CUDA
     'compiled' (each epilogue one torch.compile'd function: the eager chain is a kernel per

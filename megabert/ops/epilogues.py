@@ -1,5 +1,8 @@
-"""The transformer layer's GEMM epilogues, fused: bias + GELU after the MLP's first GEMM,
-and bias + dropout + residual add (+ the post-LN LayerNorm) after the row-parallel GEMMs.
+"""The transformer layer's GEMM epilogues, fused: bias + GELU after the MLP's first GEMM
+(called inside ColumnParallelLinear's forward), and dropout + residual add (+ the post-LN
+LayerNorm, called inside the LayerNorm's forward) after the row-parallel GEMMs; the front
+ends take a bias there too, which the model leaves to the row-parallel layer (ZeRO-3
+gathers a parameter only while its own module runs).
 
 Eager PyTorch runs each epilogue as a chain of elementwise kernels, each a full pass over
 the [tokens, width] activation in memory and its own launch: the bias add, GELU (and in

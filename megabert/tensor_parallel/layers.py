@@ -118,14 +118,20 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        """`add_bias=False`: the output without the bias, for a fused epilogue to add it
-        (megabert.ops.epilogues; Megatron's skip_bias_add)."""
+    def forward(self, x: torch.Tensor,
+                epilogue: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
+                ) -> torch.Tensor:
+        """`epilogue(y, bias)`: applied to the GEMM's output without the bias, to add it fused
+        with what follows (megabert.ops.epilogues' bias + GELU). The bias is read here, inside
+        this module's forward, where ZeRO-3 has gathered it."""
         if self.sequence_parallel:
             x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
         else:
             x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, gemm_weight(self.weight), self.bias if add_bias else None)
+        if epilogue is not None:
+            y = epilogue(F.linear(x, gemm_weight(self.weight)), self.bias)
+        else:
+            y = F.linear(x, gemm_weight(self.weight), self.bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -157,14 +163,12 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        """`add_bias=False`: the output without the bias, for a fused epilogue to add it
-        (megabert.ops.epilogues; Megatron's skip_bias_add)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
         y = F.linear(x, gemm_weight(self.weight))
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
-        return y + self.bias if self.bias is not None and add_bias else y
+        return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}"
