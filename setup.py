@@ -62,8 +62,8 @@ KERNELS = ("megabert", "fused_kernels", "csrc")
 
 
 def kernel_extensions():
-    """Fused softmax / LayerNorm kernels (megabert/fused_kernels/csrc): the CPU module
-    always, the CUDA module when torch has CUDA and nvcc is found."""
+    """Fused softmax / LayerNorm / dropout + add / attention kernels (megabert/fused_kernels/csrc):
+    the CPU module always; the CUDA module (the fused softmax) when torch has CUDA and nvcc is found."""
     omp_compile, omp_link = _openmp_flags()
     # No -march: the wheel may run on another CPU. The row kernels are compiled once per
     # instruction set (isa_*.cpp, with `#pragma GCC target`) and picked at run time.
@@ -97,9 +97,8 @@ def kernel_extensions():
         nvcc += ["-Werror", "all-warnings", "-Xcompiler", "-Werror"]
     cuda = cpp_extension.CUDAExtension(
         "megabert.fused_kernels._cuda",
-        sources=[_src(*KERNELS, "cuda", f) for f in ("bindings.cpp", "softmax.cu", "layer_norm.cu")],
-        # --use_fast_math: __expf in the softmax (as Megatron's kernels); the LayerNorm
-        # uses rsqrtf either way. Architectures come from TORCH_CUDA_ARCH_LIST or the GPU.
+        sources=[_src(*KERNELS, "cuda", f) for f in ("bindings.cpp", "softmax.cu")],
+        # --use_fast_math: __expf in the softmax (as Megatron's kernels). Architectures come from TORCH_CUDA_ARCH_LIST or the GPU.
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
     )
     return [cpu, cuda]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 # Order matters: FlashAttention's and xformers' kernels are built with CUTLASS (fmha_cutlassF...),
@@ -31,6 +31,18 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
                                     r"softmax|gelu", re.I)),
 )
 OTHER = "other"
+# Issue 41's kernel tail, item by item, across the categories above (a kernel may count in
+# several or none): the bf16 casts and copies (weights cast per use under autocast land here),
+# the LayerNorm kernels, the unfused epilogue ops (bias add, GELU, dropout) and the
+# torch.compile'd epilogues' Triton kernels (--dropout-add-backend compiled), the optimizer.
+ITEMS: tuple[tuple[str, re.Pattern], ...] = (
+    ("casts/copies", re.compile(r"copy|_to_copy|convert", re.I)),
+    ("layernorm", re.compile(r"layer_?norm", re.I)),
+    ("gelu", re.compile(r"gelu", re.I)),
+    ("dropout", re.compile(r"dropout|bernoulli", re.I)),
+    ("triton fused", re.compile(r"triton_(poi|red|per)_", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|adam|lamb|foreach", re.I)),
+)
 NAMES = ("gemm", "attention", "norm/elementwise", "optimizer", OTHER)  # the table's order
 # Chrome-trace categories of device activity (kineto's names).
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -106,6 +118,7 @@ class Breakdown:
     wall_ms: float
     idle_ms: float
     top_other: list
+    items: dict = field(default_factory=dict)  # ITEMS' ms per step
 
 
 def breakdown(events: list[Event], steps: int, wall_ms: float, busy: Optional[list[Event]] = None,
@@ -113,16 +126,20 @@ def breakdown(events: list[Event], steps: int, wall_ms: float, busy: Optional[li
     """Per-step figures of `events` recorded over `steps` steps of `wall_ms` each; the busy
     time is the union of `busy` (default: the events themselves)."""
     ms = {name: 0.0 for name in NAMES}
+    items = {name: 0.0 for name, _ in ITEMS}
     other: dict[str, float] = {}
     for e in events:
         category = classify(e.name)
         ms[category] += e.dur_us / 1e3 / steps
+        for item, pattern in ITEMS:
+            if pattern.search(e.name):
+                items[item] += e.dur_us / 1e3 / steps
         if category == OTHER:
             other[e.name] = other.get(e.name, 0.0) + e.dur_us / 1e3 / steps
     busy_ms = busy_union_us(events if busy is None else busy) / 1e3 / steps
     heaviest = sorted(other.items(), key=lambda kv: kv[1], reverse=True)[:top]
     return Breakdown(ms=ms, busy_ms=busy_ms, wall_ms=wall_ms, idle_ms=max(wall_ms - busy_ms, 0.0),
-                     top_other=heaviest)
+                     top_other=heaviest, items=items)
 
 
 def from_trace_file(path: str, device_type: str, steps: int, wall_ms: float) -> Breakdown:
@@ -158,3 +175,8 @@ def other_line(b: Breakdown, width: int = 70) -> Optional[str]:
     if not b.top_other:
         return None
     return "        other: " + "; ".join(f"{name[:width]} {ms:.2f}" for name, ms in b.top_other)
+
+
+def items_line(b: Breakdown) -> str:
+    """Issue 41's tail items, ms per step (ITEMS)."""
+    return "        tail: " + "; ".join(f"{name} {b.items.get(name, 0.0):.2f}" for name, _ in ITEMS)

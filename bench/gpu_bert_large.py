@@ -6,6 +6,9 @@ micro-batch 64) and phase 2 (seq 512, micro-batch 16), bf16, one GPU, three side
   megabert-packed   the same plus --pack-sequences: rows of whole samples (first-fit decreasing
                     over one --packing-window of 1024 samples, as pretrain_bert.py packs), the
                     same number of rows per micro-batch
+  megabert-chain    megabert with --dropout-add-backend torch: the layers' epilogues (bias +
+                    GELU, dropout + residual add + LayerNorm) as PyTorch's op chain
+                    instead of the torch.compile'd fused functions CUDA runs by default (issue 41)
   transformers      BertForPreTraining as its users run it: sdpa, bf16 autocast, torch's fused
                     AdamW, clipping at 1.0; the padded rows of the megabert side
 
@@ -21,7 +24,10 @@ side allocated (building it and its first steps); then the targets of issue 41 b
 figures; a kernel-time breakdown per step from torch.profiler (GEMM, attention,
 norm/elementwise, optimizer, other, and the idle time: step wall less the union of kernel busy
 time; bench/_kernel_breakdown.py); the host synchronisations per step (CUDA's sync debug mode,
-counted as warnings) and the graphs torch.compile built after warm-up. Figures, never asserts.
+counted as warnings) and the graphs torch.compile built after warm-up. The breakdown's "tail"
+line times issue 41's items per step: casts/copies (bf16 casts of weights), LayerNorm, GELU,
+dropout, the compiled epilogues' Triton kernels and the optimizer (the clip folded into it).
+Figures, never asserts.
 
     python bench/gpu_bert_large.py [--rounds 20] [--sides megabert megabert-packed transformers]
     python bench/gpu_bert_large.py --sides megabert-packed --compile   # the compiled packed step
@@ -55,9 +61,11 @@ from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
 from megabert.training.resolve import resolve_run
 
 TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55
-SIDES = ("megabert", "megabert-packed", "transformers")
+SIDES = ("megabert", "megabert-packed", "megabert-chain", "transformers")
 PACKING_WINDOW = 1024  # pretrain_bert.py's --packing-window default
 NUM_BATCHES = 4  # distinct micro-batches each side cycles through
+# Without --compile only the layers' fused epilogues compile, on CUDA (megabert.ops.epilogues).
+EAGER_MODE = "eager: only the layers' epilogues compile (CUDA)"
 
 
 class Device:
@@ -152,8 +160,8 @@ def model_flags(tiny: bool) -> list[str]:
 
 
 def megabert_step(ps, flags: list[str], seq: int, batch: int, batches: list[dict], packed: bool, compile_: bool,
-                  vocab: int):
-    argv = flags + ["--bf16", "--seq-length", str(seq), "--max-position-embeddings", "512",
+                  vocab: int, extra: tuple[str, ...] = ()):
+    argv = flags + list(extra) + ["--bf16", "--seq-length", str(seq), "--max-position-embeddings", "512",
                     "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--data-path", "unused",
                     "--train-iters", "1000000", "--log-interval", "1000000", "--eval-interval", "0"]
     argv += (["--pack-sequences"] if packed else []) + (["--compile"] if compile_ else [])
@@ -235,8 +243,9 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
         if name == "transformers":
             step = transformers_step(model_cfg, vocab_size(args.tiny), on_device, ps.device)
         else:
+            extra = ("--dropout-add-backend", "torch") if name == "megabert-chain" else ()
             step, _ = megabert_step(ps, model_flags(args.tiny), seq, batch, on_device, name == "megabert-packed",
-                                    args.compile, vocab_size(args.tiny))
+                                    args.compile, vocab_size(args.tiny), extra)
         side = Side(name, step, counts, [int(b["attention_mask"].sum()) for b in host],
                     [batch_flops(model_cfg, b) for b in host], rows=batch, seq=seq)
         for _ in range(args.warmup):
@@ -341,6 +350,7 @@ def main() -> None:
             for side in sides:
                 b = profile_side(side, dev, args.profile_steps)
                 print(kb.row(phase, side.name, b))
+                print(kb.items_line(b))
                 if (line := kb.other_line(b)) is not None:
                     print(line)
         for side in sides:
@@ -350,7 +360,7 @@ def main() -> None:
                       f"{syncs / args.sync_steps:.1f} per step ({syncs} in {args.sync_steps} steps after warm-up)"))
         graphs, breaks = dynamo_counts()
         print(f"recompiles {phase}: {graphs - graphs0} graphs compiled and {breaks - breaks0} graph breaks after "
-              f"warm-up ({'--compile' if args.compile else 'eager: nothing compiles'})")
+              f"warm-up ({'--compile' if args.compile else EAGER_MODE})")
         del sides
         gc.collect()  # the trainers hold their models in reference cycles: free them before the next phase
         if dev.cuda:

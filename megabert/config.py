@@ -83,9 +83,12 @@ class ModelConfig:
                                  choices=("auto", "torch", "sdpa", "fused", "varlen"))
     layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused on CPU when "
                                  "built, else torch).", choices=("auto", "torch", "fused"))
-    dropout_add_backend: str = arg("auto", "The layers' hidden dropout + residual add: torch (F.dropout, then "
-                                   "add), fused (megabert CPU kernel: Philox mask, one pass), auto (fused on "
-                                   "CPU when built, else torch).", choices=("auto", "torch", "fused"))
+    dropout_add_backend: str = arg("auto", "The layers' GEMM epilogues (hidden dropout + residual add "
+                                   "(+ post-LN LayerNorm), bias + GELU): torch (PyTorch's op chain), fused "
+                                   "(megabert CPU kernel for dropout + add: Philox mask, one pass), compiled "
+                                   "(each epilogue one torch.compile'd function), auto (fused on CPU when built, "
+                                   "compiled on CUDA with Triton, else torch).",
+                                   choices=("auto", "torch", "fused", "compiled"))
     recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or "
                                                "selective (attention core only).", choices=(None, "full", "selective"))
     sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence over the "

@@ -154,9 +154,18 @@ def test_outside_limits_runs_pytorch():
     assert torch.equal(out, r[:1] + F.dropout(x, 0.5, True))
 
 
-def test_backend_resolution():
+def test_backend_resolution(monkeypatch):
+    import torch.utils._triton as triton_probe
+
     assert resolve_dropout_add_backend("auto", "cpu") == "fused"
-    assert resolve_dropout_add_backend("auto", "cuda") == "torch"
     assert resolve_dropout_add_backend("torch", "cpu") == "torch"
+    assert resolve_dropout_add_backend("compiled", "cpu") == "compiled"
     with pytest.raises(Exception, match="--dropout-add-backend"):
         resolve_dropout_add_backend("fused", "cuda")
+    # CUDA: the torch.compile'd epilogues where Triton is there, else PyTorch's chain.
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: True)
+    assert resolve_dropout_add_backend("auto", "cuda") == "compiled"
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: False)
+    assert resolve_dropout_add_backend("auto", "cuda") == "torch"
+    with pytest.raises(Exception, match="--dropout-add-backend compiled: torch.compile needs Triton"):
+        resolve_dropout_add_backend("compiled", "cuda")

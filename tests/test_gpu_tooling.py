@@ -269,15 +269,15 @@ def test_the_bench_runs_end_to_end_on_a_cpu_and_its_figures_parse():
     assert any(line.startswith("targets (issue 41): MFU >= 45% in both phases, >= 1.8x transformers") for line in lines)
     figures = bench_figures.bert_large(lines)
     rows = {r["side"]: r for r in figures["throughput"]}
-    assert set(rows) == {"megabert", "megabert-packed", "transformers"}
+    assert set(rows) == {"megabert", "megabert-packed", "megabert-chain", "transformers"}
     assert rows["megabert"]["samples_per_row"] == 1.0 and rows["megabert-packed"]["samples_per_row"] > 1.0
     assert rows["megabert-packed"]["real_token_share"] > rows["megabert"]["real_token_share"]
     assert rows["transformers"]["vs_transformers"] == 1.0 and rows["megabert"]["mfu"] is None  # no peak on a CPU
-    assert [b["side"] for b in figures["breakdown"]] == ["megabert", "megabert-packed", "transformers"]
+    assert [b["side"] for b in figures["breakdown"]] == ["megabert", "megabert-packed", "megabert-chain", "transformers"]
     assert all(b["wall_ms"] > 0 and b["gemm_ms"] > 0 for b in figures["breakdown"])
     assert figures["host_syncs"] == [] and "host syncs 2 megabert-packed: n/a (no CUDA device)" in lines
     assert figures["recompiles"] == [{"phase": 2, "graphs_compiled": 0, "graph_breaks": 0,
-                                      "mode": "eager: nothing compiles"}]
+                                      "mode": "eager: only the layers' epilogues compile (CUDA)"}]
     assert figures["targets"]["2"]["mfu_target_met"] is None
 
 

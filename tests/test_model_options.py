@@ -198,7 +198,7 @@ def _dropout_add_layers(rank, world, backend, sequence_parallel):
         torch.manual_seed(11)
         same_input = torch.ones(8, 4, 32)
         with torch.no_grad():
-            d = layer._dropout_add(same_input, torch.zeros_like(same_input))
+            d = layer._epilogue(same_input, torch.zeros_like(same_input))
         gathered = [torch.empty_like(d) for _ in range(world)]
         torch.distributed.all_gather(gathered, d, group=ps.tp_group)
         assert not torch.equal(gathered[0], gathered[1])

@@ -71,7 +71,7 @@ def test_backend_resolution_is_per_device():
     assert resolve_layernorm_backend("auto", "cpu") == "fused" and resolve_attention_backend("auto", "cpu") == (
         "varlen" if fk.cpu_isa() != "default" else "fused")
     assert resolve_layernorm_backend("auto", "cuda") == "torch" and resolve_attention_backend("auto", "cuda") == "sdpa"
-    with pytest.raises(ConfigError, match="fused cuda kernels are not built"):
+    with pytest.raises(ConfigError, match="--layernorm-backend fused: the fused LayerNorm is a CPU kernel"):
         resolve_layernorm_backend("fused", "cuda")
 
 
@@ -79,7 +79,9 @@ def test_auto_on_cuda_is_sdpa_and_torch_even_with_built_kernels(monkeypatch):
     # Built CUDA kernels are opt-in (--attention-backend fused) until measured on a GPU.
     monkeypatch.setattr(fk, "is_available", lambda device="cpu": True)
     assert resolve_layernorm_backend("auto", "cuda") == "torch" and resolve_attention_backend("auto", "cuda") == "sdpa"
-    assert resolve_layernorm_backend("fused", "cuda") == "fused"
+    # There is no CUDA LayerNorm (deleted: PyTorch's was faster), built kernels or not.
+    with pytest.raises(ConfigError, match="--layernorm-backend fused: the fused LayerNorm is a CPU kernel"):
+        resolve_layernorm_backend("fused", "cuda")
 
 
 @pytest.mark.skipif(not fk.is_available(), reason="kernels not built")

@@ -1,6 +1,8 @@
 """LayerNorm module over `megabert.ops.layer_norm` (fused kernel or PyTorch)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
@@ -30,7 +32,13 @@ class LayerNorm(nn.Module):
             self.register_buffer("_zero_bias", torch.zeros(hidden_size, dtype=params_dtype, device=device),
                                  persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> torch.Tensor:
+        """With `residual`: layer_norm(residual + dropout(x, dropout_p)) as one torch.compile'd
+        epilogue (megabert.ops.epilogues; the transformer layer's 'compiled' backend), this
+        module's parameters read inside its own forward (where ZeRO-3 has gathered them)."""
+        if residual is not None:
+            return ops.bias_dropout_add_layer_norm(x, None, residual, dropout_p, dropout_p > 0.0, self,
+                                                   backend="compiled")
         if self.backend == "fused":
             return ops.layer_norm(x, self.weight, self.bias if self.bias is not None else self._zero_bias, self.eps)
         return torch.nn.functional.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)

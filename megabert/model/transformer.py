@@ -6,7 +6,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megabert import ops
 from megabert.model.attention import SelfAttention
@@ -26,12 +25,23 @@ class MLP(nn.Module):
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, **ctx.tp_kwargs())
         self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True,
                                                **ctx.tp_kwargs())
+        self.epilogue_backend = ctx.dropout_add_backend
         set_hf_names(self, {f"dense_h_to_4h.{k}": f"{hf_prefix}intermediate.dense.{k}" for k in ("weight", "bias")})
         set_hf_names(self, {f"dense_4h_to_h.{k}": f"{hf_prefix}output.dense.{k}" for k in ("weight", "bias")})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Exact (erf) GELU, as BERT and transformers' "gelu".
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+        # Exact (erf) GELU, as BERT and transformers' "gelu". The 'compiled' epilogue backend
+        # fuses the bias add into it (megabert.ops.epilogues); otherwise the GEMM adds it
+        # (addmm), which costs no pass of its own.
+        if self.epilogue_backend == "compiled":
+            h = self.dense_h_to_4h(x, epilogue=_compiled_bias_gelu)
+        else:
+            h = ops.bias_gelu(self.dense_h_to_4h(x), None)
+        return self.dense_4h_to_h(h)
+
+
+def _compiled_bias_gelu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return ops.bias_gelu(y, bias, backend="compiled")
 
 
 class TransformerLayer(nn.Module):
@@ -50,16 +60,24 @@ class TransformerLayer(nn.Module):
         set_hf_names(self, {f"mlp_layernorm.{k}": f"{hf}output.LayerNorm.{k}" for k in ("weight", "bias")})
         describe_module(self, placement="layer", layer=layer_number)
 
-    def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + dropout(x): the fused CPU kernel or PyTorch, as ctx.dropout_add_backend says."""
+    def _epilogue(self, x: torch.Tensor, residual: torch.Tensor, layer_norm: Optional[nn.Module] = None
+                  ) -> torch.Tensor:
+        """layer_norm(residual + dropout(x)) (no LayerNorm when None): with the 'compiled'
+        backend one fused function (inside the LayerNorm's forward when there is one), else
+        the fused CPU kernel or PyTorch's dropout + add, then the LayerNorm, as
+        ctx.dropout_add_backend says."""
         # Replicated activations: the default stream, identical on TP ranks. Sequence-
         # parallel slices: the per-rank stream, so slices get independent masks. The fused
-        # kernel draws its Philox key from the default generator, which the fork swaps.
-        if self.dropout_p == 0.0 or not self.training:
-            return residual + x  # no draw, so no stream to swap in (a swap is a graph break under torch.compile)
-        fork = self.ctx.rng.fork() if self.ctx.sequence_parallel else contextlib.nullcontext()
+        # kernel draws its Philox key from the default generator, which the fork swaps (the
+        # compiled epilogue draws with ATen's dropout from it too).
+        p = self.dropout_p if self.training else 0.0
+        # No draw, so no stream to swap in (a swap is a graph break under torch.compile).
+        fork = self.ctx.rng.fork() if self.ctx.sequence_parallel and p else contextlib.nullcontext()
         with fork:
-            return ops.dropout_add(x, residual, self.dropout_p, self.training, backend=self.ctx.dropout_add_backend)
+            if layer_norm is not None and self.ctx.dropout_add_backend == "compiled":
+                return layer_norm(x, residual=residual, dropout_p=p)
+            return ops.bias_dropout_add_layer_norm(x, None, residual, p, p > 0.0, layer_norm,
+                                                   backend=self.ctx.dropout_add_backend)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout] = None,
                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -69,10 +87,10 @@ class TransformerLayer(nn.Module):
         those rows alone."""
         residual = x if rows is None else x.index_select(0, rows)
         if self.pre_ln:
-            x = self._dropout_add(self.attention(self.attention_layernorm(x), mask, tokens, rows), residual)
-            return self._dropout_add(self.mlp(self.mlp_layernorm(x)), x)
-        x = self.attention_layernorm(self._dropout_add(self.attention(x, mask, tokens, rows), residual))
-        return self.mlp_layernorm(self._dropout_add(self.mlp(x), x))
+            x = self._epilogue(self.attention(self.attention_layernorm(x), mask, tokens, rows), residual)
+            return self._epilogue(self.mlp(self.mlp_layernorm(x)), x)
+        x = self._epilogue(self.attention(x, mask, tokens, rows), residual, self.attention_layernorm)
+        return self._epilogue(self.mlp(x), x, self.mlp_layernorm)
 
 
 class TransformerBlock(nn.Module):

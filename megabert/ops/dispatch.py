@@ -69,9 +69,10 @@ def dtype_outside(x: torch.Tensor, supported: dict[str, tuple[torch.dtype, ...]]
 def resolve_backend(what: str, flag: str, backend: str, unfused: str, device_type: str) -> str:
     """The backend a model on `device_type` uses for `what`. 'auto' on the CPU is 'fused'
     when the CPU kernels are built, else `unfused`; on CUDA it is `unfused` (SDPA's flash /
-    memory-efficient attention, PyTorch's LayerNorm): on an H100 our CUDA LayerNorm measured
-    0.70-0.73x of PyTorch's (docs/performance.md), so our CUDA kernels are opt-in with `flag` fused.
-    'fused' without built kernels is an error naming `flag`. Logged once per choice."""
+    memory-efficient attention, PyTorch's LayerNorm: megabert's CUDA LayerNorm lost to it,
+    0.70-0.73x, and was deleted; docs/performance.md), so our one CUDA kernel, the softmax, is
+    opt-in with `flag` fused. 'fused' without built kernels is an error naming `flag`. Logged
+    once per choice."""
     if backend == "auto":
         backend = "fused" if device_type == "cpu" and fused_kernels.is_available(device_type) else unfused
     elif backend == "fused" and not fused_kernels.is_available(device_type):

@@ -14,6 +14,7 @@ The masks differ from PyTorch's dropout for the same seed (another generator).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -21,21 +22,43 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from megabert.errors import ConfigError
-from megabert.ops import kernel_ops
-from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, resolve_backend, use_fused_kernel
+from megabert.ops import epilogues, kernel_ops
+from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, resolve_backend, say_once, use_fused_kernel
 
 _DTYPES = {"cpu": CPU_KERNEL_DTYPES}  # CPU only: there is no CUDA dropout-add kernel
 # Philox keys: any 63-bit value (the kernel takes an int64).
 _SEED_HIGH = 2**63 - 1
 
 
+def compiled_unavailable(device_type: str) -> Optional[str]:
+    """None when torch.compile can build the fused epilogues (megabert.ops.epilogues) for
+    `device_type` tensors, else why it cannot."""
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "torch.compile needs Triton for CUDA kernels and this torch has none"
+    return None
+
+
 def resolve_dropout_add_backend(backend: str, device_type: str = "cpu") -> str:
-    """'auto' -> 'fused' on the CPU when its kernels are built, else 'torch'. There is no CUDA
-    kernel: on CUDA 'auto' is 'torch' (PyTorch's dropout, itself one fused kernel there) and
-    'fused' is an error. Logged once per choice."""
+    """The backend of the layers' epilogues: dropout + residual add (+ post-LN's
+    LayerNorm) and bias + GELU (megabert.ops.epilogues). 'auto' -> 'fused' on the CPU when
+    its kernels are built (our one-pass dropout + add kernel; the rest PyTorch's), on CUDA
+    'compiled' (each epilogue one torch.compile'd function: the eager chain is a kernel per
+    op there) where torch has Triton, else 'torch'. 'fused' off the CPU, or 'compiled'
+    without Triton, is an error. Logged once per choice."""
     if backend == "fused" and device_type != "cpu":
         raise ConfigError(f"--dropout-add-backend fused: the fused dropout + residual add is a CPU kernel; on "
-                          f"{device_type} use --dropout-add-backend auto or torch (PyTorch's dropout)")
+                          f"{device_type} use --dropout-add-backend auto, compiled or torch")
+    if backend in ("auto", "compiled") and device_type == "cuda":
+        why = compiled_unavailable(device_type)
+        if why is not None and backend == "compiled":
+            raise ConfigError(f"--dropout-add-backend compiled: {why}; use --dropout-add-backend torch")
+        if why is not None:
+            say_once(("dropout_add", "no-compile"), logging.WARNING, "dropout_add: %s; the layers' epilogues run "
+                     "unfused (PyTorch)", why)
+        backend = "compiled" if why is None else "torch"
     return resolve_backend("dropout_add", "--dropout-add-backend", backend, "torch", device_type)
 
 
@@ -94,8 +117,9 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: boo
     """residual + dropout(x, p) (training) or residual + x (eval, or p == 0: no generator draw,
     as F.dropout). Autograd-capable for x and residual.
 
-    `backend` as resolved by `resolve_dropout_add_backend` ('fused' or 'torch'); 'fused' runs the
-    kernel where it applies (CPU; fp32, bf16, fp64; one shape) and PyTorch otherwise, said once.
+    `backend` as resolved by `resolve_dropout_add_backend` ('fused', 'compiled' or 'torch'); 'fused'
+    runs the kernel where it applies (CPU; fp32, bf16, fp64; one shape) and PyTorch otherwise, said
+    once; 'compiled' one torch.compile'd function (megabert.ops.epilogues).
     `generator`: where the Philox key comes from (default: torch's default CPU generator, or the
     stream of the `RNGStatesTracker.fork()` the call runs in). `return_mask=True` (fused only,
     for tests; no autograd) returns (out, the bool keep mask the kernel drew).
@@ -103,9 +127,11 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: boo
     if not training or p == 0.0:
         out = residual + x
         return (out, torch.ones_like(x, dtype=torch.bool)) if return_mask else out
-    if backend == "torch":
+    if backend in ("torch", "compiled"):
         if return_mask:
             raise ValueError("dropout_add: return_mask needs the fused backend")
+        if backend == "compiled" and generator is None:
+            return epilogues.run("bias_dropout_add", backend, x, None, residual, p, training)
         return dropout_add_reference(x, residual, p, training, generator)
     if backend != "fused":
         raise ValueError(f"unknown dropout_add backend {backend!r}")
@@ -119,3 +145,20 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: boo
     if return_mask:  # no autograd: for tests that check the output against the mask drawn
         return kernel_ops.dropout_add_forward(x, residual, float(p), seed)
     return FusedDropoutAdd.apply(x, residual, float(p), seed)
+
+
+def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
+                                training: bool, layer_norm: Optional[torch.nn.Module] = None, *,
+                                backend: str = "torch") -> torch.Tensor:
+    """The row-parallel GEMMs' epilogue: residual + dropout(x + bias), then `layer_norm` (a
+    megabert LayerNorm module: post-LN's) when given. `backend` 'compiled' runs all of it as
+    one torch.compile'd function (megabert.ops.epilogues); 'fused' and 'torch' add the bias,
+    then run dropout_add (the CPU kernel or PyTorch's dropout) and the LayerNorm module with
+    its own backend."""
+    if backend == "compiled":
+        if layer_norm is None:
+            return epilogues.run("bias_dropout_add", backend, x, bias, residual, p, training)
+        return epilogues.run("bias_dropout_add_layer_norm", backend, x, bias, residual, p, training,
+                             layer_norm.weight, layer_norm.bias, layer_norm.eps)
+    y = dropout_add(x if bias is None else x + bias, residual, p, training, backend=backend)
+    return y if layer_norm is None else layer_norm(y)

@@ -14,16 +14,23 @@ The update, per tensor:
     m_hat, v_hat = m / (1 - b1^t), v / (1 - b2^t)   (or m, v without bias correction)
     p <- p - lr * m_hat / (sqrt(v_hat) + eps)
 run as torch._foreach_* ops over each param group (one launch per op on CUDA instead of
-one per tensor). Each element is computed by the same elementwise ops whatever the
+one per tensor). Global-norm clipping folds in (megabert.optim.clip.clipped_step): with
+`clip_coeff` set, a device tensor, the step scales the gradients by it first, in place, as
+clip-then-step did, with no host sync. Each element is computed by the same elementwise ops whatever the
 grouping; on the CPU the foreach ops are the per-tensor ops, so the result does not depend
 on how the parameters are grouped. The sqrt(v) temporary spans the group.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
 class Adam(torch.optim.Optimizer):
+    # megabert.optim.clip.clipped_step sets `clip_coeff` for one step.
+    folds_clip_coeff = True
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
                  bias_correction: bool = True):
         if lr <= 0 or eps <= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or weight_decay < 0:
@@ -31,6 +38,7 @@ class Adam(torch.optim.Optimizer):
                              f"weight_decay={weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
+        self.clip_coeff: Optional[torch.Tensor] = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -45,6 +53,8 @@ class Adam(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             grads = [p.grad for p in params]
+            if self.clip_coeff is not None:
+                torch._foreach_mul_(grads, self.clip_coeff)
             states = [self._state(p) for p in params]
             exp_avgs = [s["exp_avg"] for s in states]
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]

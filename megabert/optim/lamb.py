@@ -15,7 +15,9 @@ The step is multi-tensor, per param group: torch._foreach_* ops for the moments,
 update and the norms (one launch per op on CUDA rather than one per tensor), one stacked
 all-reduce over the TP group, the trust ratios as one tensor. Nothing in it waits for the
 device: the step counters live with the parameters and the bias corrections are tensors
-computed from them. The state is torch's layout (per parameter `step`, a float32 scalar,
+computed from them. Global-norm clipping folds in (megabert.optim.clip.clipped_step): with
+`clip_coeff` set, a device tensor, the gradients are scaled by it as the step takes them in
+(16-bit gradients: their fp32 copies, which the step makes anyway). The state is torch's layout (per parameter `step`, a float32 scalar,
 and fp32 `exp_avg`, `exp_avg_sq`), so checkpoints of the per-tensor version load as they
 are.
 """
@@ -30,6 +32,9 @@ from megabert.parallel import comm
 
 
 class Lamb(torch.optim.Optimizer):
+    # megabert.optim.clip.clipped_step sets `clip_coeff` for one step.
+    folds_clip_coeff = True
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
                  bias_correction: bool = True, min_trust_ratio: float = 0.0, max_trust_ratio: float = 10.0,
                  tp_group: Optional[dist.ProcessGroup] = None):
@@ -41,6 +46,7 @@ class Lamb(torch.optim.Optimizer):
                         min_trust_ratio=min_trust_ratio, max_trust_ratio=max_trust_ratio)
         super().__init__(params, defaults)
         self.tp_group = tp_group
+        self.clip_coeff: Optional[torch.Tensor] = None
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -89,6 +95,8 @@ class Lamb(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         states = [self._state(p) for p in params]
         grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+        if self.clip_coeff is not None:
+            torch._foreach_mul_(grads, self.clip_coeff)
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         steps = [s["step"] for s in states]

@@ -21,6 +21,33 @@ from megabert.tensor_parallel.mappings import (Group, copy_to_tp, gather_from_sp
 
 InitMethod = Callable[[torch.Tensor], None]
 
+# A weight's 16-bit copy for its GEMM, kept by megabert.training.precision.MasterWeights
+# under --bf16 (the parameter stays the fp32 master): (copy, the parameter's _version when
+# the copy was made).
+GEMM_COPY = "_megabert_gemm_copy"
+
+
+def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """What the GEMM multiplies by: `weight`'s 16-bit copy when MasterWeights keeps one and
+    autocast runs in its dtype (outside autocast the fp32 weight, so fp32 maths stays fp32),
+    remade first if stale (the optimizer's step, a checkpoint load or any other in-place
+    write bumps the parameter's version); else the weight itself. Under torch.compile the
+    weight itself (the traced graph casts it)."""
+    if torch.compiler.is_compiling():
+        return weight
+    entry = getattr(weight, GEMM_COPY, None)
+    if entry is None:
+        return weight
+    copy, version = entry
+    device = weight.device.type
+    if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == copy.dtype):
+        return weight
+    if version != weight._version:
+        with torch.no_grad():
+            copy.copy_(weight)
+        setattr(weight, GEMM_COPY, (copy, weight._version))
+    return copy
+
 
 def default_init(tensor: torch.Tensor) -> None:
     nn.init.normal_(tensor, mean=0.0, std=0.02)
@@ -91,12 +118,20 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                epilogue: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
+                ) -> torch.Tensor:
+        """`epilogue(y, bias)`: applied to the GEMM's output without the bias, to add it fused
+        with what follows (megabert.ops.epilogues' bias + GELU). The bias is read here, inside
+        this module's forward, where ZeRO-3 has gathered it."""
         if self.sequence_parallel:
             x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
         else:
             x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        if epilogue is not None:
+            y = epilogue(F.linear(x, gemm_weight(self.weight)), self.bias)
+        else:
+            y = F.linear(x, gemm_weight(self.weight), self.bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -131,7 +166,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, gemm_weight(self.weight))
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 

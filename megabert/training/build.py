@@ -14,7 +14,7 @@ from megabert.optim import LRSchedule, build_optimizer
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.data_parallel.overlap import OverlappedGradReducer
-from megabert.training.precision import DynamicLossScaler, autocast
+from megabert.training.precision import DynamicLossScaler, MasterWeights, autocast
 from megabert.training.restore import continue_run, preload_weights
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, TrainingTask
 from megabert.training.trainer import Batches, Trainer
@@ -81,6 +81,10 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
                                                     overlap_param_gather=run.parallel.overlap_param_gather,
                                                     fp16=t.fp16, clip_grad=run.optim.clip_grad)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
+    if t.bf16 and not t.compile:
+        # The linear layers' GEMMs take bf16 weights made once per step, fp32 masters kept
+        # (megabert.training.precision.MasterWeights).
+        MasterWeights(model).attach(optimizer)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     reducer = None
     if ps.dp_size > 1 and run.parallel.overlap_grad_reduce:

@@ -18,7 +18,8 @@ from megabert.data_parallel.sharded_buffers import ShardedBuffers
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_of
-from megabert.training.grads import clip_grads, grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
+from megabert.optim.clip import clipped_step
+from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
 from megabert.training.precision import DynamicLossScaler
 from megabert.training.strategy import LocalStrategy, StepResult
 
@@ -59,8 +60,7 @@ class DistributedOptimizerStrategy(LocalStrategy):
             logger.warning("gradient norm is %s; step skipped", norm_value)
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
-        clip_grads(pieces, self.clip_grad, norm)
-        self.optimizer.step()
+        clipped_step(self.optimizer, pieces, self.clip_grad, norm)  # the clip folded into the step
         buffers.gather_params()  # with --overlap-param-gather, waited for by the next forward
         if self.scaler is not None:
             self.scaler.update(overflow=False)

@@ -5,9 +5,9 @@ Sequence-parallel LayerNorm grads are summed over TP (each rank saw only its sli
 sequence) and the pipeline's two copies of the tied word embeddings over the embedding
 group; the average over DP (megabert.data_parallel: overlapped with backward, or
 averaging.py after it) commutes with both. Then the global norm is taken over the
-model-parallel group for clipping. Which parameter needs what is read from its ParamSpec.
-The norm and the clipping stay on the device (foreach kernels): no host synchronisation
-per parameter.
+model-parallel group for clipping (megabert.optim.clip folds the clip into the optimizer
+step). Which parameter needs what is read from its ParamSpec. The norm stays on the device
+(foreach kernels): no host synchronisation per parameter.
 """
 from __future__ import annotations
 
@@ -67,11 +67,3 @@ def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState, dp_sharde
         comm.all_reduce(total, group=ps.mp_group)
     return total.sqrt()
 
-
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Scales gradients so their global norm is at most `max_norm` (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if max_norm <= 0 or not grads:
-        return
-    coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-    torch._foreach_mul_(grads, coeff)

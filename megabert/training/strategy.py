@@ -25,8 +25,9 @@ from megabert.checkpoint.start import Source
 from megabert.checkpoint.run_state import RankContents, TrainingState, capture_rng, save_checkpoint
 from megabert.data_parallel.averaging import average_data_parallel_grads
 from megabert.data_parallel.grad_buckets import GradReducer
+from megabert.optim.clip import clipped_step
 from megabert.parallel.param_spec import spec_table, table_to_dict
-from megabert.training.grads import clip_grads, grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
+from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
 from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
@@ -265,8 +266,7 @@ class LocalStrategy(Strategy):
             logger.warning("gradient norm is %s; step skipped", norm_value)
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
-        clip_grads(self.params, self.clip_grad, norm)
-        self.optimizer.step()
+        clipped_step(self.optimizer, self.params, self.clip_grad, norm)  # the clip folded into the step
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)

@@ -13,10 +13,12 @@ inline void def_kernel_ops(pybind11::module_& m, const KernelOps& ops) {
         py::arg("scores"), py::arg("mask"), py::arg("scale"));
   m.def("scaled_masked_softmax_backward", ops.scaled_masked_softmax_backward, "grad of the scores",
         py::arg("grad_probs"), py::arg("probs"), py::arg("scale"));
-  m.def("layer_norm_forward", ops.layer_norm_forward, "LayerNorm over the last dim -> (y, mean, rstd)",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
-  m.def("layer_norm_backward", ops.layer_norm_backward, "-> (grad_x, grad_weight, grad_bias)", py::arg("grad_y"),
-        py::arg("x"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+  if (ops.layer_norm_forward != nullptr) {  // CPU only (kernel_ops.h)
+    m.def("layer_norm_forward", ops.layer_norm_forward, "LayerNorm over the last dim -> (y, mean, rstd)",
+          py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
+    m.def("layer_norm_backward", ops.layer_norm_backward, "-> (grad_x, grad_weight, grad_bias)",
+          py::arg("grad_y"), py::arg("x"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+  }
 }
 
 }  // namespace megabert

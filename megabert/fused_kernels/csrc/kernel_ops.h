@@ -20,7 +20,8 @@ struct KernelOps {
   // grad of the scores from the grad of the probabilities and the probabilities.
   at::Tensor (*scaled_masked_softmax_backward)(const at::Tensor& grad_probs, const at::Tensor& probs, double scale);
   // LayerNorm over the last dim of x [..., h] (contiguous) -> {y, mean, rstd}; mean and
-  // rstd are [rows] in the math type (fp32, or fp64 for fp64 input).
+  // rstd are [rows] in the math type (fp32, or fp64 for fp64 input). CPU only: the CUDA
+  // module leaves both LayerNorm entries null (PyTorch's LayerNorm won there).
   std::vector<at::Tensor> (*layer_norm_forward)(const at::Tensor& x, const at::Tensor& weight,
                                                 const at::Tensor& bias, double eps);
   // -> {grad_x, grad_weight, grad_bias}
