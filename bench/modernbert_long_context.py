@@ -13,7 +13,9 @@ handed back first with malloc_trim): it counts torch's
 allocations, which tracemalloc does not see, and the allocator's slack, as a CPU run's first
 step pays them. (Later steps reuse the heap's pages, so their peak above the start says
 nothing; one step of 128 tokens first does the lazy one-time set-up.) Times are the median
-of --reps steps after that. Layer columns: one layer of the kind alone, forward and backward
+of --reps steps after that, in CPU seconds of the process (all its threads) by default: on a
+shared machine other processes stretch wall time at random, CPU time much less (--clock wall
+for an idle machine). Layer columns: one layer of the kind alone, forward and backward
 on the backbone's hidden states (the AttentionInputs the model builds), in its own process.
 The backends in use are printed (the local layers' window: megabert's C++ kernel once it
 takes one, else the blocked PyTorch path of local_attention.py). Nothing passes or fails.
@@ -60,12 +62,13 @@ def peak_of(step) -> int:
     return (_status_kib("VmHWM") - before) * 1024
 
 
-def timed(step, reps: int) -> float:
+def timed(step, reps: int, clock: str) -> float:
+    now = time.process_time if clock == "cpu" else time.perf_counter
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = now()
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times)
 
 
@@ -111,7 +114,7 @@ def measure(make_step, args) -> dict:
     make_step(128)()
     step = make_step(args.seq)
     peak = peak_of(step)
-    return {"s": timed(step, args.reps), "peak": peak}
+    return {"s": timed(step, args.reps, args.clock), "peak": peak}
 
 
 def point_megabert(args) -> dict:
@@ -177,7 +180,7 @@ def point_transformers(args) -> dict:
 def run_point(args, seq: int, side: str, part: str = "model") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--point", side, "--part", part, "--seq", str(seq), "--layers", str(args.layers),
            "--hidden", str(args.hidden), "--heads", str(args.heads), "--reps", str(args.reps),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--clock", args.clock]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": str(args.threads)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -199,6 +202,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="cpu: the process's CPU seconds (robust on a shared machine); wall: elapsed")
     p.add_argument("--no-transformers", action="store_true", help="megabert's rows only")
     p.add_argument("--point", choices=("megabert", "transformers"), help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
@@ -213,9 +218,10 @@ def main() -> None:
         return
 
     print(f"ModernBERT {args.layers} layers (global every 3rd, window 128), hidden {args.hidden}, {args.heads} heads, "
-          f"vocab 50368, batch 1, 30% masked, fp32, {args.threads} threads; forward + backward, median of {args.reps}")
-    print("per token: time in us, peak memory above the step's start in KiB (VmHWM, fresh process per point); "
-          "ratio: transformers / megabert")
+          f"vocab 50368, batch 1, 30% masked, fp32, {args.threads} threads; forward + backward, median of {args.reps} "
+          f"({args.clock} time)")
+    print("per token: time in us, peak memory above the step's start in KiB (VmHWM, fresh process per point; the "
+          "model's includes its parameter gradients, made in the step); ratio: transformers / megabert")
     head = (f"{'seq':>5} | {'model us':>9} {'KiB':>8} | {'global us':>9} {'KiB':>8} | {'local us':>9} {'KiB':>8} | "
             f"{'HF us':>9} {'KiB':>8} | {'time x':>6} {'mem x':>6}")
     printed_backends = False
