@@ -169,3 +169,27 @@ def test_activations_are_linear_in_the_sequence(layout):
     acts = [estimate(cfg, Workload(seq_length=s, micro_batch_size=1, global_batch_size=4, precision="bf16"),
                      layout).activations_gb for s in (1024, 8192)]
     assert acts[1] == pytest.approx(8 * acts[0], rel=1e-3), acts
+
+
+def test_step_flops_count_the_modules_flops():
+    """The planner's step FLOPs of a ModernBERT (global and local layers, the GeGLU, logits at
+    every position) equal torch's count of the model's matmuls (forward x 3), at s=32 where
+    the window covers the row (the reference core: plain matmuls the counter sees)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megabert.model.modernbert import ModernBertForMaskedLM
+    from megabert.planning.step_time import step_flops
+
+    cfg = modernbert_tiny(num_layers=3, hidden_size=64, num_attention_heads=2, vocab_size=512, local_attention=16,
+                          attention_backend="torch")
+    s = 32
+    model = ModernBertForMaskedLM(cfg, megabert.init_parallel())
+    model.eval()
+    ids = torch.randint(5, 512, (1, s))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, attention_mask=torch.ones_like(ids)).logits
+    run = Workload(seq_length=s, micro_batch_size=1, mlm_logits_at_masked_only=False)
+    # The counter sees the local layers' dense core (s keys); the planner counts the window's.
+    dense = 3 * counter.get_total_flops()
+    window_saving = 3 * 2 * 4 * s * (s - 17) * cfg.hidden_size  # two local layers
+    assert step_flops(cfg, run, Layout()) == pytest.approx(dense - window_saving, rel=0.02)
