@@ -193,3 +193,20 @@ def test_step_flops_count_the_modules_flops():
     dense = 3 * counter.get_total_flops()
     window_saving = 3 * 2 * 4 * s * (s - 17) * cfg.hidden_size  # two local layers
     assert step_flops(cfg, run, Layout()) == pytest.approx(dense - window_saving, rel=0.02)
+
+
+def test_cli_states_modernbert_memory_at_8k():
+    """tools/plan_layout.py --preset modernbert-large at 8192: the README's figures, with
+    ModernBERT's 30% of the tokens predicted unless --mask-prob says otherwise."""
+    from tests.helpers.cli_utils import run_main
+
+    argv = ["--preset", "modernbert-large", "--seq-length", "8192", "--micro-batch-size", "1", "--global-batch-size",
+            "64", "--bf16", "--tensor-model-parallel-size", "2", "--data-parallel-size", "4"]
+    r = run_main("tools/plan_layout.py", *argv)
+    assert r.returncode == 0, r.stderr
+    run = Workload(seq_length=8192, micro_batch_size=1, global_batch_size=64, precision="bf16", mask_prob=0.3)
+    est = estimate(modernbert_large(), run, Layout(tp=2, dp=4))
+    assert "395.9M parameters" in r.stdout
+    assert f"(pipeline stage 0): {est.total_gb:.2f} GB" in r.stdout and f"{est.total_gb:.2f}" == "11.06"
+    r15 = run_main("tools/plan_layout.py", *argv, "--mask-prob", "0.15")
+    assert f"(pipeline stage 0): {est.total_gb:.2f} GB" not in r15.stdout
