@@ -1,4 +1,4 @@
-"""Predict per-rank memory and per-step communication of BERT training layouts.
+"""Predict per-rank memory and per-step communication of BERT and ModernBERT training layouts.
 
 One layout: its memory breakdown, its traffic, and whether it fits a budget.
 
@@ -15,6 +15,12 @@ backward, and the list is ranked by it:
     python tools/plan_layout.py --preset bert-large --devices 64 --memory-gb 80 --global-batch-size 4096 \
         --bf16 --tflops 150 --gpus-per-node 8 --intra-node-gbit 2400 --inter-node-gbit 200
 
+ModernBERT at its full context (--preset modernbert-base or modernbert-large; 30% of the tokens
+predicted, as pretrain_bert.py --model-family modernbert):
+
+    python tools/plan_layout.py --preset modernbert-large --seq-length 8192 --micro-batch-size 1 --bf16 \
+        --tensor-model-parallel-size 2 --data-parallel-size 4 --global-batch-size 64
+
 All figures are predictions (megabert.planning); bench/memory.py sets them against
 measured peaks on the CPU.
 """
@@ -26,9 +32,13 @@ import sys
 
 from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig
 from megabert.errors import ConfigError, cli_main
+from megabert.model_family import MODERNBERT_DEFAULTS
 from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan
 from megabert.planning.params import total_params
 from megabert.planning.step_time import Links, StepTime, compute_time, step_time
+
+
+MODERNBERT_MASK_PROB = MODERNBERT_DEFAULTS["data.mask_prob"]
 
 
 def _default(config_class, name: str):
@@ -38,7 +48,7 @@ def _default(config_class, name: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, or the flags of pretrain_bert.py)")
-    m.add_argument("--preset", choices=sorted(PRESETS), help="bert-tiny, bert-base or bert-large")
+    m.add_argument("--preset", choices=sorted(PRESETS), help=", ".join(sorted(PRESETS)))
     m.add_argument("--num-layers", type=int)
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--num-attention-heads", type=int)
@@ -55,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     prec = r.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true")
     prec.add_argument("--fp16", action="store_true")
+    r.add_argument("--mask-prob", type=float, help="share of tokens the MLM head predicts (default: pretrain_bert.py's, "
+                   f"{_default(DataConfig, 'mask_prob')}, or {MODERNBERT_MASK_PROB} for a ModernBERT)")
     r.add_argument("--recompute-granularity", default="none", help="none, selective or full")
     r.add_argument("--device", default="cuda", help="cuda (GPU memory) or cpu (process RSS)")
     r.add_argument("--overhead-gb", type=float, help="fixed per-process overhead (default: calibrated per device)")
@@ -105,9 +117,12 @@ def model_from_args(args) -> ModelConfig:
     return ModelConfig(**shape)
 
 
-def run_from_args(args) -> Workload:
+def run_from_args(args, model: ModelConfig) -> Workload:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    return Workload(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+    mask_prob = args.mask_prob
+    if mask_prob is None:
+        mask_prob = MODERNBERT_MASK_PROB if model.model_family == "modernbert" else _default(DataConfig, "mask_prob")
+    return Workload(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, mask_prob=mask_prob,
                     global_batch_size=args.global_batch_size, precision=precision,
                     recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb,
                     overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
@@ -228,7 +243,7 @@ def print_plan(model: ModelConfig, run: Workload, devices: int, budget: float, m
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
-    run = run_from_args(args)
+    run = run_from_args(args, model)
     links = links_from_args(args)
     if args.devices is not None:
         if args.memory_gb is None:

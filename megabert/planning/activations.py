@@ -21,19 +21,102 @@ interleaved schedule multiplies this by 1 + (pp - 1)/(pp V) (Megatron-LM's
 theoretical_memory_usage.py uses the same factors). A stage's output is not counted on the
 stage that made it: the schedule frees it once sent (schedules.release_storage), and it is
 the receiving stage's first layer's input, counted there.
+
+ModernBERT (megabert.model.modernbert) keeps no s^2 term: its global layers' core is a
+flash/varlen kernel (q, k, v, the output and a log-sum-exp per head and token), its local
+layers' core runs by blocks of the window (local_attention.py: query blocks of B = w, key
+tiles of B + 2w, w = local_attention / 2), so every layer is linear in s. Per token of one
+layer (elements of e bytes unless said; t = TP, heads n, GeGLU width f):
+  replicated    4h         attention and MLP norm inputs, Wqkv and Wi inputs (/t with SP),
+                           + 16 bytes: the two norms' fp32 mean and rstd
+  global core   4h/t       rotated q, k, v (3h) and the output, Wo's input (h) + 4n/t bytes
+  local core    (h + 2h(B+2w)/B + h)/t + n(B+2w)/t
+                           q, the key and value tiles, Wo's input, the tiles' probabilities
+                           + (B+2w) bytes of the window mask (one per row, shared by heads)
+  GeGLU MLP     4f/t       Wi's output ([input; gate], 2f), GELU(input) (f), Wo's input (f)
+Dropout masks only where ModernBERT's dropouts are set (none by default). Selective
+recompute keeps the core's input (the rotated q, k, v) and its output: 4h/t either kind.
+Measured against the saved tensors of megabert's layers in tests/test_planning_modernbert.py.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from megabert.config import ModelConfig
 from megabert.planning.spec import Layout, Workload
 
 MASK_BYTES = 1  # torch keeps dropout masks as bool
+NORM_STATS_BYTES = 8  # a LayerNorm keeps its fp32 mean and rstd per token
+
+
+def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, recompute: str,
+                           is_global: bool, rows: Optional[int] = None) -> float:
+    """Bytes one ModernBERT layer (global or local) keeps for backward, per micro-batch, on
+    one TP rank, for rows with no padding (see the module docstring). `rows`: tokens the
+    layer computes past its attention core (the model's last layer, on pretrain_bert.py's
+    fast path, only the masked ones); None: all."""
+    s, b, h, f, n = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
+        model.num_attention_heads
+    e, t = run.activation_bytes, layout.tp
+    tokens = s * b
+    rows = tokens if rows is None else rows
+    replicated_div = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return tokens * h * e / replicated_div
+    # Before the core, every token: the attention norm's input and Wqkv's (+ the norm's fp32
+    # mean and rstd); after it, each row: the MLP norm's and Wi's inputs, the GeGLU's 4f.
+    before = tokens * (2 * h * e + NORM_STATS_BYTES) / replicated_div
+    after = rows * (2 * h * e + NORM_STATS_BYTES) / replicated_div + rows * 4 * f * e / t
+    if model.attention_dropout > 0:  # the attention output's dropout (replicated)
+        after += rows * h * MASK_BYTES / replicated_div
+    if model.mlp_dropout > 0:
+        after += rows * f * MASK_BYTES / t
+    # Wo's input: the core's output, kept by the kernel anyway unless only some rows go on.
+    wo_input = rows * h * e / t
+    if recompute == "selective":  # the core's input (rotated q, k, v) stays for the replay
+        return before + tokens * 3 * h * e / t + wo_input + after
+    if is_global:
+        # q, k, v and the output, the kernel's fp32 log-sum-exp per head; its dropout is
+        # redrawn in backward (no mask).
+        core = tokens * (4 * h * e + 4 * n) / t + (wo_input if rows < tokens else 0.0)
+        return before + core + after
+    w = model.local_attention // 2
+    block = max(w, 8)  # megabert.model.modernbert.local_attention.block_size
+    span = block + 2 * w
+    core = tokens * ((h + 2 * h * span / block) * e + n * span * e) / t + tokens * span * MASK_BYTES
+    if model.attention_dropout > 0:
+        core += tokens * n * span * MASK_BYTES / t
+    return before + core + wo_input + after
+
+
+def stage_layer_ids(model: ModelConfig, layout: Layout, stage: int) -> list[int]:
+    """The layers one rank of pipeline stage `stage` holds (interleaved: chunk c holds the
+    (c x pp + stage)-th run of layers/(pp x V) layers, as megabert.parallel.layout splits them)."""
+    per_chunk = model.num_layers // (layout.pp * layout.virtual_stages)
+    return [(c * layout.pp + stage) * per_chunk + i for c in range(layout.virtual_stages) for i in range(per_chunk)]
+
+
+def stage_layers_bytes(model: ModelConfig, run: Workload, layout: Layout, stage: int, recompute: str) -> float:
+    """Bytes the layers of stage `stage` keep for one micro-batch (ModernBERT: each layer as
+    global or local)."""
+    layers = stage_layer_ids(model, layout, stage)
+    if model.model_family != "modernbert":
+        return len(layers) * layer_activation_bytes(model, run, layout, recompute)
+    # The model's last layer goes on past its core at the predicted rows only (the unpadded
+    # encoder's head_positions, pretrain_bert.py's default).
+    last = model.num_layers - 1
+    rows = math.ceil(run.mask_prob * run.seq_length) * run.micro_batch_size \
+        if run.mlm_logits_at_masked_only and not layout.sequence_parallel else None
+    return sum(modernbert_layer_bytes(model, run, layout, recompute, model.is_global_layer(i),
+                                      rows if i == last else None) for i in layers)
 
 
 def layer_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, recompute: str) -> float:
-    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank."""
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank
+    (ModernBERT: its larger kind, the local layers' with their window tiles)."""
+    if model.model_family == "modernbert":
+        return max(modernbert_layer_bytes(model, run, layout, recompute, g) for g in (True, False))
     s, b, h, f, a = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
         model.num_attention_heads
     e, t = run.activation_bytes, layout.tp
@@ -53,8 +136,12 @@ def layer_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, re
 
 def embedding_activation_bytes(model: ModelConfig, run: Workload, layout: Layout) -> float:
     """First stage, per micro-batch: three int64 id tensors, the summed embeddings and the
-    LayerNorm output, and the embedding dropout mask (Megatron counts 8sb + sbh in 16 bits)."""
+    LayerNorm output, and the embedding dropout mask (Megatron counts 8sb + sbh in 16 bits).
+    ModernBERT: the ids; its norm's input stands in for layer 0's attention-norm input, which
+    layer 0 lacks but modernbert_layer_bytes counts."""
     s, b, h = run.seq_length, run.micro_batch_size, model.hidden_size
+    if model.model_family == "modernbert":
+        return 8 * s * b
     sp = layout.tp if layout.sequence_parallel else 1
     return 3 * 8 * s * b + s * b * h * (2 * run.activation_bytes + MASK_BYTES / sp)
 
@@ -85,8 +172,12 @@ def stage_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, st
     """Peak activation bytes of one rank of pipeline stage `stage`."""
     m = run.microbatches(layout.dp)
     flight = in_flight_microbatches(layout, stage, m)
-    layers = model.num_layers // layout.pp
-    total = layers * flight * layer_activation_bytes(model, run, layout, run.recompute)
+    total = flight * stage_layers_bytes(model, run, layout, stage, run.recompute)
+    if model.model_family == "modernbert":
+        # Each chunk's RoPE tables (cos and sin of both layer kinds, [s, b, head_dim]) live
+        # while its micro-batch's activations do.
+        total += flight * layout.virtual_stages * 4 * run.seq_length * run.micro_batch_size * model.head_dim \
+            * run.activation_bytes
     if run.recompute == "full":
         # Backward rebuilds one layer at a time: that layer's whole activations live again.
         total += layer_activation_bytes(model, run, layout, "none")

@@ -95,8 +95,9 @@ def _not_read_by_backward(model: ModelConfig, tp: int, pp: int, stage: int) -> l
     """Partitionable tensors that ZeRO-3 does not gather again for backward: the embedding
     tables (an embedding's gradient is a scatter-add of its output's; the table is not read)
     and the MLM output bias (a bias's gradient is a sum; the only vocab-sized one)."""
-    out = embedding_tensors(model, tp)[:3] if stage == 0 else []  # word, position, token type
-    if stage == pp - 1:
+    tables = 1 if model.model_family == "modernbert" else 3  # word (ModernBERT: no position, token type)
+    out = embedding_tensors(model, tp)[:tables] if stage == 0 else []
+    if stage == pp - 1 and (model.model_family != "modernbert" or model.decoder_bias):
         out.append(model.padded_vocab_size(tp) // tp)
     return out
 

@@ -30,10 +30,34 @@ class StageParams:
         return sum(n for n in self.tensors if n < threshold)
 
 
-def layer_tensors(model: ModelConfig, tp: int) -> list[int]:
+def _norm(model: ModelConfig) -> list[int]:
+    """A ModernBERT LayerNorm: weight, and a bias with norm_bias."""
+    h = model.hidden_size
+    return [h, h] if model.norm_bias else [h]
+
+
+def modernbert_layer_tensors(model: ModelConfig, tp: int, layer: int) -> list[int]:
+    """One ModernBERT layer on one TP rank (megabert.model.modernbert.layers): Wqkv [3h, h] and
+    the GeGLU's Wi [2f, h] ([input; gate]) column-parallel, both Wo row-parallel, biases only
+    with attention_bias / mlp_bias (none in ModernBERT-base and -large), the norms replicated;
+    layer 0 has no attention norm (its input is the embedding norm's output)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    attn_bias, mlp_bias = model.attention_bias, model.mlp_bias
+    out = _norm(model) if layer > 0 else []
+    out += [3 * h * h // tp] + ([3 * h // tp] if attn_bias else [])  # Wqkv
+    out += [h * h // tp] + ([h] if attn_bias else [])  # attention Wo
+    out += _norm(model)  # mlp_norm
+    out += [2 * f * h // tp] + ([2 * f // tp] if mlp_bias else [])  # Wi
+    out += [h * f // tp] + ([h] if mlp_bias else [])  # MLP Wo
+    return out
+
+
+def layer_tensors(model: ModelConfig, tp: int, layer: int = 1) -> list[int]:
     """One transformer layer on one TP rank: QKV and the MLP's first GEMM are column-parallel
     (weight and bias split), the projections row-parallel (weight split, bias whole), the
-    two LayerNorms replicated."""
+    two LayerNorms replicated. `layer`: its number (ModernBERT's layer 0 differs)."""
+    if model.model_family == "modernbert":
+        return modernbert_layer_tensors(model, tp, layer)
     h, f = model.hidden_size, model.ffn_hidden_size
     return [3 * h * h // tp, 3 * h // tp,  # QKV
             h * h // tp, h,  # attention output projection
@@ -44,8 +68,11 @@ def layer_tensors(model: ModelConfig, tp: int) -> list[int]:
 
 
 def embedding_tensors(model: ModelConfig, tp: int) -> list[int]:
-    """Word (vocab-parallel, padded vocab), position and token-type embeddings, LayerNorm."""
+    """Word (vocab-parallel, padded vocab), position and token-type embeddings, LayerNorm.
+    ModernBERT: the word embeddings and their norm (RoPE: no position table, no token types)."""
     h = model.hidden_size
+    if model.model_family == "modernbert":
+        return [model.padded_vocab_size(tp) // tp * h, *_norm(model)]
     layernorm = [h, h] if model.embedding_layernorm else []
     return [model.padded_vocab_size(tp) // tp * h, model.max_position_embeddings * h, model.type_vocab_size * h,
             *layernorm]
@@ -53,8 +80,13 @@ def embedding_tensors(model: ModelConfig, tp: int) -> list[int]:
 
 def head_tensors(model: ModelConfig, tp: int) -> list[int]:
     """Last stage: final LayerNorm (pre-LN), pooler and binary head, MLM head (dense,
-    LayerNorm, vocab-parallel bias); the MLM projection reuses the word embeddings."""
+    LayerNorm, vocab-parallel bias); the MLM projection reuses the word embeddings.
+    ModernBERT: the final norm, the head's dense (bias with classifier_bias) and norm, the
+    decoder bias (with decoder_bias); no pooler."""
     h = model.hidden_size
+    if model.model_family == "modernbert":
+        return [*_norm(model), h * h, *([h] if model.classifier_bias else []), *_norm(model),
+                *([model.padded_vocab_size(tp) // tp] if model.decoder_bias else [])]
     out = [h, h] if model.layernorm_position == "pre" else []
     if model.bert_binary_head:
         out += [h * h, h, 2 * h, 2]
@@ -65,7 +97,10 @@ def head_tensors(model: ModelConfig, tp: int) -> list[int]:
 def stage_params(model: ModelConfig, tp: int, pp: int, stage: int) -> StageParams:
     """What one TP rank of pipeline stage `stage` holds. Layers split evenly over stages (with
     interleaving a rank holds several chunks, but the same number of layers)."""
-    tensors = layer_tensors(model, tp) * (model.num_layers // pp)
+    per_stage = model.num_layers // pp
+    # Which layers a rank holds does not change their count; only ModernBERT's layer 0
+    # (on stage 0, in its first chunk when interleaved) differs from the others.
+    tensors = [n for i in range(per_stage) for n in layer_tensors(model, tp, i if stage == 0 else 1)]
     tied = 0
     if stage == 0:
         tensors = embedding_tensors(model, tp) + tensors

@@ -176,8 +176,24 @@ def step_flops(model: ModelConfig, run: Workload, layout: Layout) -> float:
     divided over tp x pp."""
     s, h, L, V = run.seq_length, model.hidden_size, model.num_layers, model.vocab_size
     B = run.micro_batch_size * run.microbatches(layout.dp)
+    if model.model_family == "modernbert":
+        return B * _modernbert_sample_flops(model, run) / (layout.tp * layout.pp)
     flops = 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
     return flops / (layout.tp * layout.pp)
+
+
+def _modernbert_sample_flops(model: ModelConfig, run: Workload) -> float:
+    """Forward + backward FLOPs of one ModernBERT sample (backward = 2 x forward, 2 FLOPs per
+    multiply-add, as the trainer's tflops figure counts them): per layer and token Wqkv and
+    Wo (4h^2) and the GeGLU's three f x h matrices, plus attention over s keys in a global
+    layer and the window's local_attention + 1 in a local one; the MLM head (dense and the
+    vocab projection) at the predicted tokens only on pretrain_bert.py's default path."""
+    s, h, f, V = run.seq_length, model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    local = min(s, model.local_attention + 1)
+    layers = sum(2 * (4 * h * h + 3 * h * f) + 4 * (s if model.is_global_layer(i) else local) * h
+                 for i in range(model.num_layers))
+    predicted = math.ceil(run.mask_prob * s) if run.mlm_logits_at_masked_only else s
+    return 3.0 * (s * layers + predicted * (2 * h * h + 2 * h * V))
 
 
 def compute_time(model: ModelConfig, run: Workload, layout: Layout, flops_per_s: float) -> float:
