@@ -25,7 +25,7 @@ from megabert.model.context import BuildContext
 from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings
 from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
-from megabert.model.packed import block_diagonal_mask
+from megabert.model.packed import block_diagonal_mask, fixed_shape_packing
 from megabert.model.pretrained import PretrainedMixin
 from megabert.model.registry import register_model
 from megabert.model.transformer import TransformerBlock
@@ -102,14 +102,14 @@ class BertBackbone(nn.Module):
         last = self.stage.is_last_chunk(v)
         # Unpadded: the chunk's layers see [T, h] of the real tokens; what leaves the chunk
         # (to the heads, or to the next pipeline stage) is [s, b, h] again.
-        if packed_seqlens is not None:
+        if packed_seqlens is not None and fixed_shape_packing(packed_seqlens.device, self.unpad):
             # Packed rows: every position, fixed shapes (megabert.model.packed; the varlen kernels
             # take each sample as a sequence, the other backends a block-diagonal mask).
             tokens = TokenLayout.packed_rows(packed_seqlens, input_ids.size(1) if input_ids is not None
                                              else attention_mask.size(1)) \
                 if self.ctx.attention_backend == "varlen" and not self.ctx.sequence_parallel else None
         else:
-            tokens = TokenLayout(attention_mask) if self.unpad and attention_mask is not None \
+            tokens = TokenLayout(attention_mask, packed_seqlens) if self.unpad and attention_mask is not None \
                 and attention_mask.dim() == 2 else None
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]

@@ -20,6 +20,15 @@ import torch
 import torch.nn.functional as F
 
 
+def fixed_shape_packing(device: torch.device, unpad_input: bool) -> bool:
+    """Whether packed rows run the fixed-shape step: on CUDA always (CUDA graphs and one
+    compilation need it; the step then reads nothing back from the device), on the CPU with
+    --no-unpad-input. The CPU's default unpads packed rows: the ~5% padding they keep and the
+    masked-LM slots left empty (a row's cap is a worst case) cost 5-10% of a small model's step
+    there (docs/performance.md), and the CPU gains nothing from fixed shapes."""
+    return device.type == "cuda" or not unpad_input
+
+
 def sample_starts(packed_seqlens: torch.Tensor) -> torch.Tensor:
     """[b, cap] position of each slot's first token in its row; an empty slot points at 0 (the
     row's first [CLS]: its logits are computed and never read)."""

@@ -14,6 +14,7 @@ from megabert.config import DataConfig
 from megabert.data.packing import with_label_positions
 from megabert.errors import DataError
 from megabert.model import ModernBertForMaskedLM
+from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
 from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
@@ -46,11 +47,12 @@ def mlm_slots_per_row(data: DataConfig) -> int:
     return min(slots, data.seq_length)
 
 
-def pretraining_batches(batches: Iterable[dict], run: ResolvedRun) -> Iterable[dict]:
-    """Packed micro-batches get `mlm_positions` [rows, mlm_slots_per_row] (with logits at the masked
-    positions only): every tensor of the step then has a shape the flags fix (CUDA graphs, one
-    compilation), see megabert.model.packed."""
-    if not (run.data.pack_sequences and run.model.mlm_logits_at_masked_only):
+def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch.device) -> Iterable[dict]:
+    """Packed micro-batches of the fixed-shape step (megabert.model.packed.fixed_shape_packing;
+    logits at the masked positions only) get `mlm_positions` [rows, mlm_slots_per_row]: every
+    tensor of the step then has a shape the flags fix (CUDA graphs, one compilation)."""
+    if not (run.data.pack_sequences and run.model.mlm_logits_at_masked_only
+            and fixed_shape_packing(device, run.model.unpad_input)):
         return batches
     data = run.data
     return with_label_positions(batches, mlm_slots_per_row(data), "mlm_positions",
@@ -137,10 +139,10 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
     model_class = ModernBertForMaskedLM if model_cfg.model_family == "modernbert" else BertForPreTraining
     model = model_class(model_cfg, ps, seed=run.train.seed,
                         num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
-    apply_compile(model, ps, run.train)
+    apply_compile(model, ps, run.train, fixed_shapes=run.data.pack_sequences)
     masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
-    train = lambda consumed: pretraining_batches(train_batches(consumed), run)  # noqa: E731
-    valid = (lambda: pretraining_batches(valid_batches(), run)) if valid_batches is not None else None
+    train = lambda consumed: pretraining_batches(train_batches(consumed), run, ps.device)  # noqa: E731
+    valid = (lambda: pretraining_batches(valid_batches(), run, ps.device)) if valid_batches is not None else None
     return build_trainer(model, ps, run, pretraining_task(run.binary_head_task), train, valid,
                          flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
                          checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
