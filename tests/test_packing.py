@@ -223,8 +223,10 @@ def test_packed_step_equals_unpacked_tp1(tmp_path, name, backend):
 
 @pytest.mark.parametrize("name,world,tp,pp,extra", [
     ("tp2", 2, 2, 1, []),
+    ("tp2-fixed-shape", 2, 2, 1, ["--no-unpad-input"]),  # the CUDA default (megabert.model.packed)
     ("tp2-sequence-parallel", 2, 2, 1, ["--sequence-parallel", "--no-unpad-input"]),
     ("pp2", 2, 1, 2, []),
+    ("pp2-fixed-shape", 2, 1, 2, ["--no-unpad-input"]),
     ("pp2-interleaved", 2, 1, 2, ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
     ("dp2-distributed-optimizer", 2, 1, 1, ["--use-distributed-optimizer"]),
     ("dp2-zero2", 2, 1, 1, ["--deepspeed", "--zero-stage", "2"]),
