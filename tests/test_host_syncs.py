@@ -148,8 +148,7 @@ aten = torch.ops.aten
 # Ops whose output shape follows tensor values (the count of a mask) or that read a value into
 # Python: on a GPU each waits for the device, and none can be captured in a CUDA graph.
 DATA_DEPENDENT = {aten.nonzero.default, aten._local_scalar_dense.default, aten.masked_select.default,
-                  aten.masked_scatter.default, aten._unique2.default, aten.unique_consecutive.default,
-                  aten.repeat_interleave.Tensor}
+                  aten.masked_scatter.default, aten._unique2.default, aten.unique_consecutive.default}
 # Indexing with a bool mask is a nonzero() inside.
 INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
@@ -165,7 +164,8 @@ class DataDependentOps(TorchDispatchMode):
         monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (self.seen.append("tolist"), original(t))[1])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in DATA_DEPENDENT:
+        unsized = func is aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None
+        if func in DATA_DEPENDENT or unsized:
             self.seen.append(str(func))
         elif func in INDEXED and any(i is not None and i.dtype == torch.bool for i in args[1]):
             self.seen.append(f"{func} with a bool mask")

@@ -37,6 +37,18 @@ def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig,
     if not train.compile:
         return
     cuda_graphs = fixed_shapes and ps.device.type == "cuda"
+    # NOTE: CUDA graph trees replay a graph into the buffers of its last replay; a pipeline
+    # schedule (forwards of several micro-batches before their backwards) and full recompute
+    # (a layer's forward run again inside backward) break that pattern and are untried with it.
+    untried = [why for why, on in (("--pipeline-model-parallel-size > 1", ps.pp_size > 1),
+                                   ("--recompute-granularity full",
+                                    getattr(model, "config", None) is not None
+                                    and model.config.recompute_granularity == "full")) if on]
+    if cuda_graphs and untried:
+        cuda_graphs = False
+        if ps.is_logging_rank:
+            logger.info("--compile with --pack-sequences: no CUDA graphs with %s (untried); the layers compile as "
+                        "without packing", " and ".join(untried))
     n = compile_layers(model, cuda_graphs=cuda_graphs)
     if ps.is_logging_rank:
         logger.info("--compile: %d transformer layers compiled with torch.compile%s; the first training step and the "
