@@ -95,12 +95,16 @@ class TokenLayout:
 
     def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
         """The rows of [T, ...] at the real tokens among `positions` ([b, s] bool), in T's
-        (batch-major) order; padding positions have no row and are left out. Or `positions`
-        int64 [b, k] (each row's positions, all real tokens): their rows, [b * k], a shape that
-        does not follow the data (what megabert.model.packed.head_positions gives)."""
-        row_of = self._real.cumsum(0) - 1  # [b * s]: a real token's row in T
+        (batch-major) order; padding positions have no row and are left out. Or, for packed_rows'
+        layout, `positions` int64 [b, k] (each row's positions): their rows, [b * k], a shape
+        that does not follow the data (what megabert.model.packed.head_positions gives)."""
         if positions.dtype != torch.bool:
-            return row_of.view(self.b, self.s).gather(1, positions).reshape(-1)
+            if not self.fixed_shape:  # a padding position has no row (and would repeat its neighbour's)
+                raise ValueError("TokenLayout.rows_at: positions as indices need a layout of every position "
+                                 "(TokenLayout.packed_rows); pass a bool mask")
+            b_index = torch.arange(self.b, device=positions.device)[:, None] * self.s
+            return (b_index + positions).reshape(-1)  # every position is a row: batch-major r * s + p
+        row_of = self._real.cumsum(0) - 1  # [b * s]: a real token's row in T
         return row_of[positions.reshape(-1) & self._real]
 
     def pad_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

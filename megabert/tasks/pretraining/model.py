@@ -12,7 +12,7 @@ from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead, head_linear
 from megabert.model.outputs import ModelOutput
-from megabert.model.packed import cls_positions_mask, gather_labelled, head_positions
+from megabert.model.packed import cls_positions_mask, fixed_shape_packing, gather_labelled, head_positions
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
@@ -137,7 +137,7 @@ class BertForPreTraining(BertPreTrainedModel):
         if not self.config.mlm_logits_at_masked_only or labels is None:
             return None
         slots = self._fixed_slots(batch)
-        if slots is not None:
+        if slots is not None and fixed_shape_packing(labels.device, self.config.unpad_input):
             return head_positions(batch["packed_seqlens"], slots, labels.size(1))
         positions = labels != -100
         if self.bert.pooler is not None:
