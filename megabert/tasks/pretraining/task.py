@@ -50,8 +50,9 @@ def mlm_slots_per_row(data: DataConfig) -> int:
 def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch.device) -> Iterable[dict]:
     """Packed micro-batches of the fixed-shape step (megabert.model.packed.fixed_shape_packing;
     logits at the masked positions only) get `mlm_positions` [rows, mlm_slots_per_row]: every
-    tensor of the step then has a shape the flags fix (CUDA graphs, one compilation)."""
-    if not (run.data.pack_sequences and run.model.mlm_logits_at_masked_only
+    tensor of the step then has a shape the flags fix (CUDA graphs, one compilation). BERT's
+    head only (ModernBERT's takes no mlm_positions)."""
+    if not (run.data.pack_sequences and run.model.mlm_logits_at_masked_only and run.model.model_family == "bert"
             and fixed_shape_packing(device, run.model.unpad_input)):
         return batches
     data = run.data
