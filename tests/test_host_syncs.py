@@ -6,7 +6,11 @@ tensor to a Python value at all, whoever the caller.
 
 On the CPU such calls cost nothing, which is why a counting shim is needed to see them; on
 a GPU each one stalls the launch queue. torch.optim's own `.item()` on its CPU step
-counters is not counted: those tensors live on the host even for GPU parameters."""
+counters is not counted: those tensors live on the host even for GPU parameters.
+
+Packed rows on the fixed-shape path (megabert.model.packed) go further: their forward, loss and
+backward run no op whose output shape follows the data (nonzero, bool-mask indexing) and read no
+value, so a GPU can capture them as a CUDA graph."""
 import dataclasses
 import sys
 
