@@ -24,7 +24,7 @@ def fixed_shape_packing(device: torch.device, unpad_input: bool) -> bool:
     """Whether packed rows run the fixed-shape step: on CUDA always (CUDA graphs and one
     compilation need it; the step then reads nothing back from the device), on the CPU with
     --no-unpad-input. The CPU's default unpads packed rows: the ~5% padding they keep and the
-    masked-LM slots left empty (a row's cap is a worst case) cost 5-10% of a small model's step
+    masked-LM slots left empty (a row's cap is a worst case) cost ~15% of a small model's step
     there (docs/performance.md), and the CPU gains nothing from fixed shapes."""
     return device.type == "cuda" or not unpad_input
 
