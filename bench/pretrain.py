@@ -13,8 +13,9 @@ the median step time. tokens/s counts batch x seq-length (padding included) for 
 Nothing here passes or fails on time.
 
 `--packing`: pretrain_bert.py's defaults on the samples padded (unpacked) against the same
-samples packed (--pack-sequences, `--batch` rows of whole samples), in real (non-padding)
-tokens/s, the unit in which the two compare: a packed row carries more samples. Interleaved as
+samples packed (--pack-sequences, `--batch` rows of whole samples; and packed with
+--no-unpad-input, the fixed-shape step CUDA runs by default), in real (non-padding)
+tokens/s, the unit in which they compare: a packed row carries more samples. Interleaved as
 above; per side, the real tokens of all its timed steps over their summed time.
 
     python bench/pretrain.py [--rounds 10] [--layers 4 --hidden 256 --heads 4 --seq 128 --batch 16]
@@ -216,7 +217,9 @@ def compare_packing(args, shape: list[str], ps, num_samples: int = 256) -> None:
     packed_cfg = parse_args(shape + ["--pack-sequences", "--packing-window", str(num_samples)])
     spec = packing_spec(packed_cfg.data, packed_cfg.train.seed)
     packed = list(packed_micro_batches([pack_window(samples, 0, spec)], spec, 0, args.batch, 0, 1))
-    sides = {"unpacked": (unpacked, []), "packed": (packed, ["--pack-sequences"])}
+    # packed-fixed: the fixed-shape packed step, CUDA's default (megabert.model.packed.fixed_shape_packing)
+    sides = {"unpacked": (unpacked, []), "packed": (packed, ["--pack-sequences"]),
+             "packed-fixed": (packed, ["--pack-sequences", "--no-unpad-input"])}
     steps, real = {}, {}
     for name, (batches, flags) in sides.items():
         step, _ = ours(shape + flags, ps, args.vocab, [{k: v for k, v in b.items() if k != PACKED_COUNTS}
@@ -242,13 +245,13 @@ def compare_packing(args, shape: list[str], ps, num_samples: int = 256) -> None:
           f"seq {args.seq}, {args.batch} rows a step, fp32, AdamW, pretrain_bert.py defaults | {args.corpus} corpus, "
           f"{num_samples} samples: {len(unpacked)} padded batches, {len(packed)} packed | load average "
           f"{os.getloadavg()[0]:.1f} | {args.rounds} interleaved steps per side")
-    print(f"{'side':10} {'real token share':>17} {'samples/row':>12} {'step ms':>9} {'real tokens/s':>14} "
+    print(f"{'side':12} {'real token share':>17} {'samples/row':>12} {'step ms':>9} {'real tokens/s':>14} "
           f"{'vs unpacked':>12}")
     rate = {n: tokens[n] / seconds[n] for n in steps}
     for n in steps:
         rows = len(sides[n][0]) * args.batch
-        per_row = sum(int(b[PACKED_COUNTS][0]) for b in packed) / rows if n == "packed" else 1.0
-        print(f"{n:10} {share[n]:17.1%} {per_row:12.2f} "
+        per_row = sum(int(b[PACKED_COUNTS][0]) for b in packed) / rows if n.startswith("packed") else 1.0
+        print(f"{n:12} {share[n]:17.1%} {per_row:12.2f} "
               f"{seconds[n] / args.rounds * 1e3:9.1f} {rate[n]:14.0f} {rate[n] / rate['unpacked']:11.2f}x")
 
 

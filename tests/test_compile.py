@@ -182,3 +182,52 @@ def test_the_model_forward_and_backward_do_not_import_dynamo():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_packed_fixed_shape_step_compiles_once_in_one_graph():
+    """torch.compile(fullgraph=True, dynamic=False) of the packed model's forward and loss (over the
+    global batch's counts, tensors), backward through it, over three micro-batches whose rows hold
+    different numbers of samples: one frame compiled, no graph break, no recompilation (an error if
+    one happens), the eager losses. The varlen and LayerNorm CPU kernels enter as custom ops."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import megabert
+    from megabert.tasks.pretraining import BertForPreTraining
+    from tests.test_packed_fixed_shape import _config, _counts, _global_loss, _three_packings
+
+    megabert.init_parallel()
+    model = BertForPreTraining(_config("varlen"), seed=3)
+    batches = _three_packings("cpu")
+    assert len({tuple((b["packed_seqlens"] > 0).sum(1).tolist()) for b in batches}) == 3
+
+    def step(batch, masked, samples):
+        return _global_loss(model(**batch), masked, samples)
+
+    torch._dynamo.utils.counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")  # dynamo's graphs and AOTAutograd's backward, no codegen
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counter)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in batches:
+            loss = compiled(batch, *_counts(batch))
+            loss.backward()
+            assert float(loss.detach()) == pytest.approx(float(step(batch, *_counts(batch)).detach()), abs=1e-5, rel=0)
+    assert counter.frame_count == 1 and _graph_breaks() == 0
+
+
+@pytest.mark.parametrize("device,pp,fixed,recompute,want", [
+    ("cuda", 1, True, None, True),  # packed rows on a GPU: reduce-overhead (CUDA graphs)
+    ("cuda", 1, False, None, False),  # unpacked: the token count changes with every batch
+    ("cpu", 1, True, None, False),
+    ("cuda", 2, True, None, False),  # untried with a pipeline schedule: said in one info line
+    ("cuda", 1, True, "full", False),
+    ("cuda", 1, True, "selective", True),
+])
+def test_compile_uses_cuda_graphs_for_packed_rows_on_cuda(monkeypatch, device, pp, fixed, recompute, want):
+    import megabert.training.build as build
+
+    chosen = []
+    monkeypatch.setattr(build, "compile_layers", lambda model, cuda_graphs=False: chosen.append(cuda_graphs) or 0)
+    ps = SimpleNamespace(device=torch.device(device), pp_size=pp, is_logging_rank=True)
+    model = SimpleNamespace(config=SimpleNamespace(recompute_granularity=recompute))
+    build.apply_compile(model, ps, SimpleNamespace(compile=True), fixed_shapes=fixed)
+    assert chosen == [want]

@@ -6,7 +6,12 @@ tensor to a Python value at all, whoever the caller.
 
 On the CPU such calls cost nothing, which is why a counting shim is needed to see them; on
 a GPU each one stalls the launch queue. torch.optim's own `.item()` on its CPU step
-counters is not counted: those tensors live on the host even for GPU parameters."""
+counters is not counted: those tensors live on the host even for GPU parameters.
+
+Packed rows on the fixed-shape path (megabert.model.packed) go further: their forward, loss and
+backward run no op whose output shape follows the data (nonzero, bool-mask indexing) and read no
+value, so a GPU can capture them as a CUDA graph."""
+import dataclasses
 import sys
 
 import pytest
@@ -139,3 +144,83 @@ def test_scalar_reads_are_counted(monkeypatch):
     with reads:
         opt.step()
     assert reads.count == 4
+
+
+# ------------------------------------------------------------------ packed rows, fixed shapes
+
+aten = torch.ops.aten
+# Ops whose output shape follows tensor values (the count of a mask) or that read a value into
+# Python: on a GPU each waits for the device, and none can be captured in a CUDA graph.
+DATA_DEPENDENT = {aten.nonzero.default, aten._local_scalar_dense.default, aten.masked_select.default,
+                  aten.masked_scatter.default, aten._unique2.default, aten.unique_consecutive.default}
+# Indexing with a bool mask is a nonzero() inside.
+INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+class DataDependentOps(TorchDispatchMode):
+    """Records every op of DATA_DEPENDENT, every bool-mask index and every .tolist() that runs
+    under it (forward and backward alike: autograd's backward ops dispatch here too)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.seen: list[str] = []
+        original = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (self.seen.append("tolist"), original(t))[1])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        unsized = func is aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None
+        if func in DATA_DEPENDENT or unsized:
+            self.seen.append(str(func))
+        elif func in INDEXED and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.seen.append(f"{func} with a bool mask")
+        return func(*args, **(kwargs or {}))
+
+
+def _packed_forward_backward(monkeypatch, backend: str, unpad_input: bool) -> list[str]:
+    from tests.test_packed_fixed_shape import _config, _counts, _global_loss, _three_packings
+    from megabert.tasks.pretraining import BertForPreTraining
+
+    megabert.init_parallel()
+    model = BertForPreTraining(_config(backend, unpad_input=unpad_input), seed=3)
+    batch = _three_packings("cpu")[0]
+    if unpad_input:
+        batch.pop("mlm_positions")  # as pretraining_batches hands the CPU's default path its batches
+    counts = _counts(batch)
+    ops = DataDependentOps(monkeypatch)
+    with ops:
+        _global_loss(model(**batch), *counts).backward()
+    monkeypatch.undo()
+    return ops.seen
+
+
+@pytest.mark.parametrize("backend", ["varlen", "sdpa"])
+def test_fixed_shape_packed_step_has_no_data_dependent_op(monkeypatch, backend):
+    """Forward, loss (over the global batch's counts, tensors) and backward of a packed micro-batch on
+    the fixed-shape path: no nonzero(), no bool-mask indexing, no value read into Python. (The
+    unpadded path, the CPU's default, has them: the detector sees them there.)"""
+    assert _packed_forward_backward(monkeypatch, backend, unpad_input=False) == []
+    assert any("nonzero" in op or "bool mask" in op for op in _packed_forward_backward(monkeypatch, backend, True))
+
+
+def test_fixed_shape_packed_training_step_syncs_as_the_unpacked(monkeypatch):
+    """pretrain_bert.py's step on packed rows (--pack-sequences --no-unpad-input: the fixed-shape
+    path): megabert's own host reads are the unpacked step's (the gradient norm, the logged losses)."""
+    from megabert.data.packing import pack_window, packed_micro_batches
+    from tests.test_packed_fixed_shape import MASK_PROB
+    from tests.test_packing import SEQ, SPEC, sample
+
+    spec = dataclasses.replace(SPEC, window=64)
+    rows = packed_micro_batches([pack_window([sample(i) for i in range(64)], 0, spec)], spec, 0, 2, 0, 1)
+    cfg = parse_args(TINY + ["--seq-length", str(SEQ), "--pack-sequences", "--no-unpad-input", "--mask-prob",
+                             str(MASK_PROB), "--attention-backend", "varlen", "--train-iters", "3",
+                             "--log-interval", "100"])
+    ps = megabert.init_parallel()
+    trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB, lambda consumed: rows)
+    try:
+        trainer.train_step()
+        counter = SyncCounter(monkeypatch)
+        trainer.train_step()
+        monkeypatch.undo()
+    finally:
+        trainer.close()
+    assert len(counter.calls) == len(_step_syncs(monkeypatch, 2, [])), counter.calls

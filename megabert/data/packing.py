@@ -29,7 +29,9 @@ A packed micro-batch is fixed-shape tensors (nothing depends on host values): [r
 token fields, `position_ids` [rows, seq] (each sample from 0), `packed_seqlens` [rows, cap]
 (each sample's length, 0 for an empty slot, in row order), per-sample fields as [rows, cap]
 (-100 in empty slots), and `packed_counts` = [samples, real tokens, rows, row slots] of the micro-step
-over all data-parallel ranks, which the trainer reads and drops.
+over all data-parallel ranks, which the trainer reads and drops. A task whose loss reads a
+fraction of the tokens (the masked LM) adds their positions as a fixed [rows, slots]
+(with_label_positions), so that its head too has shapes fixed by the flags alone.
 """
 from __future__ import annotations
 
@@ -270,3 +272,33 @@ def packing_stats(batches: list[dict]) -> Optional[torch.Tensor]:
     when they are not packed."""
     counts = [b.pop(PACKED_COUNTS) for b in batches if PACKED_COUNTS in b]
     return torch.stack(counts).sum(0) if counts else None
+
+
+def label_positions(labels: np.ndarray, slots: int) -> np.ndarray:
+    """int64 [rows, slots]: each row's positions whose label is not -100, ascending, then -1 in
+    the slots left over (NVIDIA's masked_lm_positions, padded). None when a row holds more than
+    `slots` of them."""
+    labelled = labels != IGNORE
+    if int(labelled.sum(1).max(initial=0)) > slots:
+        return None
+    positions = np.arange(labels.shape[1])
+    key = np.where(labelled, positions, positions + labels.shape[1])
+    order = np.sort(key, axis=1)[:, :slots]  # the labelled positions first, in order
+    return np.where(order < labels.shape[1], order, -1).astype(np.int64)
+
+
+def with_label_positions(batches: Iterable[dict], slots: int, key: str, too_many: str) -> Iterator[dict]:
+    """Packed micro-batches (those with packed_seqlens; others pass as they are) with
+    `key` = label_positions(labels, slots) added, on the host (no device sync). A row with more
+    labelled positions than `slots` stops the run with `too_many` (what to change)."""
+    for batch in batches:
+        if "packed_seqlens" in batch:
+            labels = np.asarray(batch["labels"])
+            positions = label_positions(labels, slots)
+            if positions is None:
+                most = int((labels != IGNORE).sum(1).max())
+                raise DataError(f"a packed row holds {most} masked positions, more than the {slots} slots a row "
+                                f"has: {too_many}")
+            batch = {**batch, key: torch.from_numpy(positions)}
+        yield batch
+

@@ -25,7 +25,7 @@ from megabert.model.context import BuildContext
 from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings
 from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
-from megabert.model.packed import block_diagonal_mask
+from megabert.model.packed import block_diagonal_mask, fixed_shape_packing
 from megabert.model.pretrained import PretrainedMixin
 from megabert.model.registry import register_model
 from megabert.model.transformer import TransformerBlock
@@ -102,22 +102,25 @@ class BertBackbone(nn.Module):
         last = self.stage.is_last_chunk(v)
         # Unpadded: the chunk's layers see [T, h] of the real tokens; what leaves the chunk
         # (to the heads, or to the next pipeline stage) is [s, b, h] again.
-        tokens = TokenLayout(attention_mask, packed_seqlens) if self.unpad and attention_mask is not None \
-            and attention_mask.dim() == 2 else None
-        if tokens is None and packed_seqlens is not None and self.ctx.attention_backend == "varlen" \
-                and not self.ctx.sequence_parallel:
-            # Packed rows, not unpadded: the varlen kernels on every position, fixed shapes.
+        if packed_seqlens is not None and fixed_shape_packing(packed_seqlens.device, self.unpad):
+            # Packed rows: every position, fixed shapes (megabert.model.packed; the varlen kernels
+            # take each sample as a sequence, the other backends a block-diagonal mask).
             tokens = TokenLayout.packed_rows(packed_seqlens, input_ids.size(1) if input_ids is not None
-                                             else attention_mask.size(1))
+                                             else attention_mask.size(1)) \
+                if self.ctx.attention_backend == "varlen" and not self.ctx.sequence_parallel else None
+        else:
+            tokens = TokenLayout(attention_mask, packed_seqlens) if self.unpad and attention_mask is not None \
+                and attention_mask.dim() == 2 else None
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
-            maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
+            if not tokens.fixed_shape:
+                maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
         # The heads of pre-training read [CLS] and the masked positions (~15% of tokens): the
         # last layer's projection, MLP, LayerNorms and dropout run on those rows alone.
         layer_ids = self.stage.chunk_layers(v)
         rows = tokens.rows_at(head_positions) if last and tokens is not None and head_positions is not None \
             and len(layer_ids) > 0 else None
-        if rows is not None:
+        if rows is not None and not tokens.fixed_shape:
             maybe_mark_dynamic(rows, 0)  # as T: a compiled last layer takes any number of rows
         if packed_seqlens is None:
             mask = attention_mask_to_bool(attention_mask)

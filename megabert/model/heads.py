@@ -54,9 +54,12 @@ class VocabParallelDecoder(nn.Module):
         """(logits [..., V/tp], per-token cross entropy [...]) against full-vocab targets
         (-100: no loss). With the whole vocab on this rank, the projection and the loss are
         one op that needs no [tokens, vocab] buffer unless the logits are asked for
-        (ops.linear_cross_entropy): the logits are then a function that makes them."""
+        (ops.linear_cross_entropy): the logits are then a function that makes them. Under
+        torch.compile (the whole packed step compiled for CUDA graphs) the GEMM and the loss stay
+        two ops for Inductor to fuse: the chunked op's CPU kernels are opaque to dynamo."""
         x = self.transform(hidden)
-        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings):
+        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings) \
+                and not torch.compiler.is_compiling():
             vocab = self.local_pad_start if self.local_pad_start is not None else word_embeddings.size(0)
             loss, logits = linear_cross_entropy(x, word_embeddings, self.bias, target, vocab)
             return logits.full, loss

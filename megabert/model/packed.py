@@ -7,12 +7,26 @@ the device from that fixed-shape tensor, with no host value, so a packed step ke
 
 - attention stays inside each sample: cu_seqlens over the samples for the varlen kernels, a
   block-diagonal mask for the padded paths;
-- the binary head reads each sample's [CLS], the first token of the sample.
+- the binary head reads each sample's [CLS], the first token of the sample: a fixed [b * cap]
+  of slots, an empty slot's label -100;
+- the masked LM reads `mlm_positions` [b, slots] (megabert.data.packing.label_positions: each
+  row's masked positions, -1 in empty slots, as NVIDIA's masked_lm_positions), a fixed
+  [b * slots] of rows whose empty slots have label -100, and the last layer computes the rows
+  the heads read as a fixed [b, k] of positions (head_positions).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def fixed_shape_packing(device: torch.device, unpad_input: bool) -> bool:
+    """Whether packed rows run the fixed-shape step: on CUDA always (CUDA graphs and one
+    compilation need it; the step then reads nothing back from the device), on the CPU with
+    --no-unpad-input. The CPU's default unpads packed rows: the ~5% padding they keep and the
+    masked-LM slots left empty (a row's cap is a worst case) cost ~15% of a small model's step
+    there (docs/performance.md), and the CPU gains nothing from fixed shapes."""
+    return device.type == "cuda" or not unpad_input
 
 
 def sample_starts(packed_seqlens: torch.Tensor) -> torch.Tensor:
@@ -43,8 +57,39 @@ def cls_positions_mask(packed_seqlens: torch.Tensor, seq_length: int) -> torch.T
     return mask.scatter(1, sample_starts(packed_seqlens), True)
 
 
+def gather_positions(sequence: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """sequence [s, b, h], positions [b, n] (each < s, >= 0) -> [b * n, h]: row r's hidden
+    states at its n positions, row by row (fixed shapes: no host value)."""
+    rows = torch.arange(positions.size(0), device=positions.device)[:, None].expand_as(positions)
+    return sequence[positions.reshape(-1), rows.reshape(-1)]
+
+
 def gather_cls(sequence: torch.Tensor, packed_seqlens: torch.Tensor) -> torch.Tensor:
     """sequence [s, b, h] -> [b * cap, h]: the hidden state at each slot's first token."""
-    starts = sample_starts(packed_seqlens)  # [b, cap]
-    rows = torch.arange(starts.size(0), device=starts.device)[:, None].expand_as(starts)
-    return sequence[starts.reshape(-1), rows.reshape(-1)]
+    return gather_positions(sequence, sample_starts(packed_seqlens))
+
+
+def gather_labelled(sequence: torch.Tensor, labels: torch.Tensor, mlm_positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [b * slots, h], target [b * slots]) at each row's `mlm_positions` [b, slots]; an
+    empty slot (-1) reads the row's first token with target -100, so it adds no loss and no
+    gradient (the loss ignores -100)."""
+    empty = mlm_positions < 0
+    at = mlm_positions.clamp(min=0)
+    target = labels.gather(1, at).masked_fill(empty, -100)
+    return gather_positions(sequence, at), target.reshape(-1)
+
+
+def head_positions(packed_seqlens: torch.Tensor, mlm_positions: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """int64 [b, k], k = min(seq_length, cap + slots): positions of each row that hold every
+    sample's [CLS] and every masked position, ascending and distinct (what the last layer must
+    compute for the heads), then as many other positions, ascending, as fill k. A fixed k, so
+    the last layer's shapes do not follow the data; distinct, so that putting its rows back
+    into [s, b, h] (an index_copy) passes each position's gradient once."""
+    k = min(seq_length, packed_seqlens.size(1) + mlm_positions.size(1))
+    wanted = cls_positions_mask(packed_seqlens, seq_length)
+    # An empty slot (-1) marks position 0, the row's first [CLS], which is wanted anyway.
+    wanted = wanted.scatter(1, mlm_positions.clamp(min=0), True)
+    positions = torch.arange(seq_length, device=packed_seqlens.device).expand_as(wanted)
+    key = torch.where(wanted, positions, positions + seq_length)  # the wanted positions sort first
+    return key.sort(dim=1).values[:, :k] % seq_length

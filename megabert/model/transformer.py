@@ -127,7 +127,7 @@ class TransformerBlock(nn.Module):
         return x
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(model: nn.Module, cuda_graphs: bool = False) -> int:
     """torch.compile every TransformerLayer of `model` in place; returns how many.
 
     Layers rather than the whole model: the pipeline schedule, activation recompute
@@ -142,9 +142,16 @@ def compile_layers(model: nn.Module) -> int:
     exactly what eager mode drops (the losses agree with dropout on too), replicated
     activations get the same mask on every TP rank, and activation recompute replays the
     masks by restoring the generator, as in eager mode.
+
+    cuda_graphs: the layers' inputs have the same shapes at every call (packed rows,
+    megabert.model.packed): torch.compile's "reduce-overhead" (Inductor's CUDA graph trees:
+    each compiled graph, forward and backward, replayed as one CUDA graph) with static shapes.
     """
     # Another family's layer says it is one (ModernBertLayer) by `compiled_as_layer`.
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) or getattr(m, "compiled_as_layer", False)]
+    # mode="reduce-overhead" is options={"triton.cudagraphs": True} (torch._inductor.list_mode_options);
+    # torch.compile takes a mode or options, not both.
+    options = {"fallback_random": True, **({"triton.cudagraphs": True} if cuda_graphs else {})}
     for layer in layers:
-        layer.compile(options={"fallback_random": True})
+        layer.compile(options=options, dynamic=False if cuda_graphs else None)
     return len(layers)

@@ -50,6 +50,7 @@ class TokenLayout:
             self.cu_seqlens = packed_cu_seqlens(packed_seqlens)
         self._host_cu_seqlens: Optional[list[int]] = None
         self.max_seqlen: Optional[int] = None  # a host bound on the sequence lengths, where one is known
+        self.fixed_shape = False  # T follows the data (packed_rows: the flags alone)
         # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
         # torch.compile'd layers compile one graph for any T, not one for the first batch's T
         # and another once it changes. A no-op in eager mode.
@@ -59,8 +60,10 @@ class TokenLayout:
     def packed_rows(cls, packed_seqlens: torch.Tensor, seq_length: int) -> "TokenLayout":
         """Every position of packed rows, padding included, with fixed shapes and no host sync:
         T = b * s, and sequences = each row's samples, then its padding as one more sequence
-        (attending to itself; no loss reads it): cu_seqlens [b * (cap + 1) + 1]. What the varlen
-        kernels take when the encoder is not unpadded (a step CUDA graphs can capture)."""
+        (attending to itself; no loss reads it): cu_seqlens [b * (cap + 1) + 1], an empty slot a
+        zero-length sequence. What the varlen kernels take on packed rows (a step CUDA graphs
+        can capture; packed rows are ~95% real tokens, so leaving the padding out would save
+        little and make T follow the data)."""
         b = packed_seqlens.size(0)
         layout = cls.__new__(cls)
         layout.s, layout.b = seq_length, b
@@ -72,6 +75,7 @@ class TokenLayout:
         layout.cu_seqlens = packed_cu_seqlens(torch.cat([packed_seqlens, tails], 1))
         layout._host_cu_seqlens = None
         layout.max_seqlen = seq_length
+        layout.fixed_shape = True
         return layout
 
     def host_cu_seqlens(self) -> list[int]:
@@ -91,7 +95,15 @@ class TokenLayout:
 
     def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
         """The rows of [T, ...] at the real tokens among `positions` ([b, s] bool), in T's
-        (batch-major) order; padding positions have no row and are left out."""
+        (batch-major) order; padding positions have no row and are left out. Or, for packed_rows'
+        layout, `positions` int64 [b, k] (each row's positions): their rows, [b * k], a shape
+        that does not follow the data (what megabert.model.packed.head_positions gives)."""
+        if positions.dtype != torch.bool:
+            if not self.fixed_shape:  # a padding position has no row (and would repeat its neighbour's)
+                raise ValueError("TokenLayout.rows_at: positions as indices need a layout of every position "
+                                 "(TokenLayout.packed_rows); pass a bool mask")
+            b_index = torch.arange(self.b, device=positions.device)[:, None] * self.s
+            return (b_index + positions).reshape(-1)  # every position is a row: batch-major r * s + p
         row_of = self._real.cumsum(0) - 1  # [b * s]: a real token's row in T
         return row_of[positions.reshape(-1) & self._real]
 

@@ -25,15 +25,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig) -> None:
+def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig, *, fixed_shapes: bool = False
+                  ) -> None:
     """--compile: torch.compile the model's transformer layers, once, where the model is
-    built (before DeepSpeed wraps it)."""
+    built (before DeepSpeed wraps it). `fixed_shapes`: every micro-batch is the same tensors
+    (--pack-sequences: megabert.model.packed), so on CUDA the layers compile in mode
+    "reduce-overhead" with static shapes: their forward and backward replay as CUDA graphs
+    (no launch per kernel from Python; the step reads nothing back from the device to allow it)."""
     if not train.compile:
         return
-    n = compile_layers(model)
+    cuda_graphs = fixed_shapes and ps.device.type == "cuda"
+    # NOTE: CUDA graph trees replay a graph into the buffers of its last replay; a pipeline
+    # schedule (forwards of several micro-batches before their backwards) and full recompute
+    # (a layer's forward run again inside backward) break that pattern and are untried with it.
+    untried = [why for why, on in (("--pipeline-model-parallel-size > 1", ps.pp_size > 1),
+                                   ("--recompute-granularity full",
+                                    getattr(model, "config", None) is not None
+                                    and model.config.recompute_granularity == "full")) if on]
+    if cuda_graphs and untried:
+        cuda_graphs = False
+        if ps.is_logging_rank:
+            logger.info("--compile with --pack-sequences: no CUDA graphs with %s (untried); the layers compile as "
+                        "without packing", " and ".join(untried))
+    n = compile_layers(model, cuda_graphs=cuda_graphs)
     if ps.is_logging_rank:
-        logger.info("--compile: %d transformer layers compiled with torch.compile; the first training step and the "
-                    "first evaluation compile them (once per process)", n)
+        logger.info("--compile: %d transformer layers compiled with torch.compile%s; the first training step and the "
+                    "first evaluation compile them (once per process)", n,
+                    ' (mode "reduce-overhead": CUDA graphs of packed rows\' fixed shapes)' if cuda_graphs else "")
 
 
 def build_runner(model: torch.nn.Module, ps: ParallelState, task: TrainingTask, *, seq_length: int,

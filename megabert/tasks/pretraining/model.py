@@ -12,7 +12,7 @@ from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead, head_linear
 from megabert.model.outputs import ModelOutput
-from megabert.model.packed import cls_positions_mask
+from megabert.model.packed import cls_positions_mask, fixed_shape_packing, gather_labelled, head_positions
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
@@ -95,7 +95,10 @@ class BertForPreTraining(BertPreTrainedModel):
     (megabert.data.packing) add position_ids [b, s] and packed_seqlens [b, cap], and take
     next_sentence_label [b, cap] (-100 in empty slots); nsp_logits are then [b * cap, 2]. With
     `mlm_logits_at_masked_only` and labels, logits are computed only where labels != -100
-    and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab].
+    and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab]. Packed
+    rows with `mlm_positions` [b, slots] (each row's masked positions, -1 in empty slots:
+    megabert.data.packing.label_positions) compute them at those slots instead: `mlm_logits` is
+    [b * slots, vocab], `mlm_labels` -100 in empty slots, and no shape depends on the data.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
@@ -113,17 +116,29 @@ class BertForPreTraining(BertPreTrainedModel):
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 next_sentence_label: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                packed_seqlens: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
+                packed_seqlens: Optional[torch.Tensor] = None,
+                mlm_positions: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
         return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
                                               attention_mask=attention_mask, labels=labels,
                                               next_sentence_label=next_sentence_label, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens))
+                                              packed_seqlens=packed_seqlens, mlm_positions=mlm_positions))
+
+    def _fixed_slots(self, batch: dict) -> Optional[torch.Tensor]:
+        """mlm_positions where the head reads the masked LM at fixed slots (packed rows, logits at
+        masked positions only, labels given), else None."""
+        if not self.config.mlm_logits_at_masked_only or batch.get("labels") is None:
+            return None
+        return batch.get("mlm_positions") if batch.get("packed_seqlens") is not None else None
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
-        """With logits at masked positions only: those positions and [CLS] (the pooler's)."""
+        """With logits at masked positions only: those positions and [CLS] (the pooler's); for
+        packed rows with mlm_positions, int64 [b, k] positions of each row (a fixed k)."""
         labels = batch.get("labels")
         if not self.config.mlm_logits_at_masked_only or labels is None:
             return None
+        slots = self._fixed_slots(batch)
+        if slots is not None and fixed_shape_packing(labels.device, self.config.unpad_input):
+            return head_positions(batch["packed_seqlens"], slots, labels.size(1))
         positions = labels != -100
         if self.bert.pooler is not None:
             packed = batch.get("packed_seqlens")
@@ -140,7 +155,10 @@ class BertForPreTraining(BertPreTrainedModel):
         if next_sentence_label is not None:
             next_sentence_label = next_sentence_label.view(-1)  # [b, 1] is accepted too, as in transformers
         hidden, target = sequence.transpose(0, 1), labels  # [b, s, h]
-        if cfg.mlm_logits_at_masked_only and labels is not None:
+        slots = self._fixed_slots(batch)
+        if slots is not None:
+            hidden, target = gather_labelled(sequence, labels, slots)  # [b * slots, h], [b * slots]
+        elif cfg.mlm_logits_at_masked_only and labels is not None:
             selected = labels != -100
             hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
         mlm_loss = mlm_sum = None

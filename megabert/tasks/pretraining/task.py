@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterator, Optional
+import math
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from megabert.config import DataConfig
+from megabert.data.packing import with_label_positions
 from megabert.model import ModernBertForMaskedLM
+from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
 from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
@@ -24,7 +28,36 @@ logger = logging.getLogger(__name__)
 
 
 PRETRAINING_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
-PACKED_INPUTS = ("position_ids", "packed_seqlens")  # packed rows only (megabert.data.packing)
+# Packed rows only (megabert.data.packing); mlm_positions: pretraining_batches adds it.
+PACKED_INPUTS = ("position_ids", "packed_seqlens", "mlm_positions")
+
+
+def mlm_slots_per_row(data: DataConfig) -> int:
+    """The masked positions a packed row has room for (NVIDIA's max_predictions_per_seq, for a
+    row). A sample of n tokens gets max(1, round(--mask-prob x n)) masked positions at most
+    (megabert's masking, NVIDIA's create_pretraining_data.py and LDDL alike), which is at most
+    --mask-prob x n + 1; a row's samples hold at most --seq-length tokens together, so a row
+    holds at most floor(--mask-prob x --seq-length) + --max-samples-per-row. With
+    --max-predictions-per-seq, a sample holds no more than that."""
+    slots = math.floor(data.mask_prob * data.seq_length + 1e-9) + data.max_samples_per_row
+    if data.max_predictions_per_seq is not None:
+        slots = min(slots, data.max_samples_per_row * data.max_predictions_per_seq)
+    return min(slots, data.seq_length)
+
+
+def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch.device) -> Iterable[dict]:
+    """Packed micro-batches of the fixed-shape step (megabert.model.packed.fixed_shape_packing;
+    logits at the masked positions only) get `mlm_positions` [rows, mlm_slots_per_row]: every
+    tensor of the step then has a shape the flags fix (CUDA graphs, one compilation). BERT's
+    head only (ModernBERT's takes no mlm_positions)."""
+    if not (run.data.pack_sequences and run.model.mlm_logits_at_masked_only and run.model.model_family == "bert"
+            and fixed_shape_packing(device, run.model.unpad_input)):
+        return batches
+    data = run.data
+    return with_label_positions(batches, mlm_slots_per_row(data), "mlm_positions",
+                                f"the samples were masked at a higher rate than --mask-prob {data.mask_prob} (NVIDIA "
+                                f"shards' masks are used as stored): pass the rate they were masked with as "
+                                f"--mask-prob")
 
 
 def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:
@@ -93,9 +126,11 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
     model_class = ModernBertForMaskedLM if model_cfg.model_family == "modernbert" else BertForPreTraining
     model = model_class(model_cfg, ps, seed=run.train.seed,
                         num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
-    apply_compile(model, ps, run.train)
+    apply_compile(model, ps, run.train, fixed_shapes=run.data.pack_sequences)
     masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
-    return build_trainer(model, ps, run, pretraining_task(run.binary_head_task), train_batches, valid_batches,
+    train = lambda consumed: pretraining_batches(train_batches(consumed), run, ps.device)  # noqa: E731
+    valid = (lambda: pretraining_batches(valid_batches(), run, ps.device)) if valid_batches is not None else None
+    return build_trainer(model, ps, run, pretraining_task(run.binary_head_task), train, valid,
                          flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
                          checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
                                            "data": dataclasses.asdict(run.data)})
