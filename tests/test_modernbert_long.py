@@ -60,13 +60,13 @@ def _argv(d, hf_dir, metrics, *extra):
 def _batches(argv, n):
     """The first `n` training batches pretrain_bert.py draws with these flags."""
     from megabert.data import build_tokenizer
-    from megabert.tasks.pretraining.data import build_data
+    from megabert.tasks.pretraining.batches import build_batches
     from megabert.training.resolve import resolve_run
 
     cfg = parse_args(argv)
     ps = megabert.init_parallel()
     run = resolve_run(cfg, ps)
-    it = build_data(run, ps, build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file))[0](0)
+    it = build_batches(run, ps, build_tokenizer(run.data.tokenizer_type, run.data.vocab_file))[0](0)
     out = [next(it) for _ in range(n)]
     megabert.destroy_parallel()
     return out
