@@ -142,3 +142,41 @@ def test_sdpa_paths_take_the_band(window):
     want = reference(qkv, lengths, window)
     torch.testing.assert_close(padded_sdpa(qkv, cu, max(lengths), 0.0, window), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(grouped_sdpa(qkv, cu.tolist(), 0.0, window), want, rtol=0, atol=1e-5)
+
+
+@needs_kernels
+def test_modernbert_local_layers_on_the_kernel_equal_the_band_masked_reference():
+    """ModernBERT with local_attention 128 (window (64, 64)) on rows of up to 300 tokens:
+    the unpadded encoder, whose local layers run the windowed kernel, against the padded
+    reference backend (explicit scores with the band mask): MLM logits at real tokens and
+    every parameter gradient, fp32."""
+    import megabert
+
+    def build(backend, unpad):
+        cfg = megabert.ModelConfig(model_family="modernbert", num_layers=3, hidden_size=32, num_attention_heads=2,
+                                   ffn_hidden_size=48, vocab_size=99, max_position_embeddings=512,
+                                   local_attention=128, global_attn_every_n_layers=3, attention_backend=backend,
+                                   unpad_input=unpad, init_method_std=0.2)
+        return megabert.ModernBertForMaskedLM(cfg, megabert.init_parallel())
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 99, (3, 300), generator=gen)
+    am = torch.ones_like(ids)
+    am[1, 190:] = 0
+    am[2, 70:] = 0
+    results, state = [], None
+    for backend, unpad in (("torch", False), ("varlen", True)):
+        model = build(backend, unpad)
+        if state is None:
+            state = model.state_dict()
+        model.load_state_dict(state)
+        model.eval()  # no dropout: both sides compute the same function
+        assert [layer.attn.is_global for layer in model.bert.encoder.layers.values()] == [True, False, False]
+        logits = model(ids, attention_mask=am).mlm_logits
+        logits[am.bool()].square().sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (ref_logits, ref_grads), (logits, grads) = results
+    torch.testing.assert_close(logits[am.bool()], ref_logits[am.bool()], rtol=1e-4, atol=1e-4)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-3, msg=name)
