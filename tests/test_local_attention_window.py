@@ -180,3 +180,29 @@ def test_modernbert_local_layers_on_the_kernel_equal_the_band_masked_reference()
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rotate_qkv_equals_rotate_of_q_and_k(dtype):
+    """ModernBERT's fused RoPE (one buffer: Q, K rotated, V copied) against `rotate` of Q and
+    K and a stack, outputs and the grad of the packed QKV, padded [s, b] and unpadded [T]."""
+    from megabert.model.modernbert.rope import cos_sin, rotate, rotate_qkv
+
+    def rotate_in(x, cos, sin):  # `rotate` (fp32 math), in fp64 for fp64
+        if x.dtype != torch.float64:
+            return rotate(x, cos, sin)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    gen = torch.Generator().manual_seed(0)
+    for lead, positions in (((37,), torch.arange(37)), ((9, 2), torch.arange(9)[:, None].expand(9, 2))):
+        x = torch.randn(*lead, 3 * 4 * 16, generator=gen).to(dtype)[..., :3 * 4 * 16].view(*lead, 3, 4, 16)
+        cos, sin = (t.unsqueeze(-2) for t in cos_sin(positions, 16, 160.0, dtype))
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got = rotate_qkv(a, cos, sin)
+        q, k, v = b.unbind(-3)
+        want = torch.stack((rotate_in(q, cos, sin), rotate_in(k, cos, sin), v), dim=-3)
+        tol = {"rtol": 0, "atol": 1e-12 if dtype == torch.float64 else 1e-6 if dtype == torch.float32 else 1e-2}
+        torch.testing.assert_close(got, want, **tol)
+        grad = torch.randn(want.shape, generator=gen).to(dtype)
+        torch.testing.assert_close(torch.autograd.grad(got, a, grad)[0], torch.autograd.grad(want, b, grad)[0], **tol)

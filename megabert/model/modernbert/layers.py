@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megabert import ops
 from megabert.model.context import BuildContext
 from megabert.model.modernbert.local_attention import local_attention, worth_blocking
-from megabert.model.modernbert.rope import RotaryTables, rotate
+from megabert.model.modernbert.rope import RotaryTables, rotate_qkv
 from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import describe_module, set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
@@ -145,8 +145,7 @@ class ModernBertAttention(nn.Module):
         qkv = self.Wqkv(x)  # [s, b, 3h/tp] or [T, 3h/tp]
         qkv = qkv.view(*qkv.shape[:-1], 3, self.heads_per_rank, self.head_dim)
         cos, sin = inputs.rope.get(self.is_global, qkv.dtype)  # [T, 1, d] or [s, b, 1, d]
-        q, k, v = qkv.unbind(-3)
-        qkv = torch.stack((rotate(q, cos, sin), rotate(k, cos, sin), v), dim=-3)
+        qkv = rotate_qkv(qkv, cos, sin)
         tokens = inputs.tokens
         if tokens is not None and self.varlen:
             ctx = self._run(self._varlen_core, qkv, tokens)  # [T, n/tp, d]
