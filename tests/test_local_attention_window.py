@@ -206,3 +206,20 @@ def test_rotate_qkv_equals_rotate_of_q_and_k(dtype):
         torch.testing.assert_close(got, want, **tol)
         grad = torch.randn(want.shape, generator=gen).to(dtype)
         torch.testing.assert_close(torch.autograd.grad(got, a, grad)[0], torch.autograd.grad(want, b, grad)[0], **tol)
+
+
+@needs_kernels
+def test_windowed_dropout_same_at_one_and_two_threads():
+    """With a window and dropout, outputs and grads are bitwise equal at any thread count."""
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(sum(LENGTHS), 3, 4, 32, generator=gen).requires_grad_()
+    grad = torch.randn(sum(LENGTHS), 4, 32, generator=gen)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = _kernel(qkv, LENGTHS, (64, 64), 0.2, torch.tensor([99]))
+            results.append((out, torch.autograd.grad(out, qkv, grad)[0]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
