@@ -47,7 +47,9 @@ class RotaryQKV(torch.autograd.Function):
     (x1, x2) is (x1 cos - x2 sin, x2 cos + x1 sin), so forward and backward are four fused
     multiply-adds over the halves of Q and K and one copy of V, where `rotate` twice and a
     stack made about fifteen passes over [T, heads, d] tensors (chunk, neg, cat, mul, add,
-    stack and their backward), about 3x the attention kernel's time at seq 1024 on the CPU.
+    stack and their backward). Forward + backward at T = 1415, 4 heads of 64, 2 cores:
+    1.6-1.9 ms against 2.7-3.4 ms on a quiet machine; under load (each small op's fork
+    preempted) 1.4 ms against 25 ms (minimum of 7).
     cos, sin: the tables' first halves, broadcast to [..., 1, d/2]."""
 
     @staticmethod
