@@ -155,44 +155,51 @@ def dropout_backward(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.
 
 
 # ---------------------------------------------------------------- varlen attention (CPU)
+# window_left / window_right: query i sees keys i - left .. i + right of its sequence
+# (FlashAttention's window_size; -1 = unbounded on that side).
 
 @torch.library.custom_op("megabert::varlen_attention_forward", mutates_args=())
 def _varlen_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                 scale: float, p: float, seed: Optional[torch.Tensor]
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                                 scale: float, p: float, seed: Optional[torch.Tensor], window_left: int = -1,
+                                 window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, v: [T, heads, d] (heads adjacent, token stride free) -> (out [T, heads, d], lse [heads, T])."""
-    out, lse = _kernels(q).varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed)
+    out, lse = _kernels(q).varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right)
     return out, lse
 
 
 @_varlen_attention_forward_op.register_fake
-def _(q, k, v, cu_seqlens, scale, p, seed):
+def _(q, k, v, cu_seqlens, scale, p, seed, window_left=-1, window_right=-1):
     return q.new_empty(q.shape), q.new_empty((q.size(1), q.size(0)), dtype=_stat_dtype(q))
 
 
 @torch.library.custom_op("megabert::varlen_attention_backward", mutates_args=())
 def _varlen_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                                  p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
+                                  p: float, seed: Optional[torch.Tensor], window_left: int = -1,
+                                  window_right: int = -1) -> torch.Tensor:
     """-> grad of the packed [T, 3, heads, d] q, k, v."""
-    return _kernels(q).varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, scale, p, seed)
+    return _kernels(q).varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, scale, p, seed,
+                                                 window_left, window_right)
 
 
 @_varlen_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens, scale, p, seed):
+def _(grad_out, q, k, v, out, lse, cu_seqlens, scale, p, seed, window_left=-1, window_right=-1):
     return q.new_empty((q.size(0), 3, q.size(1), q.size(2)))
 
 
 def varlen_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                             scale: float, p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                             scale: float, p: float, seed: Optional[torch.Tensor], window_left: int = -1,
+                             window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():
-        return _varlen_attention_forward_op(q, k, v, cu_seqlens, scale, p, seed)
-    return tuple(_kernels(q).varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed))
+        return _varlen_attention_forward_op(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right)
+    return tuple(_kernels(q).varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right))
 
 
 def varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, p: float,
-                              seed: Optional[torch.Tensor]) -> torch.Tensor:
+                              seed: Optional[torch.Tensor], window_left: int = -1, window_right: int = -1) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return _varlen_attention_backward_op(grad_out, q, k, v, out, lse, cu_seqlens, scale, p, seed)
-    return _kernels(q).varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, scale, p, seed)
+        return _varlen_attention_backward_op(grad_out, q, k, v, out, lse, cu_seqlens, scale, p, seed, window_left,
+                                             window_right)
+    return _kernels(q).varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, scale, p, seed,
+                                                 window_left, window_right)

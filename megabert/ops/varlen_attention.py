@@ -19,6 +19,11 @@ activations, as FlashAttention's varlen form takes them. One implementation per 
   grouped by length (no mask).
 The choice is a function of device, dtype and head dim, logged once per outcome.
 
+A sliding window (`window=(left, right)`: query i sees keys i - left .. i + right of its
+sequence, -1 = unbounded, FlashAttention's window_size) is honoured by every path: the CPU
+kernel and FlashAttention skip the key tiles outside it (a local layer costs O(T * window)),
+the SDPA paths add a band to their mask.
+
 The CPU kernel's dropout key is one int64 drawn per call from the generator the call runs
 under (the per-TP-rank stream inside `rng_fork()`), exactly as dropout_add draws its key:
 torch.manual_seed, TP-rank streams, activation recompute (which restores the streams) and
@@ -51,17 +56,19 @@ _FLASH_MAX_HEAD_DIM = 256
 
 
 class FusedVarlenAttention(torch.autograd.Function):
-    """out = softmax(scale * Q K^T) with dropout, times V, per sequence and head, on the CPU
-    kernel. Forward saves Q, K, V (the packed input), the output and logsumexp [heads, T]
-    (fp32): O(T) statistics instead of O(b s^2) probabilities and a mask."""
+    """out = softmax(scale * Q K^T) with dropout, times V, per sequence and head, within the
+    window (left, right), on the CPU kernel. Forward saves Q, K, V (the packed input), the
+    output and logsumexp [heads, T] (fp32): O(T) statistics instead of O(b s^2) probabilities
+    and a mask."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, p: float,
-                seed: Optional[torch.Tensor]) -> torch.Tensor:
+                seed: Optional[torch.Tensor], window_left: int = -1, window_right: int = -1) -> torch.Tensor:
         q, k, v = qkv.unbind(1)
-        out, lse = kernel_ops.varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed)
+        out, lse = kernel_ops.varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed, window_left,
+                                                       window_right)
         ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed)
-        ctx.scale, ctx.p = scale, p
+        ctx.scale, ctx.p, ctx.window = scale, p, (window_left, window_right)
         return out
 
     @staticmethod
@@ -70,8 +77,8 @@ class FusedVarlenAttention(torch.autograd.Function):
         qkv, out, lse, cu_seqlens, seed = ctx.saved_tensors
         q, k, v = qkv.unbind(1)
         grad_qkv = kernel_ops.varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.p,
-                                                        seed)
-        return grad_qkv, None, None, None, None
+                                                        seed, *ctx.window)
+        return grad_qkv, None, None, None, None, None, None
 
 
 class FlashVarlenAttention(torch.autograd.Function):
@@ -85,11 +92,14 @@ class FlashVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-                scale: float, p: float) -> torch.Tensor:
+                scale: float, p: float, window_left: int = -1, window_right: int = -1) -> torch.Tensor:
+        # window_size_left / _right: FlashAttention's window_size (-1 = unbounded), which skips
+        # the key blocks outside the window.
         out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, p, False, False, scale=scale)
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, p, False, False, scale=scale,
+            window_size_left=window_left, window_size_right=window_right)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_a, rng_b)
-        ctx.max_len, ctx.scale, ctx.p = max_len, scale, p
+        ctx.max_len, ctx.scale, ctx.p, ctx.window = max_len, scale, p, (window_left, window_right)
         return out
 
     @staticmethod
@@ -98,8 +108,8 @@ class FlashVarlenAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens, rng_a, rng_b = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len, ctx.p, False,
-            rng_a, rng_b, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None
+            rng_a, rng_b, scale=ctx.scale, window_size_left=ctx.window[0], window_size_right=ctx.window[1])
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def flash_varlen_available() -> bool:
@@ -158,10 +168,26 @@ def _cpu_dtype_reason(dtype: torch.dtype) -> Optional[str]:
     return f"{str(dtype).removeprefix('torch.')} on cpu (the kernel takes {names})"
 
 
-def grouped_sdpa(qkv: torch.Tensor, cu_seqlens: list[int], dropout_p: float) -> torch.Tensor:
+def band(n: int, window: tuple[int, int], device) -> Optional[torch.Tensor]:
+    """bool [n, n], True = query i may see key j (i - left <= j <= i + right; -1 = unbounded),
+    or None when the window bounds nothing."""
+    left, right = window
+    if (left < 0 or left >= n) and (right < 0 or right >= n):
+        return None
+    offset = torch.arange(n, device=device)[None, :] - torch.arange(n, device=device)[:, None]  # j - i
+    keep = torch.ones(n, n, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= offset >= -left
+    if right >= 0:
+        keep &= offset <= right
+    return keep
+
+
+def grouped_sdpa(qkv: torch.Tensor, cu_seqlens: list[int], dropout_p: float,
+                 window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """Varlen attention as one SDPA call per distinct sequence length: the sequences of a
-    length gathered to [g, heads, L, d] with no mask (so SDPA may take its flash kernel),
-    the outputs put back in token order. qkv: [T, 3, heads, d] -> [T, heads, d]."""
+    length gathered to [g, heads, L, d] with no mask but the window's band (so SDPA may take
+    its flash kernel), the outputs put back in token order. qkv: [T, 3, heads, d] -> [T, heads, d]."""
     total, _, heads, d = qkv.shape
     by_length: dict[int, list[int]] = {}
     for i in range(len(cu_seqlens) - 1):
@@ -174,7 +200,7 @@ def grouped_sdpa(qkv: torch.Tensor, cu_seqlens: list[int], dropout_p: float) -> 
         index = torch.tensor(positions, dtype=torch.int64, device=qkv.device)
         group = qkv.index_select(0, index).view(len(starts), length, 3, heads, d)
         q, k, v = group.permute(2, 0, 3, 1, 4).unbind(0)  # each [g, heads, L, d]
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=band(length, window, qkv.device), dropout_p=dropout_p)
         outputs.append(out.transpose(1, 2).reshape(len(starts) * length, heads, d))
         order.extend(positions)
     if not outputs:
@@ -185,7 +211,8 @@ def grouped_sdpa(qkv: torch.Tensor, cu_seqlens: list[int], dropout_p: float) -> 
     return torch.cat(outputs).index_select(0, inverse.to(qkv.device))
 
 
-def padded_sdpa(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, dropout_p: float) -> torch.Tensor:
+def padded_sdpa(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, dropout_p: float,
+                window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """Varlen attention as one padded SDPA call: the n sequences laid out as [n, heads,
     max_len, d] with a key padding mask, the real rows taken back. What CUDA runs where
     FlashAttention does not apply (fp32, odd head dims): the padded path's cost, with no host
@@ -199,12 +226,17 @@ def padded_sdpa(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, dropo
     q, k, v = padded.view(n, max_len, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # each [n, heads, s, d]
     # True = attend. An empty sequence attends to its zero padding: finite rows no token reads.
     keep = (torch.arange(max_len, device=qkv.device)[None, :] < lengths[:, None]) | (lengths == 0)[:, None]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :], dropout_p=dropout_p)
+    keep = keep[:, None, None, :]  # [n, 1, 1, s]
+    local = band(max_len, window, qkv.device)
+    if local is not None:
+        keep = keep & local  # [n, 1, s, s]: every row keeps its own key, so none is empty
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
     return out.transpose(1, 2).reshape(n * max_len, heads, d).index_select(0, rows)
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlens: Callable[[], list[int]], *,
-                     dropout_p: float = 0.0, rng_fork=None, max_seqlen: Optional[int] = None) -> torch.Tensor:
+                     dropout_p: float = 0.0, rng_fork=None, max_seqlen: Optional[int] = None,
+                     window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d)) V over each sequence's own tokens.
 
     qkv: [T, 3, heads, d] (Q, K, V of each token's heads; a view of the QKV GEMM's output);
@@ -213,8 +245,13 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlen
     need it on the host: one device sync per call on a GPU unless the caller caches it).
     `rng_fork()`: the context dropout draws in (the per-TP-rank stream). `max_seqlen`: a bound
     on the sequence lengths known on the host (packed rows: the row length), so that the CUDA
-    paths read nothing back from the device. -> [T, heads, d].
+    paths read nothing back from the device. `window` (left, right): query i sees keys
+    i - left .. i + right of its sequence (-1 = unbounded; ModernBERT's local layers: (w, w)).
+    -> [T, heads, d].
     """
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"varlen attention: window {window} must hold -1 (unbounded) or key counts >= 0")
     fork = rng_fork if rng_fork is not None and dropout_p > 0.0 else contextlib.nullcontext
     head_dim = qkv.size(-1)
     impl = varlen_impl(qkv.device.type, qkv.dtype, head_dim)
@@ -225,7 +262,8 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlen
         if dropout_p > 0.0:
             with fork():
                 seed = draw_seed()
-        return FusedVarlenAttention.apply(qkv, cu_seqlens, 1.0 / math.sqrt(head_dim), float(dropout_p), seed)
+        return FusedVarlenAttention.apply(qkv, cu_seqlens, 1.0 / math.sqrt(head_dim), float(dropout_p), seed, left,
+                                          right)
     if impl in ("flash", "padded"):
         if max_seqlen is not None:
             max_len = max_seqlen
@@ -234,9 +272,9 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, host_cu_seqlen
             max_len = max((b - a for a, b in zip(host, host[1:])), default=0)
         with fork():
             if impl == "padded":
-                return padded_sdpa(qkv, cu_seqlens, max_len, dropout_p)
+                return padded_sdpa(qkv, cu_seqlens, max_len, dropout_p, window)
             q, k, v = qkv.unbind(1)
             return FlashVarlenAttention.apply(q, k, v, cu_seqlens.to(torch.int32), max_len,
-                                              1.0 / math.sqrt(head_dim), float(dropout_p))
+                                              1.0 / math.sqrt(head_dim), float(dropout_p), left, right)
     with fork():
-        return grouped_sdpa(qkv, host_cu_seqlens(), dropout_p)
+        return grouped_sdpa(qkv, host_cu_seqlens(), dropout_p, window)

@@ -45,14 +45,18 @@ at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& mask, doub
 // Attention over real tokens: q, k, v [T, heads, d] (token stride free), sequence s is
 // tokens cu_seqlens[s] .. cu_seqlens[s + 1] (int64) -> {out [T, heads, d], lse [heads, T]};
 // dropout p > 0 draws its mask from Philox keyed by `seed` (one int64), inside the kernel.
+// Query i sees the keys i - window_left .. i + window_right of its sequence (FlashAttention's
+// window_size, -1 = unbounded): key tiles outside the window are skipped.
 std::vector<at::Tensor> varlen_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& cu_seqlens, double scale, double p,
-                                                 const std::optional<at::Tensor>& seed);
+                                                 const std::optional<at::Tensor>& seed, int64_t window_left,
+                                                 int64_t window_right);
 // -> grad of the packed [T, 3, heads, d] (dq, dk, dv), the dropout mask regenerated from `seed`.
 at::Tensor varlen_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                      const at::Tensor& cu_seqlens, double scale, double p,
-                                     const std::optional<at::Tensor>& seed);
+                                     const std::optional<at::Tensor>& seed, int64_t window_left,
+                                     int64_t window_right);
 // The keep mask the kernels draw, bool [sequences, heads, max_len, max_len] (False outside
 // each sequence): for tests.
 at::Tensor varlen_attention_dropout_mask(const at::Tensor& cu_seqlens, int64_t heads, double p,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megabert import ops
 from megabert.model.context import BuildContext
 from megabert.model.modernbert.local_attention import local_attention, worth_blocking
-from megabert.model.modernbert.rope import RotaryTables, rotate
+from megabert.model.modernbert.rope import RotaryTables, rotate_qkv
 from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import describe_module, set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
@@ -97,20 +97,22 @@ class ModernBertAttention(nn.Module):
         names = ("weight", "bias") if cfg.attention_bias else ("weight",)
         set_hf_names(self, {f"{m}.{k}": f"{hf_prefix}{m}.{k}" for m in ("Wqkv", "Wo") for k in names})
         self.selective_recompute = cfg.recompute_granularity == "selective"
-        # The CPU varlen kernel and FlashAttention's varlen call here take no window yet: local
-        # layers run by blocks of the window (local_attention.py: linear in s), on the unpadded
-        # tokens as they are or on padded rows; the reference backend "torch" (and short padded
-        # rows) run a band-masked dense core.
-        self.varlen = ctx.attention_backend == "varlen" and self.is_global
+        # Unpadded under the varlen backend both kinds run ops.varlen_attention, the local layers
+        # with the window (w, w), |i - j| <= w as transformers' sliding window: the CPU kernel and
+        # FlashAttention skip the key tiles outside it (cost linear in the length), SDPA masks a
+        # band. Elsewhere local layers run by blocks of the window (local_attention.py: linear in
+        # s); the reference backend "torch" (and short padded rows) run a band-masked dense core.
+        self.varlen = ctx.attention_backend == "varlen"
         self.blocked = not self.is_global and ctx.attention_backend != "torch"
         self.half_window = cfg.local_attention // 2
+        self.window = (-1, -1) if self.is_global else (self.half_window, self.half_window)
 
     def _dropout_p(self) -> float:
         return self.ctx.config.attention_dropout if self.training else 0.0
 
     def _varlen_core(self, qkv: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
         return ops.varlen_attention(qkv, tokens.cu_seqlens, tokens.host_cu_seqlens, dropout_p=self._dropout_p(),
-                                    rng_fork=self.ctx.rng.fork)
+                                    rng_fork=self.ctx.rng.fork, window=self.window)
 
     def _padded_core(self, qkv: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """qkv [s, b, 3, n/tp, d] -> [s, b, n/tp * d]."""
@@ -143,8 +145,7 @@ class ModernBertAttention(nn.Module):
         qkv = self.Wqkv(x)  # [s, b, 3h/tp] or [T, 3h/tp]
         qkv = qkv.view(*qkv.shape[:-1], 3, self.heads_per_rank, self.head_dim)
         cos, sin = inputs.rope.get(self.is_global, qkv.dtype)  # [T, 1, d] or [s, b, 1, d]
-        q, k, v = qkv.unbind(-3)
-        qkv = torch.stack((rotate(q, cos, sin), rotate(k, cos, sin), v), dim=-3)
+        qkv = rotate_qkv(qkv, cos, sin)
         tokens = inputs.tokens
         if tokens is not None and self.varlen:
             ctx = self._run(self._varlen_core, qkv, tokens)  # [T, n/tp, d]

@@ -12,24 +12,11 @@
 
 #include "../kernel_ops.h"
 #include "kernel_table.h"
+#include "torch_dtype.h"
 
 namespace megabert {
 namespace cpu {
 namespace {
-
-Dtype attn_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return kFloat;
-    case at::kBFloat16:
-      return kBFloat16;
-    case at::kDouble:
-      return kDouble;
-    default:
-      TORCH_CHECK(false, "varlen attention: the CPU kernel takes float32, bfloat16 or float64, got ",
-                  t.scalar_type());
-  }
-}
 
 // q, k, v (and their grads): [T, heads, d] with each head's d elements contiguous and the
 // heads of a token next to each other; the token stride is free (views of packed QKV).
@@ -113,26 +100,34 @@ DropoutKey dropout_key(double p, const std::optional<at::Tensor>& seed) {
   return key;
 }
 
+// FlashAttention's window_size: -1 = unbounded, else the keys seen on that side.
+void check_window(int64_t left, int64_t right) {
+  TORCH_CHECK(left >= -1 && right >= -1, "varlen attention: window (", left, ", ", right,
+              ") must hold -1 (unbounded) or key counts >= 0");
+}
+
 at::ScalarType math_type(Dtype dt) { return dt == kDouble ? at::kDouble : at::kFloat; }
 
 }  // namespace
 
 std::vector<at::Tensor> varlen_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& cu_seqlens, double scale, double p,
-                                                 const std::optional<at::Tensor>& seed) {
-  const Dtype dt = attn_dtype(q);
+                                                 const std::optional<at::Tensor>& seed, int64_t window_left,
+                                                 int64_t window_right) {
+  const Dtype dt = kernel_dtype(q, "varlen attention");
   check_heads(q, "q", q);
   check_heads(k, "k", q);
   check_heads(v, "v", q);
   const int64_t total = q.size(0), heads = q.size(1), d = q.size(2);
   const Plan plan = plan_items(cu_seqlens, total, heads);
   const DropoutKey key = dropout_key(p, seed);
+  check_window(window_left, window_right);
   at::Tensor out = at::empty({total, heads, d}, q.options());
   const at::TensorOptions math = q.options().dtype(math_type(dt));
   at::Tensor lse = at::empty({heads, total}, math);
   const AttnFwdArgs args{q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
                          out.data_ptr(), lse.data_ptr(), cu_seqlens.data_ptr<int64_t>(), total, heads, d, scale,
-                         key.dropout, key.seed, key.threshold, key.keep_scale};
+                         key.dropout, key.seed, key.threshold, key.keep_scale, window_left, window_right};
   const KernelTable& t = selected_table();
   const AttnFwdFn fn = t.attn_fwd[dt];
   run_items(plan, t.attn_fwd_scratch[dt](plan.max_len, d), math,
@@ -143,8 +138,9 @@ std::vector<at::Tensor> varlen_attention_forward(const at::Tensor& q, const at::
 at::Tensor varlen_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                      const at::Tensor& cu_seqlens, double scale, double p,
-                                     const std::optional<at::Tensor>& seed) {
-  const Dtype dt = attn_dtype(q);
+                                     const std::optional<at::Tensor>& seed, int64_t window_left,
+                                     int64_t window_right) {
+  const Dtype dt = kernel_dtype(q, "varlen attention");
   check_heads(q, "q", q);
   check_heads(k, "k", q);
   check_heads(v, "v", q);
@@ -157,6 +153,7 @@ at::Tensor varlen_attention_backward(const at::Tensor& grad_out, const at::Tenso
               "varlen attention: lse must be the forward's [heads, T] statistics");
   const Plan plan = plan_items(cu_seqlens, total, heads);
   const DropoutKey key = dropout_key(p, seed);
+  check_window(window_left, window_right);
   // One buffer for the three grads: [T, 3, heads, d] is the grad of the packed QKV as is.
   at::Tensor grad = at::empty({total, 3, heads, d}, q.options());
   char* g = static_cast<char*>(grad.data_ptr());
@@ -165,7 +162,7 @@ at::Tensor varlen_attention_backward(const at::Tensor& grad_out, const at::Tenso
   const AttnBwdArgs args{q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
                          out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), g, g + head_bytes, g + 2 * head_bytes,
                          gs, gs, gs, cu_seqlens.data_ptr<int64_t>(), total, heads, d, scale, key.dropout, key.seed,
-                         key.threshold, key.keep_scale};
+                         key.threshold, key.keep_scale, window_left, window_right};
   const KernelTable& t = selected_table();
   const AttnBwdFn fn = t.attn_bwd[dt];
   run_items(plan, t.attn_bwd_scratch[dt](plan.max_len, d), q.options().dtype(math_type(dt)),

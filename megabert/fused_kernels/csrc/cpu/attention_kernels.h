@@ -1,6 +1,6 @@
 // Attention over the real tokens of a batch (varlen), forward and backward, compiled once per
 // instruction set (included by row_kernels.h inside namespace megabert::cpu::MEGABERT_ISA,
-// after Elem<T>, exp_approx and dropout_kernels.h's Philox).
+// after Elem<T>, exp_approx and dropout_kernels.h's Philox and attention keep words).
 //
 // One work item is one (sequence, head) pair of the unpadded [T, heads, d] Q, K, V; the
 // sequence's tokens are rows cu_seqlens[s] .. cu_seqlens[s+1]. Per item the forward runs
@@ -10,6 +10,12 @@
 // query. The backward recomputes each probability tile from lse (no saved probabilities)
 // and walks key tiles outermost so that dK and dV of a tile are finished in registers-sized
 // buffers while dQ accumulates over the sequence.
+//
+// A sliding window (window_left, window_right: query i sees keys i - left .. i + right, as
+// FlashAttention's window_size) bounds the key tiles a query block visits in the forward and
+// the query rows a key tile visits in the backward: a local layer costs O(len * window), not
+// O(len^2). Keys of a visited tile outside a row's window score -inf (forward) or are
+// selected away (backward), so the result equals a band-masked softmax.
 //
 // Attention dropout is drawn inside both passes from Philox4x32-10 keyed by the call's seed:
 // the keep bit of (pair, query row i, key column j) is word (j % 64) / 16 of the counter
@@ -33,8 +39,6 @@ constexpr int64_t kBqB = 32;
 constexpr int64_t kBk = kTile;  // 64
 // Head-dim chunk: rows of scratch are padded to a multiple of it.
 constexpr int64_t kDc = 64;
-// Philox counter word 3 for attention masks: dropout_add's counters keep it 0.
-constexpr uint32_t kAttnDomain = 0x61747431u;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -160,50 +164,6 @@ inline void tile_atb_acc(const A* p, const A* x, int64_t dp, A* y, int64_t rows,
   Gemm<A>::template run<true>(n, dp / Gemm<A>::kW, y, dp, p, 1, kBk, x, dp, rows);
 }
 
-// The keep words of (pair, row, key tile kt) in two steps. Of an attention counter only c0
-// varies across a tile's lanes and only c1 (the row) across its rows, so Philox's first two
-// rounds split into a part per (pair, tile), drawn once per tile (prepare), and a part per
-// row that is lane-uniform (one scalar product); the row then runs rounds 2..9 on vectors.
-// The words are Philox4x32-10's, bit for bit: 8 vector rounds per row instead of 10.
-struct AttnPhiloxTile {
-  uint32_t x0[kLanes], x1[kLanes], x3k[kLanes];  // after round 1: words 0, 1; word 3 ^ round 1's key 1
-  uint32_t pair_hi;                               // round 0's high half of pair * M1
-};
-
-inline void attn_philox_prepare(uint64_t seed, uint32_t pair, int64_t kt, AttnPhiloxTile& t) {
-  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  const uint64_t pm = static_cast<uint64_t>(pair) * kPhiloxM1;
-  t.pair_hi = static_cast<uint32_t>(pm >> 32);
-  for (int64_t j = 0; j < kLanes; ++j) {
-    // Round 0 (keys k0, k1) of counter (c0, row, pair, kAttnDomain), its row-free words.
-    const uint64_t a = static_cast<uint64_t>(static_cast<uint32_t>(kt * kLanes + j)) * kPhiloxM0;
-    const uint32_t w1 = static_cast<uint32_t>(pm);                                // lo(pair * M1)
-    const uint32_t w2 = static_cast<uint32_t>(a >> 32) ^ kAttnDomain ^ k1;        // hi(c0 * M0) ^ c3 ^ k1
-    const uint32_t w3 = static_cast<uint32_t>(a);                                 // lo(c0 * M0)
-    // Round 1 (keys + W): word 0's product waits for the row; word 2's is here.
-    const uint64_t b = static_cast<uint64_t>(w2) * kPhiloxM1;
-    t.x0[j] = static_cast<uint32_t>(b >> 32) ^ w1 ^ (k0 + kPhiloxW0);
-    t.x1[j] = static_cast<uint32_t>(b);
-    t.x3k[j] = w3 ^ (k1 + kPhiloxW1);
-  }
-}
-
-// The 64 keep words of one row of a prepared tile: u[k] decides key kt * kBk + k.
-inline void attn_philox_row(uint64_t seed, const AttnPhiloxTile& t, uint32_t row, uint32_t* u) {
-  // Round 0's word 0 (hi(pair * M1) ^ row ^ k0) and round 1's product of it.
-  const uint32_t w0 = t.pair_hi ^ row ^ static_cast<uint32_t>(seed);
-  const uint64_t c = static_cast<uint64_t>(w0) * kPhiloxM0;
-  const uint32_t hi = static_cast<uint32_t>(c >> 32), lo = static_cast<uint32_t>(c);
-  // Counter word w of lane j lives at u[w * kLanes + j], where its output word goes.
-  for (int64_t j = 0; j < kLanes; ++j) {
-    u[j] = t.x0[j];
-    u[kLanes + j] = t.x1[j];
-    u[2 * kLanes + j] = hi ^ t.x3k[j];
-    u[3 * kLanes + j] = lo;
-  }
-  philox_rounds(seed, u, u + kLanes, u + 2 * kLanes, u + 3 * kLanes, 2);
-}
-
 // Loads rows [r0, r0 + n) of one head of q/k/v ([T, heads, d] rows `stride` apart, this
 // head's d elements contiguous) into dst[n][dp] times `mul`, zero-padding to dp.
 template <typename T, typename A>
@@ -228,6 +188,19 @@ inline void load_tile_t(const T* src, int64_t stride, int64_t d, int64_t n, A* d
     for (int64_t c = 0; c < d; ++c) dst[c * kBk + r] = static_cast<A>(E::load(s, c));
   }
 }
+
+// The window of a sequence of len keys as finite half-widths: -1 (unbounded) or anything
+// past the sequence becomes len.
+struct AttnWindow {
+  int64_t left, right;
+  AttnWindow(int64_t l, int64_t r, int64_t len) : left(l < 0 || l > len ? len : l), right(r < 0 || r > len ? len : r) {}
+  // Columns [lo, hi) of the key tile of `valid` keys from k0 that query i sees (lo >= hi: none).
+  inline void cols(int64_t i, int64_t k0, int64_t valid, int32_t& lo, int32_t& hi) const {
+    const int64_t a = i - left - k0, b = i + right + 1 - k0;
+    lo = static_cast<int32_t>(a < 0 ? 0 : a > valid ? valid : a);
+    hi = static_cast<int32_t>(b < 0 ? 0 : b > valid ? valid : b);
+  }
+};
 
 template <typename A>
 struct AttnDims {
@@ -282,6 +255,7 @@ void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
   for (int64_t i = len * dp; i < dims.lp * dp; ++i) v_all[i] = 0;
 
   const A scale = static_cast<A>(a.scale), keep_scale = static_cast<A>(a.keep_scale);
+  const AttnWindow win(a.window_left, a.window_right, len);
   const uint32_t pair = static_cast<uint32_t>(item);
   uint32_t u[kBk];
   AttnPhiloxTile ptile;
@@ -293,14 +267,26 @@ void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
       m[r] = neg_inf<A>();
       l[r] = 0;
     }
-    for (int64_t kt = 0; kt < dims.tiles; ++kt) {
+    // The key tiles some row of the block sees: keys q0 - left .. q0 + rows - 1 + right.
+    const int64_t key_lo = q0 - win.left > 0 ? q0 - win.left : 0;
+    const int64_t key_hi = q0 + rows - 1 + win.right < len ? q0 + rows - 1 + win.right : len - 1;
+    for (int64_t kt = key_lo / kBk; kt <= key_hi / kBk; ++kt) {
       const int64_t valid = len - kt * kBk < kBk ? len - kt * kBk : kBk;
       tile_abt<A>(qb, dp, kt_all + kt * dp * kBk, s, rows, valid);
       if (a.dropout) attn_philox_prepare(a.seed, pair, kt, ptile);
       for (int64_t r = 0; r < rows; ++r) {
         A* sr = s + r * kBk;
-        // Keys past the sequence (the last tile) score -inf: out of the max, exp gives 0.
-        for (int64_t c = valid; c < kBk; ++c) sr[c] = neg_inf<A>();
+        int32_t lo, hi;
+        win.cols(q0 + r, kt * kBk, valid, lo, hi);
+        if (lo >= hi) {
+          // No key of this tile in the row's window: no term (m, l and the row unchanged).
+          for (int64_t c = 0; c < kBk; ++c) sr[c] = 0;
+          continue;
+        }
+        // Keys outside the window or past the sequence (the last tile) score -inf: out of
+        // the max, exp gives exactly 0.
+        for (int64_t c = 0; c < lo; ++c) sr[c] = neg_inf<A>();
+        for (int64_t c = hi; c < kBk; ++c) sr[c] = neg_inf<A>();
         A mx = m[r];
 #pragma omp simd reduction(max : mx)
         for (int64_t c = 0; c < kBk; ++c) mx = sr[c] > mx ? sr[c] : mx;
@@ -387,27 +373,34 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
     lse[r] = lse_in[r];
   }
 
+  const AttnWindow win(a.window_left, a.window_right, len);
   const uint32_t pair = static_cast<uint32_t>(item);
   uint32_t u[kBk];
   AttnPhiloxTile ptile;
   for (int64_t kt = 0; kt < dims.tiles; ++kt) {
     const int64_t valid = len - kt * kBk < kBk ? len - kt * kBk : kBk;
-    const int32_t vlim = static_cast<int32_t>(valid);
+    const int64_t k0 = kt * kBk;
+    // The queries that see some key of the tile: k0 - right .. k0 + valid - 1 + left.
+    const int64_t q_lo = k0 - win.right > 0 ? k0 - win.right : 0;
+    const int64_t q_end = k0 + valid + win.left < len ? k0 + valid + win.left : len;
     for (int64_t i = 0; i < kBk * dp; ++i) dkb[i] = dvb[i] = 0;
     if (a.dropout) attn_philox_prepare(a.seed, pair, kt, ptile);
     const A* ktile = kt_all + kt * dp * kBk;
     const A* vtile = vt_all + kt * dp * kBk;
-    for (int64_t q0 = 0; q0 < len; q0 += kBqB) {
-      const int64_t rows = len - q0 < kBqB ? len - q0 : kBqB;
+    for (int64_t q0 = q_lo; q0 < q_end; q0 += kBqB) {
+      const int64_t rows = q_end - q0 < kBqB ? q_end - q0 : kBqB;
       tile_abt<A>(qs + q0 * dp, dp, ktile, p, rows, valid);    // S
       tile_abt<A>(dob + q0 * dp, dp, vtile, ds, rows, valid);  // dP (of the dropped probabilities)
       for (int64_t r = 0; r < rows; ++r) {
         A* pr = p + r * kBk;
         A* dsr = ds + r * kBk;
         const A lr = lse[q0 + r], dr = dvec[q0 + r];
+        int32_t lo, hi;  // the row's window within the tile's keys
+        win.cols(q0 + r, k0, valid, lo, hi);
         if (a.dropout) {
           attn_philox_row(a.seed, ptile, static_cast<uint32_t>(q0 + r), u);
-          // Past the keys the tiles hold stale values: computed on, then selected away.
+          // Past the keys the tiles hold stale values, outside the window scores that get no
+          // probability: computed on, then selected away.
           // NOTE: loads and exp stay unconditional and the column index 32-bit: a
           // conditional exp made GCC emit masked loads and stores (vmaskmovps, microcoded
           // on AMD) and 64-bit lane compares.
@@ -416,16 +409,18 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
             const A e = exp_approx(pr[c] - lr);
             const A keep = u[c] >= a.threshold ? keep_scale : A(0);
             const A g = e * (dsr[c] * keep - dr);
-            pr[c] = c < vlim ? e * keep : A(0);  // dropped probabilities, for dV
-            dsr[c] = c < vlim ? g : A(0);        // grad of the scaled scores
+            const bool in = c >= lo && c < hi;
+            pr[c] = in ? e * keep : A(0);  // dropped probabilities, for dV
+            dsr[c] = in ? g : A(0);        // grad of the scaled scores
           }
         } else {
 #pragma omp simd
           for (int32_t c = 0; c < kBk; ++c) {
             const A e = exp_approx(pr[c] - lr);
             const A g = e * (dsr[c] - dr);
-            pr[c] = c < vlim ? e : A(0);
-            dsr[c] = c < vlim ? g : A(0);
+            const bool in = c >= lo && c < hi;
+            pr[c] = in ? e : A(0);
+            dsr[c] = in ? g : A(0);
           }
         }
       }

@@ -14,11 +14,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention_forward", &megabert::cpu::varlen_attention_forward,
         "attention over real tokens -> (out, lse); dropout drawn inside from Philox keyed by seed",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("cu_seqlens"),
-        pybind11::arg("scale"), pybind11::arg("p"), pybind11::arg("seed"));
+        pybind11::arg("scale"), pybind11::arg("p"), pybind11::arg("seed"), pybind11::arg("window_left") = -1,
+        pybind11::arg("window_right") = -1);
   m.def("varlen_attention_backward", &megabert::cpu::varlen_attention_backward,
         "-> grad of the packed [T, 3, heads, d] q, k, v", pybind11::arg("grad_out"), pybind11::arg("q"),
         pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("cu_seqlens"), pybind11::arg("scale"), pybind11::arg("p"), pybind11::arg("seed"));
+        pybind11::arg("cu_seqlens"), pybind11::arg("scale"), pybind11::arg("p"), pybind11::arg("seed"),
+        pybind11::arg("window_left") = -1, pybind11::arg("window_right") = -1);
   m.def("varlen_attention_dropout_mask", &megabert::cpu::varlen_attention_dropout_mask,
         "the keep mask the attention kernels draw (for tests)", pybind11::arg("cu_seqlens"),
         pybind11::arg("heads"), pybind11::arg("p"), pybind11::arg("seed"));

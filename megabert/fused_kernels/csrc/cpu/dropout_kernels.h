@@ -185,3 +185,52 @@ void dropout_bwd(const DropoutBwdArgs& a, int64_t begin, int64_t end) {
     E::store(gx, i, (E::load(g, i) * scale) * static_cast<A>(static_cast<int32_t>(mask[i])));
   }
 }
+
+// ---- attention dropout's keep words (attention_kernels.h) ----------------------------
+
+// Philox counter word 3 for attention masks: dropout_add's counters keep it 0.
+constexpr uint32_t kAttnDomain = 0x61747431u;
+
+// The keep words of (pair, row, key tile kt) in two steps. Of an attention counter only c0
+// varies across a tile's lanes and only c1 (the row) across its rows, so Philox's first two
+// rounds split into a part per (pair, tile), drawn once per tile (prepare), and a part per
+// row that is lane-uniform (one scalar product); the row then runs rounds 2..9 on vectors.
+// The words are Philox4x32-10's, bit for bit: 8 vector rounds per row instead of 10.
+struct AttnPhiloxTile {
+  uint32_t x0[kLanes], x1[kLanes], x3k[kLanes];  // after round 1: words 0, 1; word 3 ^ round 1's key 1
+  uint32_t pair_hi;                               // round 0's high half of pair * M1
+};
+
+inline void attn_philox_prepare(uint64_t seed, uint32_t pair, int64_t kt, AttnPhiloxTile& t) {
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  const uint64_t pm = static_cast<uint64_t>(pair) * kPhiloxM1;
+  t.pair_hi = static_cast<uint32_t>(pm >> 32);
+  for (int64_t j = 0; j < kLanes; ++j) {
+    // Round 0 (keys k0, k1) of counter (c0, row, pair, kAttnDomain), its row-free words.
+    const uint64_t a = static_cast<uint64_t>(static_cast<uint32_t>(kt * kLanes + j)) * kPhiloxM0;
+    const uint32_t w1 = static_cast<uint32_t>(pm);                                // lo(pair * M1)
+    const uint32_t w2 = static_cast<uint32_t>(a >> 32) ^ kAttnDomain ^ k1;        // hi(c0 * M0) ^ c3 ^ k1
+    const uint32_t w3 = static_cast<uint32_t>(a);                                 // lo(c0 * M0)
+    // Round 1 (keys + W): word 0's product waits for the row; word 2's is here.
+    const uint64_t b = static_cast<uint64_t>(w2) * kPhiloxM1;
+    t.x0[j] = static_cast<uint32_t>(b >> 32) ^ w1 ^ (k0 + kPhiloxW0);
+    t.x1[j] = static_cast<uint32_t>(b);
+    t.x3k[j] = w3 ^ (k1 + kPhiloxW1);
+  }
+}
+
+// The 64 keep words of one row of a prepared tile: u[k] decides key kt * kBk + k.
+inline void attn_philox_row(uint64_t seed, const AttnPhiloxTile& t, uint32_t row, uint32_t* u) {
+  // Round 0's word 0 (hi(pair * M1) ^ row ^ k0) and round 1's product of it.
+  const uint32_t w0 = t.pair_hi ^ row ^ static_cast<uint32_t>(seed);
+  const uint64_t c = static_cast<uint64_t>(w0) * kPhiloxM0;
+  const uint32_t hi = static_cast<uint32_t>(c >> 32), lo = static_cast<uint32_t>(c);
+  // Counter word w of lane j lives at u[w * kLanes + j], where its output word goes.
+  for (int64_t j = 0; j < kLanes; ++j) {
+    u[j] = t.x0[j];
+    u[kLanes + j] = t.x1[j];
+    u[2 * kLanes + j] = hi ^ t.x3k[j];
+    u[3 * kLanes + j] = lo;
+  }
+  philox_rounds(seed, u, u + kLanes, u + 2 * kLanes, u + 3 * kLanes, 2);
+}

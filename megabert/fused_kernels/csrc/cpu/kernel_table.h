@@ -92,6 +92,8 @@ struct DropoutBwdArgs {
 // GEMM output); sequence s is tokens cu_seqlens[s] .. cu_seqlens[s + 1]. out: [T, heads, d]
 // contiguous; lse: [heads, T] (the math type), log of each query's softmax sum.
 // keep = (philox(seed, counter(pair, row, key)) >= threshold), scaled by keep_scale.
+// Query i sees key j of its sequence iff i - window_left <= j <= i + window_right (a
+// sliding window as FlashAttention's window_size; -1 = unbounded on that side).
 struct AttnFwdArgs {
   const void* q;
   const void* k;
@@ -106,6 +108,7 @@ struct AttnFwdArgs {
   uint64_t seed;
   uint32_t threshold;
   double keep_scale;
+  int64_t window_left, window_right;
 };
 
 // grad_q/k/v: [T, heads, d] with token strides dq_stride.. (views of one packed grad).
@@ -128,6 +131,7 @@ struct AttnBwdArgs {
   uint64_t seed;
   uint32_t threshold;
   double keep_scale;
+  int64_t window_left, window_right;
 };
 
 // Cross entropy over column chunks of logits (megabert/ops/linear_cross_entropy.py).

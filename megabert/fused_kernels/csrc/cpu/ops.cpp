@@ -12,6 +12,7 @@
 
 #include "../kernel_ops.h"
 #include "kernel_table.h"
+#include "torch_dtype.h"
 
 namespace megabert {
 namespace cpu {
@@ -55,19 +56,6 @@ const KernelTable& select_table() {
 const KernelTable& table() {
   static const KernelTable& chosen = select_table();
   return chosen;
-}
-
-Dtype kernel_dtype(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return kFloat;
-    case at::kBFloat16:
-      return kBFloat16;
-    case at::kDouble:
-      return kDouble;
-    default:
-      TORCH_CHECK(false, what, ": the CPU kernel takes float32, bfloat16 or float64, got ", t.scalar_type());
-  }
 }
 
 void check_input(const at::Tensor& t, const char* what, at::ScalarType dtype) {
@@ -221,6 +209,19 @@ void parallel_elements(int64_t n, const F& fn) {
 }  // namespace
 
 const KernelTable& selected_table() { return table(); }
+
+Dtype kernel_dtype(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return kFloat;
+    case at::kBFloat16:
+      return kBFloat16;
+    case at::kDouble:
+      return kDouble;
+    default:
+      TORCH_CHECK(false, what, ": the CPU kernel takes float32, bfloat16 or float64, got ", t.scalar_type());
+  }
+}
 
 std::vector<at::Tensor> dropout_add_forward(const at::Tensor& x, const at::Tensor& residual, double p,
                                             const at::Tensor& seed) {
