@@ -30,6 +30,7 @@ import argparse
 import sys
 
 
+from megabert.arguments import PRETRAIN_DEFAULTS
 from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig
 from megabert.errors import ConfigError, cli_main
 from megabert.model_family import MODERNBERT_DEFAULTS
@@ -106,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_from_args(args) -> ModelConfig:
+    """The model as pretrain_bert.py builds it: the shape from a preset or the flags, with the
+    script's own run-time defaults (the unpadded encoder, logits at the masked tokens), which
+    decide what a ModernBERT's local layers keep for backward."""
     shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                            "vocab_size", "max_position_embeddings") if getattr(args, k) is not None}
+    shape.update({k.split(".", 1)[1]: v for k, v in PRETRAIN_DEFAULTS.items() if k.startswith("model.")})
     if args.preset:
         return PRESETS[args.preset](**shape)
     missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")

@@ -23,14 +23,16 @@ stage that made it: the schedule frees it once sent (schedules.release_storage),
 the receiving stage's first layer's input, counted there.
 
 ModernBERT (megabert.model.modernbert) keeps no s^2 term: its global layers' core is a
-flash/varlen kernel (q, k, v, the output and a log-sum-exp per head and token), its local
-layers' core runs by blocks of the window (local_attention.py: query blocks of B = w, key
-tiles of B + 2w, w = local_attention / 2), so every layer is linear in s. Per token of one
+flash/varlen kernel (q, k, v, the output and a log-sum-exp per head and token), and so is its
+local layers' with the unpadded encoder (the kernel's sliding window: the CPU kernel's, or
+FlashAttention's window_size); padded, a local core runs by blocks of the window
+(local_attention.py: query blocks of B = w, key tiles of B + 2w, w = local_attention / 2).
+Every layer is linear in s. Per token of one
 layer (elements of e bytes unless said; t = TP, heads n, GeGLU width f):
   replicated    4h         attention and MLP norm inputs, Wqkv and Wi inputs (/t with SP),
                            + 16 bytes: the two norms' fp32 mean and rstd
   global core   4h/t       rotated q, k, v (3h) and the output, Wo's input (h) + 4n/t bytes
-  local core    (h + 2h(B+2w)/B + h)/t + n(B+2w)/t
+  local core    unpadded: the global core's; padded: (h + 2h(B+2w)/B + h)/t + n(B+2w)/t
                            q, the key and value tiles, Wo's input, the tiles' probabilities
                            + (B+2w) bytes of the window mask (one per row, shared by heads)
   GeGLU MLP     4f/t       Wi's output ([input; gate], 2f), GELU(input) (f), Wo's input (f)
@@ -76,9 +78,10 @@ def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, re
     wo_input = rows * h * e / t
     if recompute == "selective":  # the core's input (rotated q, k, v) stays for the replay
         return before + tokens * 3 * h * e / t + wo_input + after
-    if is_global:
+    if is_global or model.unpad_input:
         # q, k, v and the output, the kernel's fp32 log-sum-exp per head; its dropout is
-        # redrawn in backward (no mask).
+        # redrawn in backward (no mask). A local layer of the unpadded encoder runs the same
+        # kernel with its window.
         core = tokens * (4 * h * e + 4 * n) / t + (wo_input if rows < tokens else 0.0)
         return before + core + after
     w = model.local_attention // 2
