@@ -11,10 +11,11 @@ import torch
 from megabert.config import TrainConfig
 from megabert.model.transformer import compile_layers
 from megabert.optim import LRSchedule, build_optimizer
+from megabert.optim.grad_scaler import DynamicLossScaler
 from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.data_parallel.overlap import OverlappedGradReducer
-from megabert.training.precision import DynamicLossScaler, MasterWeights, autocast
+from megabert.training.precision import MasterWeights, autocast
 from megabert.training.restore import continue_run, preload_weights
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, TrainingTask
 from megabert.training.trainer import Batches, Trainer

@@ -19,8 +19,8 @@ from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_of
 from megabert.optim.clip import clipped_step
+from megabert.optim.grad_scaler import DynamicLossScaler
 from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
-from megabert.training.precision import DynamicLossScaler
 from megabert.training.strategy import LocalStrategy, StepResult
 
 logger = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from megabert.checkpoint.run_state import RankContents, TrainingState, capture_r
 from megabert.data_parallel.averaging import average_data_parallel_grads
 from megabert.data_parallel.grad_buckets import GradReducer
 from megabert.optim.clip import clipped_step
+from megabert.optim.grad_scaler import DynamicLossScaler
 from megabert.parallel.param_spec import spec_table, table_to_dict
 from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
-from megabert.training.precision import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
 Metrics = dict[str, torch.Tensor]
