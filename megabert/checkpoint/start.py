@@ -155,13 +155,16 @@ def _finetuning_start(train: TrainConfig) -> RunStart:
     if not train.load:
         raise CheckpointError("--load is required: a megabert checkpoint or a Hugging Face BERT directory")
     pretrained = require_source(train.load)
-    own = detect_source(train.save) if train.save and has_checkpoint(train.save) else None
-    start = RunStart(own, False, "--save", pretrained=pretrained)
+    own = detect_source(train.save) if train.save else None
+    if own is not None and own.format in (Format.HF, Format.TF):
+        own = None  # a Hugging Face / TF export written into --save is not a run to resume
+    start = RunStart(own, own is not None and own.weights_only, "--save", pretrained=pretrained)
     if own is None:
         return start
     start = _intact(start, train)
     note = f"--save {train.save} holds this fine-tuning run's checkpoint: resuming it"
-    return RunStart(start.source, False, "--save", note=start.note or note, warn=start.warn, pretrained=pretrained)
+    return RunStart(start.source, start.weights_only, "--save", note=start.note or note, warn=start.warn,
+                    pretrained=pretrained)
 
 
 def _nothing_at(path: str) -> str:
