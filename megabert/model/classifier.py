@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
@@ -20,6 +21,31 @@ class ClassifierOutput(ModelOutput):
 
     def __init__(self, *, loss, logits, loss_sum=None):
         super().__init__(loss=loss, logits=logits, loss_sum=loss_sum)
+
+
+def sequence_loss(logits: torch.Tensor, batch: dict, num_labels: int
+                  ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(loss, loss_sum) of a sequence classifier's logits [b (* cap), num_labels] against
+    batch["labels"]: cross entropy over the classes, or mean squared error with one output
+    (regression); packed rows (batch["packed_seqlens"]) leave their empty slots out. (None,
+    None) without labels."""
+    labels = batch.get("labels")
+    if labels is None:
+        return None, None
+    labels = labels.reshape(-1)
+    if num_labels == 1:
+        per_sample = F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
+    else:
+        per_sample = F.cross_entropy(logits.float().view(-1, num_labels), labels.long().clamp(min=0),
+                                     reduction="none")
+    packed = batch.get("packed_seqlens")
+    if packed is not None:  # an empty slot of a packed row has no sample
+        real = packed.reshape(-1) > 0
+        per_sample, count = per_sample * real, real.sum()
+    else:
+        count = torch.tensor(labels.numel(), device=labels.device)
+    loss_sum = per_sample.sum()
+    return loss_sum / count.clamp(min=1), loss_sum
 
 
 class BertClassifier(BertPreTrainedModel):

@@ -16,7 +16,7 @@ from megabert.model.bert import BertPreTrainedModel
 from megabert.model.context import BuildContext
 from megabert.model.modernbert.layers import ACTIVATIONS
 from megabert.model.modernbert.model import ModernBertBackbone, ModernBertForMaskedLM
-from megabert.model.outputs import ModelOutput
+from megabert.model.classifier import ClassifierOutput, sequence_loss
 from megabert.model.packed import cls_positions_mask, gather_cls
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
@@ -66,34 +66,38 @@ def packed_mean(x: torch.Tensor, packed_seqlens: torch.Tensor) -> torch.Tensor:
     return (sums / packed_seqlens.clamp(min=1).unsqueeze(-1).to(x.dtype)).reshape(-1, x.size(-1))
 
 
-class SequenceClassifierOutput(ModelOutput):
-    """loss; loss_sum (over the samples, the mean's numerator: the fine-tuning task divides it
-    by the global batch's samples); logits [b, num_labels]."""
-
-    def __init__(self, *, loss, logits, loss_sum=None):
-        super().__init__(loss=loss, logits=logits, loss_sum=loss_sum)
-
-
-@register_model
-class ModernBertForSequenceClassification(BertPreTrainedModel):
-    """Sequence classification / regression on ModernBERT's pooled output, as transformers'."""
+class ModernBertTaskModel(BertPreTrainedModel):
+    """What ModernBERT's task models share, as transformers' ModernBertFor{SequenceClassification,
+    TokenClassification,QuestionAnswering}: the backbone, then on the last stage the prediction
+    head (dense, activation, norm) and a linear `classifier` of `outputs(config)` outputs; the
+    initialisation of ModernBertForMaskedLM. Each task model writes its forward and `head`."""
 
     backbone_class = ModernBertBackbone
 
+    @staticmethod
+    def outputs(config: ModelConfig) -> int:
+        return config.num_labels
+
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
         if config.model_family != "modernbert":
-            raise ValueError(f"ModernBertForSequenceClassification needs a ModernBERT config, got "
-                             f"{config.model_family!r}")
+            raise ValueError(f"{type(self).__name__} needs a ModernBERT config, got {config.model_family!r}")
         super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
         self.prediction_head = self.classifier = None
         if self.stage.is_last_stage:
             self.prediction_head = ModernBertPredictionHead(self.ctx, "head.")
-            self.classifier = classifier_linear(self.ctx, config.num_labels)
+            self.classifier = classifier_linear(self.ctx, self.outputs(config))
+
+    initialize_parameters = ModernBertForMaskedLM.initialize_parameters
+
+
+@register_model
+class ModernBertForSequenceClassification(ModernBertTaskModel):
+    """Sequence classification / regression on ModernBERT's pooled output, as transformers'."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, packed_seqlens: Optional[torch.Tensor] = None
-                ) -> SequenceClassifierOutput:
+                ) -> ClassifierOutput:
         """Packed rows (megabert.data.packing): packed_seqlens [b, cap] and labels [b, cap]; the
         logits are then [b * cap, num_labels], one per slot (empty slots are left out of the loss)."""
         return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
@@ -125,29 +129,10 @@ class ModernBertForSequenceClassification(BertPreTrainedModel):
         am = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if am is None else am.to(x.dtype)
         return (x * am.unsqueeze(-1)).sum(dim=1) / am.sum(dim=1, keepdim=True)
 
-    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> SequenceClassifierOutput:
+    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> ClassifierOutput:
         # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
         x = F.dropout(self.prediction_head(self._pool(sequence, batch)), self.config.classifier_dropout,
                       self.training)
         logits = self.classifier(x)  # [b (* cap), num_labels]
-        labels = batch.get("labels")
-        loss = loss_sum = None
-        if labels is not None:
-            labels = labels.reshape(-1)
-            if self.config.num_labels == 1:
-                per_sample = F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
-            else:
-                per_sample = F.cross_entropy(logits.float().view(-1, self.config.num_labels),
-                                             labels.long().clamp(min=0), reduction="none")
-            packed = batch.get("packed_seqlens")
-            if packed is not None:  # an empty slot of a packed row has no sample
-                real = packed.reshape(-1) > 0
-                per_sample, count = per_sample * real, real.sum()
-            else:
-                count = torch.tensor(labels.numel(), device=labels.device)
-            loss_sum = per_sample.sum()
-            loss = loss_sum / count.clamp(min=1)
-        return SequenceClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
-
-    initialize_parameters = ModernBertForMaskedLM.initialize_parameters
-
+        loss, loss_sum = sequence_loss(logits, batch, self.config.num_labels)
+        return ClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)

@@ -11,12 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from megabert.model.classifier import BertClassifier, ClassifierOutput
-from megabert.config import ModelConfig
-from megabert.model.bert import BertPreTrainedModel
-from megabert.model.modernbert.classification import ModernBertPredictionHead, classifier_linear
-from megabert.model.modernbert.model import ModernBertBackbone, ModernBertForMaskedLM
+from megabert.model.modernbert.classification import ModernBertTaskModel
 from megabert.model.registry import register_model
-from megabert.parallel import ParallelState
 
 IGNORE_INDEX = -100
 """A position without a label: padding, [CLS]/[SEP], a word's later sub-words."""
@@ -57,20 +53,8 @@ def token_output(logits: torch.Tensor, batch: dict, num_labels: int) -> TokenCla
 
 
 @register_model
-class ModernBertForTokenClassification(BertPreTrainedModel):
+class ModernBertForTokenClassification(ModernBertTaskModel):
     """A tag per token on ModernBERT, as transformers' ModernBertForTokenClassification."""
-
-    backbone_class = ModernBertBackbone
-
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
-        if config.model_family != "modernbert":
-            raise ValueError(f"ModernBertForTokenClassification needs a ModernBERT config, got "
-                             f"{config.model_family!r}")
-        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
-        self.prediction_head = self.classifier = None
-        if self.stage.is_last_stage:
-            self.prediction_head = ModernBertPredictionHead(self.ctx, "head.")
-            self.classifier = classifier_linear(self.ctx, config.num_labels)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
@@ -87,4 +71,3 @@ class ModernBertForTokenClassification(BertPreTrainedModel):
                            self.training)  # [b, s, h]
         return token_output(self.classifier(hidden), batch, self.config.num_labels)
 
-    initialize_parameters = ModernBertForMaskedLM.initialize_parameters

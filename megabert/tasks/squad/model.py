@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import head_linear
-from megabert.model.modernbert.classification import ModernBertPredictionHead, classifier_linear
-from megabert.model.modernbert.model import ModernBertBackbone, ModernBertForMaskedLM
+from megabert.model.modernbert.classification import ModernBertTaskModel
 from megabert.model.outputs import ModelOutput
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
@@ -61,21 +60,14 @@ def span_output(logits: torch.Tensor, batch: dict) -> QuestionAnsweringOutput:
 
 
 @register_model
-class ModernBertForQuestionAnswering(BertPreTrainedModel):
+class ModernBertForQuestionAnswering(ModernBertTaskModel):
     """Span extraction on ModernBERT, as transformers' ModernBertForQuestionAnswering: the
     final-normed hidden states -> the prediction head (dense, activation, norm) -> dropout ->
     a linear to 2 outputs (start, end)."""
 
-    backbone_class = ModernBertBackbone
-
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
-        if config.model_family != "modernbert":
-            raise ValueError(f"ModernBertForQuestionAnswering needs a ModernBERT config, got {config.model_family!r}")
-        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
-        self.prediction_head = self.classifier = None
-        if self.stage.is_last_stage:
-            self.prediction_head = ModernBertPredictionHead(self.ctx, "head.")
-            self.classifier = classifier_linear(self.ctx, 2)
+    @staticmethod
+    def outputs(config: ModelConfig) -> int:
+        return 2  # start, end
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 start_positions: Optional[torch.Tensor] = None, end_positions: Optional[torch.Tensor] = None,
@@ -90,4 +82,3 @@ class ModernBertForQuestionAnswering(BertPreTrainedModel):
                            self.training)  # [b, s, h]
         return span_output(self.classifier(hidden), batch)
 
-    initialize_parameters = ModernBertForMaskedLM.initialize_parameters
