@@ -11,7 +11,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from megabert.config import OptimConfig
 from megabert.optim.adam import Adam
 from megabert.optim.lamb import Lamb
-from megabert.optim.schedules import LRSchedule
+from megabert.optim.lr_schedules import LRSchedule
 from megabert.parallel.param_spec import spec_of
 
 __all__ = ["Adam", "Lamb", "LRSchedule", "param_groups", "build_optimizer", "fused_adamw_supports"]

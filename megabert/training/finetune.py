@@ -80,7 +80,7 @@ class FinetuneTask(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def trainer_task(self) -> TrainingTask:
+    def training_task(self) -> TrainingTask:
         """The inputs a micro-batch feeds the model and how its output gives the loss."""
 
     @abc.abstractmethod
@@ -98,7 +98,7 @@ class FinetuneTask(abc.ABC):
 
     @abc.abstractmethod
     def train_tensors(self, tokenizer) -> Optional[dict[str, torch.Tensor]]:
-        """The training features as tensors of equal length (the trainer_task's inputs), or
+        """The training features as tensors of equal length (the training_task's inputs), or
         None when the run does not train."""
 
     @abc.abstractmethod
@@ -129,7 +129,7 @@ def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
     trainer = train(run, ps, model, task, tokenizer)
     try:
         t = cfg.train
-        task.predict(tokenizer, Predictor(model, ps, task.trainer_task, cfg.finetune.predict_batch_size or
+        task.predict(tokenizer, Predictor(model, ps, task.training_task, cfg.finetune.predict_batch_size or
                                           t.micro_batch_size, t.bf16, t.fp16))
     finally:
         if trainer is not None:  # after predicting: a ZeRO-3 engine holds the partitioned weights until then
@@ -166,7 +166,7 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
             return packed_feature_batches(tensors, packing, micro_batch=t.micro_batch_size, dp_rank=ps.dp_rank,
                                           dp_size=ps.dp_size, seed=t.seed, consumed=consumed)
     trainer = build_trainer(
-        model, ps, dataclasses.replace(run, train=train_cfg), task.trainer_task, batches,
+        model, ps, dataclasses.replace(run, train=train_cfg), task.training_task, batches,
         flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
         checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
                           "finetune": dataclasses.asdict(ft)})

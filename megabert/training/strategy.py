@@ -44,7 +44,7 @@ class TrainingTask:
     counts it adds (`output_counts`: {name: tensor([hits, total])}, reported as the ratio
     of their sums, e.g. accuracy). Pipeline stages get the whole batch and pick their
     fields themselves. A task package (megabert.tasks.*) makes one: pretraining_task(), or
-    a fine-tuning task's (training.finetune.FinetuneTask) trainer_task()."""
+    a fine-tuning task's (training.finetune.FinetuneTask) training_task()."""
 
     inputs: tuple[str, ...]
     output_loss: Callable[[Any], tuple[torch.Tensor, Metrics]]

@@ -75,7 +75,7 @@ class EmbeddingsTask(FinetuneTask):
         self.modernbert = checkpoint_model_config(pretrained) is not None
 
     @property
-    def trainer_task(self) -> TrainingTask:
+    def training_task(self) -> TrainingTask:
         return TrainingTask(inputs=EMBEDDING_FIELDS, output_loss=self.objective)
 
     def check_inputs(self) -> None:
@@ -128,7 +128,7 @@ class EmbeddingsTask(FinetuneTask):
         check_cache_layout(run.deepspeed_config is not None)
         piece = chunk or t.micro_batch_size
         pieces = run.batch.num_micro_batches * (t.micro_batch_size // piece)
-        inner = build_runner(strategy.model, strategy.ps, self.trainer_task, seq_length=run.seq_length,
+        inner = build_runner(strategy.model, strategy.ps, self.training_task, seq_length=run.seq_length,
                              micro_batch_size=piece, num_micro_batches=pieces, bf16=t.bf16, fp16=t.fp16)
         strategy.runner = GradientCacheRunner(inner, strategy.model, self.objective, strategy.ps, piece_size=piece,
                                               reducer=getattr(strategy, "reducer", None))

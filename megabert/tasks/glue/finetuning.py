@@ -146,7 +146,7 @@ class GlueTask(FinetuneTask):
         self.name = self.glue.name
 
     @property
-    def trainer_task(self) -> TrainingTask:
+    def training_task(self) -> TrainingTask:
         return glue_task()
 
     def check_inputs(self) -> None:

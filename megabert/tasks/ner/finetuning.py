@@ -101,7 +101,7 @@ class NerTask(FinetuneTask):
         self.sentences: dict[str, list[Sentence]] = {}
 
     @property
-    def trainer_task(self) -> TrainingTask:
+    def training_task(self) -> TrainingTask:
         return ner_task()
 
     def check_inputs(self) -> None:

@@ -46,7 +46,7 @@ class SquadTask(FinetuneTask):
     name = "squad"
 
     @property
-    def trainer_task(self) -> TrainingTask:
+    def training_task(self) -> TrainingTask:
         return qa_task()
 
     def check_inputs(self) -> None:
