@@ -57,7 +57,8 @@ from megabert.arguments import parse_args
 from megabert.data.packing import PACKED_COUNTS, pack_window, packed_micro_batches
 from megabert.tasks.pretraining.batches import packing_spec
 from megabert.tasks.pretraining.task import build_pretraining
-from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
+from megabert.planning.flops import bert_flops_per_sample
+from megabert.training.metrics import device_peak_tflops
 from megabert.training.resolve import resolve_run
 
 TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55

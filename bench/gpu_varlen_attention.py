@@ -26,7 +26,8 @@ import torch
 import megabert
 from _timing import interleaved
 from megabert.arguments import parse_args
-from megabert.training.metrics import bert_flops_per_sample, device_peak_tflops
+from megabert.planning.flops import bert_flops_per_sample
+from megabert.training.metrics import device_peak_tflops
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.resolve import resolve_run
 

@@ -227,7 +227,7 @@ def test_real_token_flops_of_samples_are_the_same_packed_or_padded():
     from gpu_bert_large import batch_flops
     from megabert.config import bert_tiny
     from megabert.data.packing import PackingSpec, pack_window
-    from megabert.training.metrics import bert_flops_per_sample
+    from megabert.planning.flops import bert_flops_per_sample
 
     rng = np.random.default_rng(0)
     samples = []

@@ -251,7 +251,7 @@ def test_bert_task_models_refuse_a_modernbert_config():
 
 
 def test_flops_count_geglu_and_windows():
-    from megabert.training.metrics import bert_flops_per_sample
+    from megabert.planning.flops import bert_flops_per_sample
 
     cfg = megabert.modernbert_tiny(num_layers=3, hidden_size=32, ffn_hidden_size=48, vocab_size=99,
                                    local_attention=8)

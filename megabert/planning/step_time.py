@@ -41,6 +41,7 @@ from megabert.parallel.buckets import BUCKET_ELEMENTS
 from megabert.parallel.state import rank_of
 from megabert.planning.communication import CommEstimate, communication
 from megabert.planning.params import stage_params
+from megabert.planning.flops import bert_flops_per_sample
 from megabert.planning.spec import Layout, Workload
 
 BACKWARD_SHARE = 2.0 / 3.0
@@ -183,17 +184,10 @@ def step_flops(model: ModelConfig, run: Workload, layout: Layout) -> float:
 
 
 def _modernbert_sample_flops(model: ModelConfig, run: Workload) -> float:
-    """Forward + backward FLOPs of one ModernBERT sample (backward = 2 x forward, 2 FLOPs per
-    multiply-add, as the trainer's tflops figure counts them): per layer and token Wqkv and
-    Wo (4h^2) and the GeGLU's three f x h matrices, plus attention over s keys in a global
-    layer and the window's local_attention + 1 in a local one; the MLM head (dense and the
-    vocab projection) at the predicted tokens only on pretrain_bert.py's default path."""
-    s, h, f, V = run.seq_length, model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    local = min(s, model.local_attention + 1)
-    layers = sum(2 * (4 * h * h + 3 * h * f) + 4 * (s if model.is_global_layer(i) else local) * h
-                 for i in range(model.num_layers))
-    predicted = math.ceil(run.mask_prob * s) if run.mlm_logits_at_masked_only else s
-    return 3.0 * (s * layers + predicted * (2 * h * h + 2 * h * V))
+    """One ModernBERT sample's FLOPs (megabert.planning.flops), the MLM head at the predicted
+    tokens only on pretrain_bert.py's default path."""
+    predicted = math.ceil(run.mask_prob * run.seq_length) if run.mlm_logits_at_masked_only else None
+    return bert_flops_per_sample(model, run.seq_length, predicted)
 
 
 def compute_time(model: ModelConfig, run: Workload, layout: Layout, flops_per_s: float) -> float:

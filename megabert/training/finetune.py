@@ -34,7 +34,8 @@ from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_predictor, build_trainer
-from megabert.training.metrics import bert_flops_per_sample, configure_process_logging
+from megabert.planning.flops import bert_flops_per_sample
+from megabert.training.metrics import configure_process_logging
 from megabert.training.resolve import ResolvedRun, resolve_run
 from megabert.training.strategy import TrainingTask
 from megabert.training.trainer import Trainer

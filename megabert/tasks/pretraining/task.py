@@ -19,7 +19,7 @@ from megabert.tasks.pretraining import BertPreTrainingOutput
 from megabert.parallel import ParallelState
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_trainer
-from megabert.training.metrics import bert_flops_per_sample
+from megabert.planning.flops import bert_flops_per_sample
 from megabert.training.resolve import ResolvedRun
 from megabert.training.strategy import Counts, TrainingTask
 from megabert.training.trainer import Trainer
