@@ -74,6 +74,8 @@ def test_the_finetuning_table(tmp_path):
     save = tmp_path / "ft"
     s = decide_start(TrainConfig(load=HF_DIR, save=str(save)), finetuning=True)
     assert (s.pretrained.format, s.source, s.architecture.path) == (Format.HF, None, HF_DIR)
+    assert s.describe() == f"start: the model from --load {HF_DIR} (Hugging Face); a new fine-tuning run " \
+                           f"(--save holds no checkpoint of it)"
     _checkpoint(save, 3)
     s = decide_start(TrainConfig(load=HF_DIR, save=str(save)), finetuning=True)
     assert (s.pretrained.path, s.path, s.weights_only, s.flag) == (HF_DIR, str(save), False, "--save")

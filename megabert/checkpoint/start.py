@@ -129,15 +129,17 @@ class RunStart:
 
     def describe(self) -> str:
         """The one log line of the decision."""
-        if self.source is None:
-            what = "the seed"
-        else:
-            kept = "weights only" if self.weights_only else "resuming its iteration, optimizer and data position"
-            what = f"{self.flag} {self.source.path} ({self.source.format.value}; {kept})"
-        line = f"start: {what}"
+        parts = []
         if self.pretrained is not None:
-            line += f"; the model from --load {self.pretrained.path} ({self.pretrained.format.value})"
-        return line + (f"; {self.note}" if self.note else "")
+            parts.append(f"the model from --load {self.pretrained.path} ({self.pretrained.format.value})")
+        if self.source is not None:
+            kept = "weights only" if self.weights_only else "resuming its iteration, optimizer and data position"
+            parts.append(f"{self.flag} {self.source.path} ({self.source.format.value}; {kept})")
+        elif self.pretrained is not None:
+            parts.append("a new fine-tuning run (--save holds no checkpoint of it)")
+        else:
+            parts.append("the seed")
+        return "start: " + "; ".join(parts) + (f"; {self.note}" if self.note else "")
 
 
 def decide_start(train: TrainConfig, *, finetuning: bool = False) -> RunStart:
