@@ -2,15 +2,14 @@
 from 0 and no attention (global, or a local window) crosses a sample boundary. A packed row's
 logits equal its samples run one by one; perturbing one sample leaves every other sample's
 logits bitwise unchanged; a packed training step (pretrain_bert.py's trainer, 30% masking)
-equals the same samples unpacked, loss and every gradient (fp32, dropout 0), at TP 1 and 2 and
-PP 2."""
+equals the same samples unpacked, loss and every gradient (fp32, dropout 0), at TP 1 and 2
+(with sequence parallelism too) and PP 2."""
 import numpy as np
 import pytest
 import torch
 
 import megabert
 from megabert.data.packing import PackingSpec, pack_window, packed_micro_batches
-from megabert.errors import ConfigError
 
 from tests.helpers.dist_utils import run_distributed
 
@@ -142,14 +141,21 @@ def test_attention_never_crosses_a_sample_boundary(name, cfg):
     assert not torch.equal(before[r][changed], after[r][changed])  # the perturbed sample itself did change
 
 
-def test_sequence_parallel_packing_is_refused_at_run_start():
-    from megabert.arguments import parse_args
-    from megabert.training.resolve import resolve_run
+def test_padded_layout_positions_and_segments_are_each_samples():
+    """Sequence parallelism keeps packed rows in the padded [s, b] layout: RoPE's positions are
+    the packer's position_ids (each sample's from 0) and each position's segment is its sample's
+    slot, the padding after them one more segment."""
+    from megabert.model.packed import sample_positions, sample_segments
 
-    cfg = parse_args(TINY + ["--pack-sequences", "--sequence-parallel", "--no-unpad-input", "--micro-batch-size", "1",
-                             "--global-batch-size", "1"])
-    with pytest.raises(ConfigError, match="--sequence-parallel"):
-        resolve_run(cfg, megabert.init_parallel())
+    batch = _packed_batch()
+    real = batch["attention_mask"].bool()
+    positions = sample_positions(batch["packed_seqlens"], SEQ)
+    assert torch.equal(positions[real], batch["position_ids"][real])
+    segments = sample_segments(batch["packed_seqlens"], SEQ)
+    for r, start, length in _samples_of_rows():
+        slot = int(segments[r, start])
+        assert (segments[r, start:start + length] == slot).all() and (segments[r, :start] < slot).all()
+    assert (segments[~real] == CAP).all()
 
 
 # ------------------------------------------------------------------ a packed step = the samples unpacked
@@ -194,6 +200,10 @@ def _step_worker(rank, world, argv, packed, tp, pp, out):
     ("tp1-varlen-fixed-shape", 1, 1, ["--attention-backend", "varlen", "--no-unpad-input"]),
     ("tp2-varlen", 2, 1, ["--attention-backend", "varlen"]),
     ("tp2-sdpa-padded", 2, 1, ["--attention-backend", "sdpa", "--no-unpad-input"]),
+    # Sequence parallelism: the padded layout split over TP, the local layers by blocks with
+    # each sample a segment (sdpa), or under the band and block-diagonal masks (torch).
+    ("tp2-sp-blocked", 2, 1, ["--sequence-parallel", "--attention-backend", "sdpa"]),
+    ("tp2-sp-reference", 2, 1, ["--sequence-parallel", "--attention-backend", "torch"]),
     ("pp2-varlen", 1, 2, ["--attention-backend", "varlen", "--num-layers", "4"]),
 ])
 def test_packed_step_equals_unpacked(tmp_path, name, tp, pp, extra):

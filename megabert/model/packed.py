@@ -42,12 +42,25 @@ def packed_cu_seqlens(packed_seqlens: torch.Tensor) -> torch.Tensor:
     return F.pad(packed_seqlens.reshape(-1).cumsum(0), (1, 0))
 
 
+def sample_segments(packed_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """int64 [b, s]: each position's sample slot in its row; cap for the padding after them."""
+    ends = packed_seqlens.cumsum(1)  # [b, cap]
+    positions = torch.arange(seq_length, device=packed_seqlens.device)
+    return (positions[None, :, None] >= ends[:, None, :]).sum(-1)
+
+
+def sample_positions(packed_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """int64 [b, s]: each position's place in its own sample, from 0 (the packer's position_ids;
+    the padding counts on from the row's last sample's end)."""
+    segment = sample_segments(packed_seqlens, seq_length)
+    starts = F.pad(packed_seqlens.cumsum(1), (1, 0))  # [b, cap + 1]: slot k starts at starts[k]
+    return torch.arange(seq_length, device=packed_seqlens.device)[None] - starts.gather(1, segment)
+
+
 def block_diagonal_mask(packed_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
     """bool [b, 1, s, s], True = masked out: a token attends to the tokens of its own sample;
     the padding after a row's samples attends to that padding only (finite rows no loss reads)."""
-    ends = packed_seqlens.cumsum(1)  # [b, cap]
-    positions = torch.arange(seq_length, device=packed_seqlens.device)
-    segment = (positions[None, :, None] >= ends[:, None, :]).sum(-1)  # [b, s]: sample slot, cap for padding
+    segment = sample_segments(packed_seqlens, seq_length)
     return (segment[:, :, None] != segment[:, None, :])[:, None]
 
 

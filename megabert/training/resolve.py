@@ -127,10 +127,6 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
     data = getattr(cfg, "data", None)
     if data is not None:
         data = _sentence_pairs(data, model, cfg.explicit)
-        if data.pack_sequences and model.model_family == "modernbert" and model.sequence_parallel:
-            raise ConfigError("--pack-sequences with --model-family modernbert does not combine with "
-                              "--sequence-parallel (its padded local layers keep no sample apart): leave out "
-                              "--sequence-parallel")
     return ResolvedRun(model=model, parallel=cfg.parallel, optim=optim, train=train, batch=batch,
                        world_size=ps.world_size, data=data,
                        finetune=getattr(cfg, "finetune", None), zero=zero, deepspeed_config=ds_config,

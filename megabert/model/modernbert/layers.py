@@ -49,8 +49,11 @@ class AttentionInputs:
     tables, and each layer type's padded mask (the local layers' adds the band), made once."""
 
     def __init__(self, mask: Optional[torch.Tensor], tokens: Optional[TokenLayout], rope: RotaryTables,
-                 seq_length: int, half_window: int, device):
+                 seq_length: int, half_window: int, device, padded_segments: Optional[torch.Tensor] = None):
         self.mask, self.tokens, self.rope = mask, tokens, rope
+        # Packed rows in the padded layout (sequence parallelism): int64 [b, s], each position's
+        # sample; `mask` is then their block-diagonal [b, 1, s, s].
+        self.padded_segments = padded_segments
         self.s, self.half_window, self.device = seq_length, half_window, device
         self._local_mask: Optional[torch.Tensor] = None
         self._segments: Optional[torch.Tensor] = None
@@ -119,8 +122,9 @@ class ModernBertAttention(nn.Module):
         s, b = qkv.shape[:2]
         q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)  # each [b, n/tp, s, d]
         if self.blocked and worth_blocking(s, self.half_window):
-            ctx = local_attention(q, k, v, inputs.key_padding, self.half_window, dropout_p=self._dropout_p(),
-                                  rng_fork=self.ctx.rng.fork)
+            segments = inputs.padded_segments  # packed rows: each sample a segment (its padding too)
+            ctx = local_attention(q, k, v, None if segments is not None else inputs.key_padding, self.half_window,
+                                  segments=segments, dropout_p=self._dropout_p(), rng_fork=self.ctx.rng.fork)
         else:
             ctx = ops.core_attention(q, k, v, inputs.padded_mask(self.is_global), backend=self.ctx.attention_backend,
                                      dropout_p=self._dropout_p(), rng_fork=self.ctx.rng.fork)

@@ -16,7 +16,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.config import ModelConfig
-from megabert.errors import ConfigError
 from megabert.model.bert import BertPreTrainedModel, attention_mask_to_bool
 from megabert.model.context import BuildContext
 from megabert.model.embeddings import word_embeddings
@@ -25,7 +24,7 @@ from megabert.model.init import param_seed
 from megabert.model.modernbert.layers import ACTIVATIONS, AttentionInputs, ModernBertEncoder
 from megabert.model.modernbert.rope import RotaryTables, padded_positions, unpadded_positions
 from megabert.model.outputs import ModelOutput
-from megabert.model.packed import block_diagonal_mask
+from megabert.model.packed import block_diagonal_mask, sample_positions, sample_segments
 from megabert.model.registry import register_model
 from megabert.model.unpad import TokenLayout
 from megabert.ops.compile_hints import maybe_mark_dynamic
@@ -105,7 +104,10 @@ class ModernBertBackbone(nn.Module):
             s = tokens.s
         else:
             s = hidden.size(0) * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
-            positions = padded_positions(s, hidden.size(1), hidden.device)  # [s, b]
+            if packed_seqlens is None:
+                positions = padded_positions(s, hidden.size(1), hidden.device)  # [s, b]
+            else:  # packed rows in the padded layout: each sample's positions from 0
+                positions = sample_positions(packed_seqlens, s).t()
         rope = RotaryTables(positions, cfg.head_dim, cfg.global_rope_theta, cfg.local_rope_theta)
         # Packed rows: the padded cores (global layers off the varlen kernel, local ones on the
         # reference backend) see each sample alone; the local ones add their band to it. None
@@ -116,7 +118,9 @@ class ModernBertBackbone(nn.Module):
             mask = None
         else:
             mask = block_diagonal_mask(packed_seqlens, s)
-        return AttentionInputs(mask, tokens, rope, s, cfg.local_attention // 2, hidden.device)
+        segments = sample_segments(packed_seqlens, s) if packed_seqlens is not None and tokens is None else None
+        return AttentionInputs(mask, tokens, rope, s, cfg.local_attention // 2, hidden.device,
+                               padded_segments=segments)
 
     def _token_layout(self, input_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
                       packed_seqlens: Optional[torch.Tensor]) -> Optional[TokenLayout]:
@@ -125,12 +129,10 @@ class ModernBertBackbone(nn.Module):
         each sample's own positions from 0 and the local layers each sample as a segment."""
         if self.unpad and attention_mask is not None and attention_mask.dim() == 2:
             return TokenLayout(attention_mask, packed_seqlens)
-        if packed_seqlens is None:
+        if packed_seqlens is None or self.ctx.sequence_parallel:
+            # Sequence parallelism splits the padded [s, b] layout: packed rows stay in it, each
+            # sample kept apart by its segment (the block-diagonal mask, the local layers' segments).
             return None
-        if self.ctx.sequence_parallel:
-            # The padded local path has no sample segments; a run stops at resolve first.
-            raise ConfigError("--pack-sequences with --model-family modernbert does not combine with "
-                              "--sequence-parallel: leave out --sequence-parallel")
         # Every position, fixed shapes (no host sync): each row's padding is one more sequence.
         return TokenLayout.packed_rows(packed_seqlens, input_ids.size(1) if input_ids is not None
                                        else attention_mask.size(1))
