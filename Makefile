@@ -64,7 +64,7 @@ bench: install
 
 # On a GPU machine (make install reuses its CUDA torch; WHEELHOUSE, default wheelhouse/ when
 # it exists, stands in for a registry): builds the CUDA kernels, runs their tests against
-# PyTorch, the kernel, BERT-large and memory benches; logs and summary.json under OUT
+# PyTorch, the kernel, BERT-large, ModernBERT-base and memory benches; logs and summary.json under OUT
 # (default bench_out/). Without a GPU it stops, in one line, at the first step that needs one.
 bench-gpu:
 	$(PYTHON) tools/gpu/bench_gpu.py

@@ -39,13 +39,8 @@ import argparse
 import dataclasses
 import gc
 import itertools
-import os
 import sys
-import tempfile
-import time
-import warnings
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -53,11 +48,11 @@ import torch
 import megabert
 import _kernel_breakdown as kb
 from _bert_samples import VOCAB, bert_samples
+from _gpu_common import Device, Side, batch_flops, dynamo_counts, fmt, profile_side, time_interleaved
 from megabert.arguments import parse_args
 from megabert.data.packing import PACKED_COUNTS, pack_window, packed_micro_batches
 from megabert.tasks.pretraining.batches import packing_spec
 from megabert.tasks.pretraining.task import build_pretraining
-from megabert.planning.flops import bert_flops_per_sample
 from megabert.training.metrics import device_peak_tflops
 from megabert.training.resolve import resolve_run
 
@@ -67,86 +62,6 @@ PACKING_WINDOW = 1024  # pretrain_bert.py's --packing-window default
 NUM_BATCHES = 4  # distinct micro-batches each side cycles through
 # Without --compile only the layers' fused epilogues compile, on CUDA (megabert.ops.epilogues).
 EAGER_MODE = "eager: only the layers' epilogues compile (CUDA)"
-
-
-class Device:
-    """The few device-specific calls, in one place: on a CPU they do nothing or say None."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.cuda = device, device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> Optional[int]:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
-
-    def profiler_activities(self) -> list:
-        from torch.profiler import ProfilerActivity
-        # On CUDA the kernels alone: recording every host operator as well slows the host,
-        # which is what paces the GPU in the idle time we want to see.
-        return [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
-
-    def count_host_syncs(self, step: Callable[[], object], steps: int) -> Optional[int]:
-        """Synchronising CUDA calls over `steps` steps (sync debug mode "warn" raises one
-        warning per call); None on a CPU, where nothing waits for a device."""
-        if not self.cuda:
-            return None
-        self.sync()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(steps):
-                    step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        self.sync()
-        return sum("synchroniz" in str(w.message) for w in caught)
-
-
-@dataclass
-class Side:
-    """A side's step (no synchronisation), the per-batch figures of the batches it cycles
-    through, and what was measured."""
-    name: str
-    step: Callable[[], object]
-    samples: list[int]
-    real_tokens: list[int]
-    flops: list[float]
-    rows: int  # rows per micro-batch
-    seq: int
-    calls: int = 0
-    times: list = field(default_factory=list)
-    done: list = field(default_factory=list)  # batch index of each timed step
-    peak_bytes: Optional[int] = None
-
-    def run(self) -> int:
-        """One step; the index of the batch it consumed."""
-        self.step()
-        i = self.calls % len(self.samples)
-        self.calls += 1
-        return i
-
-    def seconds(self) -> float:
-        return sum(self.times)
-
-    def per_s(self, values: list) -> float:
-        return sum(values[i] for i in self.done) / self.seconds()
-
-    def real_share(self) -> float:
-        return sum(self.real_tokens) / (self.rows * self.seq * len(self.real_tokens))
-
-    def samples_per_row(self) -> float:
-        return sum(self.samples) / (self.rows * len(self.samples))
 
 
 TINY_VOCAB = 1024  # --tiny: a vocabulary that keeps the MLM heads as small as the rest
@@ -213,18 +128,6 @@ def packed_batches(samples: list[dict], batch: int, cfg) -> tuple[list[dict], li
     return [{k: v for k, v in b.items() if k != PACKED_COUNTS} for b in out], [int(b[PACKED_COUNTS][0]) for b in out]
 
 
-def batch_flops(model_cfg, batch: dict) -> float:
-    """Model FLOPs of a micro-batch's real tokens: each sample at its own length (attention
-    within it), the MLM head at the masked positions; padding counts nothing."""
-    if "packed_seqlens" in batch:
-        lengths = batch["packed_seqlens"][batch["packed_seqlens"] > 0]
-    else:
-        lengths = batch["attention_mask"].sum(1)
-    masked = int((batch["labels"] != -100).sum())
-    return (sum(bert_flops_per_sample(model_cfg, int(n), masked_tokens=0) for n in lengths)
-            + bert_flops_per_sample(model_cfg, 0, masked_tokens=masked))
-
-
 def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: list[dict]) -> list[Side]:
     """Each side built in turn, with the peak memory of its building and first steps (less
     what was allocated before it)."""
@@ -256,29 +159,6 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
         side.peak_bytes = None if peak is None else peak - before
         sides.append(side)
     return sides
-
-
-def time_interleaved(sides: list[Side], dev: Device, rounds: int) -> None:
-    """`rounds` steps per side, in an order that rotates, each timed to its synchronisation."""
-    for r in range(rounds):
-        for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-            dev.sync()
-            t0 = time.perf_counter()
-            i = side.run()
-            dev.sync()
-            side.times.append(time.perf_counter() - t0)
-            side.done.append(i)
-
-
-def dynamo_counts() -> tuple[int, int]:
-    """(graphs compiled, graph breaks) so far in this process (torch._dynamo's counters)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
-
-
-def fmt(x: Optional[float], spec: str, none: str = "n/a") -> str:
-    return none if x is None else format(x, spec)
 
 
 def report(phase: str, sides: list[Side], peak_tflops: Optional[float]) -> None:
@@ -366,21 +246,6 @@ def main() -> None:
         gc.collect()  # the trainers hold their models in reference cycles: free them before the next phase
         if dev.cuda:
             torch.cuda.empty_cache()
-
-
-def profile_side(side: Side, dev: Device, steps: int) -> kb.Breakdown:
-    """The kernel breakdown of `steps` more steps of `side`, against its timed wall per step."""
-    from torch.profiler import profile
-
-    dev.sync()
-    with profile(activities=dev.profiler_activities()) as prof:
-        for _ in range(steps):
-            side.run()
-        dev.sync()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        return kb.from_trace_file(path, dev.device.type, steps, side.seconds() / len(side.times) * 1e3)
 
 
 if __name__ == "__main__":

@@ -312,6 +312,88 @@ def test_bench_figures_read_the_bert_large_lines():
     assert f["targets"]["2"]["mfu_target_met"] is None and f["targets"]["2"]["ratio_target_met"] is None
 
 
+# ------------------------------------------------------------ bench/gpu_modernbert.py (issue 42)
+
+def test_modernbert_batches_are_padded_rows_with_30_percent_of_real_tokens_masked():
+    from gpu_modernbert import MASK_PROB, NUM_BATCHES, mlm_batches
+
+    batches = mlm_batches(256, 8, 1024)
+    again = mlm_batches(256, 8, 1024)  # every side builds from the same seed: the same tokens
+    assert len(batches) == NUM_BATCHES and all(
+        (a[k] == b[k]).all() for a, b in zip(batches, again) for k in ("input_ids", "attention_mask", "labels"))
+    for b in batches:
+        mask, labels = b["attention_mask"], b["labels"]
+        lengths = mask.sum(1)
+        assert (lengths >= 128).all() and (lengths <= 256).all() and (lengths < 256).any()  # some padding
+        assert (mask[:, :-1] >= mask[:, 1:]).all()  # padding at the end of a row
+        assert ((labels != -100) <= (mask == 1)).all() and (b["input_ids"][mask == 0] == 0).all()
+        picked = labels != -100
+        assert (labels[picked] == b["input_ids"][picked]).all()
+        assert abs(picked.sum().item() / mask.sum().item() - MASK_PROB) < 0.05
+
+
+def test_the_modernbert_bench_runs_end_to_end_on_a_cpu_and_its_figures_parse():
+    """The CUDA bench's logic on modernbert-tiny on a CPU: megabert's side through
+    pretrain_bert.py's parse_args/resolve_run/build_pretraining and transformers' sdpa side
+    build, step, are timed and profiled, and every line summary.json reads parses."""
+    import subprocess
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_modernbert.py"), "--device", "cpu", "--tiny",
+                          "--rounds", "1", "--warmup", "1", "--profile-steps", "1"],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "seq 256, micro-batch 2 rows, 30% masking" in lines[0]
+    f = bench_figures.modernbert(lines)
+    rows = {r["side"]: r for r in f["throughput"]}
+    assert set(rows) == {"megabert", "transformers-sdpa"}  # no flash_attn here: no fa2 side
+    assert f["transformers_attention"] == ["sdpa"] and f["fa2_available"] is False
+    assert rows["megabert"]["real_token_share"] == rows["transformers-sdpa"]["real_token_share"]  # the same batches
+    assert 0.5 <= rows["megabert"]["real_token_share"] < 1.0
+    assert rows["transformers-sdpa"]["vs_transformers_sdpa"] == 1.0 and rows["megabert"]["mfu"] is None  # no peak
+    assert f["ratios"] == [{"seq": 256, "against": "transformers-sdpa",
+                            "megabert_over": rows["megabert"]["vs_transformers_sdpa"]}]
+    assert any(line.startswith("megabert: attention ") for line in lines)
+    assert [b["side"] for b in f["breakdown"]] == ["megabert", "transformers-sdpa"]
+    assert all(b["wall_ms"] > 0 and b["gemm_ms"] > 0 for b in f["breakdown"])
+    assert f["host_syncs"] == [] and "host syncs 256 megabert: n/a (no CUDA device)" in lines
+    assert f["recompiles"] == [{"seq": 256, "graphs_compiled": 0, "graph_breaks": 0,
+                                "mode": "eager: only the layers' epilogues compile (CUDA)"}]
+
+
+def test_bench_figures_read_the_modernbert_lines():
+    lines = [
+        "NVIDIA H100 80GB HBM3 | torch 2.11.0+cu130 | ModernBERT-base bf16 | seq 1024, micro-batch 16 rows, ...",
+        "transformers attention: sdpa, flash_attention_2 ran; flash_attention_2 available | transformers 4.57.1",
+        "seq    side                           seq/s  real tok/s real share   TFLOP/s     MFU vs transformers-sdpa"
+        "  peak GB",
+        "1024   megabert                        95.2       73112      74.9%     123.4   12.5%              2.10x    20.11",
+        "1024   transformers-sdpa               45.3       34816      74.9%      58.8    5.9%              1.00x    31.50",
+        "1024   transformers-fa2                60.0       46080      74.9%      77.9     n/a              1.32x      n/a",
+        "ratio 1024 megabert/transformers-sdpa: 2.10x real tokens/s",
+        "ratio 1024 megabert/transformers-fa2: 1.59x real tokens/s",
+        "1024   megabert                      168.07     90.12 53.6%     10.02  6.0%     30.10 17.9%      3.60  2.1%"
+        "      4.00  2.4%     30.23 18.0%",
+        "host syncs 1024 megabert: 2.0 per step (10 in 5 steps after warm-up)",
+        "recompiles 1024: 0 graphs compiled and 0 graph breaks after warm-up (eager: only the layers' epilogues "
+        "compile (CUDA))"]
+    f = bench_figures.modernbert(lines)
+    assert f["throughput"][0] == {"seq": 1024, "side": "megabert", "seq_per_s": 95.2, "real_tokens_per_s": 73112.0,
+                                  "real_token_share": 0.749, "tflops": 123.4, "mfu": 0.125,
+                                  "vs_transformers_sdpa": 2.1, "peak_gb": 20.11}
+    assert f["throughput"][2]["mfu"] is None and f["throughput"][2]["peak_gb"] is None
+    assert f["ratios"] == [{"seq": 1024, "against": "transformers-sdpa", "megabert_over": 2.1},
+                           {"seq": 1024, "against": "transformers-fa2", "megabert_over": 1.59}]
+    assert f["transformers_attention"] == ["sdpa", "flash_attention_2"] and f["fa2_available"] is True
+    assert f["breakdown"] == [{"seq": 1024, "side": "megabert", "wall_ms": 168.07, "gemm_ms": 90.12,
+                               "attention_ms": 10.02, "norm_elementwise_ms": 30.1, "optimizer_ms": 3.6,
+                               "other_ms": 4.0, "idle_ms": 30.23}]
+    assert f["host_syncs"] == [{"seq": 1024, "side": "megabert", "per_step": 2.0, "count": 10, "steps": 5}]
+    assert f["recompiles"][0]["graphs_compiled"] == 0
+    assert bench_figures.bert_large(lines)["throughput"] == []  # each parser reads its own bench's lines
+
+
 def test_a_bench_step_past_its_time_limit_is_stopped_and_recorded(tmp_path):
     run = bench_gpu.Run(str(tmp_path))
     child = tmp_path / "child.pid"

@@ -23,10 +23,20 @@ _BERT = re.compile(r"^([12])\s+(megabert(?:-packed|-chain)?|transformers)\s+([\d
 _PAIR = r"\s+([\d.]+)\s+([\d.]+)%"
 _BREAKDOWN = re.compile(r"^([12])\s+(megabert(?:-packed|-chain)?|transformers)\s+([\d.]+)" + _PAIR * 6 + r"\s*$")
 BREAKDOWN_PARTS = ("gemm", "attention", "norm_elementwise", "optimizer", "other", "idle")
-_SYNCS = re.compile(r"^host syncs ([12]) (\S+): ([\d.]+) per step \((\d+) in (\d+) steps")
-_RECOMPILES = re.compile(r"^recompiles ([12]): (\d+) graphs compiled and (\d+) graph breaks after warm-up \((.*)\)")
+# the phase (BERT) or the sequence length (ModernBERT), then the figures
+_SYNCS = re.compile(r"^host syncs (\d+) (\S+): ([\d.]+) per step \((\d+) in (\d+) steps")
+_RECOMPILES = re.compile(r"^recompiles (\d+): (\d+) graphs compiled and (\d+) graph breaks after warm-up \((.*)\)")
 # issue 41's targets (bench/gpu_bert_large.py prints them beside the figures)
 TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55
+# bench/gpu_modernbert.py: seq, side, seq/s, real tokens/s, real share, TFLOP/s, MFU, vs
+# transformers-sdpa, peak GB:
+# "1024   megabert                        95.2       73112      74.9%     123.4   12.5%              2.10x    20.11"
+_MB_SIDE = r"(megabert|transformers-sdpa|transformers-fa2)"
+_MODERNBERT = re.compile(r"^(\d+)\s+" + _MB_SIDE + r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)\s+([\d.]+%|n/a)\s+"
+                         r"([\d.]+x|n/a)\s+([\d.]+|n/a)\s*$")
+_MB_BREAKDOWN = re.compile(r"^(\d+)\s+" + _MB_SIDE + r"\s+([\d.]+)" + _PAIR * 6 + r"\s*$")
+_MB_RATIO = re.compile(r"^ratio (\d+) megabert/(\S+): ([\d.]+)x real tokens/s")
+_MB_ATTENTION = re.compile(r"^transformers attention: (.*) ran; flash_attention_2 (available|not available)")
 # bench/gpu_varlen_attention.py:
 # "padded, 82.8% real     0.1      varlen         208.2     212.4   21.5%     1.11x"
 _VARLEN = re.compile(r"^(padded|full), ([\d.]+)% real\s+([\d.]+)\s+(varlen|sdpa)\s+([\d.]+)\s+([\d.]+)\s+"
@@ -84,6 +94,41 @@ def bert_large(lines: Iterable[str]) -> dict:
             out["recompiles"].append({"phase": int(m.group(1)), "graphs_compiled": int(m.group(2)),
                                       "graph_breaks": int(m.group(3)), "mode": m.group(4)})
     out["targets"] = targets(out["throughput"])
+    return out
+
+
+def modernbert(lines: Iterable[str]) -> dict:
+    """bench/gpu_modernbert.py's figures: `throughput` (seq, side, seq/s, real tokens/s, the
+    rows' real-token share, TFLOP/s and MFU of real tokens (None when the peak is unknown),
+    ratio of real tokens/s to transformers-sdpa, peak GB), `ratios` (megabert's real tokens/s
+    over each transformers side's), `breakdown` (ms per step, as bert_large's), `host_syncs`
+    (megabert's, on CUDA), `recompiles`, and which attention transformers ran
+    (`transformers_attention`) and whether flash_attention_2 was there (`fa2_available`)."""
+    out: dict = {"throughput": [], "ratios": [], "breakdown": [], "host_syncs": [], "recompiles": [],
+                 "transformers_attention": None, "fa2_available": None}
+    for line in lines:
+        if m := _MODERNBERT.match(line):
+            out["throughput"].append({
+                "seq": int(m.group(1)), "side": m.group(2), "seq_per_s": float(m.group(3)),
+                "real_tokens_per_s": float(m.group(4)), "real_token_share": _share(m.group(5)),
+                "tflops": float(m.group(6)), "mfu": _share(m.group(7)),
+                "vs_transformers_sdpa": None if m.group(8) == "n/a" else float(m.group(8).rstrip("x")),
+                "peak_gb": None if m.group(9) == "n/a" else float(m.group(9))})
+        elif m := _MB_BREAKDOWN.match(line):
+            ms = [float(m.group(i)) for i in range(4, 16, 2)]
+            out["breakdown"].append({"seq": int(m.group(1)), "side": m.group(2), "wall_ms": float(m.group(3)),
+                                     **{f"{k}_ms": v for k, v in zip(BREAKDOWN_PARTS, ms)}})
+        elif m := _MB_RATIO.match(line):
+            out["ratios"].append({"seq": int(m.group(1)), "against": m.group(2), "megabert_over": float(m.group(3))})
+        elif m := _MB_ATTENTION.match(line):
+            out["transformers_attention"] = [a for a in m.group(1).split(", ") if a != "none"]
+            out["fa2_available"] = m.group(2) == "available"
+        elif m := _SYNCS.match(line):
+            out["host_syncs"].append({"seq": int(m.group(1)), "side": m.group(2), "per_step": float(m.group(3)),
+                                      "count": int(m.group(4)), "steps": int(m.group(5))})
+        elif m := _RECOMPILES.match(line):
+            out["recompiles"].append({"seq": int(m.group(1)), "graphs_compiled": int(m.group(2)),
+                                      "graph_breaks": int(m.group(3)), "mode": m.group(4)})
     return out
 
 

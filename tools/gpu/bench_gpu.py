@@ -15,6 +15,11 @@ Steps, each with its log under OUT (default bench_out/):
   bert-large-compiled
                  the same for megabert --pack-sequences --compile alone, with the graphs
                  compiled and graph breaks after warm-up (at most COMPILED_TIMEOUT_S)
+  modernbert     bench/gpu_modernbert.py: ModernBERT-base bf16 seq 1024, micro-batch 16,
+                 megabert (pretrain_bert.py --model-family modernbert) against transformers'
+                 ModernBertForMaskedLM (sdpa; flash_attention_2 too where flash_attn imports):
+                 seq/s, real tokens/s, MFU of real tokens, peak memory, the ratio; kernel-time
+                 breakdown; host syncs per step (at most MODERNBERT_TIMEOUT_S)
   varlen         bench/gpu_varlen_attention.py (BERT-large bf16 seq 512, padded batches:
                  varlen attention vs SDPA with a padding mask)
   memory         bench/memory.py --layouts single (BERT-base and -large, one GPU)
@@ -45,6 +50,10 @@ VPY = os.path.join(ROOT, ".venv", "bin", "python")  # the Makefile's VENV
 # whose time we cannot bound from earlier runs; past this it is stopped (exit code 124) so
 # that the steps after it still run within a lease's ~10 minutes.
 COMPILED_TIMEOUT_S = 240
+# ModernBERT-base's step should take about a minute on an H100 (estimated from its FLOPs, not
+# yet run there: two models, the epilogues' compilation, 23 steps a side of ~10 TFLOP, the
+# breakdown); past this it is stopped, so that a slow start cannot eat the lease.
+MODERNBERT_TIMEOUT_S = 150
 
 
 def gpu_problem(versions: dict) -> Optional[str]:
@@ -157,6 +166,7 @@ def main() -> None:
         ("bert-large", [VPY, "bench/gpu_bert_large.py"], bench_figures.bert_large, None),
         ("bert-large-compiled", [VPY, "bench/gpu_bert_large.py", "--sides", "megabert-packed", "--compile",
                                  "--rounds", "10"], bench_figures.bert_large, COMPILED_TIMEOUT_S),
+        ("modernbert", [VPY, "bench/gpu_modernbert.py"], bench_figures.modernbert, MODERNBERT_TIMEOUT_S),
         ("varlen", [VPY, "bench/gpu_varlen_attention.py"], bench_figures.varlen_attention, None),
         ("memory", [VPY, "bench/memory.py", "--sizes", "bert-base", "bert-large", "--layouts", "single"],
          bench_figures.memory, None),
