@@ -4,6 +4,7 @@ synchronisation, the model FLOPs of a micro-batch's real tokens, the kernel brea
 side's steps (bench/_kernel_breakdown.py) and torch.compile's counters."""
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -95,6 +96,33 @@ class Side:
 
     def samples_per_row(self) -> float:
         return sum(self.samples) / (self.rows * len(self.samples))
+
+
+def hf_train_step(model: torch.nn.Module, batches: list[dict], device: torch.device) -> Callable[[], None]:
+    """A transformers model's training step as its users run it: bf16 autocast, torch's fused
+    AdamW, clipping at 1.0, over `batches` in turn."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    it = itertools.cycle(batches)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**next(it)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def warm_up(side: Side, dev: Device, steps: int, before: int) -> None:
+    """`steps` untimed steps, then the side's peak memory above `before` (allocated before it
+    was built)."""
+    for _ in range(steps):
+        side.run()
+    dev.sync()
+    peak = dev.peak()
+    side.peak_bytes = None if peak is None else peak - before
 
 
 def batch_flops(model_cfg, batch: dict) -> float:

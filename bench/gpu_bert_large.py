@@ -48,7 +48,8 @@ import torch
 import megabert
 import _kernel_breakdown as kb
 from _bert_samples import VOCAB, bert_samples
-from _gpu_common import Device, Side, batch_flops, dynamo_counts, fmt, profile_side, time_interleaved
+from _gpu_common import (Device, Side, batch_flops, dynamo_counts, fmt, hf_train_step, profile_side,
+                         time_interleaved, warm_up)
 from megabert.arguments import parse_args
 from megabert.data.packing import PACKED_COUNTS, pack_window, packed_micro_batches
 from megabert.tasks.pretraining.batches import packing_spec
@@ -97,18 +98,7 @@ def transformers_step(model_cfg, vocab: int, batches: list[dict], device: torch.
                                      intermediate_size=model_cfg.ffn_hidden_size, max_position_embeddings=512,
                                      attn_implementation="sdpa")
     model = transformers.BertForPreTraining(config).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    it = itertools.cycle(batches)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(**next(it)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return hf_train_step(model, batches, device)
 
 
 def padded_batches(samples: list[dict], batch: int) -> list[dict]:
@@ -152,11 +142,7 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
                                     args.compile, vocab_size(args.tiny), extra)
         side = Side(name, step, counts, [int(b["attention_mask"].sum()) for b in host],
                     [batch_flops(model_cfg, b) for b in host], rows=batch, seq=seq)
-        for _ in range(args.warmup):
-            side.run()
-        dev.sync()
-        peak = dev.peak()
-        side.peak_bytes = None if peak is None else peak - before
+        warm_up(side, dev, args.warmup, before)
         sides.append(side)
     return sides
 

@@ -40,7 +40,8 @@ import torch
 
 import megabert
 import _kernel_breakdown as kb
-from _gpu_common import Device, Side, batch_flops, dynamo_counts, fmt, profile_side, time_interleaved
+from _gpu_common import (Device, Side, batch_flops, dynamo_counts, fmt, hf_train_step, profile_side,
+                         time_interleaved, warm_up)
 from megabert.arguments import parse_args
 from megabert.checkpoint.hf_modernbert import hf_config_from_model
 from megabert.config import modernbert_base
@@ -92,18 +93,7 @@ def transformers_step(model_cfg, attention: str, batches: list[dict], device: to
     # Padding is id 0 in these batches (ModernBERT's tokenizer pads with 50283, outside --tiny's vocab).
     config = transformers.ModernBertConfig(**{**hf, "pad_token_id": 0}, attn_implementation=attention)
     model = transformers.ModernBertForMaskedLM(config).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    it = itertools.cycle(batches)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(**next(it)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return hf_train_step(model, batches, device)
 
 
 def mlm_batches(seq: int, batch: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -143,11 +133,7 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int) -> tuple[lis
             step = transformers_step(model_cfg, ATTENTION[name], on_device, ps.device)
         side = Side(name, step, [batch] * NUM_BATCHES, [int(b["attention_mask"].sum()) for b in host], flops,
                     rows=batch, seq=seq)
-        for _ in range(args.warmup):
-            side.run()
-        dev.sync()
-        peak = dev.peak()
-        side.peak_bytes = None if peak is None else peak - before
+        warm_up(side, dev, args.warmup, before)
         sides.append(side)
     return sides, built
 
