@@ -18,7 +18,7 @@ from megabert.ops import dropout_add, kernel_ops, layer_norm, scaled_masked_soft
 from megabert.training.resolve import resolve_run
 
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.train_utils import build_trainer
+from tests.helpers.train_utils import build_trainer, step_loss
 
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
@@ -93,7 +93,7 @@ def _losses(argv, tp=1) -> list[float]:
     """lm_loss of each of 4 steps through the trainer pretrain_bert.py builds (dropout 0)."""
     _, _, trainer = build_trainer(TRAIN + argv, tp)
     try:
-        return [float(trainer.train_step()["lm_loss"]) for _ in range(4)]
+        return [step_loss(trainer) for _ in range(4)]
     finally:
         trainer.close()
 

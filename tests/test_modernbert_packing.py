@@ -186,7 +186,8 @@ def _step_worker(rank, world, argv, packed, tp, pp, out):
                 for start in range(0, N, mbs)]
     trainer = build_pretraining(run, ps, VOCAB, lambda consumed: iter(data))
     try:
-        metrics = trainer.train_step()
+        trainer.train_step()
+        metrics = trainer.flush_metrics()
         grads = {n: p.grad.clone() for n, p in trainer.strategy.model.named_parameters() if p.grad is not None}
         consumed = int(trainer.step_packing[0]) if trainer.step_packing is not None else N
     finally:

@@ -17,6 +17,7 @@ from megabert.tasks.pretraining import BertForPreTraining
 
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.pretrain_runs import curve, pretrain_args, run_ranks
+from tests.helpers.train_utils import step_loss
 
 SEQ, VOCAB, CAP = 16, 99, 3
 N = 16  # samples of the equivalence step
@@ -178,7 +179,8 @@ def _step_worker(rank, world, argv, packed, tp, pp, out):
             data.append({k: torch.from_numpy(np.stack([s[k] for s in mine])) for k in mine[0]})
     trainer = build_pretraining(run, ps, VOCAB, lambda consumed: iter(data))
     try:
-        metrics = trainer.train_step()
+        trainer.train_step()
+        metrics = trainer.flush_metrics()
         grads = {n: p.grad.clone() for n, p in trainer.strategy.model.named_parameters() if p.grad is not None}
         params = trainer.strategy.cpu_state_dict(keep=True)  # whole (TP-local) weights, ZeRO-3's gathered
         consumed = int(trainer.step_packing[0]) if trainer.step_packing is not None else N
@@ -385,7 +387,7 @@ def _packed_losses(argv, steps=4):
     try:
         losses = []
         for _ in range(steps):
-            losses.append(float(trainer.train_step()["lm_loss"]))
+            losses.append(step_loss(trainer))
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         return losses, graphs
     finally:

@@ -16,7 +16,7 @@ from megabert.ops.varlen_attention import choose_varlen_impl, grouped_sdpa, padd
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.kernel_checks import (VARLEN_LENGTHS, check_varlen_attention, cu_seqlens, philox4x32_10,
                                          threshold, varlen_attention_reference)
-from tests.helpers.train_utils import batches, build_trainer
+from tests.helpers.train_utils import batches, build_trainer, step_loss
 
 needs_kernels = pytest.mark.skipif(not fk.is_available(), reason="CPU kernels not built")
 
@@ -222,7 +222,7 @@ def _check_bf16_varlen_against(padded_backend):
 def _losses(argv, tp=1):
     _, _, trainer = build_trainer(["--train-iters", "3"] + argv, tp)
     try:
-        return [float(trainer.train_step()["lm_loss"]) for _ in range(3)]
+        return [step_loss(trainer) for _ in range(3)]
     finally:
         trainer.close()
 

@@ -17,9 +17,15 @@ clip_grad_norm_ and Megatron's rule). Done apart, it is one more pass over every
 
 The maths is clip-then-step's: the same c, applied to the same gradients; only the
 rounding of g * c (or g / (1 / c)) may differ by an ulp.
+
+A non-finite norm (a NaN or inf gradient somewhere) must not reach the weights: the step is
+skipped (`guarded_step`). torch's fused AdamW decides that on the device (its `found_inf`:
+the kernels return before writing, the step counters are put back), so the host never waits;
+the foreach optimizers have no such switch, and the host reads the norm to decide.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 import torch
@@ -66,3 +72,27 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor
     if grads:
         torch._foreach_mul_(grads, coeff)
     optimizer.step()
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `guarded_step` skips a non-finite step without reading the norm on the host."""
+    return _fused_adamw(optimizer)
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float,
+                 norm: torch.Tensor) -> torch.Tensor:
+    """clipped_step, or no update at all when `norm` is not finite. Returns the outcome as a
+    float32 0-d tensor on norm's device, 1.0 where the step was skipped.
+
+    With torch's fused AdamW nothing here waits for the device: the flag goes in as the
+    kernel's `found_inf`. Other optimizers cost one host read of the norm."""
+    nonfinite = torch.isfinite(norm).logical_not().float().reshape(())
+    if skips_on_device(optimizer):
+        optimizer.found_inf = nonfinite
+        try:
+            clipped_step(optimizer, params, max_norm, norm)
+        finally:
+            del optimizer.found_inf
+    elif math.isfinite(norm.item()):
+        clipped_step(optimizer, params, max_norm, norm)
+    return nonfinite

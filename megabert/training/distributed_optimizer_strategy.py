@@ -6,7 +6,6 @@ shards. The sharded buffers and the optimizer over their pieces are megabert.dat
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional
 
 import torch
@@ -18,9 +17,8 @@ from megabert.data_parallel.sharded_buffers import ShardedBuffers
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_of
-from megabert.optim.clip import clipped_step
 from megabert.optim.grad_scaler import DynamicLossScaler
-from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
+from megabert.training.grads import sync_sequence_parallel_grads, sync_tied_embedding_grads
 from megabert.training.strategy import LocalStrategy, StepResult
 
 logger = logging.getLogger(__name__)
@@ -48,23 +46,10 @@ class DistributedOptimizerStrategy(LocalStrategy):
         # elements on each.
         sync_sequence_parallel_grads(pieces, ps)
         sync_tied_embedding_grads(pieces, ps)
-        if self.scaler is not None:
-            if self.scaler.found_overflow(pieces, ps.device):  # over the world: every shard
-                self.scaler.update(overflow=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(metrics, float("nan"), skipped=True, loss_scale=scale)
-            self.scaler.unscale_(pieces)
-        norm = grad_norm(pieces, ps, dp_sharded=True)
-        norm_value = norm.item()
-        if not math.isfinite(norm_value):
-            logger.warning("gradient norm is %s; step skipped", norm_value)
-            self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
-        clipped_step(self.optimizer, pieces, self.clip_grad, norm)  # the clip folded into the step
-        buffers.gather_params()  # with --overlap-param-gather, waited for by the next forward
-        if self.scaler is not None:
-            self.scaler.update(overflow=False)
-        return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
+        result = self._update(pieces, metrics, scale, dp_sharded=True)
+        if not result.overflow:
+            buffers.gather_params()  # with --overlap-param-gather, waited for by the next forward
+        return result
 
     def forward_only(self, batches, output_fn):
         self.buffers.wait_params()

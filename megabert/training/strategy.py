@@ -11,7 +11,6 @@ megabert.training.restore.
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
@@ -25,7 +24,7 @@ from megabert.checkpoint.start import Source
 from megabert.checkpoint.run_state import RankContents, TrainingState, capture_rng, save_checkpoint
 from megabert.data_parallel.averaging import average_data_parallel_grads
 from megabert.data_parallel.grad_buckets import GradReducer
-from megabert.optim.clip import clipped_step
+from megabert.optim.clip import guarded_step
 from megabert.optim.grad_scaler import DynamicLossScaler
 from megabert.parallel.param_spec import spec_table, table_to_dict
 from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
@@ -139,9 +138,18 @@ class SequentialRunner:
 
 @dataclass
 class StepResult:
+    """One optimizer step, as the device left it: nothing here has been read to the host, so
+    the trainer can queue the next step before this one finishes (it reads them on logging
+    steps: megabert.training.step_metrics)."""
+
     metrics: list[Metrics]  # per micro-batch (empty on pipeline stages without the loss)
-    grad_norm: float
-    skipped: bool = False
+    grad_norm: Optional[torch.Tensor]  # 0-d; None when an fp16 overflow skipped the step first
+    # fp16: the gradients overflowed, the step was skipped and the scale lowered (the host knows:
+    # the LR schedule waits for such steps, as Megatron's).
+    overflow: bool = False
+    # 0-d, 1.0 where the gradient norm was not finite and the update was skipped
+    # (megabert.optim.clip.guarded_step); None where the strategy reports no such flag.
+    nonfinite: Optional[torch.Tensor] = None
     loss_scale: Optional[float] = None
 
 
@@ -230,8 +238,9 @@ class Strategy:
 
 class LocalStrategy(Strategy):
     """Our own update: explicit gradient reductions once per global batch, fp16 loss
-    scaling with overflow skips, global-norm clipping, then the optimizer. One host sync
-    per step (the norm), however many parameters."""
+    scaling with overflow skips, global-norm clipping, then the optimizer. In bf16 and fp32
+    with torch's fused AdamW (the default) the step reads nothing to the host; fp16's
+    overflow check and the foreach optimizers' non-finite check read one flag."""
 
     def __init__(self, model, optimizer, ps, runner, *, scaler: Optional[DynamicLossScaler], clip_grad: float,
                  reducer: Optional[GradReducer] = None):
@@ -253,23 +262,26 @@ class LocalStrategy(Strategy):
         # with the DP average.
         sync_sequence_parallel_grads(self.params, self.ps)
         sync_tied_embedding_grads(self.params, self.ps)
+        return self._update(self.params, metrics, scale)
+
+    def _update(self, tensors: list[torch.Tensor], metrics: list[Metrics], scale: float, *,
+                dp_sharded: bool = False) -> StepResult:
+        """fp16's overflow check and unscaling, the global norm, the clipped step of `tensors`'
+        gradients (this rank's shards where `dp_sharded`), skipped where the norm is not finite."""
+        loss_scale = scale if self.scaler is not None else None
         if self.scaler is not None:
-            if self.scaler.found_overflow(self.params, self.ps.device):
+            if self.scaler.found_overflow(tensors, self.ps.device):  # fp16's one host read
                 self.scaler.update(overflow=True)
                 self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(metrics, float("nan"), skipped=True, loss_scale=scale)
-            self.scaler.unscale_(self.params)
-        norm = grad_norm(self.params, self.ps)
-        norm_value = norm.item()
-        if not math.isfinite(norm_value):
-            # bf16/fp32 have no scaler to absorb this: skip rather than write NaN weights.
-            logger.warning("gradient norm is %s; step skipped", norm_value)
-            self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(metrics, norm_value, skipped=True, loss_scale=scale if self.scaler else None)
-        clipped_step(self.optimizer, self.params, self.clip_grad, norm)  # the clip folded into the step
+                return StepResult(metrics, None, overflow=True, loss_scale=loss_scale)
+            self.scaler.unscale_(tensors)
+        norm = grad_norm(tensors, self.ps, dp_sharded=dp_sharded)
+        # A NaN/inf gradient (bf16 and fp32 have no scaler to absorb it) skips the update
+        # rather than writing NaN weights; fused AdamW decides on the device.
+        nonfinite = guarded_step(self.optimizer, tensors, self.clip_grad, norm)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
-        return StepResult(metrics, norm_value, loss_scale=scale if self.scaler else None)
+        return StepResult(metrics, norm, nonfinite=nonfinite, loss_scale=loss_scale)
 
     def close(self) -> None:
         if self.reducer is not None:

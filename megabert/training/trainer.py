@@ -23,7 +23,8 @@ from megabert.parallel.comm import LABELS, CommLedger
 from megabert.parallel.layout import BatchLayout
 from megabert.checkpoint.run_state import TrainingState
 from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
-from megabert.training.strategy import LOSS_SHARES, Counts, Metrics, Strategy
+from megabert.training.step_metrics import IntervalMetrics
+from megabert.training.strategy import LOSS_SHARES, Counts, Metrics, StepResult, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Trainer:
         self.checkpoint_extra = checkpoint_extra or {}
         self.stop_requested = False
         self.step_packing: Optional[torch.Tensor] = None
+        self.interval = IntervalMetrics()
         # Bytes each rank sends per training step, by group (megabert.parallel.comm).
         self.ledger = CommLedger.for_state(self.ps)
         self.log = MetricsLogger(enabled=self.ps.is_logging_rank, train_iters=cfg.train_iters,
@@ -64,7 +66,7 @@ class Trainer:
         since_log = torch.zeros(4, dtype=torch.int64)  # packed rows: [samples, real tokens, rows, row slots]
         try:
             while self.state.iteration < self.cfg.train_iters:
-                metrics = self.train_step()
+                self.train_step()
                 packed = self.step_packing
                 self.state.iteration += 1
                 # The schedule counts samples: a packed step consumes the samples of its rows.
@@ -74,6 +76,7 @@ class Trainer:
                 it = self.state.iteration
                 logging_step = it % self.cfg.log_interval == 0 or it == self.cfg.train_iters
                 if logging_step:
+                    metrics = self.flush_metrics()  # the interval's one wait for the device
                     now = time.perf_counter()
                     metrics.update(self._throughput((now - last_log_time) / (it - last_log_iter),
                                                     since_log if packed is not None else None, it - last_log_iter))
@@ -105,9 +108,12 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
             self.log.close()
 
-    def train_step(self) -> dict:
-        """One optimizer step -> its metrics. `step_packing` is then [samples, real tokens,
-        rows, row slots] of the global batch when its rows are packed, else None."""
+    def train_step(self) -> StepResult:
+        """One optimizer step. What it leaves on the device (losses, gradient norm, skip flag)
+        is read by flush_metrics, on logging steps: the step itself waits for the device only
+        where fp16's overflow check or a foreach optimizer's non-finite check must
+        (megabert.training.strategy.LocalStrategy). `step_packing` is then [samples, real
+        tokens, rows, row slots] of the global batch when its rows are packed, else None."""
         # Steps skipped for fp16 overflow do not advance the LR schedule (as Megatron).
         lr = self.schedule.apply(self.strategy.lr_optimizer, self.state.iteration - self.state.skipped_iterations + 1)
         batches = [next(self.data.train) for _ in range(self.batch.num_micro_batches)]
@@ -116,12 +122,31 @@ class Trainer:
         with self.ledger.recording():  # counts every collective of the step, loss averaging included
             self._share_loss_counts(batches)
             result = self.strategy.train_step(batches)
-            out = {**self._reduce(result.metrics), "lr": lr, "grad_norm": result.grad_norm}
-        if result.loss_scale is not None:
-            out["loss_scale"] = result.loss_scale
-        if result.skipped:
-            out["skipped"] = 1
+        if result.overflow:
             self.state.skipped_iterations += 1
+        self.interval.add(result, lr)
+        return result
+
+    def flush_metrics(self) -> dict:
+        """The steps since the last call, read to the host: each loss's mean over them (and
+        over data-parallel ranks), the last step's lr, grad_norm and loss_scale, and
+        `skipped` (how many of them made no update) when any was. Collective."""
+        interval, self.interval = self.interval, IntervalMetrics()
+        if interval.last is None:
+            return {}
+        means = interval.means()
+        with self.ledger.recording():
+            out = {**self._reduce([means] if means else []), "lr": interval.lr}
+        norm = interval.last.grad_norm
+        out["grad_norm"] = float(norm) if norm is not None else float("nan")
+        if interval.last.loss_scale is not None:
+            out["loss_scale"] = interval.last.loss_scale
+        nonfinite = interval.nonfinite_steps()
+        if nonfinite:
+            logger.warning("the gradient norm was not finite at %d of the last %d steps: their updates were skipped",
+                           nonfinite, interval.steps)
+        if interval.overflows + nonfinite:
+            out["skipped"] = interval.overflows + nonfinite
         return out
 
     def _share_loss_counts(self, batches: list[dict]) -> None:
@@ -185,7 +210,15 @@ class Trainer:
         return bool(flag.item())
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.ps.device, non_blocking=True) for k, v in batch.items()}
+        device = self.ps.device
+        if device.type != "cuda":
+            return {k: v.to(device) for k, v in batch.items()}
+        # From pageable memory the driver stages a host-to-device copy itself and may wait for
+        # the stream to drain first, so a non_blocking copy would stall the launch queue;
+        # batches built on the host after the DataLoader's pinning (packed rows, their label
+        # slots) are pinned here.
+        return {k: (v.pin_memory() if v.device.type == "cpu" and not v.is_pinned() else v).to(device, non_blocking=True)
+                for k, v in batch.items()}
 
     def _reduce(self, metrics: list[Metrics], counts: Optional[list[Counts]] = None) -> dict:
         """Means over micro-batches and data-parallel ranks, and for counts ({name: [hits,

@@ -67,6 +67,12 @@ def build_trainer(argv, tp=1):
     return cfg, ps, trainer
 
 
+def step_loss(trainer) -> float:
+    """One training step through the trainer's own path, and its logged lm_loss."""
+    trainer.train_step()
+    return trainer.flush_metrics()["lm_loss"]
+
+
 def train_worker(rank, world, argv, tp=1):
     _, _, trainer = build_trainer(argv, tp)
     try:

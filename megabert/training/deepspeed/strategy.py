@@ -68,10 +68,12 @@ class DeepSpeedStrategy(Strategy):
             engine.step()
         else:
             metrics = self.runner.forward_backward(batches)  # engine.backward + step per micro-batch
+        # DeepSpeed reads its norm and overflow flag to the host itself, every step.
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else (self._own_norm if self._own_norm is not None else float("nan"))
         scale = float(getattr(engine.optimizer, "loss_scale", float("nan"))) if self.fp16 else None
-        return StepResult(metrics, norm, skipped=getattr(engine, "skipped_steps", 0) > skipped_before, loss_scale=scale)
+        return StepResult(metrics, torch.tensor(norm), overflow=getattr(engine, "skipped_steps", 0) > skipped_before,
+                          loss_scale=scale)
 
     # ------------------------------------------------------------ checkpoint hooks
 
