@@ -17,7 +17,7 @@ from megabert.config import OptimConfig
 from megabert.optim import build_optimizer
 from megabert.optim.clip import clipped_step
 from megabert.tasks.pretraining.task import build_pretraining
-from megabert.tensor_parallel.layers import GEMM_COPY
+from megabert.tensor_parallel.layers import GEMM_COPY, gemm_weight
 from megabert.training import build, distributed_optimizer_strategy
 from megabert.training.precision import MasterWeights, gemm_weights
 from megabert.training.resolve import resolve_run
@@ -26,44 +26,56 @@ from tests.helpers.dist_utils import run_distributed
 from tests.helpers.train_utils import TINY, VOCAB, batches, build_trainer, read_metrics, train_worker
 
 
-def _model(ps):
-    cfg = megabert.bert_tiny(vocab_size=128)
-    cfg = type(cfg)(**{**cfg.__dict__, "hidden_dropout": 0.0, "attention_dropout": 0.0})
+# The models of the bitwise test: BERT (vocab 100: one rank holds it all, so the decoder
+# multiplies by the padded word embeddings' first 100 rows), with full recompute (each
+# layer's forward, its GEMM copies with it, run again in backward), and ModernBERT.
+MODELS = {"bert": (megabert.bert_tiny, {}), "bert-recompute": (megabert.bert_tiny, {"recompute_granularity": "full"}),
+          "modernbert": (megabert.modernbert_tiny, {"num_layers": 2, "hidden_size": 64})}
+
+
+def _model(ps, family="bert"):
+    preset, overrides = MODELS[family]
+    cfg = preset(**{"vocab_size": 100, "hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
     torch.manual_seed(0)
-    return megabert.BertForPreTraining(cfg, ps)
+    model_class = megabert.ModernBertForMaskedLM if cfg.model_family == "modernbert" else megabert.BertForPreTraining
+    return model_class(cfg, ps)
 
 
-def _micro_batches(step):
+def _micro_batches(step, family="bert"):
     gen = torch.Generator().manual_seed(step)
     out = []
     for _ in range(2):
-        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        ids = torch.randint(0, 100, (2, 16), generator=gen)
         labels = torch.where(torch.rand(2, 16, generator=gen) < 0.3, ids, -100)
-        out.append((ids, torch.zeros_like(ids), torch.ones_like(ids), labels, torch.tensor([0, 1])))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        if not family.startswith("modernbert"):
+            batch.update(token_type_ids=torch.zeros_like(ids), next_sentence_label=torch.tensor([0, 1]))
+        out.append(batch)
     return out
 
 
-def _train(model, steps, master_weights: bool):
+def _train(model, steps, master_weights: bool, family="bert"):
     opt = build_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.01))
     if master_weights:
         MasterWeights(model).attach(opt)
     params = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        for batch in _micro_batches(step):
+        for batch in _micro_batches(step, family):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(*batch).loss
+                loss = model(**batch).loss
             (loss / 2).backward()
         norm = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in params]))
         clipped_step(opt, params, 1.0, norm)
     return opt
 
 
-def test_bf16_step_is_autocasts_over_fp32_masters_to_the_bit():
+@pytest.mark.parametrize("family", MODELS)
+def test_bf16_step_is_autocasts_over_fp32_masters_to_the_bit(family):
     ps = megabert.init_parallel()
-    ref, ours = _model(ps), _model(ps)
-    _train(ref, 3, master_weights=False)
-    _train(ours, 3, master_weights=True)
+    ref, ours = _model(ps, family), _model(ps, family)
+    _train(ref, 3, master_weights=False, family=family)
+    _train(ours, 3, master_weights=True, family=family)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert a.dtype == torch.float32, name  # the parameters stay the fp32 masters
         assert torch.equal(a, b), name
@@ -74,6 +86,35 @@ def test_bf16_step_is_autocasts_over_fp32_masters_to_the_bit():
     for w in weights:
         copy, version = getattr(w, GEMM_COPY)
         assert copy.dtype == torch.bfloat16 and version == w._version and torch.equal(copy, w.bfloat16())
+
+
+def test_the_copy_reaches_the_gemm_through_autocasts_cast_backward():
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    copy = weight.detach().bfloat16()  # as MasterWeights.refresh keeps it
+    setattr(weight, GEMM_COPY, (copy, weight._version))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        used = gemm_weight(weight)
+    # A view of the cached copy that carries the Function's node; the copy stays a plain tensor.
+    assert used.data_ptr() == copy.data_ptr() and type(used.grad_fn).__name__ == "_GemmCopyBackward"
+    assert copy.grad_fn is None and not copy.requires_grad
+    grad = torch.randn(4, 3).bfloat16()
+    used.backward(grad)
+    assert weight.grad.dtype == torch.float32 and torch.equal(weight.grad, grad.float())
+
+
+def test_the_tied_word_embeddings_get_one_gradient_per_backward():
+    # The lookup's fp32 gradient and the decoder's sum in autograd, then one AccumulateGrad:
+    # a post-accumulate hook (the DP reducers') fires once per backward.
+    ps = megabert.init_parallel()
+    model = _model(ps)
+    MasterWeights(model)
+    fired = []
+    model.bert.word_embeddings.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    for batch in _micro_batches(0):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+    assert len(fired) == 2 and not torch.equal(fired[0], fired[1])
 
 
 class _WeightCasts(TorchDispatchMode):
@@ -107,7 +148,7 @@ def test_no_weight_is_cast_per_use(master_weights):
     with counter:
         for batch in _micro_batches(1):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(*batch).loss
+                loss = model(**batch).loss
             (loss / 2).backward()
         forward_backward_casts = list(counter.cast)
         opt.step()
@@ -148,7 +189,7 @@ def test_outside_autocast_the_model_computes_in_fp32():
     MasterWeights(ours)
     batch = _micro_batches(0)[0]
     with torch.no_grad():
-        assert torch.equal(ours(*batch).loss, ref(*batch).loss)
+        assert torch.equal(ours(**batch).loss, ref(**batch).loss)
 
 
 def test_bf16_resume_is_bitwise(tmp_path):
