@@ -3,8 +3,8 @@ the tied MLM decoder multiply by bf16 copies made once per optimizer step from t
 masters, and a training step is autocast's over fp32 parameters to the bit (the same
 rounding of the weights, the same fp32 accumulation of their gradients), with no cast of
 those weights per use: with the local optimizer, with the distributed optimizer at DP=2
-(its all-gathers remake the copies, overlapped with forward or not) and at PP=2 (the last
-stage's tied copy of the word embeddings)."""
+(its all-gathers remake the copies, overlapped with forward or not), at PP=2 (the last
+stage's tied copy of the word embeddings) and at TP=2."""
 from unittest import mock
 
 import pytest
@@ -218,14 +218,14 @@ class _Autocast:
         pass
 
 
-def _layouts_worker(rank, world, runs, out_dir):
+def _layouts_worker(rank, world, runs, tp, out_dir):
     # Every run in one process group; the reference runs build the strategy with the
     # stand-in (restored after, the worker process is reused).
     for name, argv, master_weights in runs:
         with mock.patch.object(build, "MasterWeights", MasterWeights if master_weights else _Autocast), \
                 mock.patch.object(distributed_optimizer_strategy, "MasterWeights",
                                   MasterWeights if master_weights else _Autocast):
-            _, ps, trainer = build_trainer(argv + ["--metrics-file", f"{out_dir}/{name}.jsonl"])
+            _, ps, trainer = build_trainer(argv + ["--metrics-file", f"{out_dir}/{name}.jsonl"], tp)
             try:
                 trainer.train()
                 model = trainer.strategy.model
@@ -248,19 +248,21 @@ BF16 = ["--bf16", "--train-iters", "3", "--global-batch-size", "8"]
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--ddp-bucket-size", "8000"]  # ~1/4 of the model a bucket
 
 
-@pytest.mark.parametrize("layout,world,variants", [
+@pytest.mark.parametrize("layout,world,tp,variants", [
     # DP=2, the distributed optimizer's buckets gathered at the end of the step or waited
     # for by forward, bucket by bucket.
-    ("dp2", 2, {"distributed-optimizer": DISTRIBUTED_OPTIMIZER,
+    ("dp2", 2, 1, {"distributed-optimizer": DISTRIBUTED_OPTIMIZER,
                 "no-overlap-param-gather": DISTRIBUTED_OPTIMIZER + ["--no-overlap-param-gather"]}),
     # PP=2 (1F1B): the last stage's tied copy of the word embeddings is the decoder's weight.
-    ("pp2", 2, {"tied": ["--pipeline-model-parallel-size", "2"],
+    ("pp2", 2, 1, {"tied": ["--pipeline-model-parallel-size", "2"],
                 "tied-distributed-optimizer": ["--pipeline-model-parallel-size", "2"] + DISTRIBUTED_OPTIMIZER}),
+    # TP=2: the decoder multiplies by this rank's vocab slice (the padding columns masked).
+    ("tp2", 2, 2, {"sequence-parallel": ["--sequence-parallel"]}),
 ])
-def test_bf16_runs_equal_autocast_over_fp32_to_the_bit(tmp_path, layout, world, variants):
+def test_bf16_runs_equal_autocast_over_fp32_to_the_bit(tmp_path, layout, world, tp, variants):
     runs = [(f"{variant}-{mode}", BF16 + flags, mode == "master-weights")
             for variant, flags in variants.items() for mode in ("autocast", "master-weights")]
-    run_distributed(_layouts_worker, world, runs, str(tmp_path))
+    run_distributed(_layouts_worker, world, runs, tp, str(tmp_path))
     for variant in variants:
         ours, ref = str(tmp_path / f"{variant}-master-weights"), str(tmp_path / f"{variant}-autocast")
         assert len(read_metrics(ours + ".jsonl")) == 3
