@@ -32,11 +32,13 @@ time (issue 32). NCCL's run in place as they are.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from megabert.data_parallel.bucket_layout import layout_buffers, pieces
 from megabert.data_parallel.grad_buckets import Bucket, GradBuckets
@@ -140,6 +142,9 @@ class ShardedBuffers:
         self._gathers: list[Optional[dist.Work]] = []  # per bucket, forward order; None once waited
         self._waited = 0  # the first bucket (forward order) not yet waited for
         self._pre_hooks = []
+        # Called with a bucket's parameters once its all-gather has landed (register_gather_hook).
+        # (An OrderedDict: RemovableHandle holds a weak reference to it, which a dict refuses.)
+        self._gather_hooks: OrderedDict[int, Callable[[list[torch.nn.Parameter]], None]] = OrderedDict()
         # Per step, how many buckets each forward pre-hook that waited waited for (read by
         # tests and benchmarks): several entries = the gathers were spread over forward.
         self.forward_waits: list[int] = []
@@ -210,8 +215,20 @@ class ShardedBuffers:
             self._issue_gathers()
             self._gathers[self._waited].wait()
             self._gathers[self._waited] = None
+            for hook in self._gather_hooks.values():
+                hook(self._forward_order[self._waited].params)
             self._waited += 1
             self._issue_gathers()
+
+    def register_gather_hook(self, hook: Callable[[list[torch.nn.Parameter]], None]) -> RemovableHandle:
+        """`hook(params)` runs as soon as the all-gather of the bucket holding `params` has
+        been waited for (with `overlap_param_gather`, in the forward pre-hook that needs
+        them). NOTE: the gathers write the parameters through views of the buffer, which
+        leaves the parameters' own version counters where they were: what keeps something
+        derived from a parameter's values (MasterWeights' bf16 copies) current hooks here."""
+        handle = RemovableHandle(self._gather_hooks)
+        self._gather_hooks[handle.id] = hook
+        return handle
 
     def install_forward_hooks(self, model: torch.nn.Module) -> None:
         """A pre-hook on every module that holds parameters directly: before it runs, the

@@ -13,6 +13,7 @@ from megabert.model.packed import gather_cls
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
 from megabert.tensor_parallel import copy_to_tp, vocab_parallel_cross_entropy
+from megabert.tensor_parallel.layers import gemm_weight
 
 
 def head_linear(ctx: BuildContext, out_features: int, hf_prefix: str) -> nn.Linear:
@@ -67,12 +68,14 @@ class VocabParallelDecoder(nn.Module):
         return logits, vocab_parallel_cross_entropy(logits, target, self.tp_group)
 
     def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        # The word embeddings' 16-bit copy under --bf16 (training.precision.MasterWeights).
+        weight = gemm_weight(word_embeddings)
         if self.tp_size == 1 and self.local_pad_start is not None:
             # One rank holds the whole vocab: leave the padding rows out of the GEMM
             # instead of computing and then masking their logits.
             end = self.local_pad_start
-            return F.linear(x, word_embeddings[:end], self.bias[:end])
-        logits = F.linear(copy_to_tp(x, self.tp_group), word_embeddings, self.bias)
+            return F.linear(x, weight[:end], self.bias[:end])
+        logits = F.linear(copy_to_tp(x, self.tp_group), weight, self.bias)
         if self.local_pad_start is not None:
             pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)
             pad[max(self.local_pad_start, 0):] = True

@@ -27,12 +27,37 @@ InitMethod = Callable[[torch.Tensor], None]
 GEMM_COPY = "_megabert_gemm_copy"
 
 
+class _GemmCopy(torch.autograd.Function):
+    """(master [fp32], copy [its 16-bit copy]) -> copy, as autocast's cast of the master would
+    give it, without casting.
+
+    Forward: the cached copy as it is (autograd hands out a view of it that carries this
+    node, so the cached tensor itself stays a plain tensor with no grad_fn and no
+    requires_grad). Backward: grad.to(master.dtype) for the master and nothing for the copy,
+    exactly the backward of autocast's cast (aten._to_copy's). The master's gradient then
+    reaches it through autograd's own AccumulateGrad: summed first with its other uses in
+    the same backward (the tied word embeddings' lookup), accumulated in its fp32 `.grad`,
+    and every hook on the parameter (the DP reducers' post-accumulate hooks) fires once,
+    as for any parameter."""
+
+    @staticmethod
+    def forward(ctx, master: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.master_dtype = master.dtype
+        return copy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.master_dtype), None
+
+
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """What the GEMM multiplies by: `weight`'s 16-bit copy when MasterWeights keeps one and
     autocast runs in its dtype (outside autocast the fp32 weight, so fp32 maths stays fp32),
-    remade first if stale (the optimizer's step, a checkpoint load or any other in-place
-    write bumps the parameter's version); else the weight itself. Under torch.compile the
-    weight itself (the traced graph casts it)."""
+    remade first if stale (a checkpoint load or any other in-place write to the parameter
+    bumps its version; writes through another view of its storage, as the distributed
+    optimizer's, do not: MasterWeights remakes those copies when the writes land); else the
+    weight itself. Under torch.compile the weight itself (the traced graph casts it). The
+    copy's gradient goes to the weight as autocast's cast's would (_GemmCopy)."""
     if torch.compiler.is_compiling():
         return weight
     entry = getattr(weight, GEMM_COPY, None)
@@ -46,7 +71,9 @@ def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             copy.copy_(weight)
         setattr(weight, GEMM_COPY, (copy, weight._version))
-    return copy
+    if not (weight.requires_grad and torch.is_grad_enabled()):
+        return copy
+    return _GemmCopy.apply(weight, copy)
 
 
 def default_init(tensor: torch.Tensor) -> None:

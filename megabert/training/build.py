@@ -98,11 +98,12 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
         return build_distributed_optimizer_strategy(model, ps, run.optim, runner(),
                                                     bucket_elements=run.parallel.ddp_bucket_size,
                                                     overlap_param_gather=run.parallel.overlap_param_gather,
-                                                    fp16=t.fp16, clip_grad=run.optim.clip_grad)
+                                                    fp16=t.fp16, clip_grad=run.optim.clip_grad,
+                                                    master_weights=t.bf16 and not t.compile)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
     if t.bf16 and not t.compile:
-        # The linear layers' GEMMs take bf16 weights made once per step, fp32 masters kept
-        # (megabert.training.precision.MasterWeights).
+        # The linear layers' and the tied decoder's GEMMs take bf16 weights made once per
+        # step, fp32 masters kept (megabert.training.precision.MasterWeights).
         MasterWeights(model).attach(optimizer)
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     reducer = None

@@ -19,6 +19,7 @@ from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_of
 from megabert.optim.grad_scaler import DynamicLossScaler
 from megabert.training.grads import sync_sequence_parallel_grads, sync_tied_embedding_grads
+from megabert.training.precision import MasterWeights
 from megabert.training.strategy import LocalStrategy, StepResult
 
 logger = logging.getLogger(__name__)
@@ -76,13 +77,23 @@ class DistributedOptimizerStrategy(LocalStrategy):
 
 def build_distributed_optimizer_strategy(model: torch.nn.Module, ps: ParallelState, cfg: OptimConfig, runner, *,
                                          bucket_elements: int, overlap_param_gather: bool, fp16: bool,
-                                         clip_grad: float) -> DistributedOptimizerStrategy:
+                                         clip_grad: float, master_weights: bool = False
+                                         ) -> DistributedOptimizerStrategy:
+    """`master_weights` (--bf16): the GEMMs take bf16 copies of the fp32 parameters
+    (megabert.training.precision.MasterWeights), remade as each bucket's all-gather lands."""
     params = [p for p in model.parameters() if p.requires_grad]
     # The pipeline's tied word embeddings get a bucket of their own: the first and the last
     # stage then shard them alike and can sum their shards over the embedding group.
     isolate = (lambda p: spec_of(p).placement == "tied") if ps.pp_size > 1 else (lambda p: False)
     buffers = ShardedBuffers(params, ps, bucket_elements, isolate=isolate, overlap_param_gather=overlap_param_gather)
     buffers.install_forward_hooks(model)
+    if master_weights:
+        # Made once the parameters live in the buffers. The optimizer steps views of the
+        # buffers and the all-gathers write them, which bumps no parameter's version (the
+        # lazy check in gemm_weight would miss them): the copies are remade per bucket as
+        # its gather is waited for, whether at the end of the step or in forward
+        # (--overlap-param-gather), so DistributedOptimizerStrategy.train_step needs nothing.
+        MasterWeights(model).attach_gathers(buffers)
     dist_opt = DistributedOptimizer(model, cfg, ps, buffers)
     scaler = DynamicLossScaler(cfg) if fp16 else None
     return DistributedOptimizerStrategy(model, dist_opt, ps, runner, scaler=scaler, clip_grad=clip_grad)

@@ -4,16 +4,22 @@ loss scaling is the optimizer step's: megabert.optim.grad_scaler).
 Parameters and optimizer state stay fp32 (the master copy); matmuls run in bf16 or
 fp16 under autocast. Autocast casts each fp32 weight to 16 bits at every use (every
 micro-batch, and again in a recomputed forward): with --bf16, MasterWeights keeps the
-linear layers' weights in bf16 once, so their GEMMs take them as they are (below).
+linear layers' and the tied MLM decoder's weights in bf16 once per step, so their GEMMs
+take them as they are (below).
 bf16 has fp32's range and needs no scaling.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
-from megabert.tensor_parallel.layers import GEMM_COPY, ColumnParallelLinear, RowParallelLinear
+from megabert.model.heads import VocabParallelDecoder
+from megabert.tensor_parallel.layers import GEMM_COPY, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from megabert.data_parallel.sharded_buffers import ShardedBuffers
 
 
 def autocast(device: torch.device, bf16: bool, fp16: bool):
@@ -22,70 +28,87 @@ def autocast(device: torch.device, bf16: bool, fp16: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if bf16 else torch.float16)
 
 
+def gemm_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable weights `model`'s GEMMs read through tensor_parallel.layers.gemm_weight:
+    the column- and row-parallel linear layers', and the word embeddings where an MLM
+    decoder multiplies by them (VocabParallelDecoder: tied to the word embeddings in every
+    family; at PP > 1 the last stage's tied copy, which only the decoder reads)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if any(isinstance(m, VocabParallelDecoder) for m in model.modules()):
+        weights += [m.weight for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    unique = {id(w): w for w in weights if w.requires_grad}
+    return list(unique.values())
+
+
 class MasterWeights:
-    """bf16 weights for the GEMMs of `model`'s column- and row-parallel linear layers, made
-    once per optimizer step instead of once per use.
+    """bf16 weights for `model`'s GEMMs (gemm_weights: the column- and row-parallel linear
+    layers and the tied MLM decoder), made once per optimizer step instead of once per use.
 
     Design (issue 41). The registered parameters stay the fp32 masters: the optimizer, its
     state, the gradient reductions, the clipping and the checkpoints see exactly what they
     saw before (checkpoints keep their format, fp32 weights, and resume bitwise). Each
-    weight gets a bf16 leaf tensor, its GEMM copy, which the layer multiplies by
-    (tensor_parallel.layers.gemm_weight). Its gradient (bf16, from the GEMM) is added into
-    the master's fp32 `.grad` by a hook as soon as autograd has it, then dropped: the
-    master accumulates over micro-batches in fp32, Megatron's main_grad. After each
-    optimizer step one multi-tensor copy rounds all masters into their GEMM copies.
+    weight gets a bf16 tensor, its GEMM copy (no requires_grad), which the layer multiplies
+    by through tensor_parallel.layers.gemm_weight: a tiny autograd Function (_GemmCopy) that
+    hands the copy to the GEMM and, in backward, converts the GEMM's bf16 weight gradient
+    to fp32 for the master. The master's gradient then takes autograd's ordinary path
+    (summed with its other uses, as the word embeddings' lookup, then AccumulateGrad into
+    its fp32 `.grad`, over micro-batches: Megatron's main_grad), so the DP reducers' hooks
+    and the distributed optimizer's gradient-buffer views see it as any parameter's.
 
     The maths is autocast's over fp32 parameters, to the bit: autocast's per-use cast
-    rounds the fp32 weight to bf16 exactly as the copy does, and its backward converts the
-    GEMM's bf16 weight gradient to fp32 and accumulates it in the parameter's fp32 `.grad`,
-    as the hook does. What changes is that the cast is made once per step, not at every
-    forward of every micro-batch (and recompute), and that the bf16 copies are kept.
-    Memory: 2 bytes per weight more for the step (autocast's copies lived for the forward
-    and backward of one micro-batch).
+    rounds the fp32 weight to bf16 exactly as the copy does, and its backward (aten's
+    _to_copy's) is the Function's. What changes is that the cast is made once per step, not
+    at every forward of every micro-batch (and recompute), and that the bf16 copies are
+    kept. Memory: 2 bytes per weight more for the step (autocast's copies lived for the
+    forward and backward of one micro-batch). Biases and the replicated nn.Linear heads
+    (pooler, MLM transform, task heads) are still cast by autocast at each use.
 
-    The hook runs the master's own post-accumulate-grad hooks after adding (the overlapped
-    DP reduction counts gradients there, megabert.training.overlap): those hooks live in
-    torch's private `_post_accumulate_grad_hooks` (torch 2.1 to 2.13 checked). Not wired
-    with DeepSpeed (its bf16 optimizer keeps masters of its own), the distributed
-    optimizer (its parameters are views of one fp32 buffer) or --compile (the compiled
-    graph casts the weights inside itself).
+    When the copies are remade: `attach(optimizer)`, after each optimizer step (one
+    multi-tensor copy); with the distributed optimizer, `attach_gathers(buffers)`, per bucket
+    as its parameter all-gather lands (its optimizer steps views of a flat buffer and the
+    all-gather writes it, neither of which bumps the parameters' version counters that
+    gemm_weight's lazy check reads; with --overlap-param-gather that is in the forward
+    pre-hook that waits for the bucket). Any in-place write to a parameter itself (a
+    checkpoint load) is caught by that lazy check.
+
+    Not wired with --compile (the compiled graph casts the weights inside itself) nor
+    DeepSpeed, which needs none: its bf16 mode casts the module's parameters to bf16 (the
+    engine's _configure_distributed_model) and keeps the fp32 masters in its own
+    optimizer, so its GEMMs take bf16 weights with no per-use cast either.
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
-        self.masters = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-                        and m.weight.requires_grad]
-        self.copies = [torch.empty_like(w, dtype=dtype).requires_grad_() for w in self.masters]
-        self._hooks = [c.register_post_accumulate_grad_hook(self._accumulate(w))
-                       for w, c in zip(self.masters, self.copies)]
+        self.masters = gemm_weights(model)
+        self.copies = [torch.empty_like(w, dtype=dtype) for w in self.masters]
+        self._index = {id(w): i for i, w in enumerate(self.masters)}
+        self._handles: list = []
         self.refresh()
 
-    @staticmethod
-    def _accumulate(master: torch.nn.Parameter):
-        def hook(copy: torch.Tensor) -> None:
-            if master.grad is None:
-                master.grad = copy.grad.float()
-            else:
-                master.grad.add_(copy.grad)
-            copy.grad = None
-            for fn in (getattr(master, "_post_accumulate_grad_hooks", None) or {}).values():
-                fn(master)
-        return hook
-
     @torch.no_grad()
-    def refresh(self) -> None:
-        """Rounds every master into its GEMM copy: one multi-tensor copy (the step's cast)."""
-        if self.masters:
-            torch._foreach_copy_(self.copies, self.masters)
-        for w, c in zip(self.masters, self.copies):
+    def refresh(self, params: Optional[Iterable[torch.nn.Parameter]] = None) -> None:
+        """Rounds the masters (those among `params`; None: all) into their GEMM copies: one
+        multi-tensor copy (the step's cast)."""
+        index = range(len(self.masters)) if params is None else \
+            [self._index[id(p)] for p in params if id(p) in self._index]
+        masters, copies = [self.masters[i] for i in index], [self.copies[i] for i in index]
+        if masters:
+            torch._foreach_copy_(copies, masters)
+        for w, c in zip(masters, copies):
             setattr(w, GEMM_COPY, (c, w._version))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Refresh after each step of `optimizer`."""
-        self._step_hook = optimizer.register_step_post_hook(lambda *_: self.refresh())
+        self._handles.append(optimizer.register_step_post_hook(lambda *_: self.refresh()))
+
+    def attach_gathers(self, buffers: ShardedBuffers) -> None:
+        """Refresh each bucket's copies as the distributed optimizer's all-gather of it lands
+        (ShardedBuffers.register_gather_hook)."""
+        self._handles.append(buffers.register_gather_hook(self.refresh))
 
     def close(self) -> None:
-        for h in self._hooks + ([self._step_hook] if hasattr(self, "_step_hook") else []):
+        for h in self._handles:
             h.remove()
+        self._handles = []
         for w in self.masters:
             if hasattr(w, GEMM_COPY):
                 delattr(w, GEMM_COPY)
