@@ -255,3 +255,36 @@ def test_host_batches_reach_the_gpu_without_waiting(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert all(v.is_cuda for v in out.values())
     assert all(torch.equal(out[k].cpu(), batch[k]) for k in batch)
+
+
+def _layout_syncs(rank, world, argv, out):
+    from tests.helpers.train_utils import build_trainer
+
+    _, _, trainer = build_trainer(argv + ["--bf16", "--train-iters", "3", "--log-interval", "100"])
+    try:
+        trainer.train_step()
+        with pytest.MonkeyPatch.context() as mp:
+            counter = SyncCounter(mp)
+            trainer.train_step()
+        calls = counter.calls
+        loss = trainer.flush_metrics()["lm_loss"]
+    finally:
+        trainer.close()
+    torch.save({"calls": calls, "loss": loss}, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("argv", [["--micro-batch-size", "1"],
+                                  ["--micro-batch-size", "1", "--use-distributed-optimizer"],
+                                  ["--pipeline-model-parallel-size", "2"],
+                                  ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+                         ids=["dp2-overlapped", "dp2-distributed-optimizer", "pp2", "tp2-sp"])
+def test_no_layout_reads_back_in_a_step(tmp_path, argv):
+    """bf16 with fused AdamW at DP=2 (overlapped reduction; the distributed optimizer), PP=2
+    (1F1B) and TP=2 with sequence parallelism: a step reads nothing on any rank."""
+    from tests.helpers.dist_utils import run_distributed
+
+    run_distributed(_layout_syncs, 2, argv, str(tmp_path / "r"))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"r.{rank}")
+        assert got["calls"] == [], (rank, got["calls"])
+        assert got["loss"] > 0
