@@ -103,8 +103,11 @@ def main() -> int:
     train = [r for r in rows if "lm_loss" in r]
     valid = [r for r in rows if "valid_lm_loss" in r]
     print("\n== result")
-    print(f"masked-LM loss {train[0]['lm_loss']:.3f} (iteration {train[0]['iteration']}) -> "
-          f"{train[-1]['lm_loss']:.3f} (iteration {train[-1]['iteration']}); uniform guess ln(8000) = 8.99")
+    # Each logged loss is the mean over the iterations since the previous logged one.
+    first, last = train[0], train[-1]
+    since = train[-2]["iteration"] + 1 if len(train) > 1 else 1
+    print(f"masked-LM loss {first['lm_loss']:.3f} (iterations 1-{first['iteration']}) -> "
+          f"{last['lm_loss']:.3f} (iterations {since}-{last['iteration']}); uniform guess ln(8000) = 8.99")
     if valid:
         print(f"validation masked-LM loss at iteration {valid[-1]['iteration']}: {valid[-1]['valid_lm_loss']:.3f}")
     print(f"throughput {train[-1]['samples_per_sec']:.1f} samples/s on this CPU")
