@@ -4,7 +4,10 @@ Megatron-LM paper (Shoeybi et al., 2019), section 3: `f` is identity forward and
 all-reduce backward; `g` is all-reduce forward and identity backward. An MLP is then
     Y = g(GeLU(f(X) A_col) B_row)
 and each op below is the conjugate pair of one of those. Every Function takes its
-process group explicitly. With a group of size 1 all of them are identities.
+process group explicitly. With a group of size 1 all of them are identities, and the functions
+below return their input without applying one: an autograd Function costs the host tens of
+microseconds a call, forward and backward, and a BERT-large step at TP=1 would make ~100 such
+calls for nothing (bench/host_overhead.py).
 
 Sequence parallelism (Korthikanti et al., 2022) swaps the all-reduce for an
 all-gather / reduce-scatter pair along the sequence dim (dim 0 of [s, b, h]).
@@ -177,35 +180,35 @@ class GatherFromSequenceParallelToReplicated(torch.autograd.Function):
 
 
 def copy_to_tp(x, group: Group):
-    return CopyToTensorParallelRegion.apply(x, group)
+    return CopyToTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 def reduce_from_tp(x, group: Group):
-    return ReduceFromTensorParallelRegion.apply(x, group)
+    return ReduceFromTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 def scatter_to_tp(x, group: Group):
-    return ScatterToTensorParallelRegion.apply(x, group)
+    return ScatterToTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 def gather_from_tp(x, group: Group):
-    return GatherFromTensorParallelRegion.apply(x, group)
+    return GatherFromTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 def scatter_to_sp(x, group: Group):
-    return ScatterToSequenceParallelRegion.apply(x, group)
+    return ScatterToSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 def gather_from_sp(x, group: Group):
-    return GatherFromSequenceParallelRegion.apply(x, group)
+    return GatherFromSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 def reduce_scatter_to_sp(x, group: Group):
-    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+    return ReduceScatterToSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 def gather_from_sp_to_replicated(x, group: Group):
-    return GatherFromSequenceParallelToReplicated.apply(x, group)
+    return GatherFromSequenceParallelToReplicated.apply(x, group) if group_size(group) > 1 else x
 
 
 class GatherFromDataParallelRegion(torch.autograd.Function):
@@ -241,4 +244,4 @@ class GatherFromDataParallelRegion(torch.autograd.Function):
 
 
 def gather_from_dp(x, group: Group):
-    return GatherFromDataParallelRegion.apply(x, group)
+    return GatherFromDataParallelRegion.apply(x, group) if group_size(group) > 1 else x

@@ -56,7 +56,7 @@ def grad_norm(params: Iterable[torch.nn.Parameter], ps: ParallelState, dp_sharde
         if spec.placement == "tied" and ps.pp_size > 1 and not ps.is_first_stage:
             continue
         if spec.is_tensor_parallel or ps.tp_rank == 0:
-            grads.append(p.grad.detach())
+            grads.append(p.grad)  # gradients are leaves: nothing to detach
     total = torch.zeros((), dtype=torch.float64, device=ps.device)
     if grads:
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
