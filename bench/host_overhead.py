@@ -19,7 +19,9 @@ arithmetic is a small part of the step, and reports per step:
 
 Sides, interleaved (A B C A B C ...): megabert (pretrain_bert.py's step, --bf16, default
 flags), megabert-packed (--pack-sequences --no-unpad-input: the fixed-shape packed step, the
-GPU's packed path), transformers (BertForPreTraining, sdpa, bf16 autocast, fused AdamW,
+GPU's packed path), megabert-compiled-epilogues (--dropout-add-backend compiled, the CUDA
+default: each layer's bias + GELU and dropout + residual + LayerNorm as torch.compile'd calls,
+whose guards and autograd wrappers run on the host at every call), transformers (BertForPreTraining, sdpa, bf16 autocast, fused AdamW,
 clipping at 1.0, as its users run it). The budget line is BERT-large's step time on an H100
 (989 dense bf16 TFLOP/s) at 45% MFU, from megabert's FLOP accounting, for the bench's GPU
 shapes (phase 1: seq 128, micro-batch 64; phase 2: seq 512, micro-batch 16).
@@ -52,7 +54,7 @@ H100_BF16_TFLOPS, TARGET_MFU = 989.0, 0.45
 # BERT-large's structure at tiny widths: head_dim 4, every op of the real model.
 SHAPE = ["--preset", "bert-large", "--hidden-size", "64", "--ffn-hidden-size", "256"]
 VOCAB, SEQ, BATCH = 1024, 32, 1
-SIDES = ("megabert", "megabert-packed", "transformers")
+SIDES = ("megabert", "megabert-packed", "megabert-compiled-epilogues", "transformers")
 
 
 class OpCount(TorchDispatchMode):
@@ -81,6 +83,8 @@ def build(name: str, ps, samples: list[dict]):
         cfg = parse_args(SHAPE + ["--seq-length", str(SEQ), "--pack-sequences", "--data-path", "unused"])
         batches, _ = packed_batches(samples, BATCH, cfg)
         extra = ("--no-unpad-input",)
+    elif name == "megabert-compiled-epilogues":  # the CUDA default: torch.compile'd epilogue calls
+        batches, extra = padded_batches(samples, BATCH), ("--dropout-add-backend", "compiled")
     else:
         batches, extra = padded_batches(samples, BATCH), ()
     step, _ = megabert_step(ps, SHAPE, SEQ, BATCH, batches, name == "megabert-packed", False, VOCAB, extra)
@@ -115,7 +119,7 @@ def main() -> None:
     hf = statistics.median(times["transformers"])
     for name in SIDES:
         ms = 1e3 * statistics.median(times[name])
-        print(f"  {name:16s} host {ms:7.1f} ms   ops {ops[name]:5d}   vs transformers: "
+        print(f"  {name:27s} host {ms:7.1f} ms   ops {ops[name]:5d}   vs transformers: "
               f"{hf * 1e3 / ms:4.2f}x faster, {ops[name] / ops['transformers']:4.2f}x the ops")
     for phase, (seq, batch) in ((1, (128, 64)), (2, (512, 16))):
         print(f"  budget: BERT-large phase {phase} (seq {seq}, micro-batch {batch}) on an H100 at "
