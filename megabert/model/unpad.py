@@ -49,7 +49,11 @@ class TokenLayout:
             # A row's samples are its real tokens, in order: [b * cap + 1], empty slots empty.
             self.cu_seqlens = packed_cu_seqlens(packed_seqlens)
         self._host_cu_seqlens: Optional[list[int]] = None
-        self.max_seqlen: Optional[int] = None  # a host bound on the sequence lengths, where one is known
+        # A host bound on the sequence lengths: the padded length. FlashAttention sizes its grid
+        # by it (blocks past a sequence's end return at once, and a batch of pre-training data
+        # nearly always holds a sample of about full length), so the CUDA path need not read
+        # the lengths back from the device to find their maximum.
+        self.max_seqlen: Optional[int] = s
         self.fixed_shape = False  # T follows the data (packed_rows: the flags alone)
         # NOTE: T changes with every batch. Marked (here and on the [T, h] input of the layers),
         # torch.compile'd layers compile one graph for any T, not one for the first batch's T

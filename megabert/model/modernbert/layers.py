@@ -115,7 +115,7 @@ class ModernBertAttention(nn.Module):
 
     def _varlen_core(self, qkv: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
         return ops.varlen_attention(qkv, tokens.cu_seqlens, tokens.host_cu_seqlens, dropout_p=self._dropout_p(),
-                                    rng_fork=self.ctx.rng.fork, window=self.window)
+                                    rng_fork=self.ctx.rng.fork, max_seqlen=tokens.max_seqlen, window=self.window)
 
     def _padded_core(self, qkv: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """qkv [s, b, 3, n/tp, d] -> [s, b, n/tp * d]."""
