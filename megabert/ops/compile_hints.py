@@ -32,3 +32,12 @@ def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.maybe_mark_dynamic(t, dim)
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """`torch._dynamo.mark_static_address` when dynamo is loaded (a run that compiles loads it
+    before building what it marks): a tensor a compiled graph reads at the same address every
+    call, which CUDA graphs then read in place instead of copying into a buffer of their own."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.mark_static_address(t)

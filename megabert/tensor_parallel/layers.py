@@ -53,13 +53,14 @@ class _GemmCopy(torch.autograd.Function):
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """What the GEMM multiplies by: `weight`'s 16-bit copy when MasterWeights keeps one and
     autocast runs in its dtype (outside autocast the fp32 weight, so fp32 maths stays fp32),
-    remade first if stale (a checkpoint load or any other in-place write to the parameter
-    bumps its version; writes through another view of its storage, as the distributed
-    optimizer's, do not: MasterWeights remakes those copies when the writes land); else the
-    weight itself. Under torch.compile the weight itself (the traced graph casts it). The
-    copy's gradient goes to the weight as autocast's cast's would (_GemmCopy)."""
-    if torch.compiler.is_compiling():
-        return weight
+    else the weight itself. In eager mode a stale copy is remade first (an in-place write to
+    the parameter, as a checkpoint load, bumps its version; writes through another view of
+    its storage, as the distributed optimizer's, do not: MasterWeights remakes those copies
+    when the writes land). Traced by torch.compile without that check (a compiled graph
+    cannot read a version counter): the compiled layers read the copies as graph inputs, kept
+    current by MasterWeights (after each optimizer step and, through the strategy, before
+    each step: MasterWeights.refresh_stale). The copy's gradient goes to the weight as
+    autocast's cast's would (_GemmCopy)."""
     entry = getattr(weight, GEMM_COPY, None)
     if entry is None:
         return weight
@@ -67,7 +68,7 @@ def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     device = weight.device.type
     if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == copy.dtype):
         return weight
-    if version != weight._version:
+    if not torch.compiler.is_compiling() and version != weight._version:
         with torch.no_grad():
             copy.copy_(weight)
         setattr(weight, GEMM_COPY, (copy, weight._version))

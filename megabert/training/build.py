@@ -99,19 +99,21 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
                                                     bucket_elements=run.parallel.ddp_bucket_size,
                                                     overlap_param_gather=run.parallel.overlap_param_gather,
                                                     fp16=t.fp16, clip_grad=run.optim.clip_grad,
-                                                    master_weights=t.bf16 and not t.compile)
+                                                    master_weights=t.bf16)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
-    if t.bf16 and not t.compile:
+    if t.bf16:
         # The linear layers' and the tied decoder's GEMMs take bf16 weights made once per
         # step, fp32 masters kept (megabert.training.precision.MasterWeights).
-        MasterWeights(model).attach(optimizer)
+        master_weights = MasterWeights(model).attach(optimizer)
+    else:
+        master_weights = None
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     reducer = None
     if ps.dp_size > 1 and run.parallel.overlap_grad_reduce:
         params = [p for p in model.parameters() if p.requires_grad]
         reducer = OverlappedGradReducer(params, ps, run.parallel.ddp_bucket_size)
     return LocalStrategy(model, optimizer, ps, runner(), scaler=scaler, clip_grad=run.optim.clip_grad,
-                         reducer=reducer)
+                         reducer=reducer, master_weights=master_weights)
 
 
 def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: TrainingTask,

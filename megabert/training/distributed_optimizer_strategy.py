@@ -30,14 +30,15 @@ class DistributedOptimizerStrategy(LocalStrategy):
     scaler, the norm and the clipping act on this rank's shards (the pieces)."""
 
     def __init__(self, model, dist_opt: DistributedOptimizer, ps, runner, *, scaler: Optional[DynamicLossScaler],
-                 clip_grad: float):
+                 clip_grad: float, master_weights: Optional[MasterWeights] = None):
         super().__init__(model, dist_opt.optimizer, ps, runner, scaler=scaler, clip_grad=clip_grad,
-                         reducer=dist_opt.buffers)
+                         reducer=dist_opt.buffers, master_weights=master_weights)
         self.dist_opt = dist_opt
         self.buffers: ShardedBuffers = dist_opt.buffers  # the reducer, with the parameter all-gathers too
 
     def train_step(self, batches: list[dict]) -> StepResult:
         buffers, pieces, ps = self.buffers, self.dist_opt.tensors, self.ps
+        self.fresh_gemm_copies()
         scale = self.scaler.scale if self.scaler else 1.0
         buffers.start(len(batches))
         metrics = self.runner.forward_backward(batches, scale)
@@ -93,7 +94,8 @@ def build_distributed_optimizer_strategy(model: torch.nn.Module, ps: ParallelSta
         # lazy check in gemm_weight would miss them): the copies are remade per bucket as
         # its gather is waited for, whether at the end of the step or in forward
         # (--overlap-param-gather), so DistributedOptimizerStrategy.train_step needs nothing.
-        MasterWeights(model).attach_gathers(buffers)
+        copies = MasterWeights(model).attach_gathers(buffers)
     dist_opt = DistributedOptimizer(model, cfg, ps, buffers)
     scaler = DynamicLossScaler(cfg) if fp16 else None
-    return DistributedOptimizerStrategy(model, dist_opt, ps, runner, scaler=scaler, clip_grad=clip_grad)
+    return DistributedOptimizerStrategy(model, dist_opt, ps, runner, scaler=scaler, clip_grad=clip_grad,
+                                        master_weights=copies if master_weights else None)

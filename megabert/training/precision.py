@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from megabert.model.heads import VocabParallelDecoder
+from megabert.ops.compile_hints import mark_static_address
 from megabert.tensor_parallel.layers import GEMM_COPY, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -66,20 +67,26 @@ class MasterWeights:
     When the copies are remade: `attach(optimizer)`, after each optimizer step (one
     multi-tensor copy); with the distributed optimizer, `attach_gathers(buffers)`, per bucket
     as its parameter all-gather lands (its optimizer steps views of a flat buffer and the
-    all-gather writes it, neither of which bumps the parameters' version counters that
-    gemm_weight's lazy check reads; with --overlap-param-gather that is in the forward
-    pre-hook that waits for the bucket). Any in-place write to a parameter itself (a
-    checkpoint load) is caught by that lazy check.
+    all-gather writes it, neither of which bumps the parameters' version counters; with
+    --overlap-param-gather that is in the forward pre-hook that waits for the bucket). Any
+    other in-place write to a parameter itself (a checkpoint load) bumps its version, which
+    gemm_weight checks at each use in eager mode; compiled layers cannot read it, so the
+    strategies call `refresh_stale` before each step and each forward-only pass (a look at
+    each master's version, ~100 for BERT-large, no device work unless one is stale).
 
-    Not wired with --compile (the compiled graph casts the weights inside itself) nor
-    DeepSpeed, which needs none: its bf16 mode casts the module's parameters to bf16 (the
-    engine's _configure_distributed_model) and keeps the fp32 masters in its own
+    With --compile the compiled layers trace gemm_weight: the copies enter their graphs as
+    inputs (marked static, so that the CUDA graphs of --compile --pack-sequences read them
+    where they are instead of copying them in at each replay) and the graphs cast no
+    weight. DeepSpeed needs none of this: its bf16 mode casts the module's parameters to
+    bf16 (the engine's _configure_distributed_model) and keeps the fp32 masters in its own
     optimizer, so its GEMMs take bf16 weights with no per-use cast either.
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
         self.masters = gemm_weights(model)
         self.copies = [torch.empty_like(w, dtype=dtype) for w in self.masters]
+        for c in self.copies:
+            mark_static_address(c)
         self._index = {id(w): i for i, w in enumerate(self.masters)}
         self._handles: list = []
         self.refresh()
@@ -96,14 +103,23 @@ class MasterWeights:
         for w, c in zip(masters, copies):
             setattr(w, GEMM_COPY, (c, w._version))
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    @torch.no_grad()
+    def refresh_stale(self) -> None:
+        """Remakes the copies of masters written in place since their copy was made."""
+        stale = [w for w in self.masters if getattr(w, GEMM_COPY)[1] != w._version]
+        if stale:
+            self.refresh(stale)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> "MasterWeights":
         """Refresh after each step of `optimizer`."""
         self._handles.append(optimizer.register_step_post_hook(lambda *_: self.refresh()))
+        return self
 
-    def attach_gathers(self, buffers: ShardedBuffers) -> None:
+    def attach_gathers(self, buffers: ShardedBuffers) -> "MasterWeights":
         """Refresh each bucket's copies as the distributed optimizer's all-gather of it lands
         (ShardedBuffers.register_gather_hook)."""
         self._handles.append(buffers.register_gather_hook(self.refresh))
+        return self
 
     def close(self) -> None:
         for h in self._handles:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -28,6 +28,9 @@ from megabert.optim.clip import guarded_step
 from megabert.optim.grad_scaler import DynamicLossScaler
 from megabert.parallel.param_spec import spec_table, table_to_dict
 from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
+
+if TYPE_CHECKING:
+    from megabert.training.precision import MasterWeights
 
 logger = logging.getLogger(__name__)
 Metrics = dict[str, torch.Tensor]
@@ -160,9 +163,10 @@ class Strategy:
     and `discard_own_files` are megabert.checkpoint's OwnFiles protocol."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ps: ParallelState, runner, *,
-                 scaler: Optional[DynamicLossScaler] = None):
+                 scaler: Optional[DynamicLossScaler] = None, master_weights: Optional["MasterWeights"] = None):
         self.model, self.optimizer, self.ps, self.runner = model, optimizer, ps, runner
         self.scaler = scaler
+        self.master_weights = master_weights  # --bf16's GEMM copies (megabert.training.precision)
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     @property
@@ -178,7 +182,14 @@ class Strategy:
         """What the runner calls: the model, or the wrapper a strategy puts around it."""
         return self.model
 
+    def fresh_gemm_copies(self) -> None:
+        """Before the model runs: --bf16's GEMM copies of masters written since (a checkpoint
+        load) are remade; compiled layers cannot check that themselves."""
+        if self.master_weights is not None:
+            self.master_weights.refresh_stale()
+
     def forward_only(self, batches: list[dict], output_fn: Callable[[Any], T]) -> list[T]:
+        self.fresh_gemm_copies()
         self.module.eval()
         try:
             return self.runner.forward_only(batches, output_fn)
@@ -243,12 +254,13 @@ class LocalStrategy(Strategy):
     overflow check and the foreach optimizers' non-finite check read one flag."""
 
     def __init__(self, model, optimizer, ps, runner, *, scaler: Optional[DynamicLossScaler], clip_grad: float,
-                 reducer: Optional[GradReducer] = None):
-        super().__init__(model, optimizer, ps, runner, scaler=scaler)
+                 reducer: Optional[GradReducer] = None, master_weights: Optional["MasterWeights"] = None):
+        super().__init__(model, optimizer, ps, runner, scaler=scaler, master_weights=master_weights)
         self.clip_grad = clip_grad
         self.reducer = reducer  # None: DP gradients averaged after backward (DP = 1, --no-overlap-grad-reduce)
 
     def train_step(self, batches: list[dict]) -> StepResult:
+        self.fresh_gemm_copies()
         scale = self.scaler.scale if self.scaler else 1.0
         if self.reducer is not None:
             self.reducer.start(len(batches))
