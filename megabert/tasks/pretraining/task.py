@@ -28,36 +28,46 @@ logger = logging.getLogger(__name__)
 
 
 PRETRAINING_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
-# Packed rows only (megabert.data.packing); mlm_positions: pretraining_batches adds it.
+# Packed rows only (megabert.data.packing), but mlm_positions: pretraining_batches adds it.
 PACKED_INPUTS = ("position_ids", "packed_seqlens", "mlm_positions")
 
 
-def mlm_slots_per_row(data: DataConfig) -> int:
-    """The masked positions a packed row has room for (NVIDIA's max_predictions_per_seq, for a
-    row). A sample of n tokens gets max(1, round(--mask-prob x n)) masked positions at most
-    (megabert's masking, NVIDIA's create_pretraining_data.py and LDDL alike), which is at most
-    --mask-prob x n + 1; a row's samples hold at most --seq-length tokens together, so a row
-    holds at most floor(--mask-prob x --seq-length) + --max-samples-per-row. With
+def mlm_slots_per_row(data: DataConfig, packed: bool = True) -> int:
+    """The masked positions a packed row (or, `packed` False, an unpacked row: one sample) has room
+    for (NVIDIA's max_predictions_per_seq, for a row). A sample of n tokens gets
+    max(1, round(--mask-prob x n)) masked positions at most (megabert's masking, NVIDIA's
+    create_pretraining_data.py and LDDL alike), which is at most --mask-prob x n + 1; a row's
+    samples hold at most --seq-length tokens together, so a row holds at most
+    floor(--mask-prob x --seq-length) + --max-samples-per-row (+ 1 unpacked). With
     --max-predictions-per-seq, a sample holds no more than that."""
-    slots = math.floor(data.mask_prob * data.seq_length + 1e-9) + data.max_samples_per_row
+    samples = data.max_samples_per_row if packed else 1
+    slots = math.floor(data.mask_prob * data.seq_length + 1e-9) + samples
     if data.max_predictions_per_seq is not None:
-        slots = min(slots, data.max_samples_per_row * data.max_predictions_per_seq)
+        slots = min(slots, samples * data.max_predictions_per_seq)
     return min(slots, data.seq_length)
 
 
 def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch.device) -> Iterable[dict]:
-    """Packed micro-batches of the fixed-shape step (megabert.model.packed.fixed_shape_packing;
-    logits at the masked positions only) get `mlm_positions` [rows, mlm_slots_per_row]: every
-    tensor of the step then has a shape the flags fix (CUDA graphs, one compilation). BERT's
-    head only (ModernBERT's takes no mlm_positions)."""
-    if not (run.data.pack_sequences and run.model.mlm_logits_at_masked_only and run.model.model_family == "bert"
-            and fixed_shape_packing(device, run.model.unpad_input)):
+    """BERT's micro-batches with logits at the masked positions only get `mlm_positions`
+    [rows, mlm_slots_per_row] (each row's masked positions, computed on the host), which the head
+    reads instead of selecting `labels != -100` with a bool mask (a nonzero(): a host sync per
+    micro-batch on a GPU, four of them with their backward):
+    - packed rows, where they run the fixed-shape step (megabert.model.packed.fixed_shape_packing):
+      every tensor of the step then has a shape the flags fix (CUDA graphs, one compilation);
+    - unpadded... unpacked rows, everywhere: the step's one host sync is then the unpadded
+      encoder's count of real tokens (megabert.model.unpad.TokenLayout).
+    BERT's head only (ModernBERT's takes no mlm_positions)."""
+    if not (run.model.mlm_logits_at_masked_only and run.model.model_family == "bert"):
         return batches
     data = run.data
-    return with_label_positions(batches, mlm_slots_per_row(data), "mlm_positions",
-                                f"the samples were masked at a higher rate than --mask-prob {data.mask_prob} (NVIDIA "
-                                f"shards' masks are used as stored): pass the rate they were masked with as "
-                                f"--mask-prob")
+    too_many = (f"the samples were masked at a higher rate than --mask-prob {data.mask_prob} (NVIDIA shards' "
+                f"masks are used as stored): pass the rate they were masked with as --mask-prob")
+    if data.pack_sequences:
+        if not fixed_shape_packing(device, run.model.unpad_input):
+            return batches
+        return with_label_positions(batches, mlm_slots_per_row(data), "mlm_positions", too_many)
+    return with_label_positions(batches, mlm_slots_per_row(data, packed=False), "mlm_positions", too_many,
+                                packed=False)
 
 
 def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:
