@@ -36,8 +36,13 @@ def _run(model_cfg, data: DataConfig = DATA) -> SimpleNamespace:
     return SimpleNamespace(data=data, model=model_cfg)
 
 
-def _with_slots(batch: dict, model_cfg) -> dict:
-    return next(iter(pretraining_batches([batch], _run(model_cfg), torch.device("cpu"))))
+# pretraining_batches adds the slots to unpacked batches bound for CUDA (unpacked_mlm_slots); the
+# batches themselves are made on the host, and the model runs the same code on the CPU.
+CUDA = torch.device("cuda")
+
+
+def _with_slots(batch: dict, model_cfg, device: torch.device = CUDA) -> dict:
+    return next(iter(pretraining_batches([batch], _run(model_cfg), device)))
 
 
 def _batch(micro: int = 4) -> dict:
@@ -64,6 +69,9 @@ def test_pretraining_batches_add_slots_to_unpacked_batches():
     for row in range(4):
         want = (b["labels"][row] != -100).nonzero().flatten().tolist()
         assert slots[row].tolist() == want + [-1] * (SLOTS - len(want))
+    # the CPU's default keeps the bool masks (the empty slots cost more there than a wait)
+    assert "mlm_positions" not in _with_slots(b, _cfg(unpad_input=True, mlm_logits_at_masked_only=True),
+                                              torch.device("cpu"))
     # full logits, or ModernBERT's head: nothing to add
     assert "mlm_positions" not in _with_slots(b, _cfg(unpad_input=True))
     modern = dataclasses.replace(_cfg(mlm_logits_at_masked_only=True), model_family="modernbert")
@@ -169,15 +177,15 @@ def test_slots_step_equals_the_bool_mask_step_at_tp2(tmp_path, backend):
 
 
 def _trainer_step(rank, world, argv, slots, out):
-    """One pretrain_bert.py step (the trainer, PP=2's schedule); without `slots`, the batches as
-    they were before pretraining_batches added them."""
+    """One pretrain_bert.py step (the trainer, PP=2's schedule) on the batches CUDA gets (with
+    `slots`) or the CPU gets (without)."""
     import megabert.tasks.pretraining.task as task
     from tests.helpers.train_utils import build_trainer
 
     seen, original = [], task.pretraining_batches
 
     def batches_as_handed(b, run, device):  # with slots: pretraining_batches', else as they come
-        for batch in (original(b, run, device) if slots else b):
+        for batch in (original(b, run, CUDA) if slots else b):  # the model on the CPU, CUDA's batches
             seen.append("mlm_positions" in batch)
             yield batch
 
@@ -236,3 +244,41 @@ def test_unpacked_default_step_has_one_data_dependent_op(monkeypatch):
     assert seen(slotted) == ["aten.nonzero.default"]
     before = seen(plain)
     assert before.count("aten.nonzero.default") == 1 and len(before) == 5, before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_cuda_unpacked_step_waits_once_per_micro_batch(backend):
+    """On a GPU, counted by torch's sync debug mode (every wait for the device): forward, loss and
+    backward of an unpacked micro-batch with the slots wait once (TokenLayout's count of real
+    tokens), the bool-mask step five times; loss and every gradient equal (fp32, dropout 0)."""
+    import warnings
+
+    megabert.init_parallel()
+    cfg = _cfg(unpad_input=True, mlm_logits_at_masked_only=True)
+    cfg.attention_backend = backend
+    model = BertForPreTraining(cfg, seed=3, device="cuda")
+    plain = {k: v.cuda() for k, v in _batch().items()}
+    slotted = {k: v.cuda() for k, v in _with_slots(_batch(), cfg).items()}
+    counts = (plain["labels"] != -100).sum().float(), torch.tensor(4.0, device="cuda")
+
+    def step(batch):
+        model.zero_grad()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = model(**batch)
+                loss = out.mlm_loss_sum / counts[0] + out.nsp_loss_sum / counts[1]
+                loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        waits = [w for w in caught if "synchroniz" in str(w.message)]
+        return len(waits), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (waits, loss, grads), (ref_waits, ref_loss, ref_grads) = step(slotted), step(plain)
+    assert (waits, ref_waits) == (1, 5)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=0, msg=n)

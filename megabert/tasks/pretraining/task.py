@@ -47,15 +47,25 @@ def mlm_slots_per_row(data: DataConfig, packed: bool = True) -> int:
     return min(slots, data.seq_length)
 
 
+def unpacked_mlm_slots(device: torch.device) -> bool:
+    """Whether unpacked micro-batches get `mlm_positions` (pretraining_batches): on CUDA, where the
+    bool-mask selection of the masked positions waits for the device four times per micro-batch
+    (three nonzero() in forward, one in backward). Not on the CPU, where a wait costs nothing and
+    the slots left empty do: the head and the last layer compute b x (floor(--mask-prob x
+    --seq-length) + 1) rows instead of the masked ones, 7% of bench/pretrain.py's step at seq 512
+    on the long corpus, 24% at its seq 128 default (docs/performance.md)."""
+    return device.type == "cuda"
+
+
 def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch.device) -> Iterable[dict]:
     """BERT's micro-batches with logits at the masked positions only get `mlm_positions`
     [rows, mlm_slots_per_row] (each row's masked positions, computed on the host), which the head
-    reads instead of selecting `labels != -100` with a bool mask (a nonzero(): a host sync per
-    micro-batch on a GPU, four of them with their backward):
+    reads instead of selecting `labels != -100` with a bool mask (a nonzero(): a host sync on a
+    GPU, four per micro-batch with their backward):
     - packed rows, where they run the fixed-shape step (megabert.model.packed.fixed_shape_packing):
       every tensor of the step then has a shape the flags fix (CUDA graphs, one compilation);
-    - unpadded... unpacked rows, everywhere: the step's one host sync is then the unpadded
-      encoder's count of real tokens (megabert.model.unpad.TokenLayout).
+    - unpacked rows on CUDA (unpacked_mlm_slots): the unpadded encoder's step then waits for the
+      device once per micro-batch, for its count of real tokens (megabert.model.unpad.TokenLayout).
     BERT's head only (ModernBERT's takes no mlm_positions)."""
     if not (run.model.mlm_logits_at_masked_only and run.model.model_family == "bert"):
         return batches
@@ -66,6 +76,8 @@ def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch
         if not fixed_shape_packing(device, run.model.unpad_input):
             return batches
         return with_label_positions(batches, mlm_slots_per_row(data), "mlm_positions", too_many)
+    if not unpacked_mlm_slots(device):
+        return batches
     return with_label_positions(batches, mlm_slots_per_row(data, packed=False), "mlm_positions", too_many,
                                 packed=False)
 
