@@ -1,8 +1,10 @@
 """MLM slots for unpacked batches (issue 41: "the step must have no host synchronisation").
 
-pretrain_bert.py hands the model each row's masked positions as fixed slots (`mlm_positions`,
-computed on the host: megabert.data.packing.label_positions), for unpacked rows as for packed
-ones. The head reads those slots, and the unpadded encoder's last layer maps them to its rows of
+On CUDA pretrain_bert.py hands the model each row's masked positions as fixed slots
+(`mlm_positions`, computed on the host: megabert.data.packing.label_positions), for unpacked
+rows as for packed ones (the CPU keeps the bool masks: unpacked_mlm_slots; the model runs the
+same code on either device, so these tests give the CPU's model CUDA's batches). The head reads
+those slots, and the unpadded encoder's last layer maps them to its rows of
 [T, h] by arithmetic (TokenLayout.head_rows) instead of selecting `labels != -100` with a bool
 mask (a nonzero() each: a host sync on a GPU). The step with the slots equals the bool-mask step
 (fp32, dropout 0): loss and every gradient, at TP=1, TP=2 and PP=2; and its forward, loss and
