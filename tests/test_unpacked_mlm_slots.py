@@ -204,12 +204,14 @@ def _trainer_step(rank, world, argv, slots, out):
     torch.save({"metrics": metrics, "params": params}, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("argv", [["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]],
-                         ids=["pp2", "tp2"])
+@pytest.mark.parametrize("argv", [["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
+                                  ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+                         ids=["pp2", "tp2", "tp2-sp"])
 def test_trainer_step_with_slots_equals_the_bool_mask_step(tmp_path, argv):
-    """pretrain_bert.py's step (unpadded encoder, logits at masked positions: its defaults) with
-    the slots it now adds, against the same step on the batches without them: the logged losses,
-    the gradient norm and every parameter after the update, on each rank."""
+    """pretrain_bert.py's step (unpadded encoder, logits at masked positions: its defaults; the
+    padded encoder under --sequence-parallel, which the unpadded one does not combine with) with
+    the slots it now adds on CUDA, against the same step on the batches without them: the logged
+    losses, the gradient norm and every parameter after the update, on each rank."""
     run_distributed(_trainer_step, 2, argv, False, str(tmp_path / "a"))
     run_distributed(_trainer_step, 2, argv, True, str(tmp_path / "b"))
     for rank in range(2):
