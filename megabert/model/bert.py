@@ -92,8 +92,9 @@ class BertBackbone(nn.Module):
         """Chunk v of this rank: [s, b, h] -> [s, b, h]. Global chunk 0 starts from the
         embeddings of `input_ids`; the model's last chunk returns (sequence [s, b, h]
         gathered over sequence-parallel ranks, pooled [b, h] or None). `head_positions`
-        ([b, s] bool, or None for all): the positions the heads read; with the unpadded
-        encoder the last layer computes only those, and the sequence is zero elsewhere.
+        ([b, s] bool, or None for all; or int64 [b, k], -1 for none: TokenLayout.head_rows): the
+        positions the heads read; with the unpadded encoder the last layer computes only those,
+        and the sequence is zero elsewhere.
         Packed rows (megabert.model.packed): `packed_seqlens` [b, cap] and `position_ids`
         [b, s]; attention stays inside each sample and pooled is [b * cap, h], one [CLS] per slot."""
         if self.stage.is_first_chunk(v):
@@ -118,10 +119,11 @@ class BertBackbone(nn.Module):
         # The heads of pre-training read [CLS] and the masked positions (~15% of tokens): the
         # last layer's projection, MLP, LayerNorms and dropout run on those rows alone.
         layer_ids = self.stage.chunk_layers(v)
-        rows = tokens.rows_at(head_positions) if last and tokens is not None and head_positions is not None \
-            and len(layer_ids) > 0 else None
-        if rows is not None and not tokens.fixed_shape:
-            maybe_mark_dynamic(rows, 0)  # as T: a compiled last layer takes any number of rows
+        rows = keep = None
+        if last and tokens is not None and head_positions is not None and len(layer_ids) > 0:
+            rows, keep = tokens.head_rows(head_positions)
+            if head_positions.dtype == torch.bool and not tokens.fixed_shape:
+                maybe_mark_dynamic(rows, 0)  # as T: a compiled last layer takes any number of rows
         if packed_seqlens is None:
             mask = attention_mask_to_bool(attention_mask)
         elif tokens is not None and self.ctx.attention_backend == "varlen":
@@ -130,7 +132,7 @@ class BertBackbone(nn.Module):
             mask = block_diagonal_mask(packed_seqlens, attention_mask.size(1))
         x = self.encoder(hidden, mask, layer_ids, apply_final_layernorm=last, tokens=tokens, rows=rows)
         if tokens is not None:
-            x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows)
+            x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows, keep)
         if not last:
             return x
         if self.ctx.sequence_parallel:
@@ -236,8 +238,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         raise NotImplementedError
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
-        """[b, s] bool: the only positions of the sequence output that `head` reads, or None
-        (it reads them all)."""
+        """[b, s] bool (or int64 [b, k] positions, -1 for none: TokenLayout.head_rows): the only
+        positions of the sequence output that `head` reads, or None (it reads them all)."""
         return None
 
     def _whole_model_forward(self, batch: dict):

@@ -106,3 +106,15 @@ def head_positions(packed_seqlens: torch.Tensor, mlm_positions: torch.Tensor, se
     positions = torch.arange(seq_length, device=packed_seqlens.device).expand_as(wanted)
     key = torch.where(wanted, positions, positions + seq_length)  # the wanted positions sort first
     return key.sort(dim=1).values[:, :k] % seq_length
+
+
+def unpacked_head_positions(mlm_positions: torch.Tensor, cls: bool) -> torch.Tensor:
+    """int64 [b, k]: the positions the heads read in unpacked rows (one sample each) given their
+    `mlm_positions` [b, slots]: [CLS] (position 0, the pooler's) when `cls`, then the masked
+    positions; -1 where there is none (an empty slot, or the [CLS] column when [CLS] is itself
+    masked: each position once). k = slots (+ 1): fixed by the flags, with no nonzero() (the
+    unpadded encoder maps them to its rows: megabert.model.unpad.TokenLayout.head_rows)."""
+    if not cls:
+        return mlm_positions
+    first = mlm_positions[:, :1]  # ascending: a masked [CLS] is the first slot
+    return torch.cat([torch.where(first == 0, -1, torch.zeros_like(first)), mlm_positions], 1)

@@ -111,7 +111,30 @@ class TokenLayout:
         row_of = self._real.cumsum(0) - 1  # [b * s]: a real token's row in T
         return row_of[positions.reshape(-1) & self._real]
 
-    def pad_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """[n, ...] holding rows `rows` of [T, ...] -> [s, b, ...], zeros everywhere else."""
+    def head_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(rows, keep): the rows of [T, ...] the last layer computes for the heads, and which of
+        them pad_rows puts back (None: all). `positions` as rows_at takes them, or, for any
+        layout, int64 [b, k] of each row's positions with -1 for none (unpacked_head_positions
+        in megabert.model.packed): [b * k] rows, a shape the flags fix, with no nonzero() (a host
+        sync on a GPU). A real token's row is the count of real tokens before it; a -1, or a
+        padding position (no row), reads its row's position 0 and is not kept, so that each kept
+        row is a distinct real token and its gradient flows back once."""
+        if positions.dtype == torch.bool or self.fixed_shape:
+            return self.rows_at(positions), None
+        flat = torch.arange(self.b, device=positions.device)[:, None] * self.s + positions.clamp(min=0)
+        flat = flat.reshape(-1)  # [b * k] into the batch-major [b * s]
+        keep = (positions.reshape(-1) >= 0) & self._real.index_select(0, flat)
+        row_of = (self._real.cumsum(0) - 1).clamp(min=0)  # a row with no real token: clamped, not kept
+        return row_of.index_select(0, flat), keep
+
+    def pad_rows(self, x: torch.Tensor, rows: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[n, ...] holding rows `rows` of [T, ...] -> [s, b, ...], zeros everywhere else. `keep`
+        (bool [n], head_rows): only those rows are put back, the others (repeats) add zeros and
+        take no gradient."""
         out = x.new_zeros(self.s * self.b, *x.shape[1:])
-        return out.index_copy(0, self.indices.index_select(0, rows), x).reshape(self.s, self.b, *x.shape[1:])
+        at = self.indices.index_select(0, rows)
+        if keep is None:
+            return out.index_copy(0, at, x).reshape(self.s, self.b, *x.shape[1:])
+        # Repeated rows may share an index: added as exact zeros, they leave the kept row as it is.
+        kept = torch.where(keep.view(-1, *(1,) * (x.dim() - 1)), x, torch.zeros((), dtype=x.dtype, device=x.device))
+        return out.index_add(0, at, kept).reshape(self.s, self.b, *x.shape[1:])

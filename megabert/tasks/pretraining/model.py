@@ -12,7 +12,8 @@ from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead, head_linear
 from megabert.model.outputs import ModelOutput
-from megabert.model.packed import cls_positions_mask, fixed_shape_packing, gather_labelled, head_positions
+from megabert.model.packed import (cls_positions_mask, fixed_shape_packing, gather_labelled, head_positions,
+                                   unpacked_head_positions)
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
@@ -95,10 +96,11 @@ class BertForPreTraining(BertPreTrainedModel):
     (megabert.data.packing) add position_ids [b, s] and packed_seqlens [b, cap], and take
     next_sentence_label [b, cap] (-100 in empty slots); nsp_logits are then [b * cap, 2]. With
     `mlm_logits_at_masked_only` and labels, logits are computed only where labels != -100
-    and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab]. Packed
-    rows with `mlm_positions` [b, slots] (each row's masked positions, -1 in empty slots:
-    megabert.data.packing.label_positions) compute them at those slots instead: `mlm_logits` is
-    [b * slots, vocab], `mlm_labels` -100 in empty slots, and no shape depends on the data.
+    and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab]. Rows,
+    packed or not, with `mlm_positions` [b, slots] (each row's masked positions, -1 in empty slots:
+    megabert.data.packing.label_positions; pretrain_bert.py's batches have them) compute them at
+    those slots instead: `mlm_logits` is [b * slots, vocab], `mlm_labels` -100 in empty slots, no
+    shape depends on the data and no bool mask selects them (a nonzero(): a host sync on a GPU).
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
@@ -124,24 +126,27 @@ class BertForPreTraining(BertPreTrainedModel):
                                               packed_seqlens=packed_seqlens, mlm_positions=mlm_positions))
 
     def _fixed_slots(self, batch: dict) -> Optional[torch.Tensor]:
-        """mlm_positions where the head reads the masked LM at fixed slots (packed rows, logits at
-        masked positions only, labels given), else None."""
+        """mlm_positions where the head reads the masked LM at fixed slots (logits at masked
+        positions only, labels and mlm_positions given), else None."""
         if not self.config.mlm_logits_at_masked_only or batch.get("labels") is None:
             return None
-        return batch.get("mlm_positions") if batch.get("packed_seqlens") is not None else None
+        return batch.get("mlm_positions")
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
-        """With logits at masked positions only: those positions and [CLS] (the pooler's); for
-        packed rows with mlm_positions, int64 [b, k] positions of each row (a fixed k)."""
+        """With logits at masked positions only: those positions and [CLS] (the pooler's). With
+        mlm_positions, int64 [b, k] positions of each row (a fixed k, no nonzero()): packed rows
+        on the fixed-shape path (head_positions), unpacked rows (unpacked_head_positions, -1 for
+        none)."""
         labels = batch.get("labels")
         if not self.config.mlm_logits_at_masked_only or labels is None:
             return None
-        slots = self._fixed_slots(batch)
+        slots, packed = self._fixed_slots(batch), batch.get("packed_seqlens")
+        if slots is not None and packed is None:
+            return unpacked_head_positions(slots, cls=self.bert.pooler is not None)
         if slots is not None and fixed_shape_packing(labels.device, self.config.unpad_input):
-            return head_positions(batch["packed_seqlens"], slots, labels.size(1))
+            return head_positions(packed, slots, labels.size(1))
         positions = labels != -100
         if self.bert.pooler is not None:
-            packed = batch.get("packed_seqlens")
             if packed is not None:
                 positions = positions | cls_positions_mask(packed, labels.size(1))  # each sample's [CLS]
             else:
