@@ -287,20 +287,33 @@ def label_positions(labels: np.ndarray, slots: int) -> np.ndarray:
     return np.where(order < labels.shape[1], order, -1).astype(np.int64)
 
 
-def with_label_positions(batches: Iterable[dict], slots: int, key: str, too_many: str,
-                         packed: bool = True) -> Iterator[dict]:
-    """Micro-batches with `key` = label_positions(labels, slots) added, on the host (no device
-    sync): the packed ones (those with packed_seqlens), or with `packed` False the unpacked ones
-    (a row is one sample); the others pass as they are. A row with more labelled positions than
-    `slots` stops the run with `too_many` (what to change)."""
+def with_label_positions(batches: Iterable[dict], slots: int, key: str, too_many: str) -> Iterator[dict]:
+    """Packed micro-batches (those with packed_seqlens; others pass as they are) with
+    `key` = label_positions(labels, slots) added, on the host (no device sync). A row with more
+    labelled positions than `slots` stops the run with `too_many` (what to change)."""
     for batch in batches:
-        if ("packed_seqlens" in batch) == packed:
+        if "packed_seqlens" in batch:
             labels = np.asarray(batch["labels"])
             positions = label_positions(labels, slots)
             if positions is None:
                 most = int((labels != IGNORE).sum(1).max())
-                what, row = ("a packed row", "a row") if packed else ("a sample", "a sample")
-                raise DataError(f"{what} holds {most} masked positions, more than the {slots} slots {row} has: "
-                                f"{too_many}")
+                raise DataError(f"a packed row holds {most} masked positions, more than the {slots} slots a row "
+                                f"has: {too_many}")
             batch = {**batch, key: torch.from_numpy(positions)}
+        yield batch
+
+
+def flat_label_positions(labels: np.ndarray) -> np.ndarray:
+    """int64 [n]: row x seq + column of every label that is not -100, row-major (the order of
+    labels[labels != -100]): exactly the labelled positions, however many a row holds."""
+    return np.flatnonzero(labels != IGNORE).astype(np.int64)
+
+
+def with_flat_label_positions(batches: Iterable[dict], key: str) -> Iterator[dict]:
+    """Unpacked micro-batches (without packed_seqlens; others pass as they are) with `key` =
+    flat_label_positions(labels) added, on the host: its length, the number of labelled
+    positions, is then known without reading the device."""
+    for batch in batches:
+        if "packed_seqlens" not in batch:
+            batch = {**batch, key: torch.from_numpy(flat_label_positions(np.asarray(batch["labels"])))}
         yield batch

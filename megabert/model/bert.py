@@ -92,9 +92,9 @@ class BertBackbone(nn.Module):
         """Chunk v of this rank: [s, b, h] -> [s, b, h]. Global chunk 0 starts from the
         embeddings of `input_ids`; the model's last chunk returns (sequence [s, b, h]
         gathered over sequence-parallel ranks, pooled [b, h] or None). `head_positions`
-        ([b, s] bool, or None for all; or int64 [b, k], -1 for none: TokenLayout.head_rows): the
-        positions the heads read; with the unpadded encoder the last layer computes only those,
-        and the sequence is zero elsewhere.
+        ([b, s] bool, or None for all; or int64 positions: TokenLayout.head_rows): the positions
+        the heads read; with the unpadded encoder the last layer computes only those, and the
+        sequence is zero elsewhere.
         Packed rows (megabert.model.packed): `packed_seqlens` [b, cap] and `position_ids`
         [b, s]; attention stays inside each sample and pooled is [b * cap, h], one [CLS] per slot."""
         if self.stage.is_first_chunk(v):
@@ -122,7 +122,7 @@ class BertBackbone(nn.Module):
         rows = keep = None
         if last and tokens is not None and head_positions is not None and len(layer_ids) > 0:
             rows, keep = tokens.head_rows(head_positions)
-            if head_positions.dtype == torch.bool and not tokens.fixed_shape:
+            if not tokens.fixed_shape:
                 maybe_mark_dynamic(rows, 0)  # as T: a compiled last layer takes any number of rows
         if packed_seqlens is None:
             mask = attention_mask_to_bool(attention_mask)
@@ -238,8 +238,9 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         raise NotImplementedError
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
-        """[b, s] bool (or int64 [b, k] positions, -1 for none: TokenLayout.head_rows): the only
-        positions of the sequence output that `head` reads, or None (it reads them all)."""
+        """[b, s] bool (or int64 positions: [b, k] of each row on packed rows' fixed-shape path, [n]
+        of row x s + column otherwise, -1 for none: TokenLayout.head_rows): the only positions of
+        the sequence output that `head` reads, or None (it reads them all)."""
         return None
 
     def _whole_model_forward(self, batch: dict):

@@ -13,6 +13,10 @@ the device from that fixed-shape tensor, with no host value, so a packed step ke
   row's masked positions, -1 in empty slots, as NVIDIA's masked_lm_positions), a fixed
   [b * slots] of rows whose empty slots have label -100, and the last layer computes the rows
   the heads read as a fixed [b, k] of positions (head_positions).
+
+Unpacked rows need no fixed shape (the unpadded encoder's token count follows the data anyway):
+their masked LM reads exactly the masked positions, `mlm_flat_positions` [n] given by the host
+(flat_head_positions, gather_flat), with no empty slot and no bool mask.
 """
 from __future__ import annotations
 
@@ -108,13 +112,25 @@ def head_positions(packed_seqlens: torch.Tensor, mlm_positions: torch.Tensor, se
     return key.sort(dim=1).values[:, :k] % seq_length
 
 
-def unpacked_head_positions(mlm_positions: torch.Tensor, cls: bool) -> torch.Tensor:
-    """int64 [b, k]: the positions the heads read in unpacked rows (one sample each) given their
-    `mlm_positions` [b, slots]: [CLS] (position 0, the pooler's) when `cls`, then the masked
-    positions; -1 where there is none (an empty slot, or the [CLS] column when [CLS] is itself
-    masked: each position once). k = slots (+ 1): fixed by the flags, with no nonzero() (the
-    unpadded encoder maps them to its rows: megabert.model.unpad.TokenLayout.head_rows)."""
+def flat_head_positions(mlm_flat_positions: torch.Tensor, labels: torch.Tensor, cls: bool) -> torch.Tensor:
+    """int64 [(b +) n]: the positions, as row x s + column, that the heads read in unpacked rows
+    (one sample each) given the masked ones (`mlm_flat_positions` [n],
+    megabert.data.packing.flat_label_positions): each row's [CLS] (position 0, the pooler's) when
+    `cls`, then the masked positions; -1 for a [CLS] that is itself masked (each position once).
+    No nonzero(): n is the host tensor's length (the unpadded encoder maps them to its rows:
+    megabert.model.unpad.TokenLayout.head_rows)."""
     if not cls:
-        return mlm_positions
-    first = mlm_positions[:, :1]  # ascending: a masked [CLS] is the first slot
-    return torch.cat([torch.where(first == 0, -1, torch.zeros_like(first)), mlm_positions], 1)
+        return mlm_flat_positions
+    b, s = labels.shape
+    starts = torch.arange(b, device=labels.device) * s
+    return torch.cat([torch.where(labels[:, 0] != -100, -1, starts), mlm_flat_positions])
+
+
+def gather_flat(sequence: torch.Tensor, labels: torch.Tensor, mlm_flat_positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [n, h], target [n]) at `mlm_flat_positions` [n] (row x s + column, row-major):
+    what sequence.transpose(0, 1)[labels != -100] and labels[labels != -100] select, in the same
+    order, by index (a bool mask is a nonzero(): a host sync on a GPU)."""
+    s, b = sequence.shape[:2]
+    at = (mlm_flat_positions % s) * b + mlm_flat_positions // s  # the same positions in [s, b]
+    return sequence.reshape(s * b, *sequence.shape[2:]).index_select(0, at), labels.reshape(-1).index_select(0, mlm_flat_positions)

@@ -114,17 +114,19 @@ class TokenLayout:
     def head_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(rows, keep): the rows of [T, ...] the last layer computes for the heads, and which of
         them pad_rows puts back (None: all). `positions` as rows_at takes them, or, for any
-        layout, int64 [b, k] of each row's positions with -1 for none (unpacked_head_positions
-        in megabert.model.packed): [b * k] rows, a shape the flags fix, with no nonzero() (a host
-        sync on a GPU). A real token's row is the count of real tokens before it; a -1, or a
-        padding position (no row), reads its row's position 0 and is not kept, so that each kept
+        layout, int64 [n] positions of the batch-major [b * s] (row x s + column) with -1 for none
+        (megabert.model.packed.flat_head_positions): [n] rows, a count the host knows, with no
+        nonzero() (a host sync on a GPU). A real token's row is the count of real tokens before
+        it; a -1, or a padding position (no row), reads row 0 and is not kept, so that each kept
         row is a distinct real token and its gradient flows back once."""
         if positions.dtype == torch.bool or self.fixed_shape:
             return self.rows_at(positions), None
-        flat = torch.arange(self.b, device=positions.device)[:, None] * self.s + positions.clamp(min=0)
-        flat = flat.reshape(-1)  # [b * k] into the batch-major [b * s]
-        keep = (positions.reshape(-1) >= 0) & self._real.index_select(0, flat)
-        row_of = (self._real.cumsum(0) - 1).clamp(min=0)  # a row with no real token: clamped, not kept
+        if positions.dim() != 1:
+            raise ValueError(f"TokenLayout.head_rows: int positions are flat ([n], row x s + column), not "
+                             f"{tuple(positions.shape)}")
+        flat = positions.clamp(min=0)
+        keep = (positions >= 0) & self._real.index_select(0, flat)
+        row_of = (self._real.cumsum(0) - 1).clamp(min=0)  # before the first real token: clamped, not kept
         return row_of.index_select(0, flat), keep
 
     def pad_rows(self, x: torch.Tensor, rows: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -12,8 +12,8 @@ from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead, head_linear
 from megabert.model.outputs import ModelOutput
-from megabert.model.packed import (cls_positions_mask, fixed_shape_packing, gather_labelled, head_positions,
-                                   unpacked_head_positions)
+from megabert.model.packed import (cls_positions_mask, fixed_shape_packing, flat_head_positions, gather_flat,
+                                   gather_labelled, head_positions)
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
@@ -96,11 +96,14 @@ class BertForPreTraining(BertPreTrainedModel):
     (megabert.data.packing) add position_ids [b, s] and packed_seqlens [b, cap], and take
     next_sentence_label [b, cap] (-100 in empty slots); nsp_logits are then [b * cap, 2]. With
     `mlm_logits_at_masked_only` and labels, logits are computed only where labels != -100
-    and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab]. Rows,
-    packed or not, with `mlm_positions` [b, slots] (each row's masked positions, -1 in empty slots:
-    megabert.data.packing.label_positions; pretrain_bert.py's batches have them) compute them at
-    those slots instead: `mlm_logits` is [b * slots, vocab], `mlm_labels` -100 in empty slots, no
-    shape depends on the data and no bool mask selects them (a nonzero(): a host sync on a GPU).
+    and `mlm_logits` is [n_masked, vocab]; without labels they are full [b, s, vocab]. No bool
+    mask need select them (a nonzero(): a host sync on a GPU): pretrain_bert.py's batches carry
+    the masked positions, computed on the host. Packed rows with `mlm_positions` [b, slots]
+    (each row's masked positions, -1 in empty slots: megabert.data.packing.label_positions)
+    compute them at those slots: `mlm_logits` is [b * slots, vocab], `mlm_labels` -100 in empty
+    slots, and no shape depends on the data. Unpacked rows with `mlm_flat_positions` [n_masked]
+    (row x s + column of each: megabert.data.packing.flat_label_positions) compute exactly the
+    bool mask's rows, in its order.
     """
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
@@ -119,32 +122,36 @@ class BertForPreTraining(BertPreTrainedModel):
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 next_sentence_label: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 packed_seqlens: Optional[torch.Tensor] = None,
-                mlm_positions: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
+                mlm_positions: Optional[torch.Tensor] = None,
+                mlm_flat_positions: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
         return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
                                               attention_mask=attention_mask, labels=labels,
                                               next_sentence_label=next_sentence_label, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens, mlm_positions=mlm_positions))
+                                              packed_seqlens=packed_seqlens, mlm_positions=mlm_positions,
+                                              mlm_flat_positions=mlm_flat_positions))
 
-    def _fixed_slots(self, batch: dict) -> Optional[torch.Tensor]:
-        """mlm_positions where the head reads the masked LM at fixed slots (logits at masked
-        positions only, labels and mlm_positions given), else None."""
+    def _given_positions(self, batch: dict) -> Optional[torch.Tensor]:
+        """The masked positions the batch gives, where the head reads the masked LM at them (logits
+        at masked positions only, labels given): packed rows' mlm_positions [b, slots], unpacked
+        rows' mlm_flat_positions [n]; else None."""
         if not self.config.mlm_logits_at_masked_only or batch.get("labels") is None:
             return None
-        return batch.get("mlm_positions")
+        return batch.get("mlm_positions" if batch.get("packed_seqlens") is not None else "mlm_flat_positions")
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
-        """With logits at masked positions only: those positions and [CLS] (the pooler's). With
-        mlm_positions, int64 [b, k] positions of each row (a fixed k, no nonzero()): packed rows
-        on the fixed-shape path (head_positions), unpacked rows (unpacked_head_positions, -1 for
-        none)."""
+        """With logits at masked positions only: those positions and [CLS] (the pooler's), with no
+        nonzero() where the batch gives them: for packed rows on the fixed-shape path with
+        mlm_positions, int64 [b, k] positions of each row (a fixed k: head_positions); for
+        unpacked rows with mlm_flat_positions, int64 [b + n] of row x s + column
+        (flat_head_positions)."""
         labels = batch.get("labels")
         if not self.config.mlm_logits_at_masked_only or labels is None:
             return None
-        slots, packed = self._fixed_slots(batch), batch.get("packed_seqlens")
-        if slots is not None and packed is None:
-            return unpacked_head_positions(slots, cls=self.bert.pooler is not None)
-        if slots is not None and fixed_shape_packing(labels.device, self.config.unpad_input):
-            return head_positions(packed, slots, labels.size(1))
+        given, packed = self._given_positions(batch), batch.get("packed_seqlens")
+        if given is not None and packed is None:
+            return flat_head_positions(given, labels, cls=self.bert.pooler is not None)
+        if given is not None and fixed_shape_packing(labels.device, self.config.unpad_input):
+            return head_positions(packed, given, labels.size(1))
         positions = labels != -100
         if self.bert.pooler is not None:
             if packed is not None:
@@ -160,9 +167,11 @@ class BertForPreTraining(BertPreTrainedModel):
         if next_sentence_label is not None:
             next_sentence_label = next_sentence_label.view(-1)  # [b, 1] is accepted too, as in transformers
         hidden, target = sequence.transpose(0, 1), labels  # [b, s, h]
-        slots = self._fixed_slots(batch)
-        if slots is not None:
-            hidden, target = gather_labelled(sequence, labels, slots)  # [b * slots, h], [b * slots]
+        given = self._given_positions(batch)
+        if given is not None and batch.get("packed_seqlens") is not None:
+            hidden, target = gather_labelled(sequence, labels, given)  # [b * slots, h], [b * slots]
+        elif given is not None:
+            hidden, target = gather_flat(sequence, labels, given)  # [n, h], [n]
         elif cfg.mlm_logits_at_masked_only and labels is not None:
             selected = labels != -100
             hidden, target = hidden[selected], labels[selected]  # [n, h], [n]

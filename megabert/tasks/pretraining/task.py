@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from megabert.config import DataConfig
-from megabert.data.packing import with_label_positions
+from megabert.data.packing import with_flat_label_positions, with_label_positions
 from megabert.model import ModernBertForMaskedLM
 from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
@@ -28,58 +28,48 @@ logger = logging.getLogger(__name__)
 
 
 PRETRAINING_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
-# Packed rows only (megabert.data.packing), but mlm_positions: pretraining_batches adds it.
-PACKED_INPUTS = ("position_ids", "packed_seqlens", "mlm_positions")
+# Packed rows only (megabert.data.packing), but the masked positions: pretraining_batches adds them
+# (mlm_positions to packed rows, mlm_flat_positions to unpacked ones).
+PACKED_INPUTS = ("position_ids", "packed_seqlens", "mlm_positions", "mlm_flat_positions")
 
 
-def mlm_slots_per_row(data: DataConfig, packed: bool = True) -> int:
-    """The masked positions a packed row (or, `packed` False, an unpacked row: one sample) has room
-    for (NVIDIA's max_predictions_per_seq, for a row). A sample of n tokens gets
-    max(1, round(--mask-prob x n)) masked positions at most (megabert's masking, NVIDIA's
-    create_pretraining_data.py and LDDL alike), which is at most --mask-prob x n + 1; a row's
-    samples hold at most --seq-length tokens together, so a row holds at most
-    floor(--mask-prob x --seq-length) + --max-samples-per-row (+ 1 unpacked). With
+def mlm_slots_per_row(data: DataConfig) -> int:
+    """The masked positions a packed row has room for (NVIDIA's max_predictions_per_seq, for a
+    row). A sample of n tokens gets max(1, round(--mask-prob x n)) masked positions at most
+    (megabert's masking, NVIDIA's create_pretraining_data.py and LDDL alike), which is at most
+    --mask-prob x n + 1; a row's samples hold at most --seq-length tokens together, so a row
+    holds at most floor(--mask-prob x --seq-length) + --max-samples-per-row. With
     --max-predictions-per-seq, a sample holds no more than that."""
-    samples = data.max_samples_per_row if packed else 1
+    samples = data.max_samples_per_row
     slots = math.floor(data.mask_prob * data.seq_length + 1e-9) + samples
     if data.max_predictions_per_seq is not None:
         slots = min(slots, samples * data.max_predictions_per_seq)
     return min(slots, data.seq_length)
 
 
-def unpacked_mlm_slots(device: torch.device) -> bool:
-    """Whether unpacked micro-batches get `mlm_positions` (pretraining_batches): on CUDA, where the
-    bool-mask selection of the masked positions waits for the device four times per micro-batch
-    (three nonzero() in forward, one in backward). Not on the CPU, where a wait costs nothing and
-    the slots left empty do: the head and the last layer compute b x (floor(--mask-prob x
-    --seq-length) + 1) rows instead of the masked ones, 7% of bench/pretrain.py's step at seq 512
-    on the long corpus, 24% at its seq 128 default (docs/performance.md)."""
-    return device.type == "cuda"
-
-
 def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch.device) -> Iterable[dict]:
-    """BERT's micro-batches with logits at the masked positions only get `mlm_positions`
-    [rows, mlm_slots_per_row] (each row's masked positions, computed on the host), which the head
-    reads instead of selecting `labels != -100` with a bool mask (a nonzero(): a host sync on a
-    GPU, four per micro-batch with their backward):
+    """BERT's micro-batches with logits at the masked positions only get the masked positions,
+    computed on the host, which the head reads instead of selecting `labels != -100` with a bool
+    mask (a nonzero(): a host sync on a GPU, four per micro-batch with their backward):
     - packed rows, where they run the fixed-shape step (megabert.model.packed.fixed_shape_packing):
-      every tensor of the step then has a shape the flags fix (CUDA graphs, one compilation);
-    - unpacked rows on CUDA (unpacked_mlm_slots): the unpadded encoder's step then waits for the
-      device once per micro-batch, for its count of real tokens (megabert.model.unpad.TokenLayout).
-    BERT's head only (ModernBERT's takes no mlm_positions)."""
+      `mlm_positions` [rows, mlm_slots_per_row], so that every tensor of the step has a shape the
+      flags fix (CUDA graphs, one compilation);
+    - unpacked rows, on every device: `mlm_flat_positions` [n], row x seq + column of each of the
+      micro-batch's n masked positions (with_flat_label_positions). n follows the data, as the
+      unpadded encoder's token count does, but it is known on the host: the unpadded encoder's
+      step waits for the device once per micro-batch on a GPU, for its count of real tokens
+      (megabert.model.unpad.TokenLayout), and the head computes no empty slot.
+    BERT's head only (ModernBERT's takes neither)."""
     if not (run.model.mlm_logits_at_masked_only and run.model.model_family == "bert"):
         return batches
     data = run.data
-    too_many = (f"the samples were masked at a higher rate than --mask-prob {data.mask_prob} (NVIDIA shards' "
-                f"masks are used as stored): pass the rate they were masked with as --mask-prob")
     if data.pack_sequences:
         if not fixed_shape_packing(device, run.model.unpad_input):
             return batches
+        too_many = (f"the samples were masked at a higher rate than --mask-prob {data.mask_prob} (NVIDIA shards' "
+                    f"masks are used as stored): pass the rate they were masked with as --mask-prob")
         return with_label_positions(batches, mlm_slots_per_row(data), "mlm_positions", too_many)
-    if not unpacked_mlm_slots(device):
-        return batches
-    return with_label_positions(batches, mlm_slots_per_row(data, packed=False), "mlm_positions", too_many,
-                                packed=False)
+    return with_flat_label_positions(batches, "mlm_flat_positions")
 
 
 def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:

@@ -1,36 +1,37 @@
-"""MLM slots for unpacked batches (issue 41: "the step must have no host synchronisation").
+"""Flat MLM positions for unpacked batches (issue 41: "the step must have no host synchronisation").
 
-On CUDA pretrain_bert.py hands the model each row's masked positions as fixed slots
-(`mlm_positions`, computed on the host: megabert.data.packing.label_positions), for unpacked
-rows as for packed ones (the CPU keeps the bool masks: unpacked_mlm_slots; the model runs the
-same code on either device, so these tests give the CPU's model CUDA's batches). The head reads
-those slots, and the unpadded encoder's last layer maps them to its rows of
-[T, h] by arithmetic (TokenLayout.head_rows) instead of selecting `labels != -100` with a bool
-mask (a nonzero() each: a host sync on a GPU). The step with the slots equals the bool-mask step
-(fp32, dropout 0): loss and every gradient, at TP=1, TP=2 and PP=2; and its forward, loss and
-backward run one data-dependent op per micro-batch, the unpadded encoder's count of real tokens."""
+pretrain_bert.py hands the model the masked positions of each unpacked micro-batch, computed on
+the host (`mlm_flat_positions` [n]: row x seq + column of every label != -100, row-major;
+megabert.data.packing.flat_label_positions), on every device. The head gathers exactly those n
+rows, and the unpadded encoder's last layer maps them (and each row's [CLS]) to its rows of
+[T, h] by arithmetic (TokenLayout.head_rows), instead of selecting `labels != -100` with a bool
+mask (a nonzero() each: a host sync on a GPU). n follows the data but is the host tensor's
+length, so no shape needs a device read. The step equals the bool-mask step (fp32, dropout 0):
+loss and every gradient, at TP=1, TP=2, PP=2 and TP=2 with --sequence-parallel; and its
+forward, loss and backward run one data-dependent op per micro-batch, the unpadded encoder's
+count of real tokens."""
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import megabert
 from megabert.config import DataConfig
-from megabert.errors import DataError
+from megabert.data.packing import flat_label_positions, with_flat_label_positions
 from megabert.model.pretrained import gather_full
 from megabert.parallel.param_spec import spec_table
 from megabert.tasks.pretraining import BertForPreTraining
-from megabert.tasks.pretraining.task import mlm_slots_per_row, pretraining_batches
+from megabert.tasks.pretraining.task import pretraining_batches
 
 from tests.helpers.dist_utils import patched, run_distributed
 from tests.helpers.train_utils import SEQ, VOCAB, batches
 from tests.test_model_options import _cfg
 
-# tests.helpers.train_utils.sample masks 3 tokens of 16: the rate whose slots hold them.
 MASK_PROB = 0.15
 DATA = DataConfig(seq_length=SEQ, mask_prob=MASK_PROB)
-SLOTS = mlm_slots_per_row(DATA, packed=False)
+CPU = torch.device("cpu")
 
 
 def _run(model_cfg, data: DataConfig = DATA) -> SimpleNamespace:
@@ -38,12 +39,7 @@ def _run(model_cfg, data: DataConfig = DATA) -> SimpleNamespace:
     return SimpleNamespace(data=data, model=model_cfg)
 
 
-# pretraining_batches adds the slots to unpacked batches bound for CUDA (unpacked_mlm_slots); the
-# batches themselves are made on the host, and the model runs the same code on the CPU.
-CUDA = torch.device("cuda")
-
-
-def _with_slots(batch: dict, model_cfg, device: torch.device = CUDA) -> dict:
+def _with_positions(batch: dict, model_cfg, device: torch.device = CPU) -> dict:
     return next(iter(pretraining_batches([batch], _run(model_cfg), device)))
 
 
@@ -55,38 +51,38 @@ def _batch(micro: int = 4) -> dict:
     return b
 
 
-def test_unpacked_slots_bound_every_sample():
-    """floor(mask-prob x seq) + 1 per sample (--max-predictions-per-seq when smaller)."""
-    assert mlm_slots_per_row(DataConfig(seq_length=128), packed=False) == 19 + 1
-    assert mlm_slots_per_row(DataConfig(seq_length=512), packed=False) == 76 + 1
-    assert mlm_slots_per_row(DataConfig(seq_length=128, max_predictions_per_seq=15), packed=False) == 15
-    assert SLOTS == 3
+def _short(b: dict) -> dict:
+    """Row 3 ends at 9 tokens: padding after it, none of it masked."""
+    b["attention_mask"][3, 9:] = 0
+    b["input_ids"][3, 9:], b["labels"][3, 9:] = 0, -100
+    return b
 
 
-def test_pretraining_batches_add_slots_to_unpacked_batches():
+def test_flat_label_positions_are_the_labelled_positions_row_major():
+    labels = np.full((3, 5), -100)
+    labels[0, [0, 4]] = 7
+    labels[2, [1, 2, 3]] = 9  # any number a row: no cap
+    assert flat_label_positions(labels).tolist() == [0, 4, 11, 12, 13]
+    assert flat_label_positions(labels).dtype == np.int64
+    assert flat_label_positions(np.full((2, 4), -100)).tolist() == []
+    packed = {"labels": torch.tensor(labels), "packed_seqlens": torch.ones(3, 1)}
+    assert "mlm_flat_positions" not in next(with_flat_label_positions([packed], "mlm_flat_positions"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_pretraining_batches_add_flat_positions_to_unpacked_batches(device):
+    """On every device (the host computes them; no GPU is needed to build CUDA's batches)."""
     b = _batch()
-    out = _with_slots(b, _cfg(unpad_input=True, mlm_logits_at_masked_only=True))
-    slots = out["mlm_positions"]
-    assert slots.shape == (4, SLOTS) and slots.dtype == torch.int64
-    for row in range(4):
-        want = (b["labels"][row] != -100).nonzero().flatten().tolist()
-        assert slots[row].tolist() == want + [-1] * (SLOTS - len(want))
-    # the CPU's default keeps the bool masks (the empty slots cost more there than a wait)
-    assert "mlm_positions" not in _with_slots(b, _cfg(unpad_input=True, mlm_logits_at_masked_only=True),
-                                              torch.device("cpu"))
+    b["labels"][2, 1:12] = 7  # far more than --mask-prob: listed all the same (no slot to overflow)
+    cfg = _cfg(unpad_input=True, mlm_logits_at_masked_only=True)
+    out = _with_positions(b, cfg, torch.device(device))
+    flat = out["mlm_flat_positions"]
+    assert flat.dtype == torch.int64 and "mlm_positions" not in out
+    assert flat.tolist() == (b["labels"].reshape(-1) != -100).nonzero().flatten().tolist()
     # full logits, or ModernBERT's head: nothing to add
-    assert "mlm_positions" not in _with_slots(b, _cfg(unpad_input=True))
+    assert "mlm_flat_positions" not in _with_positions(b, _cfg(unpad_input=True))
     modern = dataclasses.replace(_cfg(mlm_logits_at_masked_only=True), model_family="modernbert")
-    assert "mlm_positions" not in _with_slots(b, modern)
-
-
-def test_a_sample_past_its_slots_is_a_clear_error():
-    """Samples masked at a higher rate than --mask-prob (NVIDIA's shards keep their own masks)."""
-    b = _batch()
-    b["labels"][2, 1:8] = 7
-    with pytest.raises(DataError, match=r"a sample holds \d+ masked positions, more than the 3 slots a sample "
-                                        r"has: .*--mask-prob"):
-        _with_slots(b, _cfg(unpad_input=True, mlm_logits_at_masked_only=True))
+    assert "mlm_flat_positions" not in _with_positions(b, modern)
 
 
 def _step(model, batch: dict):
@@ -109,47 +105,43 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("backend,unpad", [("varlen", True), ("sdpa", True), ("torch", True), ("torch", False)])
-def test_slots_step_equals_the_bool_mask_step(backend, unpad):
+def test_flat_step_equals_the_bool_mask_step(backend, unpad):
     """Loss, sentence-pair logits, every gradient (fp32, dropout 0) and the accuracy counts of the
-    step with the slots equal the bool-mask step's; the MLM logits are [b x slots, V], -100 in
-    the empty slots, and equal the bool-mask logits at the masked ones. A short row, a masked
-    [CLS] and the empty slots (which read [CLS]) are in the batch."""
+    step with the flat positions equal the bool-mask step's; the MLM logits and labels are the
+    bool mask's rows, in its order. A short row and a masked [CLS] are in the batch."""
     from megabert.tasks.pretraining.task import masked_lm_counts
 
     megabert.init_parallel()
     cfg = _cfg(unpad_input=unpad, mlm_logits_at_masked_only=True)
     cfg.attention_backend = backend
     model = BertForPreTraining(cfg, seed=3)
-    plain = _batch()
-    plain["attention_mask"][3, 9:] = 0  # a short row: fewer real tokens than the last layer's slots
-    plain["input_ids"][3, 9:], plain["labels"][3, 9:] = 0, -100
-    slotted = _with_slots(plain, cfg)
-    assert (slotted["mlm_positions"] < 0).any()  # some slots are empty
-    reference, got = _step(model, plain), _step(model, slotted)
+    plain = _short(_batch())
+    given = _with_positions(plain, cfg)
+    reference, got = _step(model, plain), _step(model, given)
     _assert_same(got, reference)
-    out = got[0]
-    masked = plain["labels"] != -100
-    assert out.mlm_logits.shape == (4 * SLOTS, VOCAB) and out.mlm_labels.shape == (4 * SLOTS,)
-    filled = out.mlm_labels != -100
-    torch.testing.assert_close(out.mlm_logits[filled], reference[0].mlm_logits, atol=1e-6, rtol=0)
-    assert torch.equal(out.mlm_labels[filled], plain["labels"][masked])
+    out, masked = got[0], plain["labels"] != -100
+    assert out.mlm_logits.shape == (int(masked.sum()), VOCAB)
+    torch.testing.assert_close(out.mlm_logits, reference[0].mlm_logits, atol=1e-6, rtol=0)
+    assert torch.equal(out.mlm_labels, plain["labels"][masked])
     assert masked_lm_counts(out).tolist() == masked_lm_counts(reference[0]).tolist()
 
 
-def test_last_layer_computes_cls_and_the_slots():
-    """Unpadded: the last layer computes b x (1 + slots) rows (a fixed number: [CLS], then each
-    slot; repeats are computed and not put back), the bool-mask step the real ones among them."""
+def test_last_layer_computes_cls_and_the_masked_positions():
+    """Unpadded: the last layer computes b + n rows ([CLS] of each row, then the n masked
+    positions; a masked [CLS] is computed twice and put back once), the bool-mask step the b + n - 1
+    distinct ones: no empty slot."""
     megabert.init_parallel()
     cfg = _cfg(unpad_input=True, mlm_logits_at_masked_only=True)
     model = BertForPreTraining(cfg, seed=3)
     rows = []
     last = model.bert.encoder.layers[str(cfg.num_layers - 1)].mlp.dense_h_to_4h
     last.register_forward_hook(lambda m, inputs, out: rows.append(inputs[0].shape[0]))
-    plain = _batch()
-    model(**_with_slots(plain, cfg))
+    plain = _short(_batch())
+    model(**_with_positions(plain, cfg))
     model(**plain)
+    n = int((plain["labels"] != -100).sum())
     wanted = (plain["labels"] != -100) | (torch.arange(SEQ) == 0)
-    assert rows == [4 * (1 + SLOTS), int(wanted.sum())]
+    assert rows == [4 + n, int(wanted.sum())] and int(wanted.sum()) == 4 + n - 1
 
 
 def _tp_step(rank, world, backend, out):
@@ -157,9 +149,9 @@ def _tp_step(rank, world, backend, out):
     cfg = _cfg(unpad_input=True, mlm_logits_at_masked_only=True)
     cfg.attention_backend = backend
     model = BertForPreTraining(cfg, ps, seed=3)
-    plain = _batch()
+    plain = _short(_batch())
     results = []
-    for batch in (plain, _with_slots(plain, cfg)):
+    for batch in (plain, _with_positions(plain, cfg)):
         _, loss, grads = _step(model, batch)
         full = gather_full(grads, ps, spec_table(model))
         results.append((loss, {k: v[:VOCAB] if "word" in k or k == "lm_head.bias" else v for k, v in full.items()}))
@@ -168,7 +160,7 @@ def _tp_step(rank, world, backend, out):
 
 
 @pytest.mark.parametrize("backend", ["torch", "varlen"])
-def test_slots_step_equals_the_bool_mask_step_at_tp2(tmp_path, backend):
+def test_flat_step_equals_the_bool_mask_step_at_tp2(tmp_path, backend):
     """TP=2 (the unpadded encoder does not combine with --sequence-parallel: megabert.rules)."""
     run_distributed(_tp_step, 2, backend, str(tmp_path / "r"))
     (ref_loss, ref), (loss, got) = torch.load(tmp_path / "r")
@@ -178,17 +170,17 @@ def test_slots_step_equals_the_bool_mask_step_at_tp2(tmp_path, backend):
         torch.testing.assert_close(got[k], ref[k], atol=1e-6, rtol=0, msg=k)
 
 
-def _trainer_step(rank, world, argv, slots, out):
-    """One pretrain_bert.py step (the trainer, PP=2's schedule) on the batches CUDA gets (with
-    `slots`) or the CPU gets (without)."""
+def _trainer_step(rank, world, argv, given, out):
+    """One pretrain_bert.py step (the trainer, PP=2's schedule) on the batches it makes (with
+    the flat positions: `given`) or on the same batches without them (the bool masks)."""
     import megabert.tasks.pretraining.task as task
     from tests.helpers.train_utils import build_trainer
 
     seen, original = [], task.pretraining_batches
 
-    def batches_as_handed(b, run, device):  # with slots: pretraining_batches', else as they come
-        for batch in (original(b, run, CUDA) if slots else b):  # the model on the CPU, CUDA's batches
-            seen.append("mlm_positions" in batch)
+    def batches_as_handed(b, run, device):  # given: pretraining_batches', else as they come
+        for batch in (original(b, run, device) if given else b):
+            seen.append("mlm_flat_positions" in batch)
             yield batch
 
     with patched(task, "pretraining_batches", batches_as_handed):
@@ -200,17 +192,17 @@ def _trainer_step(rank, world, argv, slots, out):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
         finally:
             trainer.close()
-    assert seen and set(seen) == {slots}
+    assert seen and set(seen) == {given}
     torch.save({"metrics": metrics, "params": params}, f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("argv", [["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
                                   ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
                          ids=["pp2", "tp2", "tp2-sp"])
-def test_trainer_step_with_slots_equals_the_bool_mask_step(tmp_path, argv):
+def test_trainer_step_with_flat_positions_equals_the_bool_mask_step(tmp_path, argv):
     """pretrain_bert.py's step (unpadded encoder, logits at masked positions: its defaults; the
     padded encoder under --sequence-parallel, which the unpadded one does not combine with) with
-    the slots it now adds on CUDA, against the same step on the batches without them: the logged
+    the flat positions it adds, against the same step on the batches without them: the logged
     losses, the gradient norm and every parameter after the update, on each rank."""
     run_distributed(_trainer_step, 2, argv, False, str(tmp_path / "a"))
     run_distributed(_trainer_step, 2, argv, True, str(tmp_path / "b"))
@@ -224,7 +216,7 @@ def test_trainer_step_with_slots_equals_the_bool_mask_step(tmp_path, argv):
 
 def test_unpacked_default_step_has_one_data_dependent_op(monkeypatch):
     """The unpadded encoder's forward, loss (the global batch's counts, tensors) and backward on an
-    unpacked micro-batch with the slots: one data-dependent op, the count of real tokens
+    unpacked micro-batch with the flat positions: one data-dependent op, the count of real tokens
     (TokenLayout's nonzero()); the bool-mask step has four more (three bool-mask indexes in
     forward, one in backward)."""
     from tests.test_host_syncs import DataDependentOps
@@ -233,8 +225,8 @@ def test_unpacked_default_step_has_one_data_dependent_op(monkeypatch):
     cfg = _cfg(unpad_input=True, mlm_logits_at_masked_only=True)
     cfg.attention_backend = "varlen"
     model = BertForPreTraining(cfg, seed=3)
-    plain = _batch()
-    slotted = _with_slots(plain, cfg)
+    plain = _short(_batch())
+    given = _with_positions(plain, cfg)
     counts = (plain["labels"] != -100).sum().float(), torch.tensor(4.0)
 
     def seen(batch):
@@ -245,7 +237,7 @@ def test_unpacked_default_step_has_one_data_dependent_op(monkeypatch):
         monkeypatch.undo()
         return ops.seen
 
-    assert seen(slotted) == ["aten.nonzero.default"]
+    assert seen(given) == ["aten.nonzero.default"]
     before = seen(plain)
     assert before.count("aten.nonzero.default") == 1 and len(before) == 5, before
 
@@ -254,16 +246,16 @@ def test_unpacked_default_step_has_one_data_dependent_op(monkeypatch):
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])
 def test_cuda_unpacked_step_waits_once_per_micro_batch(backend):
     """On a GPU, counted by torch's sync debug mode (every wait for the device): forward, loss and
-    backward of an unpacked micro-batch with the slots wait once (TokenLayout's count of real
-    tokens), the bool-mask step five times; loss and every gradient equal (fp32, dropout 0)."""
+    backward of an unpacked micro-batch with the flat positions wait once (TokenLayout's count of
+    real tokens), the bool-mask step five times; loss and every gradient equal (fp32, dropout 0)."""
     import warnings
 
     megabert.init_parallel()
     cfg = _cfg(unpad_input=True, mlm_logits_at_masked_only=True)
     cfg.attention_backend = backend
     model = BertForPreTraining(cfg, seed=3, device="cuda")
-    plain = {k: v.cuda() for k, v in _batch().items()}
-    slotted = {k: v.cuda() for k, v in _with_slots(_batch(), cfg).items()}
+    plain = {k: v.cuda() for k, v in _short(_batch()).items()}
+    given = {k: v.cuda() for k, v in _with_positions(_short(_batch()), cfg, torch.device("cuda")).items()}
     counts = (plain["labels"] != -100).sum().float(), torch.tensor(4.0, device="cuda")
 
     def step(batch):
@@ -281,7 +273,7 @@ def test_cuda_unpacked_step_waits_once_per_micro_batch(backend):
         waits = [w for w in caught if "synchroniz" in str(w.message)]
         return len(waits), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    (waits, loss, grads), (ref_waits, ref_loss, ref_grads) = step(slotted), step(plain)
+    (waits, loss, grads), (ref_waits, ref_loss, ref_grads) = step(given), step(plain)
     assert (waits, ref_waits) == (1, 5)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
     for n in grads:
