@@ -133,4 +133,5 @@ def gather_flat(sequence: torch.Tensor, labels: torch.Tensor, mlm_flat_positions
     order, by index (a bool mask is a nonzero(): a host sync on a GPU)."""
     s, b = sequence.shape[:2]
     at = (mlm_flat_positions % s) * b + mlm_flat_positions // s  # the same positions in [s, b]
-    return sequence.reshape(s * b, *sequence.shape[2:]).index_select(0, at), labels.reshape(-1).index_select(0, mlm_flat_positions)
+    hidden = sequence.reshape(s * b, *sequence.shape[2:]).index_select(0, at)
+    return hidden, labels.reshape(-1).index_select(0, mlm_flat_positions)
