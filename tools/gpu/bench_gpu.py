@@ -29,9 +29,15 @@ non-zero when any step failed. A machine without a GPU goes through install and 
 and stops at `gpu`.
 
     python3 tools/gpu/bench_gpu.py        # OUT, WHEELHOUSE from the environment
+    python3 tools/gpu/bench_gpu.py --steps bert-large modernbert --deadline-s 540
+
+--steps runs only the named measuring steps, in that order (a lease too short for all of
+them); --deadline-s bounds the whole run from its start: each step is stopped at the
+deadline (exit code 124) and none starts with under 30 s left (recorded as skipped).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -115,6 +121,11 @@ class Run:
         print(f"bench-gpu: {name}: exit code {rc} in {entry['seconds']} s", flush=True)
         return rc
 
+    def skip(self, name: str, why: str) -> None:
+        print(f"bench-gpu: {name}: skipped ({why})", flush=True)
+        self.summary["steps"].append({"name": name, "exit_code": None, "skipped": why})
+        self.write()
+
     def passed(self) -> list[str]:
         return [s["name"] for s in self.summary["steps"] if s["exit_code"] == 0]
 
@@ -129,7 +140,36 @@ class Run:
             json.dump(self.summary, f, indent=1)
 
 
+MIN_STEP_S = 30  # --deadline-s: a step that would get less is skipped
+
+
+def measuring_steps() -> list[tuple[str, list[str], Optional[Callable], Optional[float]]]:
+    """(name, command, figures parser, time limit) of each step after install and versions."""
+    return [
+        ("tests", [VPY, "-m", "pytest", "-q", "tests/test_fused_kernels.py"], bench_figures.pytest_counts, None),
+        ("kernels", [VPY, "bench/kernels.py", "--device", "cuda", "--dtype", "float32", "bfloat16", "float16"],
+         bench_figures.kernel_times, None),
+        ("bert-large", [VPY, "bench/gpu_bert_large.py"], bench_figures.bert_large, None),
+        ("bert-large-compiled", [VPY, "bench/gpu_bert_large.py", "--sides", "megabert-packed", "--compile",
+                                 "--rounds", "10"], bench_figures.bert_large, COMPILED_TIMEOUT_S),
+        ("modernbert", [VPY, "bench/gpu_modernbert.py"], bench_figures.modernbert, MODERNBERT_TIMEOUT_S),
+        ("varlen", [VPY, "bench/gpu_varlen_attention.py"], bench_figures.varlen_attention, None),
+        ("memory", [VPY, "bench/memory.py", "--sizes", "bert-base", "bert-large", "--layouts", "single"],
+         bench_figures.memory, None),
+    ]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", nargs="+", choices=[s[0] for s in measuring_steps()],
+                   help="only these measuring steps, in this order (default: all)")
+    p.add_argument("--deadline-s", type=float, help="the whole run's time, install included (a lease's)")
+    return p.parse_args()
+
+
 def main() -> None:
+    args = parse_args()
+    started = time.time()
     out = os.path.abspath(os.environ.get("OUT") or os.path.join(ROOT, "bench_out"))
     wheelhouse = os.environ.get("WHEELHOUSE", "wheelhouse")
     run = Run(out)
@@ -159,18 +199,18 @@ def main() -> None:
         if problem:
             run.stop(problem)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    failed = [name for name, cmd, figures, timeout in (
-        ("tests", [VPY, "-m", "pytest", "-q", "tests/test_fused_kernels.py"], bench_figures.pytest_counts, None),
-        ("kernels", [VPY, "bench/kernels.py", "--device", "cuda", "--dtype", "float32", "bfloat16", "float16"],
-         bench_figures.kernel_times, None),
-        ("bert-large", [VPY, "bench/gpu_bert_large.py"], bench_figures.bert_large, None),
-        ("bert-large-compiled", [VPY, "bench/gpu_bert_large.py", "--sides", "megabert-packed", "--compile",
-                                 "--rounds", "10"], bench_figures.bert_large, COMPILED_TIMEOUT_S),
-        ("modernbert", [VPY, "bench/gpu_modernbert.py"], bench_figures.modernbert, MODERNBERT_TIMEOUT_S),
-        ("varlen", [VPY, "bench/gpu_varlen_attention.py"], bench_figures.varlen_attention, None),
-        ("memory", [VPY, "bench/memory.py", "--sizes", "bert-base", "bert-large", "--layouts", "single"],
-         bench_figures.memory, None),
-    ) if run.step(name, cmd, figures, env, timeout) != 0]
+    steps = {name: (cmd, figures, timeout) for name, cmd, figures, timeout in measuring_steps()}
+    failed = []
+    for name in args.steps or list(steps):
+        cmd, figures, timeout = steps[name]
+        if args.deadline_s is not None:
+            left = args.deadline_s - (time.time() - started)
+            if left < MIN_STEP_S:
+                run.skip(name, f"{left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
+                continue
+            timeout = left if timeout is None else min(timeout, left)
+        if run.step(name, cmd, figures, env, timeout) != 0:
+            failed.append(name)
     run.summary["ok"] = not failed
     run.write()
     if failed:
