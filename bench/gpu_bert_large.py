@@ -138,7 +138,10 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
             step = transformers_step(model_cfg, vocab_size(args.tiny), on_device, ps.device)
         else:
             extra = ("--dropout-add-backend", "torch") if name == "megabert-chain" else ()
-            step, _ = megabert_step(ps, model_flags(args.tiny), seq, batch, on_device, name == "megabert-packed",
+            # pretrain_bert.py's path: host batches (pinned, as its DataLoader pins them) that the
+            # trainer's pipeline completes on the host (MLM positions) and copies to the GPU.
+            pinned = [{k: v.pin_memory() for k, v in b.items()} for b in host] if ps.device.type == "cuda" else host
+            step, _ = megabert_step(ps, model_flags(args.tiny), seq, batch, pinned, name == "megabert-packed",
                                     args.compile, vocab_size(args.tiny), extra)
         side = Side(name, step, counts, [int(b["attention_mask"].sum()) for b in host],
                     [batch_flops(model_cfg, b) for b in host], rows=batch, seq=seq)

@@ -287,13 +287,19 @@ def label_positions(labels: np.ndarray, slots: int) -> np.ndarray:
     return np.where(order < labels.shape[1], order, -1).astype(np.int64)
 
 
+def host_array(t) -> np.ndarray:
+    """A batch field as a host array. Batches come from the DataLoader on the host; one already on
+    a device (a caller that keeps its batches there) is read back, one device wait per call."""
+    return t.cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
 def with_label_positions(batches: Iterable[dict], slots: int, key: str, too_many: str) -> Iterator[dict]:
     """Packed micro-batches (those with packed_seqlens; others pass as they are) with
     `key` = label_positions(labels, slots) added, on the host (no device sync). A row with more
     labelled positions than `slots` stops the run with `too_many` (what to change)."""
     for batch in batches:
         if "packed_seqlens" in batch:
-            labels = np.asarray(batch["labels"])
+            labels = host_array(batch["labels"])
             positions = label_positions(labels, slots)
             if positions is None:
                 most = int((labels != IGNORE).sum(1).max())
@@ -315,5 +321,5 @@ def with_flat_label_positions(batches: Iterable[dict], key: str) -> Iterator[dic
     positions, is then known without reading the device."""
     for batch in batches:
         if "packed_seqlens" not in batch:
-            batch = {**batch, key: torch.from_numpy(flat_label_positions(np.asarray(batch["labels"])))}
+            batch = {**batch, key: torch.from_numpy(flat_label_positions(host_array(batch["labels"])))}
         yield batch
