@@ -87,7 +87,7 @@ class ModelConfig:
                                    "(+ post-LN LayerNorm), bias + GELU): torch (PyTorch's op chain), fused "
                                    "(megabert CPU kernel for dropout + add: Philox mask, one pass), compiled "
                                    "(each epilogue one torch.compile'd function), auto (fused on CPU when built, "
-                                   "compiled on CUDA with Triton, else torch).",
+                                   "else torch: on CUDA the chain measured faster than compiled).",
                                    choices=("auto", "torch", "fused", "compiled"))
     recompute_granularity: Optional[str] = arg(None, "Activation recompute: full (whole layers) or "
                                                "selective (attention core only).", choices=(None, "full", "selective"))

@@ -14,7 +14,6 @@ The masks differ from PyTorch's dropout for the same seed (another generator).
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -23,7 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from megabert.errors import ConfigError
 from megabert.ops import epilogues, kernel_ops
-from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, resolve_backend, say_once, use_fused_kernel
+from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, resolve_backend, use_fused_kernel
 
 _DTYPES = {"cpu": CPU_KERNEL_DTYPES}  # CPU only: there is no CUDA dropout-add kernel
 # Philox keys: any 63-bit value (the kernel takes an int64).
@@ -44,21 +43,20 @@ def compiled_unavailable(device_type: str) -> Optional[str]:
 def resolve_dropout_add_backend(backend: str, device_type: str = "cpu") -> str:
     """The backend of the layers' epilogues: dropout + residual add (+ post-LN's
     LayerNorm) and bias + GELU (megabert.ops.epilogues). 'auto' -> 'fused' on the CPU when
-    its kernels are built (our one-pass dropout + add kernel; the rest PyTorch's), on CUDA
-    'compiled' (each epilogue one torch.compile'd function: the eager chain is a kernel per
-    op there) where torch has Triton, else 'torch'. 'fused' off the CPU, or 'compiled'
-    without Triton, is an error. Logged once per choice."""
+    its kernels are built (our one-pass dropout + add kernel; the rest PyTorch's), else
+    'torch' (PyTorch's op chain), on CUDA too: there the chain measured faster than
+    'compiled' (each epilogue one torch.compile'd function) on an H200 (BERT-large bf16,
+    phase 1: 744.6 against 510.5 seq/s; phase 2: 150.3 against 111.9): a compiled call's
+    guards and autograd wrappers cost the host more than the kernels they fuse save, and
+    eager steps there are host-bound (docs/performance.md). 'fused' off the CPU, or
+    'compiled' without Triton, is an error. Logged once per choice."""
     if backend == "fused" and device_type != "cpu":
         raise ConfigError(f"--dropout-add-backend fused: the fused dropout + residual add is a CPU kernel; on "
                           f"{device_type} use --dropout-add-backend auto, compiled or torch")
-    if backend in ("auto", "compiled") and device_type == "cuda":
+    if backend == "compiled" and device_type == "cuda":
         why = compiled_unavailable(device_type)
-        if why is not None and backend == "compiled":
-            raise ConfigError(f"--dropout-add-backend compiled: {why}; use --dropout-add-backend torch")
         if why is not None:
-            say_once(("dropout_add", "no-compile"), logging.WARNING, "dropout_add: %s; the layers' epilogues run "
-                     "unfused (PyTorch)", why)
-        backend = "compiled" if why is None else "torch"
+            raise ConfigError(f"--dropout-add-backend compiled: {why}; use --dropout-add-backend torch")
     return resolve_backend("dropout_add", "--dropout-add-backend", backend, "torch", device_type)
 
 
