@@ -214,20 +214,23 @@ def test_packed_fixed_shape_step_compiles_once_in_one_graph():
     assert counter.frame_count == 1 and _graph_breaks() == 0
 
 
-@pytest.mark.parametrize("device,pp,fixed,recompute,want", [
-    ("cuda", 1, True, None, True),  # packed rows on a GPU: reduce-overhead (CUDA graphs)
-    ("cuda", 1, False, None, False),  # unpacked: the token count changes with every batch
-    ("cpu", 1, True, None, False),
-    ("cuda", 2, True, None, False),  # untried with a pipeline schedule: said in one info line
-    ("cuda", 1, True, "full", False),
-    ("cuda", 1, True, "selective", True),
+@pytest.mark.parametrize("device,pp,fixed,recompute,micro_batches,want", [
+    ("cuda", 1, True, None, 1, True),  # packed rows on a GPU: reduce-overhead (CUDA graphs)
+    ("cuda", 1, False, None, 1, False),  # unpacked: the token count changes with every batch
+    ("cpu", 1, True, None, 1, False),
+    ("cuda", 2, True, None, 1, False),  # untried with a pipeline schedule: said in one info line
+    ("cuda", 1, True, "full", 1, False),
+    ("cuda", 1, True, "selective", 1, True),
+    ("cuda", 1, True, None, 2, False),  # gradient accumulation: failed on an H200
 ])
-def test_compile_uses_cuda_graphs_for_packed_rows_on_cuda(monkeypatch, device, pp, fixed, recompute, want):
+def test_compile_uses_cuda_graphs_for_packed_rows_on_cuda(monkeypatch, device, pp, fixed, recompute, micro_batches,
+                                                           want):
     import megabert.training.build as build
 
     chosen = []
     monkeypatch.setattr(build, "compile_layers", lambda model, cuda_graphs=False: chosen.append(cuda_graphs) or 0)
-    ps = SimpleNamespace(device=torch.device(device), pp_size=pp, is_logging_rank=True)
+    ps = SimpleNamespace(device=torch.device(device), pp_size=pp, dp_size=1, is_logging_rank=True)
     model = SimpleNamespace(config=SimpleNamespace(recompute_granularity=recompute))
-    build.apply_compile(model, ps, SimpleNamespace(compile=True), fixed_shapes=fixed)
+    train = SimpleNamespace(compile=True, micro_batch_size=2, global_batch_size=2 * micro_batches)
+    build.apply_compile(model, ps, train, fixed_shapes=fixed)
     assert chosen == [want]

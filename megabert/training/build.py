@@ -39,15 +39,22 @@ def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig,
     # NOTE: CUDA graph trees replay a graph into the buffers of its last replay; a pipeline
     # schedule (forwards of several micro-batches before their backwards) and full recompute
     # (a layer's forward run again inside backward) break that pattern and are untried with it.
+    # Gradient accumulation failed on an H200: a micro-batch's backward read a saved activation
+    # that a later replay had overwritten (tests/test_packed_fixed_shape.py's CUDA test, two
+    # micro-batches a step); one micro-batch a step ran (make bench-gpu).
+    micro_batches = (train.global_batch_size or train.micro_batch_size * ps.dp_size) // (
+        train.micro_batch_size * ps.dp_size)
     untried = [why for why, on in (("--pipeline-model-parallel-size > 1", ps.pp_size > 1),
                                    ("--recompute-granularity full",
                                     getattr(model, "config", None) is not None
-                                    and model.config.recompute_granularity == "full")) if on]
+                                    and model.config.recompute_granularity == "full"),
+                                   (f"{micro_batches} micro-batches a step (failed on an H200)",
+                                    micro_batches > 1)) if on]
     if cuda_graphs and untried:
         cuda_graphs = False
         if ps.is_logging_rank:
-            logger.info("--compile with --pack-sequences: no CUDA graphs with %s (untried); the layers compile as "
-                        "without packing", " and ".join(untried))
+            logger.info("--compile with --pack-sequences: no CUDA graphs with %s (untried or failing); the layers "
+                        "compile as without packing", " and ".join(untried))
     n = compile_layers(model, cuda_graphs=cuda_graphs)
     if ps.is_logging_rank:
         logger.info("--compile: %d transformer layers compiled with torch.compile%s; the first training step and the "
