@@ -6,6 +6,9 @@ micro-batch 64) and phase 2 (seq 512, micro-batch 16), bf16, one GPU, three side
   megabert-packed   the same plus --pack-sequences: rows of whole samples (first-fit decreasing
                     over one --packing-window of 1024 samples, as pretrain_bert.py packs), the
                     same number of rows per micro-batch
+  megabert-packed-graphs
+                    megabert-packed plus --cuda-graphs: each micro-batch's forward, loss and
+                    backward replayed as one CUDA graph (GPU only)
   megabert-compiled-epilogues
                     megabert with --dropout-add-backend compiled: the layers' epilogues (bias +
                     GELU, dropout + residual add + LayerNorm) as torch.compile'd fused functions
@@ -58,9 +61,11 @@ from megabert.tasks.pretraining.batches import packing_spec
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.metrics import device_peak_tflops
 from megabert.training.resolve import resolve_run
+from megabert.training.cuda_graphs import WARMUP_STEPS as GRAPH_WARMUP_STEPS
 
 TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55
-SIDES = ("megabert", "megabert-packed", "megabert-compiled-epilogues", "transformers")
+SIDES = ("megabert", "megabert-packed", "megabert-packed-graphs", "megabert-compiled-epilogues", "transformers")
+CUDA_ONLY = ("megabert-packed-graphs",)  # --cuda-graphs needs a GPU
 PACKING_WINDOW = 1024  # pretrain_bert.py's --packing-window default
 NUM_BATCHES = 4  # distinct micro-batches each side cycles through
 # Without --compile only the layers' fused epilogues compile, on CUDA (megabert.ops.epilogues).
@@ -130,7 +135,8 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
     for name in names:
         before = dev.allocated()
         dev.reset_peak()
-        if name == "megabert-packed":  # packed as pretrain_bert.py --pack-sequences packs (its flags' spec)
+        packed = name.startswith("megabert-packed")
+        if packed:  # packed as pretrain_bert.py --pack-sequences packs (its flags' spec)
             host, counts = packed_batches(samples, batch, parse_args(
                 model_flags(args.tiny) + ["--seq-length", str(seq), "--pack-sequences", "--data-path", "unused"]))
         else:
@@ -139,15 +145,17 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
         if name == "transformers":
             step = transformers_step(model_cfg, vocab_size(args.tiny), on_device, ps.device)
         else:
-            extra = ("--dropout-add-backend", "compiled") if name == "megabert-compiled-epilogues" else ()
+            extra = {"megabert-compiled-epilogues": ("--dropout-add-backend", "compiled"),
+                     "megabert-packed-graphs": ("--cuda-graphs",)}.get(name, ())
             # pretrain_bert.py's path: host batches (pinned, as its DataLoader pins them) that the
             # trainer's pipeline completes on the host (MLM positions) and copies to the GPU.
             pinned = [{k: v.pin_memory() for k, v in b.items()} for b in host] if ps.device.type == "cuda" else host
-            step, _ = megabert_step(ps, model_flags(args.tiny), seq, batch, pinned, name == "megabert-packed",
-                                    args.compile, vocab_size(args.tiny), extra)
+            step, _ = megabert_step(ps, model_flags(args.tiny), seq, batch, pinned, packed, args.compile,
+                                    vocab_size(args.tiny), extra)
         side = Side(name, step, counts, [int(b["attention_mask"].sum()) for b in host],
                     [batch_flops(model_cfg, b) for b in host], rows=batch, seq=seq)
-        warm_up(side, dev, args.warmup, before)
+        # --cuda-graphs: its eager steps and the capture before the timed ones.
+        warm_up(side, dev, args.warmup + (GRAPH_WARMUP_STEPS + 1 if name in CUDA_ONLY else 0), before)
         sides.append(side)
     return sides
 
@@ -176,7 +184,7 @@ def main() -> None:
                    help="cpu: the same logic on a CPU (with --tiny: what tests/test_gpu_tooling.py runs)")
     p.add_argument("--tiny", action="store_true",
                    help=f"bert-tiny, a vocabulary of {TINY_VOCAB}, micro-batches 4 and 1, a window of 64 samples")
-    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--sides", nargs="+", choices=SIDES, help="default: all (on a CPU those that run there)")
     p.add_argument("--compile", action="store_true", help="the megabert sides with --compile")
     p.add_argument("--rounds", type=int, default=20, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
@@ -187,6 +195,7 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=3, help="steps per side in the kernel breakdown (0: none)")
     p.add_argument("--sync-steps", type=int, default=5, help="steps per side over which host syncs are counted")
     args = p.parse_args()
+    args.sides = args.sides or [s for s in SIDES if args.device == "cuda" or s not in CUDA_ONLY]
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu_bert_large.py needs a CUDA GPU and a CUDA build of torch (this torch: "
                  f"{torch.__version__}); on a CPU run `make bench`, or --device cpu --tiny to try this script's logic")

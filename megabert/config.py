@@ -349,6 +349,13 @@ class TrainConfig:
                         "Combines with tensor, sequence and pipeline parallelism, activation recompute and "
                         "ZeRO-1/2, not ZeRO-3. Attention dropout (drawn from the per-TP-rank RNG stream) runs "
                         "eagerly between compiled graphs.")
+    cuda_graphs: bool = arg(False, "Capture each packed micro-batch's forward, loss and backward as one CUDA graph "
+                            "after 3 eager steps and replay it for every later one (torch.cuda.graph): the host "
+                            "launches one graph instead of thousands of kernels. Needs a GPU, --pack-sequences "
+                            "(fixed shapes), bf16 or fp32, TP=1 and PP=1, no recompute, no DeepSpeed and not "
+                            "--use-distributed-optimizer; the data-parallel average then runs after backward. "
+                            "Combines with --compile (the compiled layers are captured with the rest). The losses "
+                            "and dropout masks are eager mode's.")
     memory_budget_gb: Optional[float] = arg(None, "Per-rank memory budget in GB (1e9 bytes): before the model is "
                                             "built, the layout planner's predicted peak is checked against it and "
                                             "a layout that exceeds it is named with the flags that would make it "

@@ -145,6 +145,7 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
         check_model(model)
     check_distributed_optimizer(cfg.parallel.use_distributed_optimizer, deepspeed=train.deepspeed,
                                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
+    check_cuda_graphs(cfg)
     if not train.deepspeed:
         return
     if cfg.optim.optimizer == "lamb":
@@ -154,6 +155,34 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     check_sequence_parallel(bool(model and model.sequence_parallel), deepspeed=True)
     if not train.deepspeed_config:
         check_zero(zero_plan_from_flags(train), pp=cfg.parallel.pipeline_model_parallel_size, compile=train.compile)
+
+
+def check_cuda_graphs(cfg: Configs | FinetuneConfigs) -> None:
+    """--cuda-graphs (megabert.training.cuda_graphs): a replay reruns no Python, so the step must
+    have fixed shapes and nothing per step that Python does inside forward or backward."""
+    train = cfg.train
+    if not train.cuda_graphs:
+        return
+    if isinstance(cfg, FinetuneConfigs):
+        raise ConfigError("--cuda-graphs is for pretrain_bert.py with --pack-sequences; fine-tuning steps are "
+                          "not fixed-shape: drop --cuda-graphs")
+    why = [(not cfg.data.pack_sequences, "needs --pack-sequences: only packed rows have the same shapes at every "
+                                         "micro-batch"),
+           (train.fp16, "cannot replay fp16's loss scale, which changes between steps: use --bf16"),
+           (train.deepspeed, "cannot combine with --deepspeed: its engine runs Python hooks inside backward"),
+           (cfg.parallel.use_distributed_optimizer, "cannot combine with --use-distributed-optimizer: its "
+                                                    "parameter gathers are hooks of the forward"),
+           (cfg.parallel.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size 1: a pipeline "
+                                                            "schedule exchanges activations between stages"),
+           (cfg.parallel.tensor_model_parallel_size > 1, "needs --tensor-model-parallel-size 1 (not supported yet "
+                                                          "with tensor parallelism)"),
+           (cfg.model.model_family != "bert", f"is for BERT (not yet tried on --model-family "
+                                               f"{cfg.model.model_family}'s packed step)"),
+           (cfg.model.recompute_granularity is not None, "cannot combine with --recompute-granularity: the "
+                                                         "recompute restores RNG states by value inside backward")]
+    for bad, what in why:
+        if bad:
+            raise ConfigError(f"--cuda-graphs {what}")
 
 
 def check_seq_length(seq_length: int, model: ModelConfig) -> None:

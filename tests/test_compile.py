@@ -231,6 +231,6 @@ def test_compile_uses_cuda_graphs_for_packed_rows_on_cuda(monkeypatch, device, p
     monkeypatch.setattr(build, "compile_layers", lambda model, cuda_graphs=False: chosen.append(cuda_graphs) or 0)
     ps = SimpleNamespace(device=torch.device(device), pp_size=pp, dp_size=1, is_logging_rank=True)
     model = SimpleNamespace(config=SimpleNamespace(recompute_granularity=recompute))
-    train = SimpleNamespace(compile=True, micro_batch_size=2, global_batch_size=2 * micro_batches)
+    train = SimpleNamespace(compile=True, cuda_graphs=False, micro_batch_size=2, global_batch_size=2 * micro_batches)
     build.apply_compile(model, ps, train, fixed_shapes=fixed)
     assert chosen == [want]

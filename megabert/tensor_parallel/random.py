@@ -33,24 +33,67 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 class RNGStatesTracker:
-    """Keeps named generator states and swaps them into the device's default generator."""
+    """Keeps named generator states and swaps them into the device's default generator.
+
+    By value (the default): fork() copies a stream's state into the default generator and
+    back. Graph-safe (`make_graph_safe()`, CUDA only, for --cuda-graphs): each stream is a
+    generator of its own and fork() points the default generator at that generator's state
+    object (Generator.graphsafe_set_state), which a CUDA graph capture allows where setting a
+    state by value is refused; the graph advances each registered state (`generators()`) at
+    every replay by what the captured draws took, as eager mode would. Both draw the same
+    numbers from the same seeds; checkpoints hold the same bytes either way."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.states: dict[str, torch.Tensor] = {}
+        self._generators: Optional[dict[str, torch.Generator]] = None  # graph-safe mode
 
     def add(self, name: str, seed: int) -> None:
-        if name in self.states:
+        if name in self.states or (self._generators is not None and name in self._generators):
             raise ValueError(f"RNG stream {name!r} already exists")
+        if self._generators is not None:
+            self._generators[name] = torch.Generator(device=self.device).manual_seed(seed)
+            return
         saved = _get_state(self.device)
         gen = torch.cuda if self.device.type == "cuda" else torch
         gen.manual_seed(seed)
         self.states[name] = _get_state(self.device)
         _set_state(saved, self.device)
 
+    def make_graph_safe(self) -> None:
+        """Switches to graph-safe mode (see the class): the streams keep their states."""
+        if self.device.type != "cuda":
+            raise ValueError(f"graph-safe RNG streams are for CUDA devices, not {self.device}")
+        if self._generators is None:
+            self._generators = {}
+            for name, state in self.states.items():
+                gen = torch.Generator(device=self.device)
+                gen.set_state(state)
+                self._generators[name] = gen
+            self.states = {}
+
+    def generators(self) -> list[torch.Generator]:
+        """Graph-safe mode: the streams' generators, for CUDAGraph.register_generator_state."""
+        return list(self._generators.values()) if self._generators is not None else []
+
+    def _default_generator(self) -> torch.Generator:
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+
     @contextlib.contextmanager
     def fork(self, name: str = TP_STREAM):
         """Runs the block on stream `name`; the default stream is untouched by it."""
+        if self._generators is not None:
+            if name not in self._generators:
+                raise KeyError(f"RNG stream {name!r} was never added")
+            default = self._default_generator()
+            saved = default.graphsafe_get_state()
+            default.graphsafe_set_state(self._generators[name].graphsafe_get_state())
+            try:
+                yield
+            finally:
+                default.graphsafe_set_state(saved)
+            return
         if name not in self.states:
             raise KeyError(f"RNG stream {name!r} was never added")
         saved = _get_state(self.device)
@@ -62,9 +105,19 @@ class RNGStatesTracker:
             _set_state(saved, self.device)
 
     def get_states(self) -> dict[str, torch.Tensor]:
+        if self._generators is not None:
+            return {k: g.get_state() for k, g in self._generators.items()}
         return {k: v.clone() for k, v in self.states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        if self._generators is not None:
+            # In place: a captured graph holds these generators' state objects.
+            unknown = set(states) - set(self._generators)
+            for k in unknown:
+                self._generators[k] = torch.Generator(device=self.device)
+            for k, v in states.items():
+                self._generators[k].set_state(v)
+            return
         self.states = {k: v.clone() for k, v in states.items()}
 
 

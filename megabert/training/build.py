@@ -17,6 +17,7 @@ from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtyp
 from megabert.data_parallel.overlap import OverlappedGradReducer
 from megabert.training.precision import MasterWeights, autocast
 from megabert.training.restore import continue_run, preload_weights
+from megabert.training.cuda_graphs import CudaGraphs, GraphedRunner
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, TrainingTask
 from megabert.training.trainer import Batches, Trainer
 
@@ -35,7 +36,9 @@ def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig,
     (no launch per kernel from Python; the step reads nothing back from the device to allow it)."""
     if not train.compile:
         return
-    cuda_graphs = fixed_shapes and ps.device.type == "cuda"
+    # --cuda-graphs captures the whole micro-batch, compiled layers included (their graphs
+    # replay inside it, not as CUDA graph trees of their own).
+    cuda_graphs = fixed_shapes and ps.device.type == "cuda" and not train.cuda_graphs
     # NOTE: CUDA graph trees replay a graph into the buffers of its last replay; a pipeline
     # schedule (forwards of several micro-batches before their backwards) and full recompute
     # (a layer's forward run again inside backward) break that pattern and are untried with it.
@@ -116,11 +119,27 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
         master_weights = None
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
     reducer = None
+    params = [p for p in model.parameters() if p.requires_grad]
     if ps.dp_size > 1 and run.parallel.overlap_grad_reduce:
-        params = [p for p in model.parameters() if p.requires_grad]
-        reducer = OverlappedGradReducer(params, ps, run.parallel.ddp_bucket_size)
-    return LocalStrategy(model, optimizer, ps, runner(), scaler=scaler, clip_grad=run.optim.clip_grad,
+        if t.cuda_graphs:
+            if ps.is_logging_rank:
+                logger.info("--cuda-graphs: the data-parallel gradient average runs after the replayed backward "
+                            "(the overlapped reduction's hooks would not run in a replay)")
+        else:
+            reducer = OverlappedGradReducer(params, ps, run.parallel.ddp_bucket_size)
+    step_runner = runner()
+    if t.cuda_graphs:
+        step_runner = graphed(model, ps, step_runner, params)
+    return LocalStrategy(model, optimizer, ps, step_runner, scaler=scaler, clip_grad=run.optim.clip_grad,
                          reducer=reducer, master_weights=master_weights)
+
+
+def graphed(model: torch.nn.Module, ps: ParallelState, runner: SequentialRunner, params: list) -> GraphedRunner:
+    """--cuda-graphs (megabert.training.cuda_graphs): the runner replays a captured micro-batch;
+    the model's RNG streams become graph-safe so that its dropout can be captured."""
+    graphs = CudaGraphs(ps.device)
+    model.rng.make_graph_safe()
+    return GraphedRunner(runner, params, graphs, generators=model.rng.generators)
 
 
 def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun", task: TrainingTask,

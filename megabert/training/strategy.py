@@ -267,7 +267,10 @@ class LocalStrategy(Strategy):
             metrics = self.runner.forward_backward(batches, scale)
             self.reducer.finish()  # the DP average, issued during the last micro-batch's backward
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            if getattr(self.runner, "keeps_grads", False):
+                self.runner.zero_grads()  # CUDA graphs write into the run's .grad buffers
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
             metrics = self.runner.forward_backward(batches, scale)
             average_data_parallel_grads(self.params, self.ps)
         # Sums over TP and over the embedding group, once per global batch; they commute
