@@ -14,6 +14,12 @@ same run: the peer):
   gemm copies      --bf16's MasterWeights refresh (one multi-tensor fp32 -> bf16 copy)
   foreach AdamW    torch.optim.AdamW(foreach=True).step(): the per-op path, for comparison
   clip_grad_norm_  torch.nn.utils.clip_grad_norm_ (transformers' Trainer clips with it)
+  fused AdamW, flat
+                   the same fused kernel on one flat tensor of every parameter (and one of
+                   every gradient): does the per-tensor chunking cost the time?
+  compiled AdamW, flat
+                   the AdamW update as one torch.compile'd (Triton) elementwise kernel over the
+                   flat tensors, a grid over every element: what the memory allows
 
 Then the kernels torch.profiler sees in one guarded step plus one gemm-copies refresh, by name.
 Figures, never asserts.
@@ -56,6 +62,13 @@ def copy_bandwidth(device: torch.device, reps: int) -> float:
     return 2 * big.numel() * 4 / (timed(big.clone, reps) / 1e3)
 
 
+def adamw_flat(p, g, m, v, lr: float, beta1: float, beta2: float, eps: float, wd: float, c1: float, c2: float):
+    """One AdamW step in place on flat fp32 tensors (c1, c2: the bias corrections)."""
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    p.mul_(1 - lr * wd).addcdiv_(m, (v / c2).sqrt_().add_(eps), value=-lr / c1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=10)
@@ -78,6 +91,13 @@ def main() -> None:
 
     bandwidth = copy_bandwidth(ps.device, args.reps)
     fp32 = 4 * n
+    flat_p = torch.cat([p.detach().reshape(-1) for p in params])
+    flat_g = torch.cat([p.grad.reshape(-1) for p in params])
+    flat_m, flat_v = torch.zeros_like(flat_p), torch.zeros_like(flat_p)
+    leaf = torch.nn.Parameter(flat_p.clone())
+    leaf.grad = flat_g
+    fused_flat = torch.optim.AdamW([leaf], lr=1e-4, weight_decay=0.01, fused=True)
+    compiled = torch.compile(adamw_flat)
     pieces = [
         ("grad_norm", lambda: grad_norm(params, ps), fp32),
         ("fused AdamW", fused.step, 7 * fp32),  # reads p, g, m, v; writes p, m, v
@@ -86,6 +106,9 @@ def main() -> None:
         ("gemm copies", masters.refresh, fp32 + 2 * sum(w.numel() for w in masters.masters)),
         ("foreach AdamW", foreach.step, None),
         ("clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), 3 * fp32),
+        ("fused AdamW, flat", fused_flat.step, 7 * fp32),
+        ("compiled AdamW, flat", lambda: compiled(flat_p, flat_g, flat_m, flat_v, 1e-4, 0.9, 0.999, 1e-8, 0.01,
+                                                  0.1, 0.001), 7 * fp32),
     ]
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.preset}: {n / 1e6:.1f}M "
           f"parameters in {len(params)} tensors | copy bandwidth {bandwidth / 1e9:.0f} GB/s (the peer)")

@@ -68,9 +68,14 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         for gen in generators:
             graph.register_generator_state(gen)
-        # thread_local: the DataLoader's pinning thread may call into CUDA during the capture.
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            out = fn()
+        try:
+            # thread_local: the DataLoader's pinning thread may call into CUDA during the capture.
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                out = fn()
+        except RuntimeError as e:
+            raise RuntimeError(f"--cuda-graphs: capturing a micro-batch's forward, loss and backward failed: {e}. "
+                               f"Something in this step cannot be replayed from a CUDA graph; train without "
+                               f"--cuda-graphs (and report the message)") from e
         return graph.replay, out
 
 
