@@ -234,3 +234,17 @@ def test_compile_uses_cuda_graphs_for_packed_rows_on_cuda(monkeypatch, device, p
     train = SimpleNamespace(compile=True, cuda_graphs=False, micro_batch_size=2, global_batch_size=2 * micro_batches)
     build.apply_compile(model, ps, train, fixed_shapes=fixed)
     assert chosen == [want]
+
+
+def test_compile_inside_cuda_graphs_compiles_plain_layers(monkeypatch):
+    """--compile --cuda-graphs: the whole micro-batch is captured (megabert.training.cuda_graphs),
+    so the layers compile without graph trees of their own, which cannot nest in a capture."""
+    import megabert.training.build as build
+
+    chosen = []
+    monkeypatch.setattr(build, "compile_layers", lambda model, cuda_graphs=False: chosen.append(cuda_graphs) or 0)
+    ps = SimpleNamespace(device=torch.device("cuda"), pp_size=1, dp_size=1, is_logging_rank=True)
+    model = SimpleNamespace(config=SimpleNamespace(recompute_granularity=None))
+    train = SimpleNamespace(compile=True, cuda_graphs=True, micro_batch_size=2, global_batch_size=4)
+    build.apply_compile(model, ps, train, fixed_shapes=True)
+    assert chosen == [False]
