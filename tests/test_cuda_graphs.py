@@ -64,7 +64,7 @@ def _trainer(argv, steps_data=64):
                        sample_fields=("next_sentence_label",))
     samples = [sample(i) for i in range(4 * steps_data)]
     windows = [pack_window(samples, k, spec) for k in range(4)]
-    data = packed_micro_batches(windows, spec, 0, 2, 0, 1)
+    data = packed_micro_batches(windows, spec, 0, 2, ps.dp_rank, ps.dp_size)
     return build_pretraining(resolve_run(cfg, ps), ps, VOCAB, lambda consumed: data)
 
 
@@ -144,6 +144,42 @@ def test_build_wires_the_graphed_runner(monkeypatch):
         assert made == [torch.device("cpu"), "rng"]
     finally:
         trainer.close()
+
+
+def _dp_worker(rank, world, graphed, out):
+    """4 steps of 2 micro-batches at DP=2 through pretrain_bert.py's trainer; with `graphed`,
+    --cuda-graphs with the stand-in graph (its data-parallel average runs after backward)."""
+    import megabert.training.build as build
+    from tests.helpers.dist_utils import patched
+
+    with patched(build, "CudaGraphs", lambda device: EagerReplay()), \
+            patched(RNGStatesTracker, "make_graph_safe", lambda self: None):
+        trainer = _trainer(DROPOUT + (["--cuda-graphs"] if graphed else []) + ["--global-batch-size", "8"])
+    try:
+        if graphed:
+            runner = trainer.strategy.runner
+            assert isinstance(runner, GraphedRunner) and trainer.strategy.reducer is None
+            runner.graphs.model, runner.warmup_steps = trainer.strategy.model, 1
+        losses = [step_loss(trainer) for _ in range(4)]
+        weights = {n: p.detach().clone() for n, p in trainer.strategy.model.named_parameters()}
+    finally:
+        trainer.close()
+    torch.save({"losses": losses, "weights": weights}, f"{out}.{rank}")
+
+
+def test_graphed_training_at_dp2_equals_eager(tmp_path):
+    """DP=2 (gloo): --cuda-graphs averages the gradients after the replayed backward instead of
+    overlapping it; losses and weights equal the eager run's (overlapped reduction) to fp32 rounding
+    (the two reductions sum in other orders)."""
+    from tests.helpers.dist_utils import run_distributed
+
+    for graphed in (False, True):
+        run_distributed(_dp_worker, 2, graphed, str(tmp_path / f"run{int(graphed)}"))
+    for rank in range(2):
+        eager, graphed = torch.load(tmp_path / f"run0.{rank}"), torch.load(tmp_path / f"run1.{rank}")
+        assert graphed["losses"] == pytest.approx(eager["losses"], abs=1e-6, rel=0)
+        for name, w in eager["weights"].items():
+            torch.testing.assert_close(graphed["weights"][name], w, atol=1e-6, rtol=0, msg=name)
 
 
 def test_cuda_graphs_on_the_cpu_is_a_clear_error():
