@@ -174,8 +174,10 @@ def check_cuda_graphs(cfg: Configs | FinetuneConfigs) -> None:
                                                     "parameter gathers are hooks of the forward"),
            (cfg.parallel.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size 1: a pipeline "
                                                             "schedule exchanges activations between stages"),
-           (cfg.parallel.tensor_model_parallel_size > 1, "needs --tensor-model-parallel-size 1 (not supported yet "
-                                                          "with tensor parallelism)"),
+           (cfg.parallel.tensor_model_parallel_size > 1, "needs --tensor-model-parallel-size 1: tensor parallelism's "
+                                                          "collectives replayed inside a graph would escape "
+                                                          "--distributed-timeout-minutes (a lost peer would hang the "
+                                                          "job) and the per-step byte ledger"),
            (cfg.model.model_family != "bert", f"is for BERT (not yet tried on --model-family "
                                                f"{cfg.model.model_family}'s packed step)"),
            (cfg.model.recompute_granularity is not None, "cannot combine with --recompute-granularity: the "
