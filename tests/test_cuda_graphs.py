@@ -35,7 +35,7 @@ class EagerReplay:
 
     def capture(self, fn, stream, generators):
         self.captures += 1
-        params = list(self.model.parameters())
+        params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad.clone() for p in params]
         rng, streams = torch.get_rng_state(), self.model.rng.get_states()
         outputs = fn()  # "recorded": its effects are undone below, its outputs are the buffers
@@ -101,7 +101,7 @@ def test_gradients_stay_the_buffers_the_graph_writes():
     """The strategy zeroes the runner's .grad buffers in place; a .grad set to None or replaced
     after the capture is an error, not a replay into a freed buffer."""
     trainer = _trainer([])
-    _graphed(trainer, warmup_steps=0)
+    _graphed(trainer, warmup_steps=1)
     try:
         step_loss(trainer)
         buffers = [p.grad for p in trainer.strategy.params]
@@ -114,11 +114,46 @@ def test_gradients_stay_the_buffers_the_graph_writes():
         trainer.close()
 
 
+def test_a_parameter_without_a_gradient_keeps_none():
+    """As in eager mode, a parameter the step gives no gradient keeps .grad None (the optimizer
+    skips it instead of decaying it); the used ones accumulate over micro-batches as eager's."""
+    from megabert.training.strategy import SequentialRunner, TrainingTask
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+            self.rng = RNGStatesTracker("cpu")
+
+        def forward(self, x):
+            return (self.used(x) ** 2).mean()
+
+    torch.manual_seed(0)
+    toy = Toy()
+    task = TrainingTask(inputs=("x",), output_loss=lambda out: (out, {"loss": out}))
+    runner = GraphedRunner(SequentialRunner(toy, task), list(toy.parameters()), EagerReplay(toy), warmup_steps=1)
+    eager = SequentialRunner(toy, task)
+    batches = [[{"x": torch.randn(3, 4)} for _ in range(2)] for _ in range(4)]
+    for step in batches:
+        runner.zero_grads()
+        runner.forward_backward(step)
+        assert toy.unused.weight.grad is None and toy.unused.bias.grad is None
+        got = [p.grad.clone() for p in toy.used.parameters()]
+        grads = [p.grad for p in toy.used.parameters()]
+        toy.zero_grad(set_to_none=True)
+        eager.forward_backward(step)
+        for g, p in zip(got, toy.used.parameters()):
+            assert torch.equal(g, p.grad)
+        for p, g in zip(toy.used.parameters(), grads):  # the run's buffers back, as the runner keeps them
+            p.grad = g
+
+
 def test_a_micro_batch_of_other_shapes_is_an_error():
     trainer = _trainer([])
-    _graphed(trainer, warmup_steps=0)
+    _graphed(trainer, warmup_steps=1)
     try:
         step_loss(trainer)
+        step_loss(trainer)  # the capture
         runner = trainer.strategy.runner
         batch = {k: v.clone() for k, v in runner._static.items()}
         batch["input_ids"] = batch["input_ids"][:, :-1]

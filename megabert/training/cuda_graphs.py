@@ -10,8 +10,9 @@ What a replay relies on, and how it holds:
 - Inputs: the graph reads fixed buffers (`static`); each micro-batch is copied into them, and
   one whose keys, shapes or dtypes differ is an error, not a silent replay of other data.
 - Gradients: the captured backward accumulates into `.grad` buffers that live for the whole
-  run (zeroed in place before each global batch, never set to None), so gradient
-  accumulation over micro-batches adds up as in eager mode. A graph that owned its gradients
+  run (those the first, eager, step made; zeroed in place before each global batch, never set
+  to None), so gradient accumulation over micro-batches adds up as in eager mode; a parameter
+  that step gave no gradient keeps none, as in eager mode. A graph that owned its gradients
   would overwrite micro-batch 1's with micro-batch 2's (what torch.compile's CUDA graph trees
   did on an H200: docs/performance.md).
 - Outputs: the loss and metrics are the graph's buffers, copied after each replay before the
@@ -24,7 +25,7 @@ What a replay relies on, and how it holds:
   changing loss scale, the overlapped gradient reduction's hooks (the DP average runs after
   the replays), the distributed optimizer's gather hooks, pipeline schedules, recompute.
 
-The first WARMUP_STEPS steps run eagerly, on the stream the capture will use (lazy set-up of
+The first WARMUP_STEPS steps (at least one) run eagerly, on the stream the capture will use (lazy set-up of
 libraries and torch.compile's compilation happen there, outside the capture).
 """
 from __future__ import annotations
@@ -87,6 +88,8 @@ class GraphedRunner:
 
     def __init__(self, runner: SequentialRunner, params: list[torch.nn.Parameter], graphs: Graphs,
                  generators: Callable[[], list[torch.Generator]] = list, warmup_steps: int = WARMUP_STEPS):
+        if warmup_steps < 1:
+            raise ValueError("GraphedRunner: warmup_steps must be >= 1 (the first step finds the gradients' buffers)")
         self.runner, self.params, self.graphs = runner, params, graphs
         self.generators, self.warmup_steps = generators, warmup_steps
         self.steps = 0
@@ -94,7 +97,9 @@ class GraphedRunner:
         self._replay: Optional[Callable[[], None]] = None
         self._static: dict = {}
         self._outputs: Metrics = {}
-        self._grads: list[torch.Tensor] = []
+        # The parameters that get gradients and their .grad buffers, from the first (eager) step on.
+        self._params: list[torch.nn.Parameter] = []
+        self._grads: Optional[list[torch.Tensor]] = None
         self._micro_batches = 0
 
     @property
@@ -112,18 +117,17 @@ class GraphedRunner:
 
     @torch.no_grad()
     def zero_grads(self) -> None:
-        """Zeroes the run's .grad buffers in place (made on first use): the graph writes into them."""
-        if not self._grads:
+        """Before the first step, no gradients (autograd makes them, as in eager mode); from then
+        on the run's .grad buffers zeroed in place: the graph writes into them."""
+        if self._grads is None:
             for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self._grads = [p.grad for p in self.params]
-        else:
-            self._check_grads()
+                p.grad = None
+            return
+        self._check_grads()
         torch._foreach_zero_(self._grads)
 
     def _check_grads(self) -> None:
-        for p, g in zip(self.params, self._grads):
+        for p, g in zip(self._params, self._grads):
             if p.grad is not g:
                 raise RuntimeError("--cuda-graphs: a parameter's .grad was replaced or set to None after the graph "
                                    "was captured; the graph writes into the old buffer (zero gradients with "
@@ -134,8 +138,15 @@ class GraphedRunner:
     def forward_backward(self, batches: list[dict], loss_scale: float = 1.0) -> list[Metrics]:
         if loss_scale != 1.0:
             raise ConfigError("--cuda-graphs cannot replay a changing loss scale (fp16): use --bf16")
-        if not self._grads:
-            self.zero_grads()
+        if self._grads is None:
+            # The first step, eager: the parameters it gives a gradient keep theirs as the run's
+            # buffers; the others (unused by this task) keep none, as eager mode leaves them, so
+            # the optimizer skips them rather than decaying them.
+            metrics = self._eager(batches)
+            self._params = [p for p in self.params if p.grad is not None]
+            self._grads = [p.grad for p in self._params]
+            self.steps += 1
+            return metrics
         self._check_grads()
         if self._replay is None and self.steps < self.warmup_steps:
             self.steps += 1
