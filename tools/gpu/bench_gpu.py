@@ -7,19 +7,25 @@ Steps, each with its log under OUT (default bench_out/):
   versions       torch, CUDA, GPU, driver, nvcc and whether the CUDA kernels loaded
   gpu            a CUDA GPU is visible                  } the run stops here when not,
   cuda-kernels   megabert's CUDA extension loaded      } with one line saying why
-  tests          tests/test_fused_kernels.py (the CUDA kernels against PyTorch)
+  tests          the test files with CUDA tests (CUDA_TEST_FILES: the kernels against PyTorch,
+                 --cuda-graphs against eager training, the packed step's graph capture and
+                 host syncs)
   kernels        bench/kernels.py --device cuda (fp32, bf16, fp16)
-  bert-large     bench/gpu_bert_large.py: BERT-large bf16 phase 1/2, megabert (padded and
-                 --pack-sequences) against transformers: seq/s, real tokens/s, MFU of real
+  bert-large     bench/gpu_bert_large.py: BERT-large bf16 phase 1/2, megabert (padded,
+                 --pack-sequences, and that with --cuda-graphs) against transformers: seq/s,
+                 real tokens/s, MFU of real
                  tokens, peak memory, the targets; kernel-time breakdown; host syncs per step
   bert-large-compiled
-                 the same for megabert --pack-sequences --compile alone, with the graphs
+                 the same for megabert --pack-sequences --compile (with and without
+                 --cuda-graphs) alone, with the graphs
                  compiled and graph breaks after warm-up (at most COMPILED_TIMEOUT_S)
   modernbert     bench/gpu_modernbert.py: ModernBERT-base bf16 seq 1024, micro-batch 16,
                  megabert (pretrain_bert.py --model-family modernbert) against transformers'
                  ModernBertForMaskedLM (sdpa; flash_attention_2 too where flash_attn imports):
                  seq/s, real tokens/s, MFU of real tokens, peak memory, the ratio; kernel-time
                  breakdown; host syncs per step (at most MODERNBERT_TIMEOUT_S)
+  optimizer      bench/gpu_optimizer_step.py: the optimizer's pieces of a BERT-large step timed
+                 alone against the device's copy bandwidth (at most OPTIMIZER_TIMEOUT_S)
   varlen         bench/gpu_varlen_attention.py (BERT-large bf16 seq 512, padded batches:
                  varlen attention vs SDPA with a padding mask)
   memory         bench/memory.py --layouts single (BERT-base and -large, one GPU)
@@ -60,6 +66,9 @@ COMPILED_TIMEOUT_S = 300
 # yet run there: two models, the epilogues' compilation, 23 steps a side of ~10 TFLOP, the
 # breakdown); past this it is stopped, so that a slow start cannot eat the lease.
 MODERNBERT_TIMEOUT_S = 150
+# The test files with CUDA tests (the rest of each file runs too: seconds on the CPU).
+CUDA_TEST_FILES = ("tests/test_fused_kernels.py", "tests/test_cuda_graphs.py", "tests/test_packed_fixed_shape.py",
+                   "tests/test_host_syncs.py", "tests/test_unpacked_mlm_positions.py", "tests/test_planning_metrics.py")
 # The optimizer's pieces (bench/gpu_optimizer_step.py): BERT-large's states and ~60 timed steps, well under a minute.
 OPTIMIZER_TIMEOUT_S = 90
 
@@ -148,7 +157,7 @@ MIN_STEP_S = 30  # --deadline-s: a step that would get less is skipped
 def measuring_steps() -> list[tuple[str, list[str], Optional[Callable], Optional[float]]]:
     """(name, command, figures parser, time limit) of each step after install and versions."""
     return [
-        ("tests", [VPY, "-m", "pytest", "-q", "tests/test_fused_kernels.py"], bench_figures.pytest_counts, None),
+        ("tests", [VPY, "-m", "pytest", "-q", "-rfs", *CUDA_TEST_FILES], bench_figures.pytest_counts, None),
         ("kernels", [VPY, "bench/kernels.py", "--device", "cuda", "--dtype", "float32", "bfloat16", "float16"],
          bench_figures.kernel_times, None),
         ("bert-large", [VPY, "bench/gpu_bert_large.py"], bench_figures.bert_large, None),
