@@ -347,8 +347,8 @@ class TrainConfig:
                         "graph as custom ops, dropout draws eager mode's masks): the losses of eager mode to ~1e-5 in "
                         "fp32, after a one-off compilation at the first training step and the first evaluation. "
                         "Combines with tensor, sequence and pipeline parallelism, activation recompute and "
-                        "ZeRO-1/2, not ZeRO-3. Attention dropout (drawn from the per-TP-rank RNG stream) runs "
-                        "eagerly between compiled graphs.")
+                        "ZeRO-1/2, not ZeRO-3. At TP=1 each layer is one graph; with TP > 1 attention dropout "
+                        "(drawn from the per-TP-rank RNG stream) runs eagerly between compiled graphs.")
     cuda_graphs: bool = arg(False, "Capture each packed micro-batch's forward, loss and backward as one CUDA graph "
                             "after 3 eager steps and replay it for every later one (torch.cuda.graph): the host "
                             "launches one graph instead of thousands of kernels. Needs a GPU, --pack-sequences "

@@ -395,15 +395,16 @@ def _packed_losses(argv, steps=4):
 
 
 def test_compile_with_packing_one_graph_no_recompile():
-    """--compile on packed rows: the eager losses (fp32, hidden dropout on), no graph break, and
-    every graph compiled in the first step (the layers and the last layer at the heads'
-    positions): later steps, whose rows hold other numbers of samples and tokens, reuse them."""
+    """--compile on packed rows: the eager losses (fp32, BERT's hidden and attention dropout on),
+    no graph break (at TP=1 attention dropout draws from the default stream: no RNG swap in the
+    layer), and every graph compiled in the first step (the layers and the last layer at the
+    heads' positions): later steps, whose rows hold other numbers of samples and tokens, reuse them."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
-        dropout = ["--hidden-dropout", "0.1"]
+        dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
         eager, _ = _packed_losses(dropout)
         compiled, graphs = _packed_losses(dropout + ["--compile"])
         assert compiled == pytest.approx(eager, abs=1e-5, rel=0)

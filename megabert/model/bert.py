@@ -57,7 +57,7 @@ def attention_mask_to_bool(attention_mask: Optional[torch.Tensor]) -> Optional[t
 def build_context(config: ModelConfig, ps: ParallelState, seed: int, params_dtype: torch.dtype,
                   device: Optional[torch.device | str]) -> BuildContext:
     device = torch.device(device) if device is not None else ps.device
-    rng = RNGStatesTracker(device)
+    rng = RNGStatesTracker(device, split_ranks=ps.tp_size > 1)
     rng.add(TP_STREAM, tp_stream_seed(seed, ps.tp_rank, ps.pp_rank))
     return BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, rng=rng,
                         attention_backend=resolve_attention_backend(config.attention_backend, device.type, config.head_dim),

@@ -43,8 +43,13 @@ class RNGStatesTracker:
     every replay by what the captured draws took, as eager mode would. Both draw the same
     numbers from the same seeds; checkpoints hold the same bytes either way."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", split_ranks: bool = True):
         self.device = torch.device(device)
+        # Several TP ranks hold slices of the activations fork() drops in, so each draws its
+        # own masks. With one rank there is nothing to tell apart: fork() then draws from the
+        # default stream, which torch.compile traces (a state swap breaks a compiled layer's
+        # graph in two) and a CUDA graph captures without swapping states.
+        self.split_ranks = split_ranks
         self.states: dict[str, torch.Tensor] = {}
         self._generators: Optional[dict[str, torch.Generator]] = None  # graph-safe mode
 
@@ -82,7 +87,13 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = TP_STREAM):
-        """Runs the block on stream `name`; the default stream is untouched by it."""
+        """Runs the block on stream `name`; the default stream is untouched by it (with one
+        rank, `split_ranks` False: on the default stream)."""
+        if not self.split_ranks:
+            if name not in self.states and (self._generators is None or name not in self._generators):
+                raise KeyError(f"RNG stream {name!r} was never added")
+            yield
+            return
         if self._generators is not None:
             if name not in self._generators:
                 raise KeyError(f"RNG stream {name!r} was never added")
