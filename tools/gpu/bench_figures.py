@@ -16,12 +16,12 @@ _BANDWIDTH = re.compile(r"^\s+.*GB/s")
 # bench/gpu_bert_large.py, per phase and side: phase, side, seq/s, real tokens/s, real share,
 # samples/row, TFLOP/s, MFU, vs transformers, peak GB:
 # "1      megabert-packed     1102.4      134512      97.1%        1.13     266.0   26.9%      1.49x    14.20"
-_BERT = re.compile(r"^([12])\s+(megabert(?:-packed|-compiled-epilogues)?|transformers)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)\s+"
+_BERT = re.compile(r"^([12])\s+(megabert(?:-[a-z]+)*|transformers)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)\s+"
                    r"([\d.]+)\s+([\d.]+%|n/a)\s+([\d.]+x|n/a)\s+([\d.]+|n/a)\s*$")
 # its kernel breakdown: "1      megabert     66.80     30.12 45.1%  ..." (wall, then ms and share of
 # GEMM, attention, norm/elementwise, optimizer, other, idle)
 _PAIR = r"\s+([\d.]+)\s+([\d.]+)%"
-_BREAKDOWN = re.compile(r"^([12])\s+(megabert(?:-packed|-compiled-epilogues)?|transformers)\s+([\d.]+)" + _PAIR * 6 + r"\s*$")
+_BREAKDOWN = re.compile(r"^([12])\s+(megabert(?:-[a-z]+)*|transformers)\s+([\d.]+)" + _PAIR * 6 + r"\s*$")
 BREAKDOWN_PARTS = ("gemm", "attention", "norm_elementwise", "optimizer", "other", "idle")
 # the phase (BERT) or the sequence length (ModernBERT), then the figures
 _SYNCS = re.compile(r"^host syncs (\d+) (\S+): ([\d.]+) per step \((\d+) in (\d+) steps")
