@@ -283,6 +283,17 @@ def test_the_bench_runs_end_to_end_on_a_cpu_and_its_figures_parse():
     assert figures["targets"]["2"]["mfu_target_met"] is None
 
 
+def test_bench_figures_read_the_optimizer_pieces():
+    lines = ["piece                    ms  GB moved  at copy bw  share of bw",
+             "grad_norm              0.61      1.34        0.33        54.8%",
+             "fused AdamW, flat      2.95      9.38        2.31        78.3%",
+             "foreach AdamW         14.02       nan         nan         nan%"]
+    assert bench_figures.optimizer_pieces(lines) == [
+        {"piece": "grad_norm", "ms": 0.61, "gb_moved": 1.34, "bandwidth_share": 0.548},
+        {"piece": "fused AdamW, flat", "ms": 2.95, "gb_moved": 9.38, "bandwidth_share": 0.783},
+        {"piece": "foreach AdamW", "ms": 14.02, "gb_moved": None, "bandwidth_share": None}]
+
+
 def test_bench_figures_read_the_bert_large_lines():
     lines = [
         "phase  side                           seq/s  real tok/s real share samples/row   TFLOP/s     MFU  "

@@ -7,7 +7,7 @@ figure, never the run. Plain Python, tested on captured lines without a GPU.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Iterable, Optional
 
 _PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 # bench/kernels.py: "softmax   [8,12,128,128]      bfloat16       0.05 ..."
@@ -163,6 +163,26 @@ def varlen_attention(lines: Iterable[str]) -> list[dict]:
             rows.append({"data": m.group(1), "real_tokens": float(m.group(2)) / 100,
                          "attention_dropout": float(m.group(3)), "side": m.group(4), "seq_per_s": float(m.group(5)),
                          "tflops": float(m.group(6)), "mfu": mfu, "vs_sdpa": float(m.group(8))})
+    return rows
+
+
+# bench/gpu_optimizer_step.py: "fused AdamW            9.12      9.38        2.41        26.4%" (a piece,
+# its ms, GB moved, ms at the copy bandwidth, the share of that bandwidth; nan where not counted)
+_OPTIMIZER = re.compile(r"^(grad_norm|fused AdamW(?:, flat)?|guarded step|gemm copies|foreach AdamW|clip_grad_norm_|"
+                        r"compiled AdamW, flat)\s+([\d.]+)\s+([\d.]+|nan)\s+([\d.]+|nan)\s+([\d.]+%|nan%)\s*$")
+
+
+def optimizer_pieces(lines: Iterable[str]) -> list[dict]:
+    """Each optimizer piece's ms per call, GB moved and share of the copy bandwidth (None: not counted)."""
+    def number(text: str) -> Optional[float]:
+        return None if text.startswith("nan") else float(text.rstrip("%"))
+
+    rows = []
+    for line in lines:
+        if m := _OPTIMIZER.match(line):
+            share = number(m.group(5))
+            rows.append({"piece": m.group(1), "ms": float(m.group(2)), "gb_moved": number(m.group(3)),
+                         "bandwidth_share": None if share is None else round(share / 100, 6)})
     return rows
 
 

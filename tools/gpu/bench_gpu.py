@@ -164,7 +164,7 @@ def measuring_steps() -> list[tuple[str, list[str], Optional[Callable], Optional
         ("bert-large-compiled", [VPY, "bench/gpu_bert_large.py", "--sides", "megabert-packed", "megabert-packed-graphs",
                                  "--compile", "--rounds", "10"], bench_figures.bert_large, COMPILED_TIMEOUT_S),
         ("modernbert", [VPY, "bench/gpu_modernbert.py"], bench_figures.modernbert, MODERNBERT_TIMEOUT_S),
-        ("optimizer", [VPY, "bench/gpu_optimizer_step.py"], None, OPTIMIZER_TIMEOUT_S),
+        ("optimizer", [VPY, "bench/gpu_optimizer_step.py"], bench_figures.optimizer_pieces, OPTIMIZER_TIMEOUT_S),
         ("varlen", [VPY, "bench/gpu_varlen_attention.py"], bench_figures.varlen_attention, None),
         ("memory", [VPY, "bench/memory.py", "--sizes", "bert-base", "bert-large", "--layouts", "single"],
          bench_figures.memory, None),
