@@ -294,7 +294,6 @@ def test_cuda_graphs_train_as_eager_on_a_gpu(bf16):
         data = packed_micro_batches(windows, spec, 0, 2, 0, 1)
         trainer = build_pretraining(resolve_run(cfg, ps), ps, VOCAB, lambda consumed: data)
         try:
-            torch.cuda.set_sync_debug_mode("default")
             losses.append([step_loss(trainer) for _ in range(6)])
             if graphs:
                 assert isinstance(trainer.strategy.runner, GraphedRunner) and trainer.strategy.runner._replay
