@@ -75,11 +75,12 @@ def _graphed(trainer, warmup_steps=2):
     return graphs
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_graphed_training_equals_eager_bitwise(bf16):
+@pytest.mark.parametrize("argv", [[], ["--bf16"], ["--bert-no-binary-head"]])
+def test_graphed_training_equals_eager_bitwise(argv):
     """6 steps of 2 micro-batches each (gradient accumulation), dropout on, clipping: warm-up
-    steps, the capture and 4 replayed steps give eager mode's losses, norms and weights, bitwise."""
-    argv = DROPOUT + (["--bf16"] if bf16 else [])
+    steps, the capture and 4 replayed steps give eager mode's losses and weights, bitwise (fp32,
+    bf16, and MLM alone)."""
+    argv = DROPOUT + argv
     runs = []
     for graphed in (False, True):
         trainer = _trainer(argv)
