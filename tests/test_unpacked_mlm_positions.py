@@ -7,9 +7,10 @@ rows, and the unpadded encoder's last layer maps them (and each row's [CLS]) to 
 [T, h] by arithmetic (TokenLayout.head_rows), instead of selecting `labels != -100` with a bool
 mask (a nonzero() each: a host sync on a GPU). n follows the data but is the host tensor's
 length, so no shape needs a device read. The step equals the bool-mask step (fp32, dropout 0):
-loss and every gradient, at TP=1, TP=2, PP=2 and TP=2 with --sequence-parallel; and its
-forward, loss and backward run one data-dependent op per micro-batch, the unpadded encoder's
-count of real tokens."""
+loss and every gradient, at TP=1, TP=2, PP=2 and TP=2 with --sequence-parallel. The unpadded
+encoder takes its real tokens from the host too (`token_positions` [T]: row x seq + column of
+every attention_mask != 0; megabert.data.packing.with_flat_token_positions), so the step's
+forward, loss and backward run no data-dependent op at all."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -216,11 +217,11 @@ def test_trainer_step_with_flat_positions_equals_the_bool_mask_step(tmp_path, ar
             torch.testing.assert_close(b["params"][n], a["params"][n], atol=1e-6, rtol=0, msg=n)
 
 
-def test_unpacked_default_step_has_one_data_dependent_op(monkeypatch):
+def test_unpacked_default_step_has_no_data_dependent_op(monkeypatch):
     """The unpadded encoder's forward, loss (the global batch's counts, tensors) and backward on an
-    unpacked micro-batch with the flat positions: one data-dependent op, the count of real tokens
-    (TokenLayout's nonzero()); the bool-mask step has four more (three bool-mask indexes in
-    forward, one in backward)."""
+    unpacked micro-batch with the host's positions (masked and real tokens): no data-dependent op;
+    the bool-mask step has five (the count of real tokens, TokenLayout's nonzero(); three bool-mask
+    indexes in forward, one in backward). Its loss and every gradient are the bool-mask step's."""
     from tests.test_host_syncs import DataDependentOps
 
     megabert.init_parallel()
@@ -239,17 +240,23 @@ def test_unpacked_default_step_has_one_data_dependent_op(monkeypatch):
         monkeypatch.undo()
         return ops.seen
 
-    assert seen(given) == ["aten.nonzero.default"]
+    assert "token_positions" in given and "mlm_flat_positions" in given
+    model.zero_grad()
+    assert seen(given) == []
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
     before = seen(plain)
     assert before.count("aten.nonzero.default") == 1 and len(before) == 5, before
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=0, msg=n)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])
-def test_cuda_unpacked_step_waits_once_per_micro_batch(backend):
+def test_cuda_unpacked_step_waits_for_nothing(backend):
     """On a GPU, counted by torch's sync debug mode (every wait for the device): forward, loss and
-    backward of an unpacked micro-batch with the flat positions wait once (TokenLayout's count of
-    real tokens), the bool-mask step five times; loss and every gradient equal (fp32, dropout 0)."""
+    backward of an unpacked micro-batch with the host's positions (masked and real tokens) wait
+    nowhere, the bool-mask step five times; loss and every gradient equal (fp32, dropout 0)."""
     import warnings
 
     megabert.init_parallel()
@@ -279,7 +286,7 @@ def test_cuda_unpacked_step_waits_once_per_micro_batch(backend):
     # run once before their waits are counted (the H200 lease counted 25 on a cold sdpa step).
     step(given), step(plain)
     (waits, loss, grads), (ref_waits, ref_loss, ref_grads) = step(given), step(plain)
-    assert (waits, ref_waits) == (1, 5)
+    assert (waits, ref_waits) == (0, 5)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=0, msg=n)

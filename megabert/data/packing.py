@@ -315,6 +315,17 @@ def flat_label_positions(labels: np.ndarray) -> np.ndarray:
     return np.flatnonzero(labels != IGNORE).astype(np.int64)
 
 
+def with_flat_token_positions(batches: Iterable[dict], key: str) -> Iterator[dict]:
+    """Unpacked micro-batches (without packed_seqlens; others pass as they are) with `key` =
+    row x seq + column of every real token (attention_mask != 0), row-major, added on the host:
+    the unpadded encoder takes its tokens from them instead of a nonzero() of the mask on the
+    device, a host sync on a GPU (megabert.model.unpad.TokenLayout)."""
+    for batch in batches:
+        if "packed_seqlens" not in batch and "attention_mask" in batch:
+            batch = {**batch, key: torch.from_numpy(np.flatnonzero(host_array(batch["attention_mask"])).astype(np.int64))}
+        yield batch
+
+
 def with_flat_label_positions(batches: Iterable[dict], key: str) -> Iterator[dict]:
     """Unpacked micro-batches (without packed_seqlens; others pass as they are) with `key` =
     flat_label_positions(labels) added, on the host: its length, the number of labelled

@@ -88,7 +88,7 @@ class BertBackbone(nn.Module):
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
                       token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
                       head_positions: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                      packed_seqlens: Optional[torch.Tensor] = None):
+                      packed_seqlens: Optional[torch.Tensor] = None, token_positions: Optional[torch.Tensor] = None):
         """Chunk v of this rank: [s, b, h] -> [s, b, h]. Global chunk 0 starts from the
         embeddings of `input_ids`; the model's last chunk returns (sequence [s, b, h]
         gathered over sequence-parallel ranks, pooled [b, h] or None). `head_positions`
@@ -96,7 +96,9 @@ class BertBackbone(nn.Module):
         the heads read; with the unpadded encoder the last layer computes only those, and the
         sequence is zero elsewhere.
         Packed rows (megabert.model.packed): `packed_seqlens` [b, cap] and `position_ids`
-        [b, s]; attention stays inside each sample and pooled is [b * cap, h], one [CLS] per slot."""
+        [b, s]; attention stays inside each sample and pooled is [b * cap, h], one [CLS] per slot.
+        `token_positions` (unpacked rows, the unpadded encoder): the real tokens' flat positions
+        as the host found them (TokenLayout)."""
         if self.stage.is_first_chunk(v):
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             hidden = self.embeddings(input_ids, tt, position_ids)
@@ -110,8 +112,8 @@ class BertBackbone(nn.Module):
                                              else attention_mask.size(1)) \
                 if self.ctx.attention_backend == "varlen" and not self.ctx.sequence_parallel else None
         else:
-            tokens = TokenLayout(attention_mask, packed_seqlens) if self.unpad and attention_mask is not None \
-                and attention_mask.dim() == 2 else None
+            tokens = TokenLayout(attention_mask, packed_seqlens, token_positions) if self.unpad \
+                and attention_mask is not None and attention_mask.dim() == 2 else None
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
             if not tokens.fixed_shape:
@@ -228,7 +230,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         last = self.stage.is_last_chunk(v)
         out = self.bert.forward_chunk(v, hidden, batch.get("input_ids"), batch.get("token_type_ids"),
                                       batch.get("attention_mask"), self.head_positions(batch) if last else None,
-                                      batch.get("position_ids"), batch.get("packed_seqlens"))
+                                      batch.get("position_ids"), batch.get("packed_seqlens"),
+                                      batch.get("token_positions"))
         if not last:
             return out
         sequence, pooled = out

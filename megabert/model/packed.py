@@ -16,7 +16,8 @@ the device from that fixed-shape tensor, with no host value, so a packed step ke
 
 Unpacked rows need no fixed shape (the unpadded encoder's token count follows the data anyway):
 their masked LM reads exactly the masked positions, `mlm_flat_positions` [n] given by the host
-(flat_head_positions, gather_flat), with no empty slot and no bool mask.
+(flat_head_positions, gather_flat), with no empty slot and no bool mask, and the unpadded encoder
+its real tokens, `token_positions` [T] given by the host (megabert.model.unpad.TokenLayout).
 """
 from __future__ import annotations
 

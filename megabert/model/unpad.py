@@ -31,15 +31,21 @@ class TokenLayout:
     positions (Megatron's sequence-first layout), sequence by sequence (batch-major), so that
     sequence i is tokens cu_seqlens[i] .. cu_seqlens[i + 1] of the unpadded [T, h]."""
 
-    def __init__(self, attention_mask: torch.Tensor, packed_seqlens: Optional[torch.Tensor] = None):
+    def __init__(self, attention_mask: torch.Tensor, packed_seqlens: Optional[torch.Tensor] = None,
+                 token_positions: Optional[torch.Tensor] = None):
         """attention_mask: [b, s], transformers' convention (1 = token, 0 = padding).
         packed_seqlens: [b, cap] for packed rows (megabert.model.packed): the sequences are
-        then the samples of each row, not the rows."""
+        then the samples of each row, not the rows. token_positions: int64 [T], row x s +
+        column of each real token, row-major, as the host computed them from the same mask
+        (megabert.data.packing.with_flat_token_positions), or None to find them on the device."""
         b, s = attention_mask.shape
         self.s, self.b = s, b
-        # NOTE: nonzero() waits for the mask's values: one host sync per micro-batch on a
-        # GPU (none when the mask is still on the CPU), whatever the number of layers.
-        flat = attention_mask.reshape(-1).nonzero().squeeze(1)  # [T] positions of [b, s], batch-major
+        if token_positions is not None:
+            flat = token_positions  # T is the host's: nothing waits for the device
+        else:
+            # NOTE: nonzero() waits for the mask's values: one host sync per micro-batch on a
+            # GPU (none when the mask is still on the CPU), whatever the number of layers.
+            flat = attention_mask.reshape(-1).nonzero().squeeze(1)  # [T] positions of [b, s], batch-major
         self.indices = (flat % s) * b + flat // s  # the same positions in [s, b]
         self._real = attention_mask.reshape(-1) != 0  # [b * s], batch-major
         self.num_tokens = self.indices.numel()

@@ -123,12 +123,13 @@ class ModernBertBackbone(nn.Module):
                                padded_segments=segments)
 
     def _token_layout(self, input_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
-                      packed_seqlens: Optional[torch.Tensor]) -> Optional[TokenLayout]:
+                      packed_seqlens: Optional[torch.Tensor],
+                      token_positions: Optional[torch.Tensor] = None) -> Optional[TokenLayout]:
         """The unpadded layout (real tokens, a sequence per row or per packed sample), or None
         for the padded [s, b] one. Packed rows always take a layout: its cu_seqlens give RoPE
         each sample's own positions from 0 and the local layers each sample as a segment."""
         if self.unpad and attention_mask is not None and attention_mask.dim() == 2:
-            return TokenLayout(attention_mask, packed_seqlens)
+            return TokenLayout(attention_mask, packed_seqlens, token_positions)
         if packed_seqlens is None or self.ctx.sequence_parallel:
             # Sequence parallelism splits the padded [s, b] layout: packed rows stay in it, each
             # sample kept apart by its segment (the block-diagonal mask, the local layers' segments).
@@ -140,7 +141,7 @@ class ModernBertBackbone(nn.Module):
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
                       token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
                       head_positions: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                      packed_seqlens: Optional[torch.Tensor] = None):
+                      packed_seqlens: Optional[torch.Tensor] = None, token_positions: Optional[torch.Tensor] = None):
         """As BertBackbone.forward_chunk (token_type_ids are ignored: ModernBERT has none); the
         model's last chunk returns (sequence [s, b, h], None). Packed rows (megabert.model.packed):
         `packed_seqlens` [b, cap] decides everything; `position_ids` (each sample's from 0) are
@@ -148,7 +149,7 @@ class ModernBertBackbone(nn.Module):
         if self.stage.is_first_chunk(v):
             hidden = self.embeddings(input_ids)
         last = self.stage.is_last_chunk(v)
-        tokens = self._token_layout(input_ids, attention_mask, packed_seqlens)
+        tokens = self._token_layout(input_ids, attention_mask, packed_seqlens, token_positions)
         inputs = self._inputs(hidden, attention_mask, tokens, packed_seqlens)
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]

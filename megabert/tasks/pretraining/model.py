@@ -123,12 +123,14 @@ class BertForPreTraining(BertPreTrainedModel):
                 next_sentence_label: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 packed_seqlens: Optional[torch.Tensor] = None,
                 mlm_positions: Optional[torch.Tensor] = None,
-                mlm_flat_positions: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
+                mlm_flat_positions: Optional[torch.Tensor] = None,
+                token_positions: Optional[torch.Tensor] = None) -> BertPreTrainingOutput:
         return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
                                               attention_mask=attention_mask, labels=labels,
                                               next_sentence_label=next_sentence_label, position_ids=position_ids,
                                               packed_seqlens=packed_seqlens, mlm_positions=mlm_positions,
-                                              mlm_flat_positions=mlm_flat_positions))
+                                              mlm_flat_positions=mlm_flat_positions,
+                                              token_positions=token_positions))
 
     def _given_positions(self, batch: dict) -> Optional[torch.Tensor]:
         """The masked positions the batch gives, where the head reads the masked LM at them (logits

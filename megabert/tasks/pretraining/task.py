@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from megabert.config import DataConfig
-from megabert.data.packing import with_flat_label_positions, with_label_positions
+from megabert.data.packing import with_flat_label_positions, with_flat_token_positions, with_label_positions
 from megabert.model import ModernBertForMaskedLM
 from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 PRETRAINING_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
-# Packed rows only (megabert.data.packing), but the masked positions: pretraining_batches adds them
-# (mlm_positions to packed rows, mlm_flat_positions to unpacked ones).
-PACKED_INPUTS = ("position_ids", "packed_seqlens", "mlm_positions", "mlm_flat_positions")
+# Packed rows only (megabert.data.packing), but the positions pretraining_batches adds on the host
+# (mlm_positions to packed rows; mlm_flat_positions and token_positions to unpacked ones).
+PACKED_INPUTS = ("position_ids", "packed_seqlens", "mlm_positions", "mlm_flat_positions", "token_positions")
 
 
 def mlm_slots_per_row(data: DataConfig) -> int:
@@ -48,28 +48,35 @@ def mlm_slots_per_row(data: DataConfig) -> int:
 
 
 def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch.device) -> Iterable[dict]:
-    """BERT's micro-batches with logits at the masked positions only get the masked positions,
-    computed on the host, which the head reads instead of selecting `labels != -100` with a bool
-    mask (a nonzero(): a host sync on a GPU, four per micro-batch with their backward):
-    - packed rows, where they run the fixed-shape step (megabert.model.packed.fixed_shape_packing):
-      `mlm_positions` [rows, mlm_slots_per_row], so that every tensor of the step has a shape the
-      flags fix (CUDA graphs, one compilation);
-    - unpacked rows, on every device: `mlm_flat_positions` [n], row x seq + column of each of the
-      micro-batch's n masked positions (with_flat_label_positions). n follows the data, as the
-      unpadded encoder's token count does, but it is known on the host: the unpadded encoder's
-      step waits for the device once per micro-batch on a GPU, for its count of real tokens
-      (megabert.model.unpad.TokenLayout), and the head computes no empty slot.
-    BERT's head only (ModernBERT's takes neither)."""
-    if not (run.model.mlm_logits_at_masked_only and run.model.model_family == "bert"):
+    """BERT's micro-batches get, computed on the host, the positions the model would otherwise
+    find with a nonzero() on the device (a host sync on a GPU):
+    - with logits at the masked positions only, the masked positions, which the head reads
+      instead of selecting `labels != -100` with a bool mask (four syncs per micro-batch with
+      their backward):
+      - packed rows, where they run the fixed-shape step (megabert.model.packed.fixed_shape_packing):
+        `mlm_positions` [rows, mlm_slots_per_row], so that every tensor of the step has a shape the
+        flags fix (CUDA graphs, one compilation);
+      - unpacked rows, on every device: `mlm_flat_positions` [n], row x seq + column of each of
+        the micro-batch's n masked positions (with_flat_label_positions): n follows the data but
+        the host knows it, and the head computes no empty slot;
+    - unpacked rows with the unpadded encoder: `token_positions` [T], row x seq + column of each
+      real token (with_flat_token_positions), which megabert.model.unpad.TokenLayout takes
+      instead of the mask's nonzero(). The unpacked step then waits for the device nowhere.
+    BERT only (ModernBERT takes none)."""
+    if run.model.model_family != "bert":
         return batches
     data = run.data
     if data.pack_sequences:
-        if not fixed_shape_packing(device, run.model.unpad_input):
+        if not (run.model.mlm_logits_at_masked_only and fixed_shape_packing(device, run.model.unpad_input)):
             return batches
         too_many = (f"the samples were masked at a higher rate than --mask-prob {data.mask_prob} (NVIDIA shards' "
                     f"masks are used as stored): pass the rate they were masked with as --mask-prob")
         return with_label_positions(batches, mlm_slots_per_row(data), "mlm_positions", too_many)
-    return with_flat_label_positions(batches, "mlm_flat_positions")
+    if run.model.mlm_logits_at_masked_only:
+        batches = with_flat_label_positions(batches, "mlm_flat_positions")
+    if run.model.unpad_input:
+        batches = with_flat_token_positions(batches, "token_positions")
+    return batches
 
 
 def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:
