@@ -41,11 +41,13 @@ def sequence_loss(logits: torch.Tensor, batch: dict, num_labels: int
     packed = batch.get("packed_seqlens")
     if packed is not None:  # an empty slot of a packed row has no sample
         real = packed.reshape(-1) > 0
-        per_sample, count = per_sample * real, real.sum()
-    else:
-        count = torch.tensor(labels.numel(), device=labels.device)
+        per_sample = per_sample * real
+        loss_sum = per_sample.sum()
+        return loss_sum / real.sum().clamp(min=1), loss_sum
     loss_sum = per_sample.sum()
-    return loss_sum / count.clamp(min=1), loss_sum
+    # The count as a Python number: a tensor made from it on the host would be a copy from
+    # pageable memory, which waits for the device to drain first.
+    return loss_sum / max(labels.numel(), 1), loss_sum
 
 
 class BertClassifier(BertPreTrainedModel):
