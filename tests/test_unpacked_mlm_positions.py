@@ -290,3 +290,44 @@ def test_cuda_unpacked_step_waits_for_nothing(backend):
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("task", ["glue", "squad"])
+def test_finetuning_batches_carry_their_real_tokens(monkeypatch, task):
+    """Fine-tuning's unpacked micro-batches get `token_positions` from the host as pre-training's
+    do (megabert.training.finetune): the unpadded encoder's step then runs no data-dependent op
+    (one nonzero() without them), with the same loss and gradients, through the task's own inputs."""
+    from megabert.data.packing import with_flat_token_positions
+    from megabert.tasks.glue.finetuning import glue_task
+    from megabert.tasks.glue.model import BertForSequenceClassification
+    from megabert.tasks.squad.finetuning import qa_task
+    from megabert.tasks.squad.model import BertForQuestionAnswering
+    from tests.test_host_syncs import DataDependentOps
+
+    megabert.init_parallel()
+    cfg = _cfg(unpad_input=True, num_labels=3)
+    cfg.attention_backend = "varlen"
+    plain = {k: v for k, v in _short(_batch()).items() if k in ("input_ids", "token_type_ids", "attention_mask")}
+    if task == "glue":
+        model, training_task = BertForSequenceClassification(cfg, seed=3), glue_task()
+        plain["labels"] = torch.tensor([0, 2, 1, 1])
+    else:
+        model, training_task = BertForQuestionAnswering(cfg, seed=3), qa_task()
+        plain["start_positions"], plain["end_positions"] = torch.tensor([1, 2, 3, 4]), torch.tensor([2, 5, 3, 8])
+    given = next(with_flat_token_positions([plain], "token_positions"))
+    assert "token_positions" in training_task.inputs and "token_positions" in given
+
+    def step(batch):
+        model.zero_grad()
+        ops = DataDependentOps(monkeypatch)
+        with ops:
+            loss = training_task.output_loss(model(**training_task.model_inputs(batch)))[0]
+            loss.backward()
+        monkeypatch.undo()
+        return ops.seen, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (seen, loss, grads), (ref_seen, ref_loss, ref_grads) = step(given), step(plain)
+    assert seen == [] and ref_seen == ["aten.nonzero.default"]
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=0, msg=n)

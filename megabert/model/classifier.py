@@ -64,9 +64,11 @@ class BertClassifier(BertPreTrainedModel):
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                packed_seqlens: Optional[torch.Tensor] = None) -> ClassifierOutput:
+                packed_seqlens: Optional[torch.Tensor] = None,
+                token_positions: Optional[torch.Tensor] = None) -> ClassifierOutput:
         """Packed rows (megabert.data.packing): position_ids [b, s] (each sample's from 0) and
-        packed_seqlens [b, cap]; labels as the subclass's head reads them."""
+        packed_seqlens [b, cap]; labels as the subclass's head reads them. token_positions: the
+        real tokens' flat positions from the host (megabert.model.unpad.TokenLayout)."""
         return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
                                               attention_mask=attention_mask, labels=labels, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens))
+                                              packed_seqlens=packed_seqlens, token_positions=token_positions))

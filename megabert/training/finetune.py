@@ -29,7 +29,7 @@ import torch
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs, TaskConfig
 from megabert.data import build_tokenizer
-from megabert.data.packing import PackingSpec, packed_feature_batches, rows_per_epoch
+from megabert.data.packing import PackingSpec, packed_feature_batches, rows_per_epoch, with_flat_token_positions
 from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
 from megabert.tensor_parallel.random import seed_default_stream
@@ -154,8 +154,12 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
                     n)
 
         def batches(consumed):
-            return feature_batches(tensors, global_batch=batch.global_batch_size, micro_batch=t.micro_batch_size,
-                                   dp_rank=ps.dp_rank, dp_size=ps.dp_size, seed=t.seed, consumed=consumed)
+            out = feature_batches(tensors, global_batch=batch.global_batch_size, micro_batch=t.micro_batch_size,
+                                  dp_rank=ps.dp_rank, dp_size=ps.dp_size, seed=t.seed, consumed=consumed)
+            # The unpadded encoder's real tokens, found on the host (no nonzero() on the device),
+            # for the tasks whose model takes them.
+            wanted = model.config.unpad_input and "token_positions" in task.training_task.inputs
+            return with_flat_token_positions(out, "token_positions") if wanted else out
     else:
         # --epochs counts passes over the features; a step holds global batch rows of several each.
         rows = rows_per_epoch(tensors, packing)

@@ -96,13 +96,13 @@ class ModernBertForSequenceClassification(ModernBertTaskModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, packed_seqlens: Optional[torch.Tensor] = None
-                ) -> ClassifierOutput:
+                position_ids: Optional[torch.Tensor] = None, packed_seqlens: Optional[torch.Tensor] = None,
+                token_positions: Optional[torch.Tensor] = None) -> ClassifierOutput:
         """Packed rows (megabert.data.packing): packed_seqlens [b, cap] and labels [b, cap]; the
         logits are then [b * cap, num_labels], one per slot (empty slots are left out of the loss)."""
         return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                               token_type_ids=token_type_ids, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens))
+                                              packed_seqlens=packed_seqlens, token_positions=token_positions))
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
         """[CLS] pooling reads each sample's first token alone (the last layer computes only

@@ -35,11 +35,13 @@ def glue_task() -> TrainingTask:
 
     def samples(batch: dict) -> torch.Tensor:
         packed = batch.get("packed_seqlens")
+        # A fill on the device, not torch.tensor(n, device=...): that copies from pageable host
+        # memory, which waits for the device to drain first.
         return (packed > 0).sum() if packed is not None \
-            else torch.tensor(batch["labels"].numel(), device=batch["labels"].device)
+            else torch.full((), batch["labels"].numel(), dtype=torch.int64, device=batch["labels"].device)
 
     return mean_loss_task("glue_loss", ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
-                                        "packed_seqlens"), samples)
+                                        "packed_seqlens", "token_positions"), samples)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def ner_task() -> TrainingTask:
     are grouped."""
 
     return mean_loss_task("ner_loss", ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
-                                       "packed_seqlens"), lambda batch: (batch["labels"] != IGNORE_INDEX).sum())
+                                       "packed_seqlens", "token_positions"),
+                          lambda batch: (batch["labels"] != IGNORE_INDEX).sum())
 
 
 def resolve_labels(pretrained: Source, train: Optional[list[Sentence]]) -> tuple[str, ...]:

@@ -59,11 +59,12 @@ class ModernBertForTokenClassification(ModernBertTaskModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                packed_seqlens: Optional[torch.Tensor] = None) -> TokenClassifierOutput:
+                packed_seqlens: Optional[torch.Tensor] = None,
+                token_positions: Optional[torch.Tensor] = None) -> TokenClassifierOutput:
         """Packed rows as BertForTokenClassification's (each sample's RoPE positions from 0)."""
         return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                               token_type_ids=token_type_ids, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens))
+                                              packed_seqlens=packed_seqlens, token_positions=token_positions))
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> TokenClassifierOutput:
         # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.

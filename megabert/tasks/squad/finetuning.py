@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 def qa_task() -> TrainingTask:
     """QuestionAnsweringOutput -> (mean of the start and end cross entropies, {"qa_loss"})."""
-    return TrainingTask(inputs=("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions"),
+    return TrainingTask(inputs=("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions",
+                                "token_positions"),
                 output_loss=lambda out: (out.loss, {"qa_loss": out.loss}))
 
 

@@ -33,10 +33,11 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, start_positions: Optional[torch.Tensor] = None,
-                end_positions: Optional[torch.Tensor] = None) -> QuestionAnsweringOutput:
+                end_positions: Optional[torch.Tensor] = None,
+                token_positions: Optional[torch.Tensor] = None) -> QuestionAnsweringOutput:
         return self._whole_model_forward(dict(input_ids=input_ids, token_type_ids=token_type_ids,
                                               attention_mask=attention_mask, start_positions=start_positions,
-                                              end_positions=end_positions))
+                                              end_positions=end_positions, token_positions=token_positions))
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> QuestionAnsweringOutput:
         logits = self.qa_outputs(sequence.transpose(0, 1))  # [b, s, 2]
@@ -71,10 +72,11 @@ class ModernBertForQuestionAnswering(ModernBertTaskModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 start_positions: Optional[torch.Tensor] = None, end_positions: Optional[torch.Tensor] = None,
-                token_type_ids: Optional[torch.Tensor] = None) -> QuestionAnsweringOutput:
+                token_type_ids: Optional[torch.Tensor] = None,
+                token_positions: Optional[torch.Tensor] = None) -> QuestionAnsweringOutput:
         return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask,
                                               start_positions=start_positions, end_positions=end_positions,
-                                              token_type_ids=token_type_ids))
+                                              token_type_ids=token_type_ids, token_positions=token_positions))
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> QuestionAnsweringOutput:
         # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
