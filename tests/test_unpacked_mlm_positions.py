@@ -80,10 +80,14 @@ def test_pretraining_batches_add_flat_positions_to_unpacked_batches(device):
     flat = out["mlm_flat_positions"]
     assert flat.dtype == torch.int64 and "mlm_positions" not in out
     assert flat.tolist() == (b["labels"].reshape(-1) != -100).nonzero().flatten().tolist()
-    # full logits, or ModernBERT's head: nothing to add
-    assert "mlm_flat_positions" not in _with_positions(b, _cfg(unpad_input=True))
+    assert out["token_positions"].tolist() == b["attention_mask"].reshape(-1).nonzero().flatten().tolist()
+    # full logits: no masked positions to add, the real tokens' still (the unpadded encoder takes them)
+    full = _with_positions(b, _cfg(unpad_input=True))
+    assert "mlm_flat_positions" not in full and "token_positions" in full
+    # the padded encoder: no real tokens' positions; ModernBERT's head takes the masked ones too
+    assert "token_positions" not in _with_positions(b, _cfg(mlm_logits_at_masked_only=True))
     modern = dataclasses.replace(_cfg(mlm_logits_at_masked_only=True), model_family="modernbert")
-    assert "mlm_flat_positions" not in _with_positions(b, modern)
+    assert "mlm_flat_positions" in _with_positions(b, modern)
 
 
 def _step(model, batch: dict):
@@ -328,6 +332,43 @@ def test_finetuning_batches_carry_their_real_tokens(monkeypatch, task):
 
     (seen, loss, grads), (ref_seen, ref_loss, ref_grads) = step(given), step(plain)
     assert seen == [] and ref_seen == ["aten.nonzero.default"]
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=0, msg=n)
+
+
+def test_modernbert_unpacked_step_selects_by_the_hosts_positions(monkeypatch):
+    """ModernBERT's unpacked micro-batches get the same host positions (pretraining_batches): its
+    unpadded encoder, last layer and MLM head select by index, with no data-dependent op (five
+    without: the token count's nonzero(), three bool-mask selections in forward and one in
+    backward); the same loss and
+    gradients (fp32, dropout 0, the local-window layers included)."""
+    from megabert.config import modernbert_tiny
+    from megabert.model.modernbert.model import ModernBertForMaskedLM
+    from tests.test_host_syncs import DataDependentOps
+
+    megabert.init_parallel()
+    cfg = modernbert_tiny(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                          max_position_embeddings=SEQ, local_attention=8, global_attn_every_n_layers=3,
+                          unpad_input=True, mlm_logits_at_masked_only=True, attention_backend="varlen",
+                          attention_dropout=0.0, hidden_dropout=0.0, embedding_dropout=0.0)
+    model = ModernBertForMaskedLM(cfg, seed=3)
+    plain = {k: v for k, v in _short(_batch()).items() if k in ("input_ids", "attention_mask", "labels")}
+    run = SimpleNamespace(model=cfg, data=DataConfig(seq_length=SEQ, mask_prob=0.15))
+    given = next(iter(pretraining_batches([dict(plain)], run, CPU)))
+    assert {"mlm_flat_positions", "token_positions"} <= set(given)
+
+    def step(batch):
+        model.zero_grad()
+        ops = DataDependentOps(monkeypatch)
+        with ops:
+            out = model(**batch)
+            out.loss.backward()
+        monkeypatch.undo()
+        return ops.seen, out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (seen, loss, grads), (ref_seen, ref_loss, ref_grads) = step(given), step(plain)
+    assert seen == [] and len(ref_seen) == 5, (seen, ref_seen)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=0, msg=n)

@@ -24,7 +24,7 @@ from megabert.model.init import param_seed
 from megabert.model.modernbert.layers import ACTIVATIONS, AttentionInputs, ModernBertEncoder
 from megabert.model.modernbert.rope import RotaryTables, padded_positions, unpadded_positions
 from megabert.model.outputs import ModelOutput
-from megabert.model.packed import block_diagonal_mask, sample_positions, sample_segments
+from megabert.model.packed import block_diagonal_mask, gather_flat, sample_positions, sample_segments
 from megabert.model.registry import register_model
 from megabert.model.unpad import TokenLayout
 from megabert.ops.compile_hints import maybe_mark_dynamic
@@ -155,13 +155,14 @@ class ModernBertBackbone(nn.Module):
             hidden = tokens.unpad(hidden)  # [T, h]
             maybe_mark_dynamic(hidden, 0)
         layer_ids = self.stage.chunk_layers(v)
-        rows = tokens.rows_at(head_positions) if last and tokens is not None and head_positions is not None \
-            and len(layer_ids) > 0 else None
-        if rows is not None:
+        rows = keep = None
+        if last and tokens is not None and head_positions is not None and len(layer_ids) > 0:
+            # bool [b, s], or int64 flat positions (the host's: TokenLayout.head_rows)
+            rows, keep = tokens.head_rows(head_positions)
             maybe_mark_dynamic(rows, 0)
         x = self.encoder(hidden, inputs, layer_ids, apply_final_norm=last, rows=rows)
         if tokens is not None:
-            x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows)
+            x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows, keep)
         if not last:
             return x
         if self.ctx.sequence_parallel:
@@ -291,26 +292,35 @@ class ModernBertForMaskedLM(BertPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, packed_seqlens: Optional[torch.Tensor] = None
-                ) -> MaskedLMOutput:
+                position_ids: Optional[torch.Tensor] = None, packed_seqlens: Optional[torch.Tensor] = None,
+                mlm_flat_positions: Optional[torch.Tensor] = None,
+                token_positions: Optional[torch.Tensor] = None) -> MaskedLMOutput:
         """Packed rows (megabert.data.packing): packed_seqlens [b, cap] (and position_ids [b, s],
-        each sample's from 0); labels stay per token."""
+        each sample's from 0); labels stay per token. Unpacked rows may carry, from the host, the
+        masked positions (`mlm_flat_positions` [n], row x s + column) and the real tokens'
+        (`token_positions` [T]): the head and the unpadded encoder then select by index, with no
+        nonzero() on the device (megabert.tasks.pretraining.task.pretraining_batches)."""
         return self._whole_model_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                               token_type_ids=token_type_ids, position_ids=position_ids,
-                                              packed_seqlens=packed_seqlens))
+                                              packed_seqlens=packed_seqlens, mlm_flat_positions=mlm_flat_positions,
+                                              token_positions=token_positions))
 
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
         labels = batch.get("labels")
         if not self.config.mlm_logits_at_masked_only or labels is None:
             return None
-        return labels != -100
+        given = batch.get("mlm_flat_positions")
+        return given if given is not None and batch.get("packed_seqlens") is None else labels != -100
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> MaskedLMOutput:
-        labels = batch.get("labels")
+        labels, given = batch.get("labels"), batch.get("mlm_flat_positions")
         hidden, target = sequence.transpose(0, 1), labels  # [b, s, h]
         if self.config.mlm_logits_at_masked_only and labels is not None:
-            selected = labels != -100
-            hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
+            if given is not None and batch.get("packed_seqlens") is None:
+                hidden, target = gather_flat(sequence, labels, given)  # [n, h], [n] by index
+            else:
+                selected = labels != -100
+                hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
         loss = loss_sum = None
         if target is not None:
             logits, per_token = self.lm_head.logits_and_loss(hidden, self.bert.word_embeddings, target)

@@ -62,10 +62,10 @@ def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch
     - unpacked rows with the unpadded encoder: `token_positions` [T], row x seq + column of each
       real token (with_flat_token_positions), which megabert.model.unpad.TokenLayout takes
       instead of the mask's nonzero(). The unpacked step then waits for the device nowhere.
-    BERT only (ModernBERT takes none)."""
-    if run.model.model_family != "bert":
-        return batches
+    ModernBERT takes the unpacked rows' two (its packed rows select on the device)."""
     data = run.data
+    if run.model.model_family != "bert" and data.pack_sequences:
+        return batches
     if data.pack_sequences:
         if not (run.model.mlm_logits_at_masked_only and fixed_shape_packing(device, run.model.unpad_input)):
             return batches
