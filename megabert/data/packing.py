@@ -322,7 +322,8 @@ def with_flat_token_positions(batches: Iterable[dict], key: str) -> Iterator[dic
     device, a host sync on a GPU (megabert.model.unpad.TokenLayout)."""
     for batch in batches:
         if "packed_seqlens" not in batch and "attention_mask" in batch:
-            batch = {**batch, key: torch.from_numpy(np.flatnonzero(host_array(batch["attention_mask"])).astype(np.int64))}
+            real = np.flatnonzero(host_array(batch["attention_mask"])).astype(np.int64)
+            batch = {**batch, key: torch.from_numpy(real)}
         yield batch
 
 
