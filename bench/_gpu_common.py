@@ -75,6 +75,9 @@ class Side:
     seq: int
     calls: int = 0
     times: list = field(default_factory=list)
+    # The host's part of each timed step: from its start until the step returned, before the
+    # device's synchronisation (all of it where the host paces the GPU, a little where not).
+    issue_times: list = field(default_factory=list)
     done: list = field(default_factory=list)  # batch index of each timed step
     peak_bytes: Optional[int] = None
 
@@ -146,6 +149,7 @@ def time_interleaved(sides: list[Side], dev: Device, rounds: int) -> None:
             dev.sync()
             t0 = time.perf_counter()
             i = side.run()
+            side.issue_times.append(time.perf_counter() - t0)
             dev.sync()
             side.times.append(time.perf_counter() - t0)
             side.done.append(i)

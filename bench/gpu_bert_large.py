@@ -28,7 +28,9 @@ padded slot is not work), the ratio of real tokens/s to transformers, and the pe
 side allocated (building it and its first steps); then the targets of issue 41 beside the
 figures; a kernel-time breakdown per step from torch.profiler (GEMM, attention,
 norm/elementwise, optimizer, other, and the idle time: step wall less the union of kernel busy
-time; bench/_kernel_breakdown.py); the host synchronisations per step (CUDA's sync debug mode,
+time; bench/_kernel_breakdown.py); the host's issue time per step (until the step returned,
+before the device's synchronisation: near the wall where the host paces the GPU); the host
+synchronisations per step (CUDA's sync debug mode,
 counted as warnings) and the graphs torch.compile built after warm-up. The breakdown's "tail"
 line times issue 41's items per step: casts/copies (bf16 casts of weights), LayerNorm, GELU,
 dropout, the compiled epilogues' Triton kernels and the optimizer (the clip folded into it).
@@ -224,6 +226,9 @@ def main() -> None:
         graphs0, breaks0 = dynamo_counts()
         time_interleaved(sides, dev, args.rounds)
         report(phase, sides, peak)
+        for side in sides:
+            issue, wall = 1e3 * sum(side.issue_times) / len(side.times), 1e3 * side.seconds() / len(side.times)
+            print(f"host issue {phase} {side.name}: {issue:.1f} ms of {wall:.1f} ms a step ({issue / wall:.0%})")
         if args.profile_steps:
             print(f"kernel time per step, ms and share of the step's wall time (torch.profiler, "
                   f"{args.profile_steps} steps; idle = wall - union of kernel busy time)")

@@ -312,6 +312,7 @@ def test_bench_figures_read_the_bert_large_lines():
         "1      megabert                      78.80     30.12 38.2%      5.02  6.4%     20.10 25.5%      3.60  4.6%"
         "      2.00  2.5%     17.96 22.8%",
         "host syncs 1 megabert-packed: 2.4 per step (12 in 5 steps after warm-up)",
+        "host issue 1 megabert-packed-graphs: 1.3 ms of 41.2 ms a step (3%)",
         "recompiles 1: 0 graphs compiled and 0 graph breaks after warm-up (--compile)"]
     f = bench_figures.bert_large(lines)
     assert f["throughput"][1] == {"phase": 1, "side": "megabert-packed", "seq_per_s": 1102.4,
@@ -322,6 +323,7 @@ def test_bench_figures_read_the_bert_large_lines():
     assert f["breakdown"] == [{"phase": 1, "side": "megabert", "wall_ms": 78.8, "gemm_ms": 30.12, "attention_ms": 5.02,
                                "norm_elementwise_ms": 20.1, "optimizer_ms": 3.6, "other_ms": 2.0, "idle_ms": 17.96}]
     assert f["host_syncs"] == [{"phase": 1, "side": "megabert-packed", "per_step": 2.4, "count": 12, "steps": 5}]
+    assert f["host_issue"] == [{"phase": 1, "side": "megabert-packed-graphs", "issue_ms": 1.3, "wall_ms": 41.2}]
     assert f["recompiles"] == [{"phase": 1, "graphs_compiled": 0, "graph_breaks": 0, "mode": "--compile"}]
     assert f["targets"]["1"] == {"side": "megabert-packed-graphs", "mfu": 0.65, "vs_transformers": 2.57,
                                  "mfu_target_met": True, "moonshot_met": True, "ratio_target_met": True}

@@ -25,6 +25,7 @@ _BREAKDOWN = re.compile(r"^([12])\s+(megabert(?:-[a-z]+)*|transformers)\s+([\d.]
 BREAKDOWN_PARTS = ("gemm", "attention", "norm_elementwise", "optimizer", "other", "idle")
 # the phase (BERT) or the sequence length (ModernBERT), then the figures
 _SYNCS = re.compile(r"^host syncs (\d+) (\S+): ([\d.]+) per step \((\d+) in (\d+) steps")
+_ISSUE = re.compile(r"^host issue (\d) (\S+): ([\d.]+) ms of ([\d.]+) ms a step")
 _RECOMPILES = re.compile(r"^recompiles (\d+): (\d+) graphs compiled and (\d+) graph breaks after warm-up \((.*)\)")
 # issue 41's targets (bench/gpu_bert_large.py prints them beside the figures)
 TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55
@@ -72,9 +73,10 @@ def bert_large(lines: Iterable[str]) -> dict:
     rows' real-token share, samples per row, TFLOP/s and MFU of real tokens (None when the peak
     is unknown), ratio of real tokens/s to transformers, peak GB), `breakdown` (ms per step of
     the step's wall, each kind of kernel and the idle time), `host_syncs` (per step, for the
-    megabert sides on CUDA), `recompiles` (per phase) and `targets`: per phase, the best megabert
-    side against issue 41's targets."""
-    out: dict = {"throughput": [], "breakdown": [], "host_syncs": [], "recompiles": []}
+    megabert sides on CUDA), `host_issue` (ms of each step the host took to issue it, against
+    the step's wall), `recompiles` (per phase) and `targets`: per phase, the best megabert side
+    against issue 41's targets."""
+    out: dict = {"throughput": [], "breakdown": [], "host_syncs": [], "host_issue": [], "recompiles": []}
     for line in lines:
         if m := _BERT.match(line):
             out["throughput"].append({
@@ -90,6 +92,9 @@ def bert_large(lines: Iterable[str]) -> dict:
         elif m := _SYNCS.match(line):
             out["host_syncs"].append({"phase": int(m.group(1)), "side": m.group(2), "per_step": float(m.group(3)),
                                       "count": int(m.group(4)), "steps": int(m.group(5))})
+        elif m := _ISSUE.match(line):
+            out["host_issue"].append({"phase": int(m.group(1)), "side": m.group(2), "issue_ms": float(m.group(3)),
+                                      "wall_ms": float(m.group(4))})
         elif m := _RECOMPILES.match(line):
             out["recompiles"].append({"phase": int(m.group(1)), "graphs_compiled": int(m.group(2)),
                                       "graph_breaks": int(m.group(3)), "mode": m.group(4)})
