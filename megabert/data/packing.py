@@ -315,23 +315,24 @@ def flat_label_positions(labels: np.ndarray) -> np.ndarray:
     return np.flatnonzero(labels != IGNORE).astype(np.int64)
 
 
-def with_flat_token_positions(batches: Iterable[dict], key: str) -> Iterator[dict]:
-    """Unpacked micro-batches (without packed_seqlens; others pass as they are) with `key` =
-    row x seq + column of every real token (attention_mask != 0), row-major, added on the host:
-    the unpadded encoder takes its tokens from them instead of a nonzero() of the mask on the
-    device, a host sync on a GPU (megabert.model.unpad.TokenLayout)."""
+def _with_flat_positions(batches: Iterable[dict], key: str, field: str, select) -> Iterator[dict]:
+    """Unpacked micro-batches (without packed_seqlens; others pass as they are) with `key` = the
+    row x seq + column, row-major, of every position where `select(batch[field])` holds, added on
+    the host: their number is then known without reading the device (no nonzero() there, a host
+    sync on a GPU)."""
     for batch in batches:
-        if "packed_seqlens" not in batch and "attention_mask" in batch:
-            real = np.flatnonzero(host_array(batch["attention_mask"])).astype(np.int64)
-            batch = {**batch, key: torch.from_numpy(real)}
+        if "packed_seqlens" not in batch and field in batch:
+            flat = np.flatnonzero(select(host_array(batch[field]))).astype(np.int64)
+            batch = {**batch, key: torch.from_numpy(flat)}
         yield batch
+
+
+def with_flat_token_positions(batches: Iterable[dict], key: str) -> Iterator[dict]:
+    """The real tokens (attention_mask != 0): what the unpadded encoder takes instead of a
+    nonzero() of the mask (megabert.model.unpad.TokenLayout)."""
+    return _with_flat_positions(batches, key, "attention_mask", lambda mask: mask != 0)
 
 
 def with_flat_label_positions(batches: Iterable[dict], key: str) -> Iterator[dict]:
-    """Unpacked micro-batches (without packed_seqlens; others pass as they are) with `key` =
-    flat_label_positions(labels) added, on the host: its length, the number of labelled
-    positions, is then known without reading the device."""
-    for batch in batches:
-        if "packed_seqlens" not in batch:
-            batch = {**batch, key: torch.from_numpy(flat_label_positions(host_array(batch["labels"])))}
-        yield batch
+    """The labelled positions: flat_label_positions(labels), what the MLM head reads by index."""
+    return _with_flat_positions(batches, key, "labels", lambda labels: labels != IGNORE)
