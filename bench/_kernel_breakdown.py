@@ -20,15 +20,20 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 # Order matters: FlashAttention's and xformers' kernels are built with CUTLASS (fmha_cutlassF...),
-# and an optimizer's multi_tensor_apply kernels are elementwise.
+# and an optimizer's multi_tensor_apply kernels are elementwise. "lamb" must not match "lambda":
+# most of PyTorch's elementwise kernels are named after a lambda (`...direct_copy_kernel_cuda(...)
+# ::{lambda(float)#1}...`), and until 2026-11-27 they all counted as the optimizer.
+OPTIMIZER = re.compile(r"multi_tensor|adam|lamb(?!da)|foreach|lpnorm", re.I)
 CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
-    ("optimizer", re.compile(r"multi_tensor|adam|lamb|foreach", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|varlen|megabert::.*softmax", re.I)),
+    ("optimizer", OPTIMIZER),
+    # cuDNN's fused attention backward names its helpers after the tensors (dO.O, dQ).
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|varlen|megabert::.*softmax|dot_do_o|convert_dq", re.I)),
     ("gemm", re.compile(r"cutlass|cublas|gemm|gemv|xmma|nvjet|triton_tem\w*mm|\baten::(_?addmm|mm|bmm|baddbmm)\b",
                         re.I)),
     # "reduce_kernel", not "reduce": NCCL's AllReduce kernels are communication ("other").
-    ("norm/elementwise", re.compile(r"layer_?norm|elementwise|vectorized|reduce_kernel|triton_(poi|red|per)_|dropout|"
-                                    r"softmax|gelu", re.I)),
+    # GammaBetaBackward: LayerNorm's weight and bias gradients.
+    ("norm/elementwise", re.compile(r"layer_?norm|GammaBeta|elementwise|vectorized|reduce_kernel|triton_(poi|red|per)_|"
+                                    r"dropout|softmax|gelu", re.I)),
 )
 OTHER = "other"
 # Issue 41's kernel tail, item by item, across the categories above (a kernel may count in
@@ -36,12 +41,12 @@ OTHER = "other"
 # the LayerNorm kernels, the unfused epilogue ops (bias add, GELU, dropout) and the
 # torch.compile'd epilogues' Triton kernels (--dropout-add-backend compiled), the optimizer.
 ITEMS: tuple[tuple[str, re.Pattern], ...] = (
-    ("casts/copies", re.compile(r"copy|_to_copy|convert", re.I)),
-    ("layernorm", re.compile(r"layer_?norm", re.I)),
+    ("casts/copies", re.compile(r"copy|convert(?!_dq)", re.I)),  # not cuDNN attention's dQ
+    ("layernorm", re.compile(r"layer_?norm|GammaBeta", re.I)),
     ("gelu", re.compile(r"gelu", re.I)),
     ("dropout", re.compile(r"dropout|bernoulli", re.I)),
     ("triton fused", re.compile(r"triton_(poi|red|per)_", re.I)),
-    ("optimizer", re.compile(r"multi_tensor|adam|lamb|foreach", re.I)),
+    ("optimizer", OPTIMIZER),
 )
 NAMES = ("gemm", "attention", "norm/elementwise", "optimizer", OTHER)  # the table's order
 # Chrome-trace categories of device activity (kineto's names).

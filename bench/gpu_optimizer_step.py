@@ -1,6 +1,9 @@
-"""The optimizer's part of a BERT-large step on one GPU, piece by piece (issue 41: the kernel
-breakdown counted 12-18 ms of "optimizer" kernels per step on an H200, megabert and
-transformers alike, where fused AdamW's memory traffic is ~2 ms).
+"""The optimizer's part of a BERT-large step on one GPU, piece by piece (issue 41). Written
+when the kernel breakdown counted 12-18 ms of "optimizer" kernels per step on an H200, megabert
+and transformers alike, where fused AdamW's memory traffic is ~2 ms; most of that was a
+mislabel (bench/_kernel_breakdown.py took every elementwise kernel named after a C++ lambda
+for LAMB's), so this bench now gives the optimizer's true part of the step, each piece against
+what its memory traffic allows.
 
 BERT-large's parameters (megabert's model, fp32 masters) with random gradients; each piece
 timed alone with CUDA events over --reps calls after a warm-up, and set against its memory
