@@ -291,3 +291,22 @@ def test_zero3_resume_is_exact_and_its_checkpoint_holds_whole_weights(tmp_path):
     assert weights["bert.embeddings.word_embeddings.weight"].shape == (128, 32)
     run_distributed(train_worker, 2, z3 + ["--metrics-file", part, "--save", ckpt, "--load", ckpt])
     assert read_metrics(part) == read_metrics(full)
+
+
+def _linear_after_zero3_worker(rank, world):
+    before = torch.nn.functional.linear
+    _, _, trainer = build_trainer(["--deepspeed", "--zero-stage", "3", "--train-iters", "1"])
+    try:
+        patched_during = torch.nn.functional.linear is not before
+        trainer.train()
+    finally:
+        trainer.close()
+    # ZeRO-3 swaps in its memory-saving F.linear "until manually reset": closing the run resets
+    # it, so that a model built later in the process multiplies with torch's own.
+    assert patched_during and torch.nn.functional.linear is before
+
+
+def test_a_closed_zero3_run_gives_torch_its_linear_back():
+    # Two ranks, as the other ZeRO-3 tests: DeepSpeed numbers modules process-wide, and a run
+    # on one pooled worker alone would leave the ranks' numbering apart for the next test.
+    run_distributed(_linear_after_zero3_worker, 2)

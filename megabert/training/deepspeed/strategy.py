@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,7 +28,9 @@ class DeepSpeedStrategy(Strategy):
     boundary only); with it, our schedule runs the micro-batches and ZeRO-1 takes the
     gradients after. `runner`: the pipeline schedule with PP > 1, else None."""
 
-    def __init__(self, engine, ps, runner, task: TrainingTask, *, zero_stage: int, fp16: bool, bf16: bool):
+    def __init__(self, engine, ps, runner, task: TrainingTask, *, zero_stage: int, fp16: bool, bf16: bool,
+                 linear: Optional[Callable] = None):
+        """`linear`: torch.nn.functional.linear as it was before DeepSpeed started (see close)."""
         # NOTE: at PP=1 no autocast of ours: DeepSpeed's bf16/fp16 modes cast the module
         # itself, and its forward (training and evaluation alike) is the engine's.
         runner = runner or SequentialRunner(engine, task, backward=self._micro_batch_backward)
@@ -36,6 +38,7 @@ class DeepSpeedStrategy(Strategy):
         self.engine = engine
         self.zero_stage, self.fp16, self.bf16 = zero_stage, fp16, bf16
         self._own_norm: Optional[float] = None
+        self._linear = linear
 
     @property
     def lr_optimizer(self) -> torch.optim.Optimizer:
@@ -136,6 +139,13 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
+        # ZeRO-3 replaces torch.nn.functional.linear with its memory-saving version for good
+        # ("This will persist unless manually reset."): every model built later in the
+        # process would multiply through DeepSpeed's function (a bf16 GEMM output plus an
+        # fp32 bias adds in place in bf16 there, not as F.linear under autocast).
+        if self._linear is not None:
+            torch.nn.functional.linear = self._linear
+            self._linear = None
 
 
 def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim: OptimConfig, train: TrainConfig,
@@ -147,7 +157,8 @@ def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim:
     the CPU, which torch's fused AdamW kernel takes (vectorised and threaded, as fast as
     DeepSpeedCPUAdam: docs/performance.md), so no DeepSpeed op is compiled on first use."""
     optimizer = build_optimizer(model, optim, ps.tp_group)
+    linear = torch.nn.functional.linear
     engine = initialize(model, optimizer, ds_config, ps)
     # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
     return DeepSpeedStrategy(engine, ps, runner, task, zero_stage=ds_config["zero_optimization"].get("stage", 0),
-                             fp16=train.fp16, bf16=train.bf16)
+                             fp16=train.fp16, bf16=train.bf16, linear=linear)
