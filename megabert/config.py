@@ -93,6 +93,10 @@ class ModelConfig:
                                                "selective (attention core only).", choices=(None, "full", "selective"))
     sequence_parallel: bool = arg(False, "Shard LayerNorm/dropout activations along the sequence over the "
                                   "tensor-parallel group (needs --tensor-model-parallel-size > 1 to matter).")
+    bf16_residual: bool = arg(False, "With --bf16: the residual stream, the LayerNorms' inputs, outputs and "
+                              "parameters and the linear layers' biases in bf16 (fp32 maths inside each LayerNorm, "
+                              "fp32 masters in the optimizer), Megatron-LM's bf16 default. Without it the residual "
+                              "stream is fp32 (autocast's): twice the bytes in every pass between the GEMMs.")
     # Sequence and token classification heads (GLUE, NER), as transformers' BertConfig keeps them:
     # set by the task from its label set, saved with the checkpoint, exported to config.json.
     num_labels: int = arg(2, "Outputs of a classification head; 1 is regression (STS-B).", cli=False)

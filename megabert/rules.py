@@ -143,6 +143,9 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     check_optim(cfg.optim)
     if model is not None:
         check_model(model)
+        if model.bf16_residual and not train.bf16:
+            raise ConfigError("--bf16-residual needs --bf16: it keeps the residual stream in bf16 inside bf16 "
+                              "mixed precision (fp16's range is too narrow for it); add --bf16 or drop the flag")
     check_distributed_optimizer(cfg.parallel.use_distributed_optimizer, deepspeed=train.deepspeed,
                                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
     check_cuda_graphs(cfg)

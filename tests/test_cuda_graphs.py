@@ -90,7 +90,7 @@ def _graphed(trainer, warmup_steps=2, monkeypatch=None):
     return graphs
 
 
-@pytest.mark.parametrize("argv", [[], ["--bf16"], ["--bert-no-binary-head"]])
+@pytest.mark.parametrize("argv", [[], ["--bf16"], ["--bf16", "--bf16-residual"], ["--bert-no-binary-head"]])
 def test_graphed_training_equals_eager_bitwise(argv, monkeypatch):
     """6 steps of 2 micro-batches each (gradient accumulation), dropout on, clipping: warm-up
     steps, the capture and 4 replayed steps give eager mode's losses and weights, bitwise (fp32,

@@ -3,6 +3,8 @@ torch.compile'd function) equal PyTorch's unfused chain: outputs and gradients, 
 masks included (drawn from the same generator as F.dropout, the TP-rank stream inside
 RNGStatesTracker.fork()), and a BERT step with them equals one without. On the CPU here;
 on CUDA the same code runs Triton kernels (make bench-gpu times them)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -34,10 +36,15 @@ def test_bias_gelu_equals_the_chain():
 
 
 class _LN(torch.nn.Module):
+    """What the epilogue reads of a LayerNorm module (megabert.model.norm.LayerNorm)."""
+
     def __init__(self, h):
         super().__init__()
         self.weight, self.bias = _leaves((h,), (h,), seed=3)
         self.eps = 1e-12
+
+    def affine(self, x):
+        return self.weight, self.bias, contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["post-ln", "no-norm"])

@@ -251,13 +251,18 @@ DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--ddp-bucket-size", "80
 @pytest.mark.parametrize("layout,world,tp,variants", [
     # DP=2, the distributed optimizer's buckets gathered at the end of the step or waited
     # for by forward, bucket by bucket.
+    # --bf16-residual (tests/test_bf16_residual.py) in each layout: the LayerNorms' and the
+    # biases' copies against casts at each use.
     ("dp2", 2, 1, {"distributed-optimizer": DISTRIBUTED_OPTIMIZER,
-                "no-overlap-param-gather": DISTRIBUTED_OPTIMIZER + ["--no-overlap-param-gather"]}),
+                "no-overlap-param-gather": DISTRIBUTED_OPTIMIZER + ["--no-overlap-param-gather"],
+                "bf16-residual": DISTRIBUTED_OPTIMIZER + ["--bf16-residual"]}),
     # PP=2 (1F1B): the last stage's tied copy of the word embeddings is the decoder's weight.
     ("pp2", 2, 1, {"tied": ["--pipeline-model-parallel-size", "2"],
-                "tied-distributed-optimizer": ["--pipeline-model-parallel-size", "2"] + DISTRIBUTED_OPTIMIZER}),
+                "tied-distributed-optimizer": ["--pipeline-model-parallel-size", "2"] + DISTRIBUTED_OPTIMIZER,
+                "bf16-residual": ["--pipeline-model-parallel-size", "2", "--bf16-residual"]}),
     # TP=2: the decoder multiplies by this rank's vocab slice (the padding columns masked).
-    ("tp2", 2, 2, {"sequence-parallel": ["--sequence-parallel"]}),
+    ("tp2", 2, 2, {"sequence-parallel": ["--sequence-parallel"],
+                "bf16-residual": ["--sequence-parallel", "--bf16-residual"]}),
 ])
 def test_bf16_runs_equal_autocast_over_fp32_to_the_bit(tmp_path, layout, world, tp, variants):
     runs = [(f"{variant}-{mode}", BF16 + flags, mode == "master-weights")

@@ -26,7 +26,8 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = cfg.num_attention_heads // ctx.tp_size
         self.head_dim = cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3, **ctx.tp_kwargs())
-        self.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, input_is_parallel=True, **ctx.tp_kwargs())
+        self.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, input_is_parallel=True,
+                                       **ctx.row_parallel_kwargs())
         # transformers keeps Q, K and V as three matrices; ours is their concatenation.
         set_hf_names(self, {f"qkv.{k}": [f"{hf_prefix}self.{m}.{k}" for m in ("query", "key", "value")]
                             for k in ("weight", "bias")})

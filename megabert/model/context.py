@@ -36,12 +36,16 @@ class BuildContext:
         return dict(tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, init_method=None,
                     params_dtype=self.params_dtype, device=self.device)
 
+    def row_parallel_kwargs(self) -> dict:
+        """tp_kwargs, and the bias added in the output's dtype with --bf16-residual."""
+        return dict(self.tp_kwargs(), bias_in_output_dtype=self.config.bf16_residual)
+
     def layer_norm(self, hidden_size: Optional[int] = None, *, sequence_parallel: Optional[bool] = None,
                    bias: bool = True) -> LayerNorm:
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         return LayerNorm(hidden_size or self.config.hidden_size, self.config.layernorm_epsilon,
                          backend=self.layernorm_backend, sequence_parallel=sp, params_dtype=self.params_dtype,
-                         device=self.device, bias=bias)
+                         device=self.device, bias=bias, bf16_residual=self.config.bf16_residual)
 
     def linear(self, in_features: int, out_features: int) -> nn.Linear:
         """A replicated nn.Linear (pooler, small heads): normal weight, zero bias."""

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
+from megabert.model.norm import residual_stream
 from megabert.parallel.param_spec import describe, set_hf_names
 from megabert.tensor_parallel import VocabParallelEmbedding, scatter_to_sp
 
@@ -71,6 +72,7 @@ class BertEmbeddings(nn.Module):
         x = x.transpose(0, 1).contiguous()  # [s, b, h]: Megatron's layout
         if self.layernorm is not None:
             x = self.layernorm(x)
+        x = residual_stream(x, self.ctx.config.bf16_residual)
         if self.ctx.sequence_parallel:
             x = scatter_to_sp(x, self.ctx.tp_group)  # [s/tp, b, h]
             with self.ctx.rng.fork():  # each rank drops in its own slice

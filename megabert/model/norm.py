@@ -1,6 +1,7 @@
 """LayerNorm module over `megabert.ops.layer_norm` (fused kernel or PyTorch)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -8,6 +9,7 @@ import torch.nn as nn
 
 from megabert import ops
 from megabert.parallel.param_spec import describe
+from megabert.tensor_parallel.layers import gemm_weight
 
 
 class LayerNorm(nn.Module):
@@ -16,10 +18,12 @@ class LayerNorm(nn.Module):
     over the TP group before the optimizer step (their spec says so)."""
 
     def __init__(self, hidden_size: int, eps: float, *, backend: str = "torch", sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, bias: bool = True):
-        """`bias=False`: no bias parameter (ModernBERT's norm_bias false)."""
+                 params_dtype: torch.dtype = torch.float32, device=None, bias: bool = True,
+                 bf16_residual: bool = False):
+        """`bias=False`: no bias parameter (ModernBERT's norm_bias false). `bf16_residual`
+        (--bf16-residual): a bf16 input under bf16 autocast is normalised in bf16 (affine)."""
         super().__init__()
-        self.eps, self.backend = eps, backend
+        self.eps, self.backend, self.bf16_residual = eps, backend, bf16_residual
         common = dict(weight_decay=False, sequence_parallel=sequence_parallel)
         self.weight = describe(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)),
                                init="ones", **common)
@@ -39,9 +43,37 @@ class LayerNorm(nn.Module):
         if residual is not None:
             return ops.bias_dropout_add_layer_norm(x, None, residual, dropout_p, dropout_p > 0.0, self,
                                                    backend="compiled")
-        if self.backend == "fused":
-            return ops.layer_norm(x, self.weight, self.bias if self.bias is not None else self._zero_bias, self.eps)
-        return torch.nn.functional.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
+        weight, bias, precision = self.affine(x)
+        with precision:
+            if self.backend == "fused":
+                return ops.layer_norm(x, weight, bias, self.eps)
+            return torch.nn.functional.layer_norm(x, (x.size(-1),), weight, bias, self.eps)
+
+    def affine(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], contextlib.AbstractContextManager]:
+        """(weight, bias, the context to normalise in) for input `x`. Autocast runs LayerNorm
+        in fp32 and returns fp32, so the residual stream it feeds stays fp32 and every GEMM
+        after it casts its input to bf16. With --bf16-residual a bf16 `x` under bf16 autocast
+        is normalised outside autocast with bf16 parameters (MasterWeights' copies, made
+        once per step; cast here without them): PyTorch's kernel computes in fp32 inside and
+        writes bf16, the stream stays bf16 (Megatron-LM's bf16 model)."""
+        bias = self.bias if self.bias is not None or self.backend != "fused" else self._zero_bias
+        device = x.device.type
+        if not (self.bf16_residual and x.dtype == torch.bfloat16 and _bf16_autocast(device)):
+            return self.weight, bias, contextlib.nullcontext()
+        weight = gemm_weight(self.weight).to(x.dtype)
+        bias = None if bias is None else gemm_weight(bias).to(x.dtype)
+        return weight, bias, torch.autocast(device, enabled=False)
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, backend={self.backend}"
+
+
+def _bf16_autocast(device: str) -> bool:
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+
+
+def residual_stream(x: torch.Tensor, bf16_residual: bool) -> torch.Tensor:
+    """The embeddings' output as the residual stream starts: with --bf16-residual under bf16
+    autocast in bf16 (one cast per micro-batch: the embeddings sum and normalise in fp32), else
+    as it is."""
+    return x.to(torch.bfloat16) if bf16_residual and _bf16_autocast(x.device.type) else x

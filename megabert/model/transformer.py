@@ -24,7 +24,7 @@ class MLP(nn.Module):
         cfg = ctx.config
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, **ctx.tp_kwargs())
         self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True,
-                                               **ctx.tp_kwargs())
+                                               **ctx.row_parallel_kwargs())
         self.epilogue_backend = ctx.dropout_add_backend
         set_hf_names(self, {f"dense_h_to_4h.{k}": f"{hf_prefix}intermediate.dense.{k}" for k in ("weight", "bias")})
         set_hf_names(self, {f"dense_4h_to_h.{k}": f"{hf_prefix}output.dense.{k}" for k in ("weight", "bias")})

@@ -156,7 +156,9 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     if backend == "compiled":
         if layer_norm is None:
             return epilogues.run("bias_dropout_add", backend, x, bias, residual, p, training)
-        return epilogues.run("bias_dropout_add_layer_norm", backend, x, bias, residual, p, training,
-                             layer_norm.weight, layer_norm.bias, layer_norm.eps)
+        weight, ln_bias, precision = layer_norm.affine(residual)
+        with precision:
+            return epilogues.run("bias_dropout_add_layer_norm", backend, x, bias, residual, p, training,
+                                 weight, ln_bias, layer_norm.eps)
     y = dropout_add(x if bias is None else x + bias, residual, p, training, backend=backend)
     return y if layer_norm is None else layer_norm(y)

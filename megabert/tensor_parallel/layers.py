@@ -156,10 +156,11 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
         else:
             x = copy_to_tp(x, self.tp_group)
+        bias = None if self.bias is None else gemm_weight(self.bias)
         if epilogue is not None:
-            y = epilogue(F.linear(x, gemm_weight(self.weight)), self.bias)
+            y = epilogue(F.linear(x, gemm_weight(self.weight)), bias)
         else:
-            y = F.linear(x, gemm_weight(self.weight), self.bias)
+            y = F.linear(x, gemm_weight(self.weight), bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -174,8 +175,11 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  input_is_parallel: bool = True, init_method: Optional[InitMethod] = default_init,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, bias_in_output_dtype: bool = False):
+        """`bias_in_output_dtype` (--bf16-residual): the bias is added in the GEMM output's dtype
+        (bf16 under autocast), not promoted with it to the fp32 master's."""
         super().__init__()
+        self.bias_in_output_dtype = bias_in_output_dtype
         tp = group_size(tp_group)
         if in_features % tp:
             raise ValueError(f"input size {in_features} is not divisible by tensor parallel size {tp}")
@@ -196,7 +200,11 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tp(x, self.tp_group)
         y = F.linear(x, gemm_weight(self.weight))
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        if self.bias is None:
+            return y
+        # Under autocast the bf16 output plus the fp32 bias is fp32 (type promotion): the
+        # residual stream after it is fp32 unless the bias joins the output's dtype.
+        return y + (gemm_weight(self.bias).to(y.dtype) if self.bias_in_output_dtype else self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from megabert.model.heads import VocabParallelDecoder
+from megabert.model.norm import LayerNorm
 from megabert.ops.compile_hints import mark_static_address
 from megabert.tensor_parallel.layers import GEMM_COPY, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -30,14 +31,24 @@ def autocast(device: torch.device, bf16: bool, fp16: bool):
 
 
 def gemm_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The trainable weights `model`'s GEMMs read through tensor_parallel.layers.gemm_weight:
-    the column- and row-parallel linear layers', and the word embeddings where an MLM
+    """The trainable parameters `model` reads in bf16 through tensor_parallel.layers.gemm_weight:
+    the column- and row-parallel linear layers' weights, the column-parallel layers' biases
+    (autocast would cast them for the GEMM's epilogue), the word embeddings where an MLM
     decoder multiplies by them (VocabParallelDecoder: tied to the word embeddings in every
-    family; at PP > 1 the last stage's tied copy, which only the decoder reads)."""
-    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    family; at PP > 1 the last stage's tied copy, which only the decoder reads), and with
+    --bf16-residual the row-parallel layers' biases and the LayerNorms' parameters, which
+    then work in bf16 too."""
+    weights = []
+    for m in model.modules():
+        if isinstance(m, ColumnParallelLinear):
+            weights += [m.weight, m.bias]
+        elif isinstance(m, RowParallelLinear):
+            weights += [m.weight, m.bias if m.bias_in_output_dtype else None]
+        elif isinstance(m, LayerNorm) and m.bf16_residual:
+            weights += [m.weight, m.bias]
     if any(isinstance(m, VocabParallelDecoder) for m in model.modules()):
         weights += [m.weight for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
-    unique = {id(w): w for w in weights if w.requires_grad}
+    unique = {id(w): w for w in weights if w is not None and w.requires_grad}
     return list(unique.values())
 
 
@@ -61,8 +72,10 @@ class MasterWeights:
     _to_copy's) is the Function's. What changes is that the cast is made once per step, not
     at every forward of every micro-batch (and recompute), and that the bf16 copies are
     kept. Memory: 2 bytes per weight more for the step (autocast's copies lived for the
-    forward and backward of one micro-batch). Biases and the replicated nn.Linear heads
-    (pooler, MLM transform, task heads) are still cast by autocast at each use.
+    forward and backward of one micro-batch). The replicated nn.Linear heads (pooler, MLM
+    transform, task heads) are still cast by autocast at each use. With --bf16-residual the
+    row-parallel biases and the LayerNorms' parameters get copies too; that mode is no longer
+    autocast's maths (its residual stream is bf16), the copies' rounding is the same.
 
     When the copies are remade: `attach(optimizer)`, after each optimizer step (one
     multi-tensor copy); with the distributed optimizer, `attach_gathers(buffers)`, per bucket

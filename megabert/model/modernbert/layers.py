@@ -96,7 +96,7 @@ class ModernBertAttention(nn.Module):
         self.Wqkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3, bias=cfg.attention_bias,
                                          **ctx.tp_kwargs())
         self.Wo = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, input_is_parallel=True, bias=cfg.attention_bias,
-                                    **ctx.tp_kwargs())
+                                    **ctx.row_parallel_kwargs())
         names = ("weight", "bias") if cfg.attention_bias else ("weight",)
         set_hf_names(self, {f"{m}.{k}": f"{hf_prefix}{m}.{k}" for m in ("Wqkv", "Wo") for k in names})
         self.selective_recompute = cfg.recompute_granularity == "selective"
@@ -176,7 +176,7 @@ class ModernBertMLP(nn.Module):
         self.Wi = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, stride=2, bias=cfg.mlp_bias,
                                        **ctx.tp_kwargs())
         self.Wo = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True, bias=cfg.mlp_bias,
-                                    **ctx.tp_kwargs())
+                                    **ctx.row_parallel_kwargs())
         names = ("weight", "bias") if cfg.mlp_bias else ("weight",)
         set_hf_names(self, {f"{m}.{k}": f"{hf_prefix}{m}.{k}" for m in ("Wi", "Wo") for k in names})
         self.act = ACTIVATIONS[cfg.hidden_activation]

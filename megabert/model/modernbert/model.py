@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel, attention_mask_to_bool
 from megabert.model.context import BuildContext
+from megabert.model.norm import residual_stream
 from megabert.model.embeddings import word_embeddings
 from megabert.model.heads import VocabParallelDecoder
 from megabert.model.init import param_seed
@@ -57,6 +58,7 @@ class ModernBertEmbeddings(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.word_embeddings(input_ids).transpose(0, 1).contiguous())  # [s, b, h]
+        x = residual_stream(x, self.ctx.config.bf16_residual)
         if self.ctx.sequence_parallel:
             x = scatter_to_sp(x, self.ctx.tp_group)  # [s/tp, b, h]
             with self.ctx.rng.fork():  # each rank drops in its own slice
