@@ -9,6 +9,9 @@ micro-batch 64) and phase 2 (seq 512, micro-batch 16), bf16, one GPU, three side
   megabert-packed-graphs
                     megabert-packed plus --cuda-graphs: each micro-batch's forward, loss and
                     backward replayed as one CUDA graph (GPU only)
+  megabert-packed-bf16res, megabert-packed-graphs-bf16res
+                    megabert-packed (-graphs) plus --bf16-residual: the residual stream, the
+                    LayerNorms and the biases in bf16 (GPU only)
   megabert-compiled-epilogues
                     megabert with --dropout-add-backend compiled: the layers' epilogues (bias +
                     GELU, dropout + residual add + LayerNorm) as torch.compile'd fused functions
@@ -66,8 +69,15 @@ from megabert.training.resolve import resolve_run
 from megabert.training.cuda_graphs import WARMUP_STEPS as GRAPH_WARMUP_STEPS
 
 TARGET_MFU, TARGET_VS_TRANSFORMERS, MOONSHOT_MFU = 0.45, 1.8, 0.55
-SIDES = ("megabert", "megabert-packed", "megabert-packed-graphs", "megabert-compiled-epilogues", "transformers")
-CUDA_ONLY = ("megabert-packed-graphs",)  # --cuda-graphs needs a GPU
+SIDES = ("megabert", "megabert-packed", "megabert-packed-graphs", "megabert-packed-bf16res",
+         "megabert-packed-graphs-bf16res", "megabert-compiled-epilogues", "transformers")
+# --cuda-graphs needs a GPU; --bf16-residual is a GPU measure (tests/test_bf16_residual.py has its CPU side).
+CUDA_ONLY = ("megabert-packed-graphs", "megabert-packed-bf16res", "megabert-packed-graphs-bf16res")
+# Each megabert side's flags beyond the default ones and --bf16 (packing: the "-packed" in its name).
+SIDE_FLAGS = {"megabert-compiled-epilogues": ("--dropout-add-backend", "compiled"),
+              "megabert-packed-graphs": ("--cuda-graphs",),
+              "megabert-packed-bf16res": ("--bf16-residual",),
+              "megabert-packed-graphs-bf16res": ("--cuda-graphs", "--bf16-residual")}
 PACKING_WINDOW = 1024  # pretrain_bert.py's --packing-window default
 NUM_BATCHES = 4  # distinct micro-batches each side cycles through
 # Without --compile only the layers' fused epilogues compile, on CUDA (megabert.ops.epilogues).
@@ -144,11 +154,10 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
         else:
             host, counts = padded, [batch] * NUM_BATCHES
         on_device = [{k: v.to(ps.device) for k, v in b.items()} for b in host]
+        extra = SIDE_FLAGS.get(name, ())
         if name == "transformers":
             step = transformers_step(model_cfg, vocab_size(args.tiny), on_device, ps.device)
         else:
-            extra = {"megabert-compiled-epilogues": ("--dropout-add-backend", "compiled"),
-                     "megabert-packed-graphs": ("--cuda-graphs",)}.get(name, ())
             # pretrain_bert.py's path: host batches (pinned, as its DataLoader pins them) that the
             # trainer's pipeline completes on the host (MLM positions) and copies to the GPU.
             pinned = [{k: v.pin_memory() for k, v in b.items()} for b in host] if ps.device.type == "cuda" else host
@@ -157,7 +166,7 @@ def build_sides(names, ps, dev: Device, args, seq: int, batch: int, samples: lis
         side = Side(name, step, counts, [int(b["attention_mask"].sum()) for b in host],
                     [batch_flops(model_cfg, b) for b in host], rows=batch, seq=seq)
         # --cuda-graphs: its eager steps and the capture before the timed ones.
-        warm_up(side, dev, args.warmup + (GRAPH_WARMUP_STEPS + 1 if name in CUDA_ONLY else 0), before)
+        warm_up(side, dev, args.warmup + (GRAPH_WARMUP_STEPS + 1 if "--cuda-graphs" in extra else 0), before)
         sides.append(side)
     return sides
 

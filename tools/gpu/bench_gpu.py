@@ -12,8 +12,8 @@ Steps, each with its log under OUT (default bench_out/):
                  host syncs)
   kernels        bench/kernels.py --device cuda (fp32, bf16, fp16)
   bert-large     bench/gpu_bert_large.py: BERT-large bf16 phase 1/2, megabert (padded,
-                 --pack-sequences, and that with --cuda-graphs) against transformers: seq/s,
-                 real tokens/s, MFU of real
+                 --pack-sequences, and that with --cuda-graphs, both again with
+                 --bf16-residual) against transformers: seq/s, real tokens/s, MFU of real
                  tokens, peak memory, the targets; kernel-time breakdown; host syncs per step
   bert-large-compiled
                  the same for megabert --pack-sequences --cuda-graphs --compile alone
