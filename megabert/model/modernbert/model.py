@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel, attention_mask_to_bool
 from megabert.model.context import BuildContext
-from megabert.model.norm import residual_stream
 from megabert.model.embeddings import word_embeddings
 from megabert.model.heads import VocabParallelDecoder
 from megabert.model.init import param_seed
 from megabert.model.modernbert.layers import ACTIVATIONS, AttentionInputs, ModernBertEncoder
 from megabert.model.modernbert.rope import RotaryTables, padded_positions, unpadded_positions
+from megabert.model.norm import residual_stream
 from megabert.model.outputs import ModelOutput
 from megabert.model.packed import block_diagonal_mask, gather_flat, sample_positions, sample_segments
 from megabert.model.registry import register_model
