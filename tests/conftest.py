@@ -24,6 +24,20 @@ def _fresh_parallel_state():
     destroy_parallel()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compiler_state():
+    """A test that compiled leaves dynamo's caches as a fresh process would find them: a layer
+    compiled earlier with other shapes in the same pytest worker would otherwise make the next
+    compile of that code dynamic (automatic dynamic shapes), so a test would pass or fail by which
+    tests its worker happened to run before it."""
+    yield
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and dynamo.convert_frame.FRAME_COUNTER > 0:
+        dynamo.reset()
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the model reads every sentence and predicts masked words from context while a second head "
          "decides whether two segments appear in their original order data parallel ranks share "
