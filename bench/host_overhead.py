@@ -18,11 +18,14 @@ arithmetic is a small part of the step, and reports per step:
   count is the same order.
 
 Sides, interleaved (A B C A B C ...): megabert (pretrain_bert.py's step, --bf16, default
-flags), megabert-packed (--pack-sequences --no-unpad-input: the fixed-shape packed step, the
-GPU's packed path), megabert-compiled-epilogues (--dropout-add-backend compiled, the CUDA
-default: each layer's bias + GELU and dropout + residual + LayerNorm as torch.compile'd calls,
-whose guards and autograd wrappers run on the host at every call), transformers (BertForPreTraining, sdpa, bf16 autocast, fused AdamW,
-clipping at 1.0, as its users run it). The budget line is BERT-large's step time on an H100
+flags), megabert-bf16res (plus --bf16-residual: its LayerNorm parameters and biases come
+from MasterWeights' copies, an autograd node each), megabert-packed (--pack-sequences
+--no-unpad-input: the fixed-shape packed step, the GPU's packed path),
+megabert-compiled-epilogues (--dropout-add-backend compiled: each layer's bias + GELU and
+dropout + residual + LayerNorm as torch.compile'd calls, whose guards and autograd wrappers
+run on the host at every call; CUDA's default until the H200 showed them slower than the
+chain), transformers (BertForPreTraining, sdpa, bf16 autocast, fused AdamW, clipping at
+1.0, as its users run it). The budget line is BERT-large's step time on an H100
 (989 dense bf16 TFLOP/s) at 45% MFU, from megabert's FLOP accounting, for the bench's GPU
 shapes (phase 1: seq 128, micro-batch 64; phase 2: seq 512, micro-batch 16).
 
@@ -54,7 +57,7 @@ H100_BF16_TFLOPS, TARGET_MFU = 989.0, 0.45
 # BERT-large's structure at tiny widths: head_dim 4, every op of the real model.
 SHAPE = ["--preset", "bert-large", "--hidden-size", "64", "--ffn-hidden-size", "256"]
 VOCAB, SEQ, BATCH = 1024, 32, 1
-SIDES = ("megabert", "megabert-packed", "megabert-compiled-epilogues", "transformers")
+SIDES = ("megabert", "megabert-bf16res", "megabert-packed", "megabert-compiled-epilogues", "transformers")
 
 
 class OpCount(TorchDispatchMode):
@@ -83,8 +86,10 @@ def build(name: str, ps, samples: list[dict]):
         cfg = parse_args(SHAPE + ["--seq-length", str(SEQ), "--pack-sequences", "--data-path", "unused"])
         batches, _ = packed_batches(samples, BATCH, cfg)
         extra = ("--no-unpad-input",)
-    elif name == "megabert-compiled-epilogues":  # the CUDA default: torch.compile'd epilogue calls
+    elif name == "megabert-compiled-epilogues":  # torch.compile'd epilogue calls
         batches, extra = padded_batches(samples, BATCH), ("--dropout-add-backend", "compiled")
+    elif name == "megabert-bf16res":  # the residual stream, LayerNorms and biases in bf16
+        batches, extra = padded_batches(samples, BATCH), ("--bf16-residual",)
     else:
         batches, extra = padded_batches(samples, BATCH), ()
     step, _ = megabert_step(ps, SHAPE, SEQ, BATCH, batches, name == "megabert-packed", False, VOCAB, extra)
