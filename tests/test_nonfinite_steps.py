@@ -64,6 +64,9 @@ def _dist_opt_nan(rank, world, metrics_file):
     def step_with_nan(self):
         if self.state.iteration == 1:
             handle = self.strategy.params[0].register_hook(lambda g: g * float("inf"))
+            # The last step's all-gathers may still be writing the parameters (overlapped with
+            # this step's forward): the snapshot must see them landed, or it races them.
+            self.strategy.buffers.wait_params()
             before = {n: p.detach().clone() for n, p in self.strategy.model.named_parameters()}
             out = real_step(self)
             handle.remove()
