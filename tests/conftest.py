@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.cli_utils import run_main
+from tests.helpers.compiler_state import reset_compiler_state
 
 torch.set_num_threads(2)
 # Inductor compiles its C++ in a pool of worker interpreters (one per core by default): the
@@ -26,16 +27,10 @@ def _fresh_parallel_state():
 
 @pytest.fixture(autouse=True)
 def _fresh_compiler_state():
-    """A test that compiled leaves dynamo's caches as a fresh process would find them: a layer
-    compiled earlier with other shapes in the same pytest worker would otherwise make the next
-    compile of that code dynamic (automatic dynamic shapes), so a test would pass or fail by which
-    tests its worker happened to run before it."""
+    """A test that compiled leaves dynamo's caches as a fresh process would find them
+    (tests.helpers.compiler_state)."""
     yield
-    import sys
-
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None and dynamo.convert_frame.FRAME_COUNTER > 0:
-        dynamo.reset()
+    reset_compiler_state()
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,6 +28,8 @@ import torch.multiprocessing as mp
 
 import megabert
 
+from tests.helpers.compiler_state import reset_compiler_state
+
 GRACE_S = 20.0
 """How long the other ranks may take to notice a rank's failure before the pool is killed."""
 
@@ -63,6 +65,7 @@ def _serve(rank: int, parent: int, jobs, results) -> None:
             error = traceback.format_exc()
         finally:
             megabert.destroy_parallel()
+            reset_compiler_state()
             os.environ.clear()
             os.environ.update(environ)
             gc.collect()
