@@ -36,15 +36,20 @@ $(STAMP): $(VPY) $(SOURCES)
 	  && echo "keeping torch $$($(VPY) -c 'import torch; print(torch.__version__)')" \
 	  || $(VPY) -m pip install -q $(PIP_SOURCE) "$(TORCH_SPEC)"
 	$(VPY) -m pip install -q $(PIP_SOURCE) ninja numpy "pybind11>=2.12"
-	# --no-build-isolation: the extensions must link against the torch in the venv (and
-	# DeepSpeed's sdist builds without fetching another torch). The C++ build keeps both
-	# cores busy for about a minute, the dependencies' install mostly one: two pips side by
-	# side on disjoint packages (tools/requirements.py lists the dependencies; without
-	# tomllib, Python < 3.11, one after the other).
-	@if $(VPY) tools/requirements.py $(EXTRAS) > $(VENV)/requirements.txt; then \
+	# megabert's extensions and DeepSpeed build with --no-build-isolation: they compile
+	# against the torch in the venv (an isolated build env would fetch another torch). Every
+	# other dependency builds isolated, with a current setuptools (seqeval is an sdist alone,
+	# and built against the venv's setuptools it calls itself 0.0.0: tools/requirements.py).
+	# The C++ build keeps both cores busy for about a minute, the dependencies' install mostly
+	# one: two pips side by side on disjoint packages (without tomllib, Python < 3.11, one
+	# after the other).
+	@if $(VPY) tools/requirements.py $(EXTRAS) > $(VENV)/requirements.txt \
+	    && $(VPY) tools/requirements.py --against-torch $(EXTRAS) > $(VENV)/requirements-torch.txt; then \
 	  echo "building megabert's extensions while pip installs its dependencies"; \
 	  $(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation --no-deps -e . > $(VENV)/build.log 2>&1 & build=$$!; \
-	  $(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation -r $(VENV)/requirements.txt; deps=$$?; \
+	  $(VPY) -m pip install -q $(PIP_SOURCE) -r $(VENV)/requirements.txt \
+	    && { [ ! -s $(VENV)/requirements-torch.txt ] \
+	         || $(VPY) -m pip install -q $(PIP_SOURCE) --no-build-isolation -r $(VENV)/requirements-torch.txt; }; deps=$$?; \
 	  wait $$build || { cat $(VENV)/build.log; echo "make install: building megabert failed (log above)"; exit 1; }; \
 	  exit $$deps; \
 	else \

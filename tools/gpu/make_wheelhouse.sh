@@ -38,8 +38,10 @@ for name in "${MISSING[@]}"; do
   version=$("$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null || true)
   specs+=("${name}${version:+==$version}")
 done
-# seqeval (finetune_ner.py's scores) is an sdist alone on PyPI too: a pure-Python wheel built here.
+# seqeval (finetune_ner.py's scores) is an sdist alone on PyPI too: a pure-Python wheel built here,
+# in pip's isolated build env (against the venv's setuptools 84 its setup.py says version 0.0.0).
 seqeval=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('seqeval'))" 2>/dev/null || true)
-"$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELHOUSE" "$DEEPSPEED_SPEC" "seqeval${seqeval:+==$seqeval}"
+"$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELHOUSE" "$DEEPSPEED_SPEC"
+"$PYTHON" -m pip wheel -q --no-deps -w "$WHEELHOUSE" "seqeval${seqeval:+==$seqeval}"
 "$PYTHON" -m pip download -q --no-deps "${TARGET[@]}" -d "$WHEELHOUSE" "${specs[@]}"
 echo "make_wheelhouse: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1) in $WHEELHOUSE"
