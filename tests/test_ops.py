@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 
+import megabert.say_once
 import megabert.fused_kernels as fk
 from megabert.errors import ConfigError
 from megabert.ops import (core_attention, dispatch, layer_norm, resolve_attention_backend, resolve_layernorm_backend,
@@ -15,7 +16,7 @@ from megabert.ops.reference import layer_norm_reference, scaled_masked_softmax_r
 @pytest.fixture
 def fresh_log(monkeypatch, caplog):
     """Forget what was already said, and capture what is said now."""
-    monkeypatch.setattr(dispatch, "_said", set())
+    monkeypatch.setattr(megabert.say_once, "_said", set())
     caplog.set_level(logging.INFO, logger="megabert.ops")
     return caplog
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import megabert.say_once
 import megabert
 from megabert.config import ModelConfig, OptimConfig
 from megabert.model.pretrained import gather_full
@@ -194,7 +195,7 @@ def _bert_like_model():
 
 
 def test_default_adamw_is_fused_and_equals_the_per_tensor_loop(monkeypatch, caplog):
-    monkeypatch.setattr(optim_module, "_said", set())
+    monkeypatch.setattr(megabert.say_once, "_said", set())
     cfg = OptimConfig(lr=0.01, weight_decay=0.01)
     model = _bert_like_model()
     ref_model = _bert_like_model()
@@ -223,7 +224,7 @@ def test_default_adamw_is_fused_and_equals_the_per_tensor_loop(monkeypatch, capl
 
 
 def test_adamw_on_a_device_without_the_fused_kernel_is_foreach(monkeypatch, caplog):
-    monkeypatch.setattr(optim_module, "_said", set())
+    monkeypatch.setattr(megabert.say_once, "_said", set())
     with torch.device("meta"):
         model = _bert_like_model()
     with caplog.at_level(logging.INFO, logger="megabert.optim"):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.train_utils import build_trainer
+import megabert.say_once
 
 
 def _pairs(optimizer, stage):
@@ -66,7 +67,7 @@ def test_version_guard_switches_the_private_patch_off_on_an_unknown_deepspeed(mo
     assert version.known_version("0.19.3+cu130") and not version.known_version("0.20.0")
     assert not version.known_version("0.18.9")
     monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
-    monkeypatch.setattr(version, "_warned", False)
+    monkeypatch.setattr(megabert.say_once, "_said", set())
     monkeypatch.delenv("MEGABERT_DEEPSPEED_PATCHES", raising=False)
     with caplog.at_level("WARNING", logger="megabert.training.deepspeed.version"):
         assert not version.private_patches_allowed() and not version.private_patches_allowed()

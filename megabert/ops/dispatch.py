@@ -15,22 +15,20 @@ import torch
 
 from megabert import fused_kernels
 from megabert.errors import ConfigError
+from megabert.say_once import say_once as _say_once
 from megabert.ops.compile_hints import assume_constant_result
 
 logger = logging.getLogger("megabert.ops")
-_said: set[tuple] = set()
 
 
 def say_once(key: tuple, level: int, msg: str, *args) -> None:
-    """Log `msg` the first time `key` is seen in this process."""
-    if key not in _said:
-        _said.add(key)
-        logger.log(level, msg, *args)
+    """Log `msg` the first time `key` is seen in this process (megabert.say_once)."""
+    _say_once(logger, level, msg, *args, key=key)
 
 
 # NOTE: under torch.compile this runs in Python when dynamo traces the call, and its
 # answer is a constant of the graph (assume_constant_result): the log lines are said for
-# real, and dynamo neither breaks the graph at the logger nor guards on `_said` (which
+# real, and dynamo neither breaks the graph at the logger nor guards on megabert.say_once's set (which
 # would recompile once the first line was said). The answer depends only on the
 # arguments and on which extensions loaded at import.
 @assume_constant_result

@@ -13,17 +13,15 @@ from megabert.optim.adam import Adam
 from megabert.optim.lamb import Lamb
 from megabert.optim.lr_schedules import LRSchedule
 from megabert.parallel.param_spec import spec_of
+from megabert.say_once import say_once
 
 __all__ = ["Adam", "Lamb", "LRSchedule", "param_groups", "build_optimizer", "fused_adamw_supports"]
 
 logger = logging.getLogger(__name__)
-_said: set[str] = set()
 
 
 def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        logger.info(msg)
+    say_once(logger, logging.INFO, msg)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -15,6 +15,7 @@ from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
 from megabert.parallel.zero import ZeroBuckets, ZeroPlan
+from megabert.say_once import say_once
 from megabert.training.deepspeed.sections import translate_sections
 
 logger = logging.getLogger(__name__)
@@ -110,13 +111,8 @@ def _deepspeed_version() -> str:
     return deepspeed.__version__
 
 
-_said: set[str] = set()
-
-
 def _say_once(msg: str, *args) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        logger.info(msg, *args)
+    say_once(logger, logging.INFO, msg, *args)
 
 
 def _get(d: dict, dotted: str):

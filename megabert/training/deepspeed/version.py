@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import os
 
+from megabert.say_once import say_once
+
 logger = logging.getLogger(__name__)
 
 # Checked: ZeRO 1/2/3 equivalence, resume and the master sharing tests pass on these.
 KNOWN = ((0, 19, 0), (0, 20, 0))  # [low, high): the 0.19 series
-_warned = False
 
 
 def _parse(version: str) -> tuple[int, ...]:
@@ -36,16 +37,13 @@ def known_version(version: str) -> bool:
 
 def private_patches_allowed() -> bool:
     """Whether megabert may patch DeepSpeed's private attributes (warns once if not)."""
-    global _warned
     import deepspeed
 
     if known_version(deepspeed.__version__) or os.environ.get("MEGABERT_DEEPSPEED_PATCHES") == "1":
         return True
-    if not _warned:
-        _warned = True
-        low, high = (".".join(map(str, v)) for v in KNOWN)
-        logger.warning("deepspeed %s is outside the versions megabert knows (>=%s,<%s): fp32 ZeRO keeps DeepSpeed's "
-                       "own master copy (the memory-saving patch of its private attributes is off); install a "
-                       "version in that range, or set MEGABERT_DEEPSPEED_PATCHES=1 to try the patch",
-                       deepspeed.__version__, low, high)
+    low, high = (".".join(map(str, v)) for v in KNOWN)
+    say_once(logger, logging.WARNING, "deepspeed %s is outside the versions megabert knows (>=%s,<%s): fp32 ZeRO "
+             "keeps DeepSpeed's own master copy (the memory-saving patch of its private attributes is off); install a "
+             "version in that range, or set MEGABERT_DEEPSPEED_PATCHES=1 to try the patch",
+             deepspeed.__version__, low, high)
     return False
