@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import megabert.say_once
 import megabert
+import megabert.say_once
 from megabert.config import ModelConfig, OptimConfig
 from megabert.model.pretrained import gather_full
 import megabert.optim as optim_module

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch.distributed as dist
 
+import megabert.say_once
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.train_utils import build_trainer
-import megabert.say_once
 
 
 def _pairs(optimizer, stage):
