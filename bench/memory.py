@@ -132,7 +132,7 @@ def command(size: str, bl: BenchLayout, args, data: str, vocab: str, workdir: st
         cmd += ["--use-distributed-optimizer"]
     if lay.zero_stage:
         # The flags users type: pretrain_bert.py sizes DeepSpeed's ZeRO buffers to the model
-        # (megabert.parallel.zero.ZeroBuckets, the numbers the planner reads).
+        # (megabert.data_parallel.zero_plan.ZeroBuckets, the numbers the planner reads).
         cmd += ["--deepspeed", "--zero-stage", str(lay.zero_stage)]
         if lay.offload_optimizer:
             cmd += ["--zero-offload-optimizer", "cpu"]

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 
-from megabert.parallel.buckets import BUCKET_ELEMENTS
+from megabert.config import BUCKET_ELEMENTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NS = ("megabert-n0", "megabert-n1")

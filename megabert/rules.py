@@ -29,9 +29,9 @@ import os
 from typing import Optional
 
 from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
 from megabert.parallel.layout import BatchLayout, data_parallel_size
-from megabert.parallel.zero import ZeroPlan
 
 # Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
 # submodule, so what compiles is a dozen fragments per layer and recompilations past

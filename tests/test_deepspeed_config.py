@@ -9,9 +9,9 @@ import torch
 
 from megabert.arguments import parse_args
 from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
+from megabert.data_parallel.zero_plan import ZeroBuckets
 from megabert.tasks.squad.config import SquadConfig
 from megabert.errors import ConfigError
-from megabert.parallel.zero import ZeroBuckets
 from megabert.training.deepspeed.ds_config import bucket_keys, build_config, offloads_optimizer, resolve_deepspeed_config
 from megabert.training.resolve import resolve_run
 

@@ -21,12 +21,14 @@ FORBIDDEN = [
     ("parallel", "model"), ("tensor_parallel", "model"), ("ops", "model"),
     ("training", "tasks"),
     # megabert's own data parallelism sits between them: below training/ (which runs it
-    # inside a step), above parallel/, optim/ and tensor_parallel/ (which know no DP sharding).
+    # inside a step), above parallel/, optim/, tensor_parallel/ and the configs (which know no
+    # DP sharding). The rules and the planner read its ZeRO plan (data_parallel/zero_plan.py),
+    # and it reads neither.
     ("data_parallel", "training"), ("data_parallel", "tasks"), ("data_parallel", "model"),
-    ("data_parallel", "checkpoint"), ("data_parallel", "planning"),
+    ("data_parallel", "checkpoint"), ("data_parallel", "planning"), ("data_parallel", "rules"),
     ("parallel", "data_parallel"), ("optim", "data_parallel"), ("tensor_parallel", "data_parallel"),
-    ("pipeline_parallel", "data_parallel"), ("checkpoint", "data_parallel"), ("planning", "data_parallel"),
-    ("model", "data_parallel"), ("config", "data_parallel"), ("rules", "data_parallel"),
+    ("pipeline_parallel", "data_parallel"), ("checkpoint", "data_parallel"),
+    ("model", "data_parallel"), ("config", "data_parallel"),
 ]
 
 

@@ -225,7 +225,7 @@ def test_zero3_step_works_one_sub_group_at_a_time():
     Backward holds the gathered parameters and the reduce bucket instead; the peak is the
     larger phase."""
     from megabert.planning.memory import _model_states
-    from megabert.parallel.zero import ZeroBuckets
+    from megabert.data_parallel.zero_plan import ZeroBuckets
 
     cfg, run = bert_large(), Workload(precision="bf16")
     sizing = ZeroBuckets.for_hidden_size(cfg.hidden_size)

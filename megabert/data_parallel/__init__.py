@@ -13,9 +13,10 @@ shards the optimizer states over it. One concern per module:
     averaging.py              the average after backward (--no-overlap-grad-reduce, DP = 1)
     distributed_optimizer.py  the optimizer over this rank's pieces, its states by name
     sharded_lamb.py           LAMB whose trust ratios sum the pieces' norms over the group
+    zero_plan.py              ZeRO as the run plans it (stage, offload, the engine's buffer sizes)
 
 Layering: below megabert.training (which runs these inside a step), above megabert.parallel
-(groups, the communication door, ParamSpec) and megabert.optim. The ZeRO plan and the bucket
-size default stay in megabert.parallel (zero.py, buckets.py): the configs, the rules and the
-planner read them, and those sit below this package.
+(groups, the communication door, ParamSpec), megabert.optim and megabert.config. The rules
+and the layout planner read the ZeRO plan from here (nothing here reads them); the bucket
+size default is the config's (megabert.config.BUCKET_ELEMENTS), which this package reads.
 """

@@ -12,8 +12,8 @@ from typing import Iterable, Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megabert.config import BUCKET_ELEMENTS
 from megabert.parallel import ParallelState, comm
-from megabert.parallel.buckets import BUCKET_ELEMENTS
 
 
 def _buckets(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:

@@ -47,9 +47,9 @@ import math
 from dataclasses import dataclass
 
 from megabert.config import ModelConfig
+from megabert.data_parallel.zero_plan import ZeroBuckets
 from megabert.planning.params import embedding_tensors, stage_params
 from megabert.planning.spec import Layout, Workload
-from megabert.parallel.zero import ZeroBuckets
 
 
 def all_reduce_bytes(size: float, n: int) -> float:

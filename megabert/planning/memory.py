@@ -38,7 +38,7 @@ instead of 2.48, at 37% more time per step, so the planner predicts the default
 allocator. A GPU's caching allocator reuses those blocks instead (bounded by the
 live-parameter and bucket sizes), so the heap terms apply to CPU runs only.
 
-ZeRO bucket and live-parameter sizes come from megabert.parallel.zero.ZeroBuckets,
+ZeRO bucket and live-parameter sizes come from megabert.data_parallel.zero_plan.ZeroBuckets,
 the numbers the DeepSpeed config is built from; this module never restates them.
 """
 from __future__ import annotations
@@ -46,11 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megabert.config import ModelConfig
+from megabert.config import BUCKET_ELEMENTS
+from megabert.data_parallel.zero_plan import ZeroBuckets
 from megabert.planning.activations import stage_activation_bytes
 from megabert.planning.params import StageParams, stage_params
 from megabert.planning.spec import Layout, Workload
-from megabert.parallel.buckets import BUCKET_ELEMENTS
-from megabert.parallel.zero import ZeroBuckets
 
 GB = 1e9  # decimal, as peak_memory_gb and nvidia-smi's MB
 

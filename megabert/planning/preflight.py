@@ -15,8 +15,8 @@ from typing import Optional, Protocol
 import torch
 
 from megabert.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.parallel.layout import BatchLayout
-from megabert.parallel.zero import ZeroPlan
 from megabert.planning.memory import MemoryEstimate, estimate
 from megabert.planning.search import fit_warning
 from megabert.planning.spec import Layout, Workload

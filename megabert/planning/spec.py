@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megabert.config import ModelConfig
+from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
-from megabert.parallel.zero import ZeroPlan
 from megabert.rules import check_distributed_optimizer, check_model_split, check_sequence_parallel, check_zero
 
 PRECISIONS = ("fp32", "bf16", "fp16")

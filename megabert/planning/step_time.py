@@ -36,8 +36,8 @@ import math
 from dataclasses import dataclass
 
 from megabert.config import ModelConfig
+from megabert.config import BUCKET_ELEMENTS
 from megabert.errors import ConfigError
-from megabert.parallel.buckets import BUCKET_ELEMENTS
 from megabert.parallel.state import rank_of
 from megabert.planning.communication import CommEstimate, communication
 from megabert.planning.params import stage_params

@@ -22,11 +22,11 @@ from megabert.checkpoint.reader import read_model_config
 from megabert.checkpoint.start import RunStart, Source, decide_start
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
     TaskConfig, TrainConfig
+from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.model_family import resolve_model_family
 from megabert.data.shard_sources import detect_nvidia_data
 from megabert.errors import ConfigError
 from megabert.parallel.layout import BatchLayout
-from megabert.parallel.zero import ZeroPlan
 from megabert.rules import check_model_split, check_seq_length, check_zero, sentence_pair_task
 
 logger = logging.getLogger(__name__)

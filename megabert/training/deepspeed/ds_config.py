@@ -1,7 +1,7 @@
 """DeepSpeed's config: built from our flags, or the user's --deepspeed_config checked
 against them and merged (its optimizer and scheduler sections translated into ours). The
 only module that reads DeepSpeed's JSON dict: what the rest of megabert needs of it leaves
-here typed, as the resolved run's ZeroPlan (megabert.parallel.zero)."""
+here typed, as the resolved run's ZeroPlan (megabert.data_parallel.zero_plan)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +11,10 @@ import math
 from typing import Optional
 
 from megabert.config import OptimConfig, TrainConfig
+from megabert.data_parallel.zero_plan import ZeroBuckets, ZeroPlan
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import BatchLayout
-from megabert.parallel.zero import ZeroBuckets, ZeroPlan
 from megabert.say_once import say_once
 from megabert.training.deepspeed.sections import translate_sections
 
