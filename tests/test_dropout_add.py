@@ -10,7 +10,7 @@ from megabert.ops import dropout_add
 from megabert.ops.dropout_add import FusedDropoutAdd, resolve_dropout_add_backend
 from megabert.tensor_parallel.random import RNGStatesTracker
 
-from tests.helpers.kernel_checks import philox4x32_10, threshold
+from tests.helpers.kernel_checks import fused_dropout_add_with_mask, philox4x32_10, threshold
 
 pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
 
@@ -45,7 +45,7 @@ def test_p0_and_eval_are_the_plain_sum_and_draw_nothing(dtype):
 def test_output_is_residual_plus_scaled_masked_input(dtype, shape):
     x, r = _inputs(shape, dtype)
     p = 0.1
-    out, mask = dropout_add(x, r, p, True, return_mask=True)
+    out, mask = fused_dropout_add_with_mask(x, r, p)
     assert mask.dtype == torch.bool and mask.shape == x.shape
     assert torch.equal(out, _expected(x, r, mask, p))
 
@@ -55,7 +55,7 @@ def test_mask_statistics():
     torch.manual_seed(1234)
     for p in (0.1, 0.5, 0.9):
         x, r = torch.ones(n), torch.zeros(n)
-        out, mask = dropout_add(x, r, p, True, return_mask=True)
+        out, mask = fused_dropout_add_with_mask(x, r, p)
         kept = mask.double().mean().item()
         # 5 standard deviations of a binomial fraction: ~3e-4 at p=0.1, 5e-4 at p=0.5.
         assert abs(kept - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5, (p, kept)
@@ -96,7 +96,7 @@ def test_gradients(dtype):
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     p = 0.2
     torch.manual_seed(7)
-    _, mask = dropout_add(x, r, p, True, return_mask=True)
+    _, mask = fused_dropout_add_with_mask(x, r, p)
     torch.manual_seed(7)  # same key: the same mask
     x.requires_grad_(), r.requires_grad_()
     out = dropout_add(x, r, p, True)

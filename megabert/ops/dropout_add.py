@@ -110,8 +110,7 @@ def dropout_add_reference(x: torch.Tensor, residual: torch.Tensor, p: float, tra
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: bool = True,
-                generator: Optional[torch.Generator] = None, *, backend: str = "fused",
-                return_mask: bool = False):
+                generator: Optional[torch.Generator] = None, *, backend: str = "fused") -> torch.Tensor:
     """residual + dropout(x, p) (training) or residual + x (eval, or p == 0: no generator draw,
     as F.dropout). Autograd-capable for x and residual.
 
@@ -119,30 +118,22 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: boo
     runs the kernel where it applies (CPU; fp32, bf16, fp64; one shape) and PyTorch otherwise, said
     once; 'compiled' one torch.compile'd function (megabert.ops.epilogues).
     `generator`: where the Philox key comes from (default: torch's default CPU generator, or the
-    stream of the `RNGStatesTracker.fork()` the call runs in). `return_mask=True` (fused only,
-    for tests; no autograd) returns (out, the bool keep mask the kernel drew).
+    stream of the `RNGStatesTracker.fork()` the call runs in). The kernel's own
+    `dropout_add_forward(x, residual, p, seed)` (megabert.fused_kernels) returns the mask too.
     """
     if not training or p == 0.0:
-        out = residual + x
-        return (out, torch.ones_like(x, dtype=torch.bool)) if return_mask else out
+        return residual + x
     if backend in ("torch", "compiled"):
-        if return_mask:
-            raise ValueError("dropout_add: return_mask needs the fused backend")
         if backend == "compiled" and generator is None:
             return epilogues.run("bias_dropout_add", backend, x, None, residual, p, training)
         return dropout_add_reference(x, residual, p, training, generator)
     if backend != "fused":
         raise ValueError(f"unknown dropout_add backend {backend!r}")
     if not use_fused_kernel("dropout_add", x.device.type, _outside_limits(x, residual)):
-        if return_mask:
-            raise ValueError("dropout_add: return_mask needs the fused kernel, which does not apply here")
         return dropout_add_reference(x, residual, p, training, generator)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_add: p must be in [0, 1), got {p}")
-    seed = draw_seed(generator)
-    if return_mask:  # no autograd: for tests that check the output against the mask drawn
-        return kernel_ops.dropout_add_forward(x, residual, float(p), seed)
-    return FusedDropoutAdd.apply(x, residual, float(p), seed)
+    return FusedDropoutAdd.apply(x, residual, float(p), draw_seed(generator))
 
 
 def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,

@@ -138,16 +138,24 @@ def check_cross_entropy_kernels(widths=(64, 64, 37), rows=9, seed=0):
     assert scratch[:, widths[-1]:].isnan().all()  # nothing written past the slice
 
 
+def fused_dropout_add_with_mask(x: torch.Tensor, residual: torch.Tensor, p: float):
+    """(out, keep mask) of the CPU kernel behind `megabert.ops.dropout_add`, with the key that
+    dropout_add draws from the default generator at this point (no autograd)."""
+    import megabert.fused_kernels as fk
+    from megabert.ops.dropout_add import draw_seed
+
+    return fk.kernels_for("cpu").dropout_add_forward(x, residual, float(p), draw_seed())
+
+
 def philox_mask_digest() -> str:
     """A digest of the masks the kernels draw from Philox for fixed keys (dropout + add and
     attention dropout): equal on every instruction set and thread count."""
     import hashlib
 
     import megabert.fused_kernels as fk
-    from megabert.ops import dropout_add
 
     torch.manual_seed(5)
-    _, add_mask = dropout_add(torch.ones(1000, 257), torch.zeros(1000, 257), 0.1, True, return_mask=True)
+    _, add_mask = fused_dropout_add_with_mask(torch.ones(1000, 257), torch.zeros(1000, 257), 0.1)
     attn_mask = fk.kernels_for("cpu").varlen_attention_dropout_mask(cu_seqlens([200, 130, 7]), 2, 0.3,
                                                                     torch.tensor([2**40 + 17]))
     return hashlib.sha256(add_mask.numpy().tobytes() + attn_mask.numpy().tobytes()).hexdigest()[:16]
