@@ -32,6 +32,7 @@ from megabert.data import build_tokenizer
 from megabert.data.packing import PackingSpec, packed_feature_batches, rows_per_epoch, with_flat_token_positions
 from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
+from megabert.paths import check_config_paths
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_predictor, build_trainer
 from megabert.planning.flops import bert_flops_per_sample
@@ -115,6 +116,7 @@ class FinetuneTask(abc.ABC):
 
 def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
     """Runs a fine-tuning entry script's configs end to end with `task_class`'s pieces."""
+    check_config_paths(cfg)  # every file read and every directory written, before any process group or model
     par = cfg.parallel
     ps = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                        backend=par.distributed_backend, timeout_minutes=par.distributed_timeout_minutes)

@@ -33,6 +33,7 @@ from megabert.tasks import model_classes
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.rules import validate_layout
 from megabert.errors import CheckpointError, cli_main
+from megabert.paths import DIR, FILE_OR_DIR, OUT_DIR, check_paths
 
 
 def read_source(hf_dir: Optional[str], tf_checkpoint: Optional[str]) -> tuple[dict, dict, str]:
@@ -159,6 +160,11 @@ def main(argv=None) -> None:
     exp.add_argument("--tokenizer-type", choices=sorted(WORDPIECE_TYPES),
                      help="casing of the exported tokenizer; default: the one the checkpoint was trained with")
     args = p.parse_args(argv)
+    if args.cmd == "import":  # a TF checkpoint may be named by its prefix: tf.is_tf_dir checks it
+        check_paths([(args.hf_dir, "--hf-dir", DIR), (args.output, "--output", OUT_DIR)])
+    else:
+        check_paths([(args.load, "--load", DIR), (args.vocab_file, "--vocab-file", FILE_OR_DIR),
+                     (args.hf_dir, "--hf-dir", OUT_DIR)])
     if args.cmd == "import":
         path = import_checkpoint(args.output, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  hf_dir=args.hf_dir, tf_checkpoint=args.tf_checkpoint)
