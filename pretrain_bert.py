@@ -15,6 +15,7 @@ import megabert
 import megabert.planning
 from megabert.arguments import parse_args
 from megabert.errors import cli_main
+from megabert.paths import check_config_paths
 from megabert.training.metrics import configure_process_logging
 from megabert.data import build_tokenizer
 from megabert.tasks.pretraining.batches import build_batches
@@ -25,6 +26,7 @@ from megabert.training.resolve import resolve_run
 @cli_main
 def main(argv=None) -> None:
     cfg = parse_args(argv, description=__doc__)
+    check_config_paths(cfg)  # every file read and every directory written, before any process group or model
     ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size,
                                 backend=cfg.parallel.distributed_backend,

@@ -137,7 +137,7 @@ class BuildExtension(cpp_extension.BuildExtension):
                 raise
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             _say(f"CUDA kernels not built ({first}); the CPU kernels are installed. MEGABERT_CUDA=require makes "
-                 f"this an error; see README, GPU")
+                 f"this an error; see docs/install-and-gpu-build.md")
 
 
 setup(

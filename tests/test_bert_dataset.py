@@ -229,10 +229,17 @@ def test_no_pair_anywhere_is_an_error_not_a_hang(tmp_path, tok):
             build(prefix, tmp_path, tok, n=(10 ** 9, 0, 0))
 
 
-def test_split_without_documents_is_an_error(corpus, tmp_path, tok):
-    with pytest.raises(DataError, match=r"valid split .* \(documents 300..300 of 300.*holds no document.*--split"):
-        build(corpus, tmp_path, tok, split="99.9,0.09,0.01", n=(10, 10, 10))
+def test_held_out_split_without_documents_is_a_warning_train_an_error(corpus, tmp_path, tok, caplog):
+    """As Megatron: a valid or test share that rounds to no document of a small corpus leaves that
+    split out (pretrain_bert.py reads no test split; --split 969,30,1 gives 300 documents none)."""
+    with caplog.at_level("WARNING", logger="megabert"):
+        assert build(corpus, tmp_path, tok, split="99.9,0.09,0.01", n=(10, 10, 10))[1:] == (None, None)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(lines) == 2 and "the valid split of --data-path holds no document (--split 99.9,0.09,0.01 of 300 " \
+        "documents): no valid split, no evaluation" in lines[0] and "the test split" in lines[1], lines
     assert build(corpus, tmp_path, tok, split="100,0,0", n=(10, 10, 10))[1:] == (None, None)
+    with pytest.raises(DataError, match=r"train split .* \(documents 0..0 of 300.*holds no document.*--split"):
+        build(corpus, tmp_path, tok, split="0.01,99.99,0", n=(10, 10, 10))
 
 
 def test_mapping_rows_are_sentence_runs_of_one_document(corpus):

@@ -74,7 +74,8 @@ def test_qqp_short_rows_are_skipped_elsewhere_errors_name_file_and_line(tmp_path
         read_examples(str(tmp_path / "none.tsv"), TASKS["rte"])
     (tmp_path / "latin1.tsv").write_bytes("index\tsentence1\tsentence2\tlabel\n0\tcaf\u00e9\tB\tentailment\n"
                                           .encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1\.tsv is not UTF-8 text \(invalid continuation byte\): the file is damaged"):
+    with pytest.raises(DataError, match=r"latin1\.tsv:2: byte 0xe9 at column 6 is not UTF-8 \(invalid "
+                                         r"continuation byte\); save the file as UTF-8"):
         read_examples(str(tmp_path / "latin1.tsv"), TASKS["rte"])
 
 

@@ -137,7 +137,7 @@ def test_cli_strict_stops_at_the_line(tmp_path, vocab):
 @pytest.mark.parametrize("case,words", [
     ("all-bad", "holds no usable document"),
     ("no-input", "does not exist"),
-    ("no-vocab", "vocab file"),
+    ("no-vocab", "--vocab-file"),
 ])
 def test_cli_errors_are_one_line(tmp_path, vocab, case, words):
     src = write_jsonl(tmp_path / "in.jsonl", [], {1: b"{", 2: b"{}"})

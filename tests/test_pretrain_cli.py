@@ -41,7 +41,8 @@ def test_flag_errors(args, message):
 def test_deepspeed_config_conflict(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 64}))
+    (tmp_path / "vocab.txt").write_text("[PAD]\n")  # read only after the conflict: any file that exists
     r = run("--data-path", "nowhere", "--deepspeed", "--deepspeed_config", str(cfg), "--micro-batch-size", "4",
-            "--global-batch-size", "8", "--vocab-file", "missing.txt")
+            "--global-batch-size", "8", "--vocab-file", str(tmp_path / "vocab.txt"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "sets train_batch_size=64 but the flags give 8 (--global-batch-size)" in last_line(r)

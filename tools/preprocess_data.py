@@ -16,11 +16,13 @@ Malformed records (bad JSON, a missing key, invalid UTF-8, empty or null text) a
 reported with their line (row) numbers; --strict stops at the first one instead.
 """
 import argparse
+import glob
 import sys
 
 from megabert.corpus.preprocess import EncodeOptions, preprocess
 from megabert.data.tokenizers import TOKENIZER_TYPES
 from megabert.errors import ConfigError, cli_main
+from megabert.paths import FILE_OR_DIR, check_input, check_output_prefix
 
 
 def get_args(argv=None):
@@ -53,6 +55,11 @@ def get_args(argv=None):
         raise ConfigError("--workers must be >= 1")
     if args.log_interval < 0:
         raise ConfigError("--log-interval must be >= 0")
+    if not glob.has_magic(args.input):  # a glob is expanded and checked by the reader
+        check_input(args.input, "--input", FILE_OR_DIR)
+    if args.vocab_file is not None:
+        check_input(args.vocab_file, "--vocab-file", FILE_OR_DIR)
+    check_output_prefix(args.output_prefix, "--output-prefix")
     return args
 
 

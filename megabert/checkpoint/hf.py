@@ -151,7 +151,7 @@ HF_FILES = safe_pickle.Allowed("Hugging Face checkpoint", safe_pickle.TENSORS)
 def read_hf_state(path: str) -> dict:
     """safetensors (single or sharded), else pytorch_model.bin (zip or pre-1.6 format) read
     through safe_pickle: tensors by name, nothing else."""
-    from safetensors.torch import load_file
+    from megabert.checkpoint.safetensors_file import read_safetensors
 
     def load_one(fname: str) -> dict:
         full = os.path.join(path, fname)
@@ -159,7 +159,7 @@ def read_hf_state(path: str) -> dict:
             raise RefusedFileError(f"{path}: refused: its index names {str(fname)[:80]!r}, a file outside the "
                                    f"directory, which no {HF_FILES.kind} does")
         if fname.endswith(".safetensors"):
-            return load_file(full)
+            return read_safetensors(full)  # one line naming the file for damage, NaN or inf
         state = safe_pickle.load(full, HF_FILES, mmap=False)
         if not isinstance(state, dict):
             raise safe_pickle.wrong_type(full, state, "a state dict", HF_FILES.kind)

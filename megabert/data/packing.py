@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import itertools
+import logging
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -44,6 +45,12 @@ import torch
 
 from megabert.data.sample_errors import ReportingIterableLoader, read_sample, yield_failures
 from megabert.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+# A packed row this short of real tokens, while --max-samples-per-row caps it, is worth a warning:
+# unpacked BERT fine-tuning data is often a third real tokens, and packing exists to fix that.
+LOW_REAL_TOKEN_SHARE = 0.5
 
 # The micro-step's [samples, real tokens, rows, row slots] over every data-parallel rank (int64 [4]);
 # the trainer pops it before the batch goes to the device.
@@ -265,6 +272,24 @@ def rows_per_epoch(tensors: dict[str, torch.Tensor], spec: PackingSpec) -> int:
     return sum(len(first_fit_decreasing(lengths[order[lo:lo + spec.window]], spec.seq_length,
                                         spec.max_samples_per_row))
                for lo in range(0, len(order), spec.window))
+
+
+def warn_if_packing_wasted(spec: PackingSpec, num_samples: int = 0, real_tokens: int = 0, rows: int = 0,
+                           what: str = "samples") -> None:
+    """One warning line when --pack-sequences gains nothing or little: --packing-window 1 puts each
+    sample in a row of its own; and, given an epoch's counts, rows that are mostly padding while
+    --max-samples-per-row is what stops them filling."""
+    if spec.window == 1:
+        logger.warning("--packing-window 1 puts each of the %s in a row of its own: --pack-sequences packs nothing; "
+                       "give a window of hundreds (default 1024)", what)
+        return
+    if not rows:
+        return
+    share, per_row = real_tokens / (rows * spec.seq_length), num_samples / rows
+    if share < LOW_REAL_TOKEN_SHARE and per_row > spec.max_samples_per_row - 0.5:
+        logger.warning("packed rows are %.0f%% real tokens with %.1f %s a row, capped by --max-samples-per-row %d: "
+                       "raise it (rows of %d tokens hold about %d of these)", 100 * share, per_row, what,
+                       spec.max_samples_per_row, spec.seq_length, int(spec.seq_length * num_samples / real_tokens))
 
 
 def packing_stats(batches: list[dict]) -> Optional[torch.Tensor]:

@@ -9,6 +9,7 @@ transformers' for the same vocab.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megabert.data.text_files import read_utf8
 from megabert.errors import ConfigError, DataError
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "HuggingFaceTokenizer")
@@ -181,10 +183,13 @@ def read_wordpiece_vocab(path: str) -> dict[str, int]:
     if not os.path.isfile(path):
         raise DataError(f"vocab file {path} does not exist: check --vocab-file "
                         f"(tools/train_tokenizer.py makes one)")
-    with open(path, encoding="utf-8") as f:
-        vocab = {}
-        for i, line in enumerate(f):
-            vocab[line.rstrip("\n")] = i
+    text = read_utf8(path)
+    if text.lstrip().startswith("{"):
+        raise DataError(f"vocab file {path} is JSON, not a WordPiece vocab.txt (one token per line): for a "
+                        f"tokenizer.json pass --tokenizer-type HuggingFaceTokenizer")
+    vocab = {}
+    for i, line in enumerate(io.StringIO(text, newline=None)):  # text mode's line ends, as load_vocab's open()
+        vocab[line.rstrip("\n")] = i
     if not vocab:
         raise DataError(f"vocab file {path} is empty")
     return vocab
@@ -352,12 +357,14 @@ class HuggingFaceTokenizer(_RustTokenizer):
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
-            raise DataError(f"tokenizer file {path} does not exist: --vocab-file takes a tokenizer.json "
-                            f"or a directory holding one")
+            raise DataError(f"tokenizer file {path} does not exist: --tokenizer-model (or --vocab-file) takes a "
+                            f"tokenizer.json or a directory holding one")
+        _check_tokenizer_json(path)
         try:
             backend = RustTokenizer.from_file(path)
         except Exception as e:  # the Rust side raises a bare Exception with its parse error
-            raise DataError(f"{path} is not a valid tokenizer.json ({e})") from None
+            raise DataError(f"{path} is not a tokenizer.json the tokenizers library reads ({e}); save it again with "
+                            f"transformers' save_pretrained or tokenizers' Tokenizer.save") from None
         # A tokenizer.json saved with padding or truncation on (transformers writes what the
         # tokenizer was last called with) would pad every document to its length, or cut it:
         # megabert tokenizes whole documents and builds samples itself.
@@ -428,6 +435,21 @@ class HuggingFaceTokenizer(_RustTokenizer):
                           contraction=contraction)
 
 
+def _check_tokenizer_json(path: str) -> None:
+    """Words what the Rust parser reports as "expected ident at line 1 column 2": the file is not JSON,
+    or JSON of another kind (a config.json, a tokenizer_config.json)."""
+    try:
+        spec = json.loads(read_utf8(path))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not JSON (line {e.lineno}, column {e.colno}: {e.msg}): a tokenizer.json is "
+                        f"JSON; a WordPiece vocab.txt takes --tokenizer-type BertWordPieceLowerCase or "
+                        f"BertWordPieceCase") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        what = "an object without a \"model\"" if isinstance(spec, dict) else f"a JSON {type(spec).__name__}"
+        raise DataError(f"{path} is {what}, not a tokenizer.json (its \"model\" object holds the vocab): is it "
+                        f"a config.json or tokenizer_config.json? Pass the model's tokenizer.json")
+
+
 def _has_component(spec, kind: str) -> bool:
     """Whether a tokenizer.json's pre-tokenizer or decoder (nested in a Sequence or not) is of `kind`."""
     def walk(node) -> bool:
@@ -488,8 +510,10 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str]) -> Tokenizer
         raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported; "
                           f"choose one of {', '.join(TOKENIZER_TYPES)}")
     if not vocab_file:
-        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs --vocab-file "
-                          f"(tools/train_tokenizer.py makes one from your corpus)")
+        flag = "--tokenizer-model (a tokenizer.json or its directory)" if tokenizer_type == "HuggingFaceTokenizer" \
+            else "--vocab-file"
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {flag} (tools/train_tokenizer.py makes one from "
+                          f"your corpus)")
     if tokenizer_type == "BertWordPieceLowerCase":
         return BertWordPieceTokenizer(vocab_file, lower_case=True)
     if tokenizer_type == "BertWordPieceCase":

@@ -32,7 +32,7 @@ makes and frees every step: ZeRO-2's per-parameter gradients before their bucket
 (and autograd's, added into megabert's gradient buffer: 2 bytes per parameter each),
 ZeRO-3's gathered parameters (its peak is 6 bytes per parameter above the live states,
 8 with the optimizer offloaded). Calibrated with bench/memory.py (fp32, DP=2, BERT-base
-and BERT-large; README "Choosing a layout"). With glibc told to return every block of 128
+and BERT-large; docs/layouts-and-planner.md). With glibc told to return every block of 128
 KiB or more at once (MALLOC_MMAP_THRESHOLD_=131072) BERT-base's ZeRO-3 peaked at 1.83 GB
 instead of 2.48, at 37% more time per step, so the planner predicts the default
 allocator. A GPU's caching allocator reuses those blocks instead (bounded by the

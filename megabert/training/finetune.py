@@ -29,9 +29,11 @@ import torch
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs, TaskConfig
 from megabert.data import build_tokenizer
-from megabert.data.packing import PackingSpec, packed_feature_batches, rows_per_epoch, with_flat_token_positions
+from megabert.data.packing import (PackingSpec, packed_feature_batches, rows_per_epoch, warn_if_packing_wasted,
+                                   with_flat_token_positions)
 from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
+from megabert.paths import check_config_paths
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_predictor, build_trainer
 from megabert.planning.flops import bert_flops_per_sample
@@ -115,6 +117,7 @@ class FinetuneTask(abc.ABC):
 
 def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
     """Runs a fine-tuning entry script's configs end to end with `task_class`'s pieces."""
+    check_config_paths(cfg)  # every file read and every directory written, before any process group or model
     par = cfg.parallel
     ps = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                        backend=par.distributed_backend, timeout_minutes=par.distributed_timeout_minutes)
@@ -147,6 +150,8 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
     ft, t, batch = run.finetune, run.train, run.batch
     n = len(tensors["input_ids"])
     packing = task.packing(t.seed)
+    rows = n if packing is None else rows_per_epoch(tensors, packing)  # what a global batch counts
+    warn_if_small(rows, batch.global_batch_size, "features" if packing is None else "packed rows")
     if packing is None:
         train_cfg = dataclasses.replace(t, train_iters=num_train_steps(n, ft, batch.global_batch_size))
         logger.info("fine-tuning %s for %d steps of %d features (%.2f epochs of %d)", task.name,
@@ -162,7 +167,7 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
             return with_flat_token_positions(out, "token_positions") if wanted else out
     else:
         # --epochs counts passes over the features; a step holds global batch rows of several each.
-        rows = rows_per_epoch(tensors, packing)
+        warn_if_packing_wasted(packing, n, int(tensors["attention_mask"].sum()), rows, what="features")
         train_cfg = dataclasses.replace(t, train_iters=num_train_steps(rows, ft, batch.global_batch_size))
         logger.info("fine-tuning %s for %d steps of %d packed rows (%d features in %d rows an epoch, %.2f a row)",
                     task.name, train_cfg.train_iters, batch.global_batch_size, n, rows, n / rows)
@@ -178,6 +183,16 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
     task.prepare_trainer(trainer, run)
     trainer.train()
     return trainer
+
+
+def warn_if_small(count: int, global_batch: int, what: str) -> None:
+    """One warning when an epoch is smaller than a global batch: a step then holds some training
+    features more than once (feature_batches fills it from the next epochs), which is legitimate
+    but rarely meant (a one-pair file trained as a batch of 32 copies)."""
+    if count < global_batch:
+        logger.warning("the training data gives %d %s, fewer than one global batch of %d: each step repeats them "
+                       "(about %.1f times); lower --global-batch-size to %d or give more data", count, what,
+                       global_batch, global_batch / count, count)
 
 
 def write_json(path: str, value) -> None:

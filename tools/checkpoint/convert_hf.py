@@ -33,6 +33,7 @@ from megabert.tasks import model_classes
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.rules import validate_layout
 from megabert.errors import CheckpointError, cli_main
+from megabert.paths import DIR, FILE_OR_DIR, OUT_DIR, check_paths
 
 
 def read_source(hf_dir: Optional[str], tf_checkpoint: Optional[str]) -> tuple[dict, dict, str]:
@@ -122,20 +123,23 @@ def _modernbert_tokenizer_dir(load: str, meta: dict, vocab_file: Optional[str]) 
                           f"tokenizer the model was trained with)")
 
 
-def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenizer_type: Optional[str] = None) -> None:
+def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenizer_type: Optional[str] = None
+              ) -> list[str]:
+    """Writes the Hugging Face dir; returns the names of the files it wrote."""
     full, meta, table = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
     if cfg.model_family == "modernbert":
         arch = meta.get("model_class", "ModernBertForMaskedLM")
         hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch))
-        _copy_files(_modernbert_tokenizer_dir(load, meta, vocab_file), hf_dir, MODERNBERT_TOKENIZER_FILES)
-        return
+        copied = _copy_files(_modernbert_tokenizer_dir(load, meta, vocab_file), hf_dir, MODERNBERT_TOKENIZER_FILES)
+        return ["model.safetensors", "config.json", *copied]
     arch = meta.get("model_class", "BertForPreTraining")
     if arch == "BertForPreTraining" and not cfg.bert_binary_head:
         arch = "BertForMaskedLM"
     vocab, lower_case = export_tokenizer(load, meta, vocab_file, tokenizer_type)
     hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch), vocab,
                        lower_case=lower_case)
+    return ["model.safetensors", "config.json", *TOKENIZER_FILES]
 
 
 @cli_main
@@ -159,13 +163,18 @@ def main(argv=None) -> None:
     exp.add_argument("--tokenizer-type", choices=sorted(WORDPIECE_TYPES),
                      help="casing of the exported tokenizer; default: the one the checkpoint was trained with")
     args = p.parse_args(argv)
+    if args.cmd == "import":  # a TF checkpoint may be named by its prefix: tf.is_tf_dir checks it
+        check_paths([(args.hf_dir, "--hf-dir", DIR), (args.output, "--output", OUT_DIR)])
+    else:
+        check_paths([(args.load, "--load", DIR), (args.vocab_file, "--vocab-file", FILE_OR_DIR),
+                     (args.hf_dir, "--hf-dir", OUT_DIR)])
     if args.cmd == "import":
         path = import_checkpoint(args.output, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  hf_dir=args.hf_dir, tf_checkpoint=args.tf_checkpoint)
         print(f"wrote {path} (tp={args.tensor_model_parallel_size}, pp={args.pipeline_model_parallel_size})")
     else:
-        export_hf(args.load, args.hf_dir, args.vocab_file, args.tokenizer_type)
-        print(f"wrote {args.hf_dir}: model.safetensors, config.json, {', '.join(TOKENIZER_FILES)}")
+        written = export_hf(args.load, args.hf_dir, args.vocab_file, args.tokenizer_type)
+        print(f"wrote {args.hf_dir}: {', '.join(written)}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from megabert.config import ModelConfig, ParallelConfig
 from megabert.data import build_tokenizer
 from megabert.errors import CheckpointError, ConfigError, cli_main
 from megabert.parallel.layout import StageLayout
+from megabert.paths import DIR, FILE, OUT_DIR, check_paths
 from megabert.parallel.param_spec import reference_table
 from megabert.rules import validate_layout
 from megabert.tasks import model_classes
@@ -127,6 +128,11 @@ def main(argv=None) -> None:
                      "(language_model.*), as transformers' convert_megatron_bert_checkpoint.py reads them")
     exp.add_argument("--iteration", type=int, help="write iter_NNNNNNN/ instead of release/")
     args = p.parse_args(argv)
+    if args.cmd == "import":
+        check_paths([(args.megatron_dir, "--megatron-dir", DIR), (args.vocab_file, "--vocab-file", FILE),
+                     (args.output, "--output", OUT_DIR)])
+    else:
+        check_paths([(args.load, "--load", DIR), (args.megatron_dir, "--megatron-dir", OUT_DIR)])
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.cmd == "import":
         path = import_megatron(args.megatron_dir, args.output, tp, pp, vocab_file=args.vocab_file,

@@ -17,6 +17,7 @@ from megabert.checkpoint.reader import read_model_config, read_rank
 from megabert.checkpoint.start import Format, require_source
 from megabert.errors import ConfigError, cli_main
 from megabert.parallel.layout import StageLayout
+from megabert.paths import DIR, OUT_DIR, check_paths
 from megabert.tasks import model_classes
 
 
@@ -32,6 +33,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if os.path.abspath(args.load) == os.path.abspath(args.save):
         raise ConfigError("--save must differ from --load: resharding writes a new checkpoint")
+    check_paths([(args.load, "--load", DIR), (args.save, "--save", OUT_DIR)])
     model_classes()  # a checkpoint saved before spec tables is read with its class's reference table
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     source = require_source(args.load)  # what --load holds, detected once

@@ -11,12 +11,14 @@ as run_glue.py and the GLUE baselines do (see tasks.GlueTaskSpec.skip_short_rows
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from megabert.data.json_lines import json_objects
+from megabert.data.text_files import utf8_lines
 from megabert.errors import DataError
 from megabert.tasks.glue.tasks import Columns, GlueTaskSpec
 
@@ -55,23 +57,22 @@ def read_tsv(path: str, task: GlueTaskSpec, *, test: bool = False) -> list[GlueE
     cols: Columns = task.test if test else task.train
     width = cols.width()
     examples, skipped = [], []
-    with _open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if lineno == 1 and cols.header:
+    for lineno, line in enumerate(_lines(path), start=1):
+        if lineno == 1 and cols.header:
+            continue
+        line = line.rstrip("\r\n")
+        if not line:
+            continue
+        row = line.split("\t")
+        if len(row) < width:
+            if task.skip_short_rows and not test:
+                skipped.append(lineno)
                 continue
-            line = line.rstrip("\r\n")
-            if not line:
-                continue
-            row = line.split("\t")
-            if len(row) < width:
-                if task.skip_short_rows and not test:
-                    skipped.append(lineno)
-                    continue
-                raise DataError(f"{path}:{lineno}: {len(row)} tab-separated columns, {task.name} needs {width}; "
-                                f"is this {task.name}'s {'test' if test else 'train/dev'} file as GLUE ships it?")
-            where = f"{path}:{lineno}"
-            label = None if cols.label is None else label_of(task, row[cols.label], where)
-            examples.append(GlueExample(row[cols.a], row[cols.b] if cols.b is not None else None, label))
+            raise DataError(f"{path}:{lineno}: {len(row)} tab-separated columns, {task.name} needs {width}; "
+                            f"is this {task.name}'s {'test' if test else 'train/dev'} file as GLUE ships it?")
+        where = f"{path}:{lineno}"
+        label = None if cols.label is None else label_of(task, row[cols.label], where)
+        examples.append(GlueExample(row[cols.a], row[cols.b] if cols.b is not None else None, label))
     if skipped:
         logger.warning("%s: skipped %d rows with fewer than %d columns (first at line %d), as run_glue.py does",
                        path, len(skipped), width, skipped[0])
@@ -105,6 +106,10 @@ def read_named_columns(path: str, task: GlueTaskSpec, *, test: bool = False) -> 
         missing = [k for k in (key_a, key_b) if k is not None and row.get(k) is None]
         if missing or (not test and row.get("label") is None):
             raise DataError(f"{where}: no value for {(missing or ['label'])[0]!r}")
+        wrong = next((k for k in (key_a, key_b) if k is not None and not isinstance(row[k], str)), None)
+        if wrong is not None:  # a JSON list or number would be trained on as its printed form
+            raise DataError(f"{where}: {wrong!r} is {json.dumps(row[wrong])[:40]}, not a string; give each sentence "
+                            f"as a JSON string")
         label = None if test else label_of(task, row["label"], where, ids=True)
         examples.append(GlueExample(str(row[key_a]), str(row[key_b]) if key_b else None, label))
     return examples
@@ -113,30 +118,25 @@ def read_named_columns(path: str, task: GlueTaskSpec, *, test: bool = False) -> 
 def read_examples(path: str, task: GlueTaskSpec, *, test: bool = False) -> list[GlueExample]:
     """By extension: .csv and .json/.jsonl have named columns, anything else is GLUE's TSV."""
     ext = os.path.splitext(path)[1].lower()
-    try:
-        if ext in (".csv", ".json", ".jsonl"):
-            return read_named_columns(path, task, test=test)
-        return read_tsv(path, task, test=test)
-    except UnicodeDecodeError as e:  # a damaged file, or one saved in another encoding
-        # NOTE: no byte offset: e.start counts from the start of the decoder's chunk, not the file.
-        raise DataError(f"{path} is not UTF-8 text ({e.reason}): the file is damaged or in another encoding; "
-                        f"GLUE's files are UTF-8") from None
+    if ext in (".csv", ".json", ".jsonl"):
+        return read_named_columns(path, task, test=test)
+    return read_tsv(path, task, test=test)
 
 
 def _named_rows(path: str):
     """(line number, {column: value}) of a CSV or JSON-lines file."""
-    with _open(path) as f:
-        if path.lower().endswith(".csv"):
-            reader = csv.DictReader(f)
-            for row in reader:
-                if None in row:  # more fields than the header names
-                    raise DataError(f"{path}:{reader.line_num}: more fields than the header's {len(reader.fieldnames)}")
-                yield reader.line_num, row
-            return
-        yield from json_objects(f, path, "an object with named columns")
+    if path.lower().endswith(".csv"):
+        reader = csv.DictReader(_lines(path))
+        for row in reader:
+            if None in row:  # more fields than the header names
+                raise DataError(f"{path}:{reader.line_num}: more fields than the header's {len(reader.fieldnames)}")
+            yield reader.line_num, row
+        return
+    yield from json_objects(_lines(path), path, "an object with named columns")
 
 
-def _open(path: str):
+def _lines(path: str):
+    """The file's lines as written (line ends kept: csv reads quoted ones), UTF-8."""
     if not os.path.isfile(path):
         raise DataError(f"{path} does not exist")
-    return open(path, encoding="utf-8", newline="")
+    return utf8_lines(path)

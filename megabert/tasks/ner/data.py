@@ -2,8 +2,9 @@
 
 - CoNLL (CoNLL-2003's files as they are): one token per line, its tag in the last column
   (other columns, such as part-of-speech and chunk tags, are ignored); a blank line between
-  sentences; `-DOCSTART-` lines mark documents and are skipped. A test file may give the
-  tokens alone.
+  sentences; `-DOCSTART-` lines mark documents and are skipped. Every line of a file has the
+  same columns: a line with more or fewer is an error, not a guess at which column is the tag.
+  A test file may give the tokens alone.
 - JSON lines (a `.json` / `.jsonl` file, as run_ner.py's --train_file): one object per
   sentence, `{"tokens": [...], "ner_tags": ["B-PER", ...]}`, the tags as strings.
 
@@ -12,12 +13,18 @@ training file's tags; seqeval's default mode reads entities from each of them).
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 from megabert.data.json_lines import json_objects
+from megabert.data.text_files import utf8_lines
 from megabert.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 DOCSTART = "-DOCSTART-"
 
@@ -47,6 +54,20 @@ def label_set(sentences: list[Sentence]) -> tuple[str, ...]:
     return tuple(sorted({t for s in sentences for t in s.tags}))
 
 
+# An entity tag of any scheme seqeval reads: O, or a prefix (IOB1/IOB2 B- I-, IOBES E- S-, BILOU L- U-).
+_ENTITY_TAG = re.compile(r"^(O|[BIESLU][-_].+)$")
+
+
+def warn_unless_entity_tags(path: str, labels: tuple[str, ...]) -> None:
+    """One warning when no tag of a training file reads as an entity tag: a file whose last
+    column holds part-of-speech tags (NNP, VBZ) trains and scores, but seqeval finds no
+    entities in them, so the F1 means nothing."""
+    if labels and not any(_ENTITY_TAG.match(t) for t in labels):
+        shown = ", ".join(labels[:5]) + (", ..." if len(labels) > 5 else "")
+        logger.warning("%s: no tag in the last column is an entity tag (O, B-X, I-X; found %s): is the last column "
+                       "the NER tag? CoNLL-2003's lines are `token POS chunk NER`", path, shown)
+
+
 def _read_conll(path: str, labelled: bool) -> list[Sentence]:
     sentences: list[Sentence] = []
     words: list[str] = []
@@ -59,44 +80,53 @@ def _read_conll(path: str, labelled: bool) -> list[Sentence]:
         words.clear()
         tags.clear()
 
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            fields = line.split()
-            if not fields:
-                close()
-                continue
-            if fields[0] == DOCSTART:
-                close()
-                continue
-            if len(fields) < 2 and labelled:
-                raise DataError(f"{path}:{lineno}: the token {fields[0]!r} has no tag; CoNLL lines hold the token "
-                                f"first and its tag last (a blank line between sentences)")
-            words.append(fields[0])
-            tags.append(fields[-1] if len(fields) >= 2 else None)
+    first: Optional[tuple[int, int]] = None  # (line, columns) of the first token line: every line's columns
+    for lineno, line in enumerate(utf8_lines(path), start=1):
+        fields = line.split()
+        if not fields:
+            close()
+            continue
+        if fields[0] == DOCSTART:
+            close()
+            continue
+        if len(fields) < 2 and labelled:
+            raise DataError(f"{path}:{lineno}: the token {fields[0]!r} has no tag; CoNLL lines hold the token "
+                            f"first and its tag last (a blank line between sentences)")
+        if first is None:
+            first = (lineno, len(fields))
+        elif len(fields) != first[1]:
+            raise DataError(f"{path}:{lineno}: {len(fields)} columns where line {first[0]} has {first[1]}; every "
+                            f"line holds the same columns, the token first and its tag last (a token with a space "
+                            f"in it splits into two columns)")
+        words.append(fields[0])
+        tags.append(fields[-1] if len(fields) >= 2 else None)
     close()
     return sentences
 
 
 def _read_json_lines(path: str, labelled: bool) -> list[Sentence]:
     sentences = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, row in json_objects(f, path, 'an object {"tokens": [...], "ner_tags": [...]}'):
-            where = f"{path}:{lineno}"
-            if not isinstance(row.get("tokens"), list):
-                raise DataError(f"{where}: no \"tokens\" list; each line is {{\"tokens\": [...], \"ner_tags\": [...]}}")
-            words = tuple(str(w) for w in row["tokens"])
-            tags = row.get("ner_tags")
-            if tags is None:
-                if labelled:
-                    raise DataError(f"{where}: no \"ner_tags\"; training and validation sentences need their tags")
-            else:
-                if not isinstance(tags, list) or len(tags) != len(words):
-                    raise DataError(f"{where}: \"ner_tags\" must be a list with one tag per token "
-                                    f"({len(words)} tokens)")
-                if any(not isinstance(t, str) for t in tags):
-                    raise DataError(f"{where}: \"ner_tags\" holds class ids; give the tags as strings "
-                                    f"(\"B-PER\", \"O\", ...): the file does not name the ids")
-                tags = tuple(tags)
-            if words:  # an empty sentence has nothing to tag
-                sentences.append(Sentence(words, tags))
+    for lineno, row in json_objects(utf8_lines(path), path, 'an object {"tokens": [...], "ner_tags": [...]}'):
+        where = f"{path}:{lineno}"
+        if not isinstance(row.get("tokens"), list):
+            raise DataError(f"{where}: no \"tokens\" list; each line is {{\"tokens\": [...], \"ner_tags\": [...]}}")
+        bad = next((i for i, w in enumerate(row["tokens"]) if not isinstance(w, str) or not w.strip()), None)
+        if bad is not None:
+            raise DataError(f"{where}: \"tokens\" item {bad} is {json.dumps(row['tokens'][bad])}, not a word; "
+                            f"give each token as a non-empty string")
+        words = tuple(row["tokens"])
+        tags = row.get("ner_tags")
+        if tags is None:
+            if labelled:
+                raise DataError(f"{where}: no \"ner_tags\"; training and validation sentences need their tags")
+        else:
+            if not isinstance(tags, list) or len(tags) != len(words):
+                raise DataError(f"{where}: \"ner_tags\" must be a list with one tag per token "
+                                f"({len(words)} tokens)")
+            if any(not isinstance(t, str) for t in tags):
+                raise DataError(f"{where}: \"ner_tags\" holds class ids; give the tags as strings "
+                                f"(\"B-PER\", \"O\", ...): the file does not name the ids")
+            tags = tuple(tags)
+        if words:  # an empty sentence has nothing to tag
+            sentences.append(Sentence(words, tags))
     return sentences

@@ -17,7 +17,7 @@ from megabert.config import FinetuneConfigs
 from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError, ConfigError
 from megabert.parallel import ParallelState
-from megabert.tasks.ner.data import Sentence, label_set, read_sentences
+from megabert.tasks.ner.data import Sentence, label_set, read_sentences, warn_unless_entity_tags
 from megabert.tasks.ner.features import Features, sentences_to_features, word_logits
 from megabert.tasks.ner.metrics import ner_metrics
 from megabert.model_family import checkpoint_model_config
@@ -112,10 +112,13 @@ class NerTask(FinetuneTask):
                 self.sentences[key] = read_sentences(path, labelled=key != "test")
                 logger.info("%s: %d sentences", path, len(self.sentences[key]))
         self.labels = resolve_labels(self.pretrained, self.sentences.get("train"))
-        unseen = sorted({t for s in self.sentences.get("validation", []) for t in s.tags} - set(self.labels))
-        if unseen:
-            logger.warning("%s has tags the model never predicts (not in the training file): %s", ft.validation_file,
-                           ", ".join(unseen))
+        if "train" in self.sentences:
+            warn_unless_entity_tags(ft.train_file, self.labels)
+        for key, path in (("validation", ft.validation_file), ("test", ft.test_file)):
+            unseen = sorted({t for s in self.sentences.get(key, []) if s.tags for t in s.tags} - set(self.labels))
+            if unseen:
+                logger.warning("%s has tags the model never predicts (not in the training file): %s", path,
+                               ", ".join(unseen))
 
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
         """The classifier is new unless --load was fine-tuned on these tags. The encoder runs

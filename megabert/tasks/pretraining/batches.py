@@ -9,7 +9,7 @@ import logging
 from typing import Callable, Iterable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
-from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches
+from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches, warn_if_packing_wasted
 from megabert.data.shard_sources import detect_nvidia_data
 from megabert.config import DataConfig
 from megabert.errors import DataError
@@ -47,6 +47,8 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
     source = " ".join(data.data_path)
 
     packing = packing_spec(data, t.seed) if data.pack_sequences else None
+    if packing is not None and ps.is_logging_rank:
+        warn_if_packing_wasted(packing)  # --packing-window 1; the row fill is in every metrics line
 
     def loader(ds, consumed):
         if packing is not None:

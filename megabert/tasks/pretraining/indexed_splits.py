@@ -2,6 +2,7 @@
 Megatron's indexed data, each a blend when --data-path names several prefixes."""
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Optional, Sequence
@@ -15,6 +16,8 @@ from megabert.tasks.pretraining.indexed_samples import BertDataset, SampleSpec
 from megabert.data.indexed_dataset import IndexedDataset
 from megabert.tasks.pretraining.sample_mapping import DataWarning
 from megabert.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
 
@@ -71,6 +74,11 @@ def _no_sample_error(prefix: str, split: str, doc_range, num_docs: int, config_s
     return DataError(f"{where} yields no sample: all its documents are empty")
 
 
+def _no_documents(split: str, indexed: IndexedDataset, split_id: int) -> bool:
+    lo, hi = split_ranges(split, indexed.num_documents)[split_id]
+    return hi <= lo
+
+
 def _build_one(indexed: IndexedDataset, prefix: str, split_id: int, num_samples: int, data: DataConfig,
                spec: SampleSpec, tokenizer) -> BertDataset:
     split = SPLITS[split_id]
@@ -94,8 +102,11 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
                                     binary_head: bool) -> tuple[Optional[torch.utils.data.Dataset], ...]:
     """The train, valid and test datasets of --data-path, each with at least num_samples[i] samples.
 
-    A split gets None when it is asked for no sample or --split gives it no share; a split
-    that should have samples but yields none is a DataError that says why.
+    A split gets None when it is asked for no sample or --split gives it no share. A held-out
+    split (valid, test) whose share of a small corpus rounds to no document is None too, with one
+    warning, as Megatron builds it (--split 969,30,1 leaves a corpus of fewer than ~700 documents
+    no test document, and pretrain_bert.py reads no test split); the train split, or a split that
+    has documents but yields no sample, is a DataError that says why.
     """
     prefixes, weights = parse_data_path(data.data_path)
     indexed = [IndexedDataset(p) for p in prefixes]
@@ -107,6 +118,13 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
     out = []
     for split_id, n in enumerate(num_samples):
         if not n or fractions[split_id] == 0:
+            out.append(None)
+            continue
+        if split_id > 0 and any(_no_documents(data.split, ds, split_id) for ds in indexed):
+            logger.warning("the %s split of --data-path holds no document (--split %s of %s documents): no %s "
+                           "split%s; give it a larger share of --split to have one", SPLITS[split_id], data.split,
+                           "/".join(str(ds.num_documents) for ds in indexed), SPLITS[split_id],
+                           ", no evaluation" if split_id == 1 else "")
             out.append(None)
             continue
         if len(prefixes) == 1:

@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from megabert.data.text_files import read_utf8
 from megabert.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,10 @@ def read_json(path: str, what: str):
     if not os.path.isfile(path):
         raise DataError(f"{what} {path} does not exist")
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
                         f"expected a {what}") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); expected a {what}") from None
 
 
 def load_squad_json(path: str) -> dict:
@@ -66,7 +64,7 @@ def read_squad_examples(path: str, *, is_training: bool, version_2_with_negative
     whose text is at answer_start in the context; ones that do not are skipped with a
     count (as Google's run_squad does) rather than trained on the wrong span."""
     data = load_squad_json(path)
-    examples, skipped = [], 0
+    examples, skipped, seen = [], 0, set()
     for a, article in enumerate(data["data"]):
         for p, para in enumerate(_items(article, "paragraphs", path, f"article {a}")):
             where = f"article {a}, paragraph {p}"
@@ -74,8 +72,17 @@ def read_squad_examples(path: str, *, is_training: bool, version_2_with_negative
             for q, qa in enumerate(_items(para, "qas", path, where)):
                 qwhere = f"{where}, question {q}"
                 qas_id = str(_field(qa, "id", (str, int), path, qwhere))
+                if qas_id in seen:  # predictions.json is keyed by id: the second would overwrite the first
+                    raise DataError(f"{path}: {qwhere} repeats the id {qas_id!r}; each question needs its own id")
+                seen.add(qas_id)
                 question = _field(qa, "question", str, path, qwhere)
-                impossible = bool(qa.get("is_impossible", False))
+                impossible = qa.get("is_impossible", False)
+                if not isinstance(impossible, bool):  # bool("false") is True
+                    raise DataError(f"{path}: {qwhere} (id {qas_id}) has \"is_impossible\": "
+                                    f"{json.dumps(impossible)}; write true or false")
+                if not isinstance(qa.get("answers", []), list):
+                    raise DataError(f"{path}: {qwhere} (id {qas_id}) has no valid \"answers\" list; not a SQuAD "
+                                    f"v1.1/v2.0 file")
                 answers = []
                 for ans in qa.get("answers") or []:
                     text = _field(ans, "text", str, path, f"{qwhere} (id {qas_id}) answer")
