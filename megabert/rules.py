@@ -118,6 +118,16 @@ def check_optim(optim: OptimConfig) -> None:
         raise ConfigError(f"--min-lr must be in [0, --lr], got {optim.min_lr} with --lr {optim.lr}")
 
 
+def check_steps_past_decay(optim: OptimConfig, train_iters: Optional[int]) -> None:
+    """Steps past --lr-decay-iters run at --min-lr (Megatron's rule): with --min-lr 0 they
+    would be steps at lr 0, which change nothing (megabert.optim.lr_schedules)."""
+    decays = optim.lr_decay_style not in ("constant", "warmup_exp_decay_exp")
+    if decays and optim.min_lr == 0 and optim.lr_decay_iters and train_iters and optim.lr_decay_iters < train_iters:
+        raise ConfigError(f"--lr-decay-iters {optim.lr_decay_iters} < --train-iters {train_iters} with --min-lr 0: "
+                          f"the last {train_iters - optim.lr_decay_iters} steps would run at lr 0; raise "
+                          f"--lr-decay-iters to {train_iters} or give --min-lr a positive value")
+
+
 def check_model(model: ModelConfig) -> None:
     """The architecture's flags among themselves."""
     if model.hidden_size % model.num_attention_heads:
@@ -141,6 +151,7 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
         raise ConfigError(f"--save {train.save} is also --load: fine-tuning reads the pre-trained model from --load "
                           f"and keeps (and resumes) its own run in --save; give --save a directory of its own")
     check_optim(cfg.optim)
+    check_steps_past_decay(cfg.optim, train.train_iters if isinstance(cfg, Configs) else cfg.finetune.train_iters)
     if model is not None:
         check_model(model)
         if model.bf16_residual and not train.bf16:
