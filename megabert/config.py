@@ -181,6 +181,12 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = arg(1, "Pipeline (inter-layer) model parallel size.")
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
         None, "Layers per virtual stage for the interleaved 1F1B schedule.")
+    decoder_first_pipeline_num_layers: Optional[int] = arg(
+        None, "Layers of the first pipeline stage (Megatron's flag; it also holds the embeddings); the stages "
+              "without a count of their own share the rest evenly.")
+    decoder_last_pipeline_num_layers: Optional[int] = arg(
+        None, "Layers of the last pipeline stage (Megatron's flag; it also holds the heads); the stages without a "
+              "count of their own share the rest evenly.")
     distributed_backend: Optional[str] = arg(None, "Process group backend; default nccl on GPU, gloo on CPU.",
                                              choices=(None, "nccl", "gloo"))
     distributed_timeout_minutes: float = arg(10.0, "How long any process group megabert makes waits for a peer: "

@@ -30,7 +30,7 @@ from typing import Optional
 
 from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megabert.errors import ConfigError
-from megabert.parallel.layout import BatchLayout, data_parallel_size
+from megabert.parallel.layout import UNEVEN_FLAGS, BatchLayout, data_parallel_size, stage_layer_counts
 from megabert.parallel.zero import ZeroPlan
 
 # Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
@@ -223,8 +223,10 @@ def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) ->
     return "nsp"
 
 
-def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None) -> None:
-    """The model divides over TP (heads, MLP) and PP (layers, virtual chunks)."""
+def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None,
+                      first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
+    """The model divides over TP (heads, MLP) and PP (layers, virtual chunks; uneven first and
+    last stages by megabert.parallel.layout.stage_layer_counts)."""
     check_model(model)
     if model.num_attention_heads % tp:
         raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
@@ -232,10 +234,11 @@ def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_s
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
-    if model.num_layers % pp:
-        raise ConfigError(f"--num-layers {model.num_layers} is not divisible by "
-                          f"--pipeline-model-parallel-size {pp}")
+    stage_layer_counts(model.num_layers, pp, first_stage_layers, last_stage_layers)
     vpp = layers_per_virtual_stage
+    if vpp is not None and (first_stage_layers is not None or last_stage_layers is not None):
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage (the interleaved schedule) cannot combine with "
+                          f"{UNEVEN_FLAGS}: its chunks are equal; drop one or the other")
     if vpp is not None and pp == 1:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if vpp is not None and (vpp < 1 or (model.num_layers // pp) % vpp):
@@ -250,7 +253,8 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
     The rules are the ones above and megabert.parallel.layout's, not restated here."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     dp = data_parallel_size(world_size, tp, pp)
-    check_model_split(model, tp, pp, parallel.num_layers_per_virtual_pipeline_stage)
+    check_model_split(model, tp, pp, parallel.num_layers_per_virtual_pipeline_stage,
+                      parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers)
     if train is not None:
         BatchLayout.of(train.micro_batch_size, train.global_batch_size, dp)
     return dp

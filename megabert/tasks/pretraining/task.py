@@ -149,7 +149,9 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
     seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
     model_class = ModernBertForMaskedLM if model_cfg.model_family == "modernbert" else BertForPreTraining
     model = model_class(model_cfg, ps, seed=run.train.seed,
-                        num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
+                        num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage,
+                        first_stage_layers=run.parallel.decoder_first_pipeline_num_layers,
+                        last_stage_layers=run.parallel.decoder_last_pipeline_num_layers)
     apply_compile(model, ps, run.train, fixed_shapes=run.data.pack_sequences)
     masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
     train = lambda consumed: pretraining_batches(train_batches(consumed), run, ps.device)  # noqa: E731
