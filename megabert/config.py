@@ -187,6 +187,12 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = arg(1, "Pipeline (inter-layer) model parallel size.")
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
         None, "Layers per virtual stage for the interleaved 1F1B schedule.")
+    decoder_first_pipeline_num_layers: Optional[int] = arg(
+        None, "Layers of the first pipeline stage (Megatron's flag; it also holds the embeddings); the stages "
+              "without a count of their own share the rest evenly.")
+    decoder_last_pipeline_num_layers: Optional[int] = arg(
+        None, "Layers of the last pipeline stage (Megatron's flag; it also holds the heads); the stages without a "
+              "count of their own share the rest evenly.")
     distributed_backend: Optional[str] = arg(None, "Process group backend; default nccl on GPU, gloo on CPU.",
                                              choices=(None, "nccl", "gloo"))
     distributed_timeout_minutes: float = arg(10.0, "How long any process group megabert makes waits for a peer: "
@@ -226,7 +232,13 @@ class DataConfig:
                               choices=("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
                                        "HuggingFaceTokenizer"))
     seq_length: int = arg(128, "Sequence length of a sample.")
-    mask_prob: float = arg(0.15, "Fraction of tokens chosen for masked-LM prediction.")
+    mask_prob: float = arg(0.15, "Fraction of tokens chosen for masked-LM prediction (the family's default: "
+                           "BERT 0.15, ModernBERT 0.3); with --mask-prob-schedule, the rate before its first "
+                           "iteration and of validation samples.")
+    mask_prob_schedule: Optional[str] = arg(None, "Masking rate over training as ITER:P pairs, e.g. "
+                                            "0:0.3,10000:0.15,20000:0.05 (mmBERT's annealing): each P in force from "
+                                            "its iteration on (sample ITER x --global-batch-size on), --mask-prob "
+                                            "before the first.")
     short_seq_prob: float = arg(0.1, "Probability of a sample shorter than --seq-length.")
     whole_word_masking: bool = arg(False, "Mask all WordPieces of a word together.")
     max_predictions_per_seq: Optional[int] = arg(None, "Cap on masked positions per sample; default "
@@ -248,6 +260,7 @@ class DataConfig:
         check_at_least(self, 1, "max_samples_per_row", "packing_window", "max_predictions_per_seq")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
+        mask_prob_points(self.mask_prob_schedule)  # checked here, read where samples are made
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise ConfigError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
         if self.seq_length < 8:
@@ -259,6 +272,36 @@ class DataConfig:
         if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
             raise ConfigError(f"--split must be up to three non-negative numbers with a positive sum, "
                               f"got {self.split!r}")
+
+    @property
+    def highest_mask_prob(self) -> float:
+        """The highest masking rate of the run: what sizes the masked positions a sample or a
+        packed row may hold."""
+        return max([self.mask_prob] + [p for _, p in mask_prob_points(self.mask_prob_schedule)])
+
+
+def mask_prob_points(schedule: Optional[str]) -> tuple[tuple[int, float], ...]:
+    """--mask-prob-schedule "0:0.3,10000:0.15" -> ((0, 0.3), (10000, 0.15)); None -> ()."""
+    if schedule is None:
+        return ()
+    points = []
+    for item in schedule.split(","):
+        it, sep, p = item.strip().partition(":")
+        try:
+            point = (int(it), float(p))
+        except ValueError:
+            point = None
+        if not sep or point is None:
+            raise ConfigError(f"--mask-prob-schedule {schedule!r}: {item.strip()!r} is not ITER:P; give "
+                              f"comma-separated pairs such as 0:0.3,10000:0.15")
+        if point[0] < 0 or not 0.0 < point[1] < 1.0:
+            raise ConfigError(f"--mask-prob-schedule {schedule!r}: {item.strip()!r} needs an iteration >= 0 and a "
+                              f"rate in (0, 1)")
+        if points and point[0] <= points[-1][0]:
+            raise ConfigError(f"--mask-prob-schedule {schedule!r}: iteration {point[0]} comes after "
+                              f"{points[-1][0]}; list the iterations in increasing order, each once")
+        points.append(point)
+    return tuple(points)
 
 
 @dataclass(kw_only=True)

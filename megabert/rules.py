@@ -31,7 +31,7 @@ from typing import Optional
 from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
-from megabert.parallel.layout import BatchLayout, data_parallel_size
+from megabert.parallel.layout import UNEVEN_FLAGS, BatchLayout, data_parallel_size, stage_layer_counts
 
 # Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
 # submodule, so what compiles is a dozen fragments per layer and recompilations past
@@ -118,6 +118,16 @@ def check_optim(optim: OptimConfig) -> None:
         raise ConfigError(f"--min-lr must be in [0, --lr], got {optim.min_lr} with --lr {optim.lr}")
 
 
+def check_steps_past_decay(optim: OptimConfig, train_iters: Optional[int]) -> None:
+    """Steps past --lr-decay-iters run at --min-lr (Megatron's rule): with --min-lr 0 they
+    would be steps at lr 0, which change nothing (megabert.optim.lr_schedules)."""
+    decays = optim.lr_decay_style not in ("constant", "warmup_exp_decay_exp")
+    if decays and optim.min_lr == 0 and optim.lr_decay_iters and train_iters and optim.lr_decay_iters < train_iters:
+        raise ConfigError(f"--lr-decay-iters {optim.lr_decay_iters} < --train-iters {train_iters} with --min-lr 0: "
+                          f"the last {train_iters - optim.lr_decay_iters} steps would run at lr 0; raise "
+                          f"--lr-decay-iters to {train_iters} or give --min-lr a positive value")
+
+
 def check_model(model: ModelConfig) -> None:
     """The architecture's flags among themselves."""
     if model.hidden_size % model.num_attention_heads:
@@ -141,6 +151,7 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
         raise ConfigError(f"--save {train.save} is also --load: fine-tuning reads the pre-trained model from --load "
                           f"and keeps (and resumes) its own run in --save; give --save a directory of its own")
     check_optim(cfg.optim)
+    check_steps_past_decay(cfg.optim, train.train_iters if isinstance(cfg, Configs) else cfg.finetune.train_iters)
     if model is not None:
         check_model(model)
         if model.bf16_residual and not train.bf16:
@@ -212,8 +223,10 @@ def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) ->
     return "nsp"
 
 
-def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None) -> None:
-    """The model divides over TP (heads, MLP) and PP (layers, virtual chunks)."""
+def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None,
+                      first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
+    """The model divides over TP (heads, MLP) and PP (layers, virtual chunks; uneven first and
+    last stages by megabert.parallel.layout.stage_layer_counts)."""
     check_model(model)
     if model.num_attention_heads % tp:
         raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
@@ -221,10 +234,11 @@ def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_s
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
-    if model.num_layers % pp:
-        raise ConfigError(f"--num-layers {model.num_layers} is not divisible by "
-                          f"--pipeline-model-parallel-size {pp}")
+    stage_layer_counts(model.num_layers, pp, first_stage_layers, last_stage_layers)
     vpp = layers_per_virtual_stage
+    if vpp is not None and (first_stage_layers is not None or last_stage_layers is not None):
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage (the interleaved schedule) cannot combine with "
+                          f"{UNEVEN_FLAGS}: its chunks are equal; drop one or the other")
     if vpp is not None and pp == 1:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if vpp is not None and (vpp < 1 or (model.num_layers // pp) % vpp):
@@ -239,7 +253,8 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
     The rules are the ones above and megabert.parallel.layout's, not restated here."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     dp = data_parallel_size(world_size, tp, pp)
-    check_model_split(model, tp, pp, parallel.num_layers_per_virtual_pipeline_stage)
+    check_model_split(model, tp, pp, parallel.num_layers_per_virtual_pipeline_stage,
+                      parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers)
     if train is not None:
         BatchLayout.of(train.micro_batch_size, train.global_batch_size, dp)
     return dp

@@ -65,9 +65,12 @@ def test_a_parameter_without_a_spec_is_named():
 
 @pytest.mark.parametrize("style", ["linear", "cosine", "polynomial", "constant"])
 def test_schedules(style):
-    s = LRSchedule(OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style=style), train_iters=110)
+    # The decay reaches --min-lr one step past the last (iteration 110 of a 109-step run):
+    # no step runs at --min-lr (docs/recipes.md).
+    s = LRSchedule(OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style=style), train_iters=109)
     assert s(5) == pytest.approx(0.5) and s(10) == pytest.approx(1.0)
     assert s(110) == pytest.approx(1.0 if style == "constant" else 0.1)
+    assert (s(109) == pytest.approx(1.0)) if style == "constant" else (s(109) > 0.1)
     if style == "cosine":
         assert s(60) == pytest.approx(0.55)
     if style == "polynomial":
@@ -77,12 +80,12 @@ def test_schedules(style):
 @pytest.mark.parametrize("style,mid", [("linear", 0.55), ("cosine", 0.55), ("minus_sqrt", 1.0 - 0.9 * math.sqrt(0.5)),
                                        ("exponential", 0.1 + 0.9 * (2 * 0.5 ** 0.5 - 1))])
 def test_wsd(style, mid):
-    """Megatron's WSD: warmup to --lr, flat until the last 40 of 110 iterations, then down to
-    --min-lr (at 90 the anneal is half done)."""
-    s = LRSchedule(OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style="WSD", lr_wsd_decay_iters=40,
-                               lr_wsd_decay_style=style), train_iters=110)
+    """Megatron's WSD: warmup to --lr, flat until the last 39 of 109 iterations, then down to
+    --min-lr at iteration 110, one past the last step (at 90 the anneal is half done)."""
+    s = LRSchedule(OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style="WSD", lr_wsd_decay_iters=39,
+                               lr_wsd_decay_style=style), train_iters=109)
     assert s(5) == pytest.approx(0.5) and s(10) == s(40) == s(70) == pytest.approx(1.0)
-    assert s(90) == pytest.approx(mid) and s(110) == pytest.approx(0.1) and s(71) < 1.0
+    assert s(90) == pytest.approx(mid) and s(110) == pytest.approx(0.1) and s(71) < 1.0 and s(109) > 0.1
     with pytest.raises(megabert.ConfigError, match="--lr-wsd-decay-iters"):
         OptimConfig(lr_decay_style="WSD")
 

@@ -117,10 +117,11 @@ def test_build_optimizer_follows_the_recipe_flags():
 
 def test_warmup_starts_from_lr_warmup_init():
     s = LRSchedule(OptimConfig(lr=1.0, lr_warmup_init=0.2, lr_warmup_iters=10, lr_decay_style="linear",
-                               min_lr=0.1), train_iters=110)
-    # 0.2 + 0.8 * it / 10 over the warmup, then Megatron's decay from --lr to --min-lr.
+                               min_lr=0.1), train_iters=109)
+    # 0.2 + 0.8 * it / 10 over the warmup, then Megatron's decay from --lr to --min-lr, reached
+    # one step past the last.
     assert [s(it) for it in (1, 5, 10)] == pytest.approx([0.28, 0.6, 1.0])
-    assert s(60) == pytest.approx(0.55) and s(110) == pytest.approx(0.1)
+    assert s(60) == pytest.approx(0.55) and s(110) == pytest.approx(0.1) and s(109) > 0.1
 
 
 def test_warmup_exp_decay_exp_keeps_bing_berts_offset():

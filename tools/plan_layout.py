@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--tensor-model-parallel-size", type=int, default=1)
     lay.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     lay.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    lay.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                     help="layers of the first pipeline stage (uneven stages; the others share the rest evenly)")
+    lay.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                     help="layers of the last pipeline stage (uneven stages; the others share the rest evenly)")
     lay.add_argument("--data-parallel-size", type=int, default=1)
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--zero-stage", type=int, default=0, help="0: megabert's trainer; 1-3: DeepSpeed ZeRO")
@@ -152,7 +156,9 @@ def layout_from_args(args, model: ModelConfig) -> Layout:
                   sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
                   offload_optimizer=args.zero_offload_optimizer == "cpu",
                   offload_params=args.zero_offload_params == "cpu",
-                  distributed_optimizer=args.use_distributed_optimizer)
+                  distributed_optimizer=args.use_distributed_optimizer,
+                  first_stage_layers=args.decoder_first_pipeline_num_layers,
+                  last_stage_layers=args.decoder_last_pipeline_num_layers)
 
 
 def describe(model: ModelConfig, run: Workload) -> str:

@@ -86,7 +86,7 @@ def read_rank(source: Union[Source, str], *, tp_rank: int, tp_size: int, stage: 
     layout = saved_layout(resolve_checkpoint_dir(path))
     if (layout.tp_size, layout.pp_size) == (tp_size, stage.pp_size):
         payload = load_file(layout.files[(tp_rank, stage.pp_rank)])
-        if saved_virtual_stage_layers(payload) == stage.virtual_stage_layers:
+        if saved_virtual_stage_layers(payload) == stage.virtual_stage_layers and _same_layers(payload, stage):
             return RankCheckpoint(payload, saved_tp=layout.tp_size, saved_pp=layout.pp_size)
     # Mapped, not read: the pages of the tensors this rank does not take are never loaded.
     files = {k: load_file(f, mmap=True) for k, f in layout.files.items()}
@@ -164,7 +164,9 @@ def _reshard(grid: list[list[dict]], tp_rank: int, tp_size: int, stage: StageLay
     first = grid[0][0]
     cfg = ModelConfig(**first["model_config"])
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=stage.pp_size,
-                                        num_layers_per_virtual_pipeline_stage=stage.virtual_stage_layers),
+                                        num_layers_per_virtual_pipeline_stage=stage.virtual_stage_layers,
+                                        decoder_first_pipeline_num_layers=stage.first_stage_layers,
+                                        decoder_last_pipeline_num_layers=stage.last_stage_layers),
                     tp_size * stage.pp_size)
     table = checkpoint_table([r for row in grid for r in row], cfg)
     wanted = {name for name, spec in table.items() if stage.holds(spec)}
@@ -182,6 +184,16 @@ def _reshard(grid: list[list[dict]], tp_rank: int, tp_size: int, stage: StageLay
     return {**rest, "model": model, "optimizer": moments, "rng": None,
             "param_specs": table_to_dict({k: table[k] for k in model}),
             "parallel": parallel_meta(tp_size, stage.pp_size, stage.virtual_stage_layers)}
+
+
+def _same_layers(payload: dict, stage: StageLayout) -> bool:
+    """Whether a rank file saved at this TP x PP holds the layers `stage` holds: uneven stages
+    (--decoder-first/last-pipeline-num-layers) split the same PP size differently. A file
+    without its spec table was saved before uneven stages existed: an even split."""
+    specs = payload.get("param_specs")
+    if specs is None:
+        return stage.first_stage_layers is None and stage.last_stage_layers is None
+    return {s["layer"] for s in specs.values() if s.get("layer") is not None} == set(stage.layer_ids)
 
 
 def _copied(value):

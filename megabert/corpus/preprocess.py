@@ -123,6 +123,11 @@ class Encoder:
         """Tokenizes documents and packs them as (token bytes, sentence lengths, sentences per doc)."""
         if self.opts.split_sentences:
             per_doc = [split_sentences(t) for t in texts]
+            if self.tokenizer.byte_level:
+                # A byte-level BPE spells the space before a word into the word's token ("Ġthe"):
+                # each sentence after a document's first keeps one, or the document would read
+                # "end.The" when its sentences are joined into samples.
+                per_doc = [[s if i == 0 else " " + s for i, s in enumerate(doc)] for doc in per_doc]
             sentences = list(itertools.chain.from_iterable(per_doc))
             counts = np.fromiter(map(len, per_doc), np.int64, len(per_doc))
         else:

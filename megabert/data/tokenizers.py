@@ -108,6 +108,10 @@ class Tokenizer:
     def special_ids(self) -> list[int]:
         return sorted({v for v in self._special.values() if v is not None})
 
+    # Whether a space is part of the next token (byte-level BPE's "Ġ"): text cut into pieces
+    # must then keep the space in front of each piece (megabert.corpus.preprocess).
+    byte_level = False
+
     def tokenize(self, text: str) -> list[int]:
         raise NotImplementedError
 
@@ -382,6 +386,10 @@ class HuggingFaceTokenizer(_RustTokenizer):
         self._metaspace = _has_component(spec, "Metaspace")
         self._added = sorted(t["id"] for t in spec.get("added_tokens") or [] if t.get("special"))
         self._set_backend(backend)
+
+    @property
+    def byte_level(self) -> bool:
+        return self._byte_level
 
     def _continues_word(self, token: str) -> bool:
         if self._prefix:  # WordPiece: "##" marks a continuation

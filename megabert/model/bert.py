@@ -167,7 +167,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32, device=None,
-                 num_layers_per_virtual_stage: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
+                 num_layers_per_virtual_stage: Optional[int] = None, first_stage_layers: Optional[int] = None,
+                 last_stage_layers: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
         super().__init__()
         ps = parallel_state or get_parallel_state()
         if config.model_family != "bert" and self.backbone_class is BertBackbone:
@@ -177,9 +178,11 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
                               f"ModernBertForTokenClassification)")
         # The model's own door (the Python API builds it without a resolved run): its shape
         # must split over this rank grid.
-        check_model_split(config, ps.tp_size, ps.pp_size, num_layers_per_virtual_stage)
+        check_model_split(config, ps.tp_size, ps.pp_size, num_layers_per_virtual_stage, first_stage_layers,
+                          last_stage_layers)
         self.config, self.parallel_state, self.seed = config, ps, seed
-        self.stage = StageLayout(config.num_layers, ps.pp_size, ps.pp_rank, num_layers_per_virtual_stage)
+        self.stage = StageLayout(config.num_layers, ps.pp_size, ps.pp_rank, num_layers_per_virtual_stage,
+                                 first_stage_layers, last_stage_layers)
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.ctx = build_context(config, ps, seed, params_dtype, device)
         self.bert = self.backbone_class(self.ctx, self.stage, self.padded_vocab_size, add_pooler=add_pooler,

@@ -38,7 +38,8 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls, path: Union[str, Source], parallel_state: Optional[ParallelState] = None, *, seed: int = 1234,
                         device=None, params_dtype: torch.dtype = torch.float32,
-                        num_layers_per_virtual_stage: Optional[int] = None, **config_overrides):
+                        num_layers_per_virtual_stage: Optional[int] = None, first_stage_layers: Optional[int] = None,
+                        last_stage_layers: Optional[int] = None, **config_overrides):
         """Loads a Hugging Face BERT directory (config.json + safetensors or pytorch_model.bin),
         a Google TF BERT directory (bert_config.json + bert_model.ckpt.*), or a megabert
         checkpoint of any TP x PP layout; each rank reads and keeps only its own shard. `config_overrides` replace ModelConfig fields (e.g.
@@ -48,7 +49,8 @@ class PretrainedMixin:
         ps = parallel_state or get_parallel_state()
         source = as_source(path)
         model = cls(_library_config(read_model_config(source, config_overrides), config_overrides), ps, seed=seed,
-                    device=device, params_dtype=params_dtype, num_layers_per_virtual_stage=num_layers_per_virtual_stage)
+                    device=device, params_dtype=params_dtype, num_layers_per_virtual_stage=num_layers_per_virtual_stage,
+                    first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
         model.load_local_state_dict(model.read_checkpoint(source, optimizer=False).payload["model"],
                                     source=source.path)
         return model

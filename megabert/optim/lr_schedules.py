@@ -6,6 +6,12 @@ run needs only the iteration to continue exactly.
 
 Warmup starts from lr_warmup_init (Megatron's --lr-warmup-init, default 0):
     lr(it) = init + (lr - init) * it / warmup_iters          for it <= warmup_iters
+No optimizer step runs at lr 0 (issue 51): the warm-up's ramp starts one step before the
+first (it = 0 is never taken) and the decay's ramp ends one step after the last of
+--lr-decay-iters (at it = decay_iters + 1, never taken), so the first step is above the
+warm-up's start, the last above --min-lr, and each step has a lr of its own (the warm-up's
+last step is the only one at the peak). transformers and Megatron take lr(step - 1) instead,
+spending their first step at 0 (or the last one at --min-lr, as we did before). docs/recipes.md.
 warmup_exp_decay_exp keeps init as bing_bert keeps its --lr_offset, added to the whole
 curve: lr(it) = init + (lr - init) * f(it), f rising as (it / warmup)^2, then decaying."""
 from __future__ import annotations
@@ -23,6 +29,10 @@ class LRSchedule:
             self.warmup_iters = int(cfg.lr_warmup_fraction * self.decay_iters)
         else:
             self.warmup_iters = cfg.lr_warmup_iters
+        # The decay runs from the peak at `decay_start` (the warm-up's last step; with no
+        # warm-up, the first step) to --min-lr at `decay_end`, one step past the last one.
+        self.decay_start = max(self.warmup_iters, 1)
+        self.decay_end = self.decay_iters + 1
 
     def __call__(self, iteration: int) -> float:
         """LR for the optimizer step that completes `iteration` (1-based)."""
@@ -35,7 +45,7 @@ class LRSchedule:
             if it < self.warmup_iters:
                 shape = (it / self.warmup_iters) ** 2
             else:
-                shape = c.lr_exp_decay_rate ** ((it - self.warmup_iters) / c.lr_exp_decay_iters)
+                shape = c.lr_exp_decay_rate ** ((it - self.decay_start) / c.lr_exp_decay_iters)
             return max(c.min_lr, c.lr_warmup_init + (c.lr - c.lr_warmup_init) * shape)
         if self.warmup_iters > 0 and it <= self.warmup_iters:
             return c.lr_warmup_init + (c.lr - c.lr_warmup_init) * it / self.warmup_iters
@@ -43,7 +53,7 @@ class LRSchedule:
             return c.lr
         if it > self.decay_iters:
             return c.min_lr
-        ratio = (it - self.warmup_iters) / max(self.decay_iters - self.warmup_iters, 1)
+        ratio = (it - self.decay_start) / (self.decay_end - self.decay_start)
         if c.lr_decay_style == "WSD":
             coeff = self._wsd_coeff(it)
         elif c.lr_decay_style == "linear":
@@ -59,12 +69,13 @@ class LRSchedule:
     def _wsd_coeff(self, it: int) -> float:
         """Megatron's WSD: 1 until the anneal starts (--lr-wsd-decay-iters before the end of
         the decay), then the decay style over the anneal's fraction done (exponential goes
-        as 2 * 0.5^t - 1, so every style reaches 0 at t = 1)."""
+        as 2 * 0.5^t - 1, so every style reaches 0 at t = 1, which is `decay_end`, one step
+        past the last)."""
         c = self.cfg
         anneal_start = self.decay_iters - c.lr_wsd_decay_iters
         if it <= anneal_start:
             return 1.0
-        t = (it - anneal_start) / c.lr_wsd_decay_iters
+        t = (it - anneal_start) / (self.decay_end - anneal_start)
         if c.lr_wsd_decay_style == "linear":
             return 1.0 - t
         if c.lr_wsd_decay_style == "cosine":

@@ -96,8 +96,7 @@ def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, re
 def stage_layer_ids(model: ModelConfig, layout: Layout, stage: int) -> list[int]:
     """The layers one rank of pipeline stage `stage` holds (interleaved: chunk c holds the
     (c x pp + stage)-th run of layers/(pp x V) layers, as megabert.parallel.layout splits them)."""
-    per_chunk = model.num_layers // (layout.pp * layout.virtual_stages)
-    return [(c * layout.pp + stage) * per_chunk + i for c in range(layout.virtual_stages) for i in range(per_chunk)]
+    return layout.stage(model, stage).layer_ids
 
 
 def stage_layers_bytes(model: ModelConfig, run: Workload, layout: Layout, stage: int, recompute: str) -> float:

@@ -109,7 +109,7 @@ def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -
     s, b, h = run.seq_length, run.micro_batch_size, model.hidden_size
     act = s * b * h * e  # one [s, b, h] activation
 
-    layers = model.num_layers // pp
+    layers = len(layout.stage(model, stage).layer_ids)
     per_layer = 4 + (2 if run.recompute == "full" else 0)
     collectives = layers * per_layer
     if stage == 0:
@@ -134,7 +134,7 @@ def _stage_comm(model: ModelConfig, run: Workload, layout: Layout, stage: int) -
         sends = 2 * v - (stage == 0) - (stage == pp - 1)
         pp_bytes = m * sends * boundary
 
-    sp = stage_params(model, tp, pp, stage)
+    sp = stage_params(model, tp, pp, stage, layers)
     P = sp.total
     p = 2.0 if (layout.zero_stage and run.precision != "fp32") else 4.0  # DeepSpeed's 16-bit params/grads
     if layout.zero_stage == 0:

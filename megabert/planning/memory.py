@@ -201,7 +201,7 @@ def _model_states(sp: StageParams, model: ModelConfig, run: Workload, layout: La
 def estimate_stage(model: ModelConfig, run: Workload, layout: Layout, stage: int) -> MemoryEstimate:
     """The estimate for one rank of pipeline stage `stage`."""
     layout.check_model(model)
-    sp = stage_params(model, layout.tp, layout.pp, stage)
+    sp = stage_params(model, layout.tp, layout.pp, stage, len(layout.stage(model, stage).layer_ids))
     states = _model_states(sp, model, run, layout)
     activations = stage_activation_bytes(model, run, layout, stage)
     overhead = (run.overhead_gb if run.overhead_gb is not None else FRAMEWORK_OVERHEAD_GB[run.device]

@@ -7,6 +7,7 @@ The unit tests hold these counts equal to `sum(p.numel())` of the real modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megabert.config import ModelConfig
 
@@ -94,10 +95,11 @@ def head_tensors(model: ModelConfig, tp: int) -> list[int]:
     return out
 
 
-def stage_params(model: ModelConfig, tp: int, pp: int, stage: int) -> StageParams:
-    """What one TP rank of pipeline stage `stage` holds. Layers split evenly over stages (with
-    interleaving a rank holds several chunks, but the same number of layers)."""
-    per_stage = model.num_layers // pp
+def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, layers: Optional[int] = None) -> StageParams:
+    """What one TP rank of pipeline stage `stage` holds: `layers` layers (default an even share;
+    with interleaving a rank holds several chunks, but the same number of layers; uneven stages
+    pass their own, Layout.stage)."""
+    per_stage = model.num_layers // pp if layers is None else layers
     # Which layers a rank holds does not change their count; only ModernBERT's layer 0
     # (on stage 0, in its first chunk when interleaved) differs from the others.
     tensors = [n for i in range(per_stage) for n in layer_tensors(model, tp, i if stage == 0 else 1)]

@@ -58,7 +58,9 @@ def run_and_layout(run: "ResolvedRun", device: str = "cuda") -> tuple[Workload, 
     layout = Layout(tp=p.tensor_model_parallel_size, pp=pp, dp=run.dp_size, virtual_stages=virtual,
                     sequence_parallel=m.sequence_parallel and p.tensor_model_parallel_size > 1,
                     zero_stage=run.zero.stage, offload_optimizer=run.zero.offload_optimizer,
-                    offload_params=run.zero.offload_params, distributed_optimizer=p.use_distributed_optimizer)
+                    offload_params=run.zero.offload_params, distributed_optimizer=p.use_distributed_optimizer,
+                    first_stage_layers=p.decoder_first_pipeline_num_layers,
+                    last_stage_layers=p.decoder_last_pipeline_num_layers)
     return work, layout
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 from megabert.config import ModelConfig
 from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
+from megabert.parallel.layout import StageLayout
 from megabert.rules import check_distributed_optimizer, check_model_split, check_sequence_parallel, check_zero
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -111,6 +112,10 @@ class Layout:
     distributed_optimizer: bool = False
     """--use-distributed-optimizer (zero_stage 0 only): megabert's own trainer with the
     AdamW/LAMB moments sharded over DP, gradients reduce-scattered, parameters all-gathered."""
+    first_stage_layers: Optional[int] = None
+    """--decoder-first-pipeline-num-layers (uneven stages; the others share the rest)."""
+    last_stage_layers: Optional[int] = None
+    """--decoder-last-pipeline-num-layers."""
 
     def __post_init__(self):
         for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
@@ -141,7 +146,13 @@ class Layout:
         if per_chunk is not None and model.num_layers % (self.pp * self.virtual_stages):
             raise ConfigError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
                               f"{self.pp} x {self.virtual_stages} virtual stages")
-        check_model_split(model, self.tp, self.pp, per_chunk)
+        check_model_split(model, self.tp, self.pp, per_chunk, self.first_stage_layers, self.last_stage_layers)
+
+    def stage(self, model: ModelConfig, stage: int) -> StageLayout:
+        """Pipeline stage `stage`'s layers, as megabert.parallel.layout splits them for a run."""
+        per_chunk = model.num_layers // (self.pp * self.virtual_stages) if self.virtual_stages > 1 else None
+        return StageLayout(model.num_layers, self.pp, stage, per_chunk, self.first_stage_layers,
+                           self.last_stage_layers)
 
     def flags(self, model: Optional[ModelConfig] = None) -> str:
         """The pretrain_bert.py flags of this layout (launch world_size processes)."""
@@ -149,6 +160,10 @@ class Layout:
         if self.virtual_stages > 1 and model is not None:
             per_chunk = model.num_layers // (self.pp * self.virtual_stages)
             parts.append(f"--num-layers-per-virtual-pipeline-stage {per_chunk}")
+        if self.first_stage_layers is not None:
+            parts.append(f"--decoder-first-pipeline-num-layers {self.first_stage_layers}")
+        if self.last_stage_layers is not None:
+            parts.append(f"--decoder-last-pipeline-num-layers {self.last_stage_layers}")
         if self.sequence_parallel:
             parts.append("--sequence-parallel")
         if self.zero_stage:

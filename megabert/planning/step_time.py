@@ -143,7 +143,8 @@ def step_time(model: ModelConfig, run: Workload, layout: Layout, links: Links, c
     if layout.distributed_optimizer and layout.dp > 1:
         # Reduce-scatter (half the ring's bytes) in the last micro-batch's backward, the
         # parameters' all-gather (the other half) in the first micro-batch's forward.
-        params = max(stage_params(model, layout.tp, layout.pp, k).total for k in range(layout.pp))
+        params = max(stage_params(model, layout.tp, layout.pp, k, len(layout.stage(model, k).layer_ids)).total
+                     for k in range(layout.pp))
         per_micro = compute_s * (1.0 - bubble(layout, m)) / m
         buckets = math.ceil(params / bucket_elements)
         exposed += dp_exposed(dp_s / 2, BACKWARD_SHARE * per_micro, buckets)
@@ -152,7 +153,8 @@ def step_time(model: ModelConfig, run: Workload, layout: Layout, links: Links, c
     elif run.overlap_grad_reduce and layout.zero_stage == 0 and layout.dp > 1:
         # The busiest stage's parameters, in buckets of bucket_elements; the window is the
         # last micro-batch's backward on that stage.
-        params = max(stage_params(model, layout.tp, layout.pp, k).total for k in range(layout.pp))
+        params = max(stage_params(model, layout.tp, layout.pp, k, len(layout.stage(model, k).layer_ids)).total
+                     for k in range(layout.pp))
         per_micro = compute_s * (1.0 - bubble(layout, m)) / m
         exposed += dp_exposed(dp_s, BACKWARD_SHARE * per_micro, math.ceil(params / bucket_elements))
     else:

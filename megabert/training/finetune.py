@@ -211,7 +211,9 @@ def load_task_model(model_class: type, cfg: FinetuneConfigs, pretrained: Source,
     config_overrides.setdefault("recompute_granularity", cfg.finetune.recompute_granularity)
     model = model_class.from_pretrained(
         pretrained, ps, seed=cfg.train.seed,
-        num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage, **config_overrides)
+        num_layers_per_virtual_stage=cfg.parallel.num_layers_per_virtual_pipeline_stage,
+        first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
+        last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, **config_overrides)
     if cfg.finetune.max_seq_length > model.config.max_position_embeddings:
         raise ConfigError(f"--max-seq-length {cfg.finetune.max_seq_length} exceeds the model's "
                           f"{model.config.max_position_embeddings} position embeddings ({cfg.train.load})")

@@ -114,7 +114,8 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
         model = cfg.model
         check_seq_length(cfg.data.seq_length, model)
     check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-                      cfg.parallel.num_layers_per_virtual_pipeline_stage)
+                      cfg.parallel.num_layers_per_virtual_pipeline_stage, cfg.parallel.decoder_first_pipeline_num_layers,
+                      cfg.parallel.decoder_last_pipeline_num_layers)
     batch = BatchLayout.of(cfg.train.micro_batch_size, cfg.train.global_batch_size, ps.dp_size)
     optim, train, ds_config, zero = cfg.optim, cfg.train, None, ZeroPlan()
     if cfg.train.deepspeed:

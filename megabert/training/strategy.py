@@ -63,6 +63,9 @@ class TrainingTask:
     # them. The step's loss is then the global batch's mean however its items are grouped.
     loss_counts: Optional[Callable[[dict], torch.Tensor]] = None
     global_loss: Optional[Callable[[Any, torch.Tensor], tuple[torch.Tensor, Metrics]]] = None
+    # Fields of a logged metrics line that follow from the data position alone (pre-training's
+    # mask_prob): `log_fields(consumed_samples)`, consumed_samples counted after the step.
+    log_fields: Optional[Callable[[int], dict]] = None
 
     def __post_init__(self):
         if (self.loss_counts is None) != (self.global_loss is None):

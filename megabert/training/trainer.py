@@ -77,6 +77,9 @@ class Trainer:
                 logging_step = it % self.cfg.log_interval == 0 or it == self.cfg.train_iters
                 if logging_step:
                     metrics = self.flush_metrics()  # the interval's one wait for the device
+                    log_fields = self.strategy.runner.task.log_fields
+                    if log_fields is not None:
+                        metrics.update(log_fields(self.state.consumed_samples))
                     now = time.perf_counter()
                     metrics.update(self._throughput((now - last_log_time) / (it - last_log_iter),
                                                     since_log if packed is not None else None, it - last_log_iter))

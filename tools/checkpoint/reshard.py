@@ -2,6 +2,8 @@
 
     reshard.py --load ckpt_tp2/ --save ckpt_tp4/ --tensor-model-parallel-size 4
     reshard.py --load ckpt_tp2/ --save ckpt_pp2/ --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2
+    reshard.py --load ckpt/ --save ckpt_pp2/ --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 \
+        --decoder-first-pipeline-num-layers 2      (5 layers: 2 on the first stage, 3 on the last)
 
 `pretrain_bert.py --load ckpt_tp4/` then continues the run at the new layout.
 """
@@ -30,6 +32,10 @@ def main(argv=None) -> None:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="chunk size of the interleaved schedule the new checkpoint will train with")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage (uneven stages; the others share the rest evenly)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage (uneven stages; the others share the rest evenly)")
     args = p.parse_args(argv)
     if os.path.abspath(args.load) == os.path.abspath(args.save):
         raise ConfigError("--save must differ from --load: resharding writes a new checkpoint")
@@ -45,7 +51,8 @@ def main(argv=None) -> None:
     external = source.format is Format.MEGATRON
     # One new rank at a time, as the ranks of a run at the new layout would read it.
     for p in range(pp):
-        stage = StageLayout(num_layers, pp, p, args.num_layers_per_virtual_pipeline_stage)
+        stage = StageLayout(num_layers, pp, p, args.num_layers_per_virtual_pipeline_stage,
+                            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
         for t in range(tp):
             # A Megatron directory's moments continue through --load itself (under the run's own
             # param groups); convert_megatron.py import is its conversion, weights only.

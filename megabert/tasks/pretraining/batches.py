@@ -10,11 +10,12 @@ from typing import Callable, Iterable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
 from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches, warn_if_packing_wasted
-from megabert.data.shard_sources import detect_nvidia_data
+from megabert.data.shard_sources import HDF5, detect_nvidia_data
 from megabert.config import DataConfig
-from megabert.errors import DataError
+from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState
 from megabert.tasks.pretraining.indexed_splits import build_train_valid_test_datasets
+from megabert.tasks.pretraining.masking import MaskRates, ScheduledMasking
 from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
 from megabert.training.resolve import ResolvedRun
 
@@ -44,6 +45,12 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
     else:
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
                                                                 run.model.bert_binary_head)
+    if data.mask_prob_schedule is not None:
+        if nvidia is not None and nvidia.format == HDF5:
+            raise ConfigError(f"--mask-prob-schedule cannot change the masks of --data-path's {HDF5} shards, which "
+                              f"are stored masked; drop the flag or train on Megatron indexed data or LDDL shards")
+        # Validation keeps --mask-prob, so its losses compare across the schedule.
+        train_ds = ScheduledMasking(train_ds, MaskRates.of(data, global_batch))
     source = " ".join(data.data_path)
 
     packing = packing_spec(data, t.seed) if data.pack_sequences else None

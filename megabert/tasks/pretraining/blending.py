@@ -27,6 +27,10 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict:
         return self.datasets[int(self.dataset_index[idx])][int(self.sample_index[idx])]
 
+    def masked_sample(self, idx: int, mask_prob: float) -> dict:
+        """Sample idx of the blend masked at `mask_prob` (the rate of idx, not of the component's index)."""
+        return self.datasets[int(self.dataset_index[idx])].masked_sample(int(self.sample_index[idx]), mask_prob)
+
     def sample_error(self, idx: int, error: Exception):
         """The component's account of a sample it could not read (megabert.data.sample_errors)."""
         part = self.datasets[int(self.dataset_index[idx])]

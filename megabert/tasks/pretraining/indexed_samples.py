@@ -73,7 +73,6 @@ class BertDataset(torch.utils.data.Dataset):
         if spec.task not in ("sop", "nsp"):
             raise ConfigError(f"--binary-head-task must be sop or nsp, got {spec.task!r}")
         self.tokens = TokenTable(tokenizer, spec.whole_word_masking)
-        self.max_predictions = spec.max_predictions or max(1, int(round(spec.mask_prob * spec.seq_length)))
         self.mapping, self.stats = get_mapping(
             indexed, doc_range, num_samples, spec.max_tokens, spec.short_seq_prob, spec.seed,
             min_num_sent=2 if spec.binary_head else 1, name=split, cache_dir=cache_dir)
@@ -98,6 +97,11 @@ class BertDataset(torch.utils.data.Dataset):
         return self.indexed.tokens(start, min(end, hi)).astype(np.int64)
 
     def __getitem__(self, idx: int) -> dict:
+        return self.masked_sample(idx, self.spec.mask_prob)
+
+    def masked_sample(self, idx: int, mask_prob: float) -> dict:
+        """Sample idx, `mask_prob` of its tokens chosen for prediction (megabert.tasks.pretraining
+        .masking.ScheduledMasking gives each training sample the rate of its iteration)."""
         spec = self.spec
         first, end, target = (int(x) for x in self.mapping[idx])
         rng = np.random.default_rng([spec.seed, SPLIT_IDS.get(self.split, 3), int(idx)])
@@ -119,7 +123,7 @@ class BertDataset(torch.utils.data.Dataset):
         else:
             a = self.indexed.tokens(first, end).astype(np.int64)
             a, b = truncate_pair(a, a[:0], target, rng)
-        return self._frame(a, b, label, rng)
+        return self._frame(a, b, label, rng, mask_prob)
 
     def sample_error(self, idx: int, error: Exception) -> DataError:
         """What failed when sample idx could not be read (megabert.data.sample_errors): the index
@@ -130,7 +134,7 @@ class BertDataset(torch.utils.data.Dataset):
                          f"cannot be read ({cause(error)}): the files are damaged or not a Megatron .bin/.idx pair; "
                          f"make them again with tools/preprocess_data.py")
 
-    def _frame(self, a: np.ndarray, b: np.ndarray, label: int, rng: np.random.Generator) -> dict:
+    def _frame(self, a: np.ndarray, b: np.ndarray, label: int, rng: np.random.Generator, mask_prob: float) -> dict:
         """[CLS] A [SEP] (B [SEP]), masked and padded."""
         spec, tok = self.spec, self.tokens
         seq = spec.seq_length
@@ -150,8 +154,9 @@ class BertDataset(torch.utils.data.Dataset):
             maskable[2 + n_a:2 + n_a + n_b] = True
         attention_mask = np.zeros(seq, dtype=np.int64)
         attention_mask[:used] = 1
-        input_ids, labels = mask_tokens(input_ids, maskable, rng, mask_prob=spec.mask_prob,
-                                        max_predictions=self.max_predictions, mask_id=tok.mask,
+        input_ids, labels = mask_tokens(input_ids, maskable, rng, mask_prob=mask_prob,
+                                        max_predictions=spec.max_predictions or max(1, round(mask_prob * seq)),
+                                        mask_id=tok.mask,
                                         random_ids=tok.random_ids, word_start=tok.word_start)
         return {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask,
                 "labels": labels, "next_sentence_label": np.array(label, dtype=np.int64)}

@@ -7,13 +7,19 @@ whole-word masking the choice is made per word (a word-start WordPiece with the 
 pieces after it; for byte-level BPE, a piece that starts a word by the rule of
 megabert.data.tokenizers.WordStarts and the pieces after it), so a word is either masked
 whole or not at all.
+
+The rate may change over training (--mask-prob-schedule, as mmBERT anneals 30% -> 15% -> 5%):
+MaskRates gives each training sample the rate in force at its index, and ScheduledMasking
+hands it to the dataset. A sample still depends on nothing but its index.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 
+from megabert.config import DataConfig, mask_prob_points
 from megabert.data.tokenizers import WordStarts
 
 IGNORE_INDEX = -100  # transformers' and torch's cross-entropy ignore index
@@ -88,3 +94,43 @@ class TokenTable:
         present[list(tokenizer.inv_vocab)] = True
         self.random_ids = np.flatnonzero(present & ~special)
         self.word_start = tokenizer.word_starts() if whole_word_masking else None
+
+
+@dataclass(frozen=True)
+class MaskRates:
+    """The masking rate of each training sample: `base` (--mask-prob) until the first of
+    `points` ((iteration, rate) pairs, --mask-prob-schedule), then each rate from sample
+    iteration x `samples_per_iteration` (--global-batch-size) on. Unpacked, that is exactly
+    the step: the samples of iteration ITER + 1 are ITER x global batch onwards."""
+    base: float
+    points: tuple[tuple[int, float], ...] = ()
+    samples_per_iteration: int = 1
+
+    @classmethod
+    def of(cls, data: DataConfig, global_batch: int) -> "MaskRates":
+        return cls(data.mask_prob, mask_prob_points(data.mask_prob_schedule), global_batch)
+
+    def for_sample(self, index: int) -> float:
+        rate = self.base
+        for iteration, p in self.points:
+            if index < iteration * self.samples_per_iteration:
+                break
+            rate = p
+        return rate
+
+
+class ScheduledMasking:
+    """A training dataset whose sample i is masked at `rates.for_sample(i)`: the dataset's
+    `masked_sample(i, rate)` (BertDataset, BlendedDataset, NvidiaShardDataset) does the rest."""
+
+    def __init__(self, dataset, rates: MaskRates):
+        self.dataset, self.rates = dataset, rates
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict:
+        return self.dataset.masked_sample(int(idx), self.rates.for_sample(int(idx)))
+
+    def sample_error(self, idx: int, error: Exception):
+        return self.dataset.sample_error(idx, error)

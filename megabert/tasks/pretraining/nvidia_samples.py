@@ -109,19 +109,23 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
         return self.size
 
     def __getitem__(self, idx: int) -> dict:
+        return self.masked_sample(idx, self.spec.mask_prob)
+
+    def masked_sample(self, idx: int, mask_prob: float) -> dict:
+        """Sample idx; a dynamic-masking row masked at `mask_prob` (stored masks stay as stored)."""
         block, offset = self.order.locate(int(idx))
         shard = self.shards[block.shard]
         data = self.cache.get(block)
         if isinstance(shard, Hdf5Shard):
             return shard.block_row(data, offset)
-        return self._fit(shard, shard.block_row(data, offset, self.words), int(idx), block.start + offset)
+        return self._fit(shard, shard.block_row(data, offset, self.words), int(idx), block.start + offset, mask_prob)
 
     def sample_error(self, idx: int, error: Exception) -> DataError:
         """What failed when sample idx could not be read (megabert.data.sample_errors)."""
         block, offset = self.order.locate(int(idx))
         return unreadable(self.shards[block.shard], block.block, block.start + offset, error)
 
-    def _fit(self, shard: ParquetShard, row: dict, idx: int, row_in_shard: int) -> dict:
+    def _fit(self, shard: ParquetShard, row: dict, idx: int, row_in_shard: int, mask_prob: float) -> dict:
         """An LDDL row padded to --seq-length (0, as LDDL pads), masked when the shard is dynamic."""
         spec, n = self.spec, len(row["input_ids"])
         if n > spec.seq_length:
@@ -131,8 +135,8 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
             tok = self.tokens
             maskable = non_special(row["token_type_ids"])
             rng = np.random.default_rng([spec.seed, spec.split_id, idx])
-            budget = spec.max_predictions or max(1, int(round(spec.mask_prob * spec.seq_length)))
-            row["input_ids"], row["labels"] = mask_tokens(row["input_ids"], maskable, rng, mask_prob=spec.mask_prob,
+            budget = spec.max_predictions or max(1, int(round(mask_prob * spec.seq_length)))
+            row["input_ids"], row["labels"] = mask_tokens(row["input_ids"], maskable, rng, mask_prob=mask_prob,
                                                           max_predictions=budget, mask_id=tok.mask,
                                                           random_ids=tok.random_ids, word_start=tok.word_start)
         elif spec.max_predictions is not None and (row["labels"] != IGNORE_INDEX).sum() > spec.max_predictions:

@@ -14,6 +14,7 @@ from megabert.data.packing import with_flat_label_positions, with_flat_token_pos
 from megabert.model import ModernBertForMaskedLM
 from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
+from megabert.tasks.pretraining.masking import MaskRates
 from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
 from megabert.parallel import ParallelState
@@ -38,10 +39,11 @@ def mlm_slots_per_row(data: DataConfig) -> int:
     row). A sample of n tokens gets max(1, round(--mask-prob x n)) masked positions at most
     (megabert's masking, NVIDIA's create_pretraining_data.py and LDDL alike), which is at most
     --mask-prob x n + 1; a row's samples hold at most --seq-length tokens together, so a row
-    holds at most floor(--mask-prob x --seq-length) + --max-samples-per-row. With
+    holds at most floor(--mask-prob x --seq-length) + --max-samples-per-row (the highest rate of
+    --mask-prob-schedule, if higher). With
     --max-predictions-per-seq, a sample holds no more than that."""
     samples = data.max_samples_per_row
-    slots = math.floor(data.mask_prob * data.seq_length + 1e-9) + samples
+    slots = math.floor(data.highest_mask_prob * data.seq_length + 1e-9) + samples
     if data.max_predictions_per_seq is not None:
         slots = min(slots, samples * data.max_predictions_per_seq)
     return min(slots, data.seq_length)
@@ -79,9 +81,10 @@ def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch
     return batches
 
 
-def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:
+def pretraining_task(binary_head_task: Optional[str], mask_rates: Optional[MaskRates] = None) -> TrainingTask:
     """BertPreTrainingOutput -> (loss, {"lm_loss", "sop_loss"|"nsp_loss"}); at evaluation
-    also the counts behind "lm_accuracy" and "sop_accuracy"|"nsp_accuracy"."""
+    also the counts behind "lm_accuracy" and "sop_accuracy"|"nsp_accuracy". With `mask_rates`,
+    each metrics line carries the masking rate of the step's last sample ("mask_prob")."""
 
     def output_loss(out):
         metrics = {"lm_loss": out.mlm_loss}
@@ -114,8 +117,10 @@ def pretraining_task(binary_head_task: Optional[str]) -> TrainingTask:
         return lm, metrics
 
     inputs = PRETRAINING_INPUTS if binary_head_task else PRETRAINING_INPUTS[:-1]
+    log_fields = None if mask_rates is None else \
+        (lambda consumed: {"mask_prob": mask_rates.for_sample(max(consumed - 1, 0))})
     return TrainingTask(inputs=inputs + PACKED_INPUTS, output_loss=output_loss, output_counts=output_counts,
-                loss_counts=loss_counts, global_loss=global_loss)
+                        loss_counts=loss_counts, global_loss=global_loss, log_fields=log_fields)
 
 
 def masked_lm_counts(out: BertPreTrainingOutput) -> torch.Tensor:
@@ -144,12 +149,15 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
     seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
     model_class = ModernBertForMaskedLM if model_cfg.model_family == "modernbert" else BertForPreTraining
     model = model_class(model_cfg, ps, seed=run.train.seed,
-                        num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage)
+                        num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage,
+                        first_stage_layers=run.parallel.decoder_first_pipeline_num_layers,
+                        last_stage_layers=run.parallel.decoder_last_pipeline_num_layers)
     apply_compile(model, ps, run.train, fixed_shapes=run.data.pack_sequences)
     masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
     train = lambda consumed: pretraining_batches(train_batches(consumed), run, ps.device)  # noqa: E731
     valid = (lambda: pretraining_batches(valid_batches(), run, ps.device)) if valid_batches is not None else None
-    return build_trainer(model, ps, run, pretraining_task(run.binary_head_task), train, valid,
+    task = pretraining_task(run.binary_head_task, MaskRates.of(run.data, run.batch.global_batch_size))
+    return build_trainer(model, ps, run, task, train, valid,
                          flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
                          checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
                                            "data": dataclasses.asdict(run.data)})
