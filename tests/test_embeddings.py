@@ -16,7 +16,7 @@ import megabert
 from megabert.data import build_tokenizer
 from megabert.errors import DataError
 from megabert.tasks.embeddings.data import read_beir, read_pairs
-from megabert.tasks.embeddings.features import pairs_to_tensors, texts_to_tensors
+from megabert.tasks.embeddings.features import TextFormat, pairs_to_tensors, texts_to_tensors
 from megabert.tasks.embeddings.grad_cache import ContrastiveObjective, GradientCacheRunner
 from megabert.tasks.embeddings.loss import contrastive_loss
 from megabert.tasks.embeddings.metrics import retrieval_metrics
@@ -69,7 +69,7 @@ def test_files_and_features(tmp_path):
     pairs = read_pairs(paths["train"])
     assert [len(p.negatives) for p in pairs] == [0, 1, 2]
     tok = build_tokenizer("BertWordPieceLowerCase", paths["vocab"])
-    t = pairs_to_tensors(pairs, tok, 16)
+    t = pairs_to_tensors(pairs, tok, TextFormat(16))
     assert t["input_ids"].shape == (3, 4, 16) and t["text_mask"].tolist() == [
         [True, True, False, False], [True, True, True, False], [True, True, True, True]]
     hf = transformers.BertTokenizerFast(paths["vocab"], do_lower_case=True)
@@ -125,7 +125,7 @@ def _features(paths, n=8, mixed=True):
         from megabert.tasks.embeddings.data import Pair
 
         pairs = [Pair(p.query, p.positive, p.negatives * (i % 3)) for i, p in enumerate(pairs)]
-    return pairs_to_tensors(pairs, build_tokenizer("BertWordPieceLowerCase", paths["vocab"]), 24)
+    return pairs_to_tensors(pairs, build_tokenizer("BertWordPieceLowerCase", paths["vocab"]), TextFormat(24))
 
 
 def _grads(model):

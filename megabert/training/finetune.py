@@ -107,6 +107,14 @@ class FinetuneTask(abc.ABC):
         """Predicts, scores and writes the task's outputs (on `predictor.writes` ranks);
         nothing when the run does not predict. Every rank calls it: prediction is collective."""
 
+    def train_batches(self, tensors: dict[str, torch.Tensor], run: ResolvedRun, ps: ParallelState
+                      ) -> Optional[Callable[[int], Iterator[dict]]]:
+        """Where the task orders its training features itself (the embedding task's several
+        files and no-duplicate batches): `batches(consumed samples)`, this rank's endless
+        micro-batches from that point on, as feature_batches; None (the default): the
+        driver's shuffle."""
+        return None
+
     def prepare_trainer(self, trainer: Trainer, run: ResolvedRun) -> None:
         """Before training: where a task's step runs differently from a mean of independent
         micro-batch losses (the embedding task's gradient cache replaces
@@ -160,6 +168,8 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
             # for the tasks whose model takes them.
             wanted = model.config.unpad_input and "token_positions" in task.training_task.inputs
             return with_flat_token_positions(out, "token_positions") if wanted else out
+
+        batches = task.train_batches(tensors, run, ps) or batches
     else:
         # --epochs counts passes over the features; a step holds global batch rows of several each.
         rows = rows_per_epoch(tensors, packing)
