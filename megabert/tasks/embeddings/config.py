@@ -29,9 +29,10 @@ class EmbeddingsConfig(TaskConfig):
                                 "file in turn.", choices=("proportional", "round_robin"))
     dataset_weights: Optional[str] = arg(None, "With --dataset-sampling proportional: one weight per --train-file, "
                                          "comma-separated (default the files' numbers of pairs).")
-    no_duplicates: bool = arg(False, "No text twice in a global batch (every DP rank and micro-batch; as query, "
-                              "positive or negative): a pair that repeats a text already in the batch waits for a "
-                              "later one (sentence-transformers' NO_DUPLICATES), so a copy is never a false negative.")
+    duplicates: bool = arg(True, "A text may come twice in a global batch. --no-duplicates: never (every DP rank and "
+                           "micro-batch; as query, positive or negative): a pair that repeats a text already in the "
+                           "batch waits for a later one (sentence-transformers' NO_DUPLICATES), so a copy is never "
+                           "a false negative.")
     eval_dir: Optional[str] = arg(None, "A BEIR-layout dir to score: corpus.jsonl (_id, title, text), queries.jsonl "
                                   "(_id, text), qrels/dev.tsv (query-id, corpus-id, score; a header line).")
     output_dir: Optional[str] = arg(None, "Where eval_results.json and sentence-transformers/ (the model as "

@@ -115,11 +115,11 @@ class EmbeddingsTask(FinetuneTask):
         """Several files (each global batch from one) or --no-duplicates: BatchPlan's order;
         otherwise the driver's shuffle."""
         ft = self.config
-        if len(self.files) < 2 and not ft.no_duplicates:
+        if len(self.files) < 2 and ft.duplicates:
             return None
         weights = [float(w) for w in ft.dataset_weights.split(",")] if ft.dataset_weights else None
         self.plan = BatchPlan(self.files, global_batch=run.batch.global_batch_size, seed=run.train.seed,
-                              no_duplicates=ft.no_duplicates, sampling=ft.dataset_sampling, weights=weights)
+                              no_duplicates=not ft.duplicates, sampling=ft.dataset_sampling, weights=weights)
         several = len(self.files) > 1
 
         def on_step(d: int) -> None:
