@@ -1,5 +1,6 @@
 """finetune_embeddings.py's own flags: the training pairs, the BEIR dev dir, the embedding
-(pooling, normalisation), the contrastive loss and the gradient cache. The flags every task
+(prompts, lengths, pooling, normalisation: shared with tools/mine_hard_negatives.py), the
+contrastive loss (Matryoshka), the gradient cache and evaluation during training. The flags every task
 has come from megabert.config's TaskConfig, the parallel, optimizer and training flags from
 its other sections."""
 from __future__ import annotations
@@ -18,7 +19,44 @@ EMBEDDINGS_DEFAULTS = {"optim.lr": 2e-5, "optim.lr_warmup_fraction": 0.1, "optim
 
 
 @dataclass(kw_only=True)
-class EmbeddingsConfig(TaskConfig):
+class TextEmbeddingConfig(TaskConfig):
+    """How texts become embeddings, in training, evaluation and mining alike: prompts, lengths,
+    pooling and normalisation (EmbeddingsConfig and tools/mine_hard_negatives.py's
+    MiningConfig)."""
+
+    max_seq_length: int = arg(128, "Tokens per text ([CLS] text [SEP]), queries and passages alike; longer ones cut.")
+    query_max_length: Optional[int] = arg(None, "Tokens per query (prompt included); default --max-seq-length, "
+                                          "at most it.")
+    document_max_length: Optional[int] = arg(None, "Tokens per positive, negative or corpus passage (prompt "
+                                             "included); default --max-seq-length, at most it.")
+    query_prompt: str = arg("", "Put before every query in training, evaluation and mining (E5's \"query: \"); the "
+                            "export saves it as the prompt named query.")
+    document_prompt: str = arg("", "Put before every positive, negative and passage (E5's \"passage: \"); the "
+                               "export saves it as the prompt named document.")
+    pooling: str = arg("mean", "How a text's token vectors become its embedding: the mean over its tokens "
+                       "(padding excluded), or the [CLS] token's vector.", choices=("mean", "cls"))
+    normalize: bool = arg(True, "L2-normalise embeddings, so similarity is the cosine (--no-normalize: dot product).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_at_least(self, 1, "query_max_length", "document_max_length")
+        for name in ("query_max_length", "document_max_length"):
+            value = getattr(self, name)
+            if value is not None and value > self.max_seq_length:
+                raise ConfigError(f"--{name.replace('_', '-')} {value} exceeds --max-seq-length "
+                                  f"{self.max_seq_length}; raise --max-seq-length (every text is padded to it)")
+
+    @property
+    def query_length(self) -> int:
+        return self.query_max_length or self.max_seq_length
+
+    @property
+    def document_length(self) -> int:
+        return self.document_max_length or self.max_seq_length
+
+
+@dataclass(kw_only=True)
+class EmbeddingsConfig(TextEmbeddingConfig):
     """Sentence-embedding fine-tuning: (query, positive, hard negatives) pairs, a BEIR dev set, the export."""
 
     train_file: Optional[list] = arg(None, "JSON lines {\"query\": .., \"positive\": .., \"negative\": .. (optional: "
@@ -37,19 +75,7 @@ class EmbeddingsConfig(TaskConfig):
                                   "(_id, text), qrels/dev.tsv (query-id, corpus-id, score; a header line).")
     output_dir: Optional[str] = arg(None, "Where eval_results.json and sentence-transformers/ (the model as "
                                     "sentence_transformers.SentenceTransformer loads it) go.")
-    max_seq_length: int = arg(128, "Tokens per text ([CLS] text [SEP]), queries and passages alike; longer ones cut.")
-    query_max_length: Optional[int] = arg(None, "Tokens per query (prompt included); default --max-seq-length, "
-                                          "at most it.")
-    document_max_length: Optional[int] = arg(None, "Tokens per positive, negative or corpus passage (prompt "
-                                             "included); default --max-seq-length, at most it.")
-    query_prompt: str = arg("", "Put before every query in training, evaluation and mining (E5's \"query: \"); the "
-                            "export saves it as the prompt named query.")
-    document_prompt: str = arg("", "Put before every positive, negative and passage (E5's \"passage: \"); the "
-                               "export saves it as the prompt named document.")
     epochs: float = arg(1.0, "Passes over the training pairs (may be fractional).")
-    pooling: str = arg("mean", "How a text's token vectors become its embedding: the mean over its tokens "
-                       "(padding excluded), or the [CLS] token's vector.", choices=("mean", "cls"))
-    normalize: bool = arg(True, "L2-normalise embeddings, so similarity is the cosine (--no-normalize: dot product).")
     temperature: float = arg(0.05, "InfoNCE temperature: similarities are divided by it (0.05 = "
                              "sentence-transformers' scale 20).")
     embedding_chunk_size: Optional[int] = arg(
@@ -75,12 +101,7 @@ class EmbeddingsConfig(TaskConfig):
             raise ConfigError("--output-dir is required: eval_results.json and sentence-transformers/ go there")
         if not self.temperature > 0:
             raise ConfigError(f"--temperature must be positive, got {self.temperature}")
-        check_at_least(self, 1, "embedding_chunk_size", "query_max_length", "document_max_length", "eval_interval")
-        for name in ("query_max_length", "document_max_length"):
-            value = getattr(self, name)
-            if value is not None and value > self.max_seq_length:
-                raise ConfigError(f"--{name.replace('_', '-')} {value} exceeds --max-seq-length "
-                                  f"{self.max_seq_length}; raise --max-seq-length (every text is padded to it)")
+        check_at_least(self, 1, "embedding_chunk_size", "eval_interval")
         dims = self.matryoshka()
         if self.matryoshka_weights is not None and dims is None:
             raise ConfigError("--matryoshka-weights needs --matryoshka-dims")
@@ -97,14 +118,6 @@ class EmbeddingsConfig(TaskConfig):
             raise ConfigError("--keep-best needs --eval-interval and --eval-dir (the metric is scored on it)")
         if self.eval_interval is not None and not (self.eval_dir and self.train_file):
             raise ConfigError("--eval-interval scores --eval-dir while training on --train-file: give both")
-
-    @property
-    def query_length(self) -> int:
-        return self.query_max_length or self.max_seq_length
-
-    @property
-    def document_length(self) -> int:
-        return self.document_max_length or self.max_seq_length
 
     def matryoshka(self) -> Optional[tuple[tuple[int, ...], tuple[float, ...]]]:
         """(dims, weights) of --matryoshka-dims / --matryoshka-weights, or None."""

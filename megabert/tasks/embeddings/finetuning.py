@@ -36,6 +36,20 @@ logger = logging.getLogger(__name__)
 WORDPIECE = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
+def load_embedding_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState, vocab_size: int,
+                         texts_per_example: int) -> BertForSentenceEmbedding:
+    """The bi-encoder from --load with the run's pooling and normalisation. A ModernBERT --load
+    (a transformers dir or a megabert checkpoint of one) is ModernBertForSentenceEmbedding."""
+    modernbert = checkpoint_model_config(pretrained) is not None
+    model_class = ModernBertForSentenceEmbedding if modernbert else BertForSentenceEmbedding
+    # Unpadded encoder: the pooling reads real tokens alone and retrieval texts leave much
+    # of max_seq_length to padding.
+    model = load_task_model(model_class, cfg, pretrained, ps, vocab_size, unpad_input=True)
+    model.options = EmbeddingOptions(pooling=cfg.finetune.pooling, normalize=cfg.finetune.normalize,
+                                     texts_per_example=texts_per_example)
+    return model
+
+
 class EmbeddingsTask(FinetuneTask):
     """--train-file to fine-tune on, --eval-dir (BEIR) to score into eval_results.json; the
     model goes to --output-dir/sentence-transformers/."""
@@ -85,13 +99,9 @@ class EmbeddingsTask(FinetuneTask):
             self.beir = read_beir(self.config.eval_dir)
 
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
-        # Unpadded encoder: the pooling reads real tokens alone and retrieval texts leave much
-        # of max_seq_length to padding.
-        model_class = ModernBertForSentenceEmbedding if self.modernbert else BertForSentenceEmbedding
-        model = load_task_model(model_class, self.cfg, self.pretrained, ps, vocab_size, unpad_input=True)
         ft = self.config
-        model.options = EmbeddingOptions(pooling=ft.pooling, normalize=ft.normalize,
-                                         texts_per_example=texts_per_pair(self.pairs) if self.pairs else 1)
+        model = load_embedding_model(self.cfg, self.pretrained, ps, vocab_size,
+                                     texts_per_pair(self.pairs) if self.pairs else 1)
         matryoshka = ft.matryoshka()
         if matryoshka is not None and max(matryoshka[0]) > model.config.hidden_size:
             raise ConfigError(f"--matryoshka-dims {ft.matryoshka_dims}: {max(matryoshka[0])} exceeds the model's "
