@@ -248,7 +248,8 @@ def run(*args):
 
 
 def losses(path):
-    return [json.loads(line)["contrastive_loss"] for line in open(path)]
+    """The logged training losses (not the evaluation lines of --eval-interval)."""
+    return [row["contrastive_loss"] for row in map(json.loads, open(path)) if "contrastive_loss" in row]
 
 
 def st_encode(path, texts):
@@ -311,14 +312,17 @@ def test_layouts_follow_one_process(setup, tmp_path):
     at DP=2 and one process with --embedding-chunk-size 2 give one process's losses within
     1e-5, and its dev scores (queries and passages encoded through the stages, gathered over
     DP ranks; per Matryoshka size) and its exported weights; with two training files,
-    --no-duplicates and Matryoshka on (the per-file losses too)."""
+    --no-duplicates, Matryoshka and --eval-interval/--keep-best on (the per-file losses and the
+    step-2 scores too)."""
 
     def args(name, *extra):
         # Two training files (round robin), --no-duplicates and Matryoshka: the batch order is
-        # BatchPlan's at every layout, the loss a sum over sizes.
+        # BatchPlan's at every layout, the loss a sum over sizes; an evaluation during training
+        # (at step 2 of 3, exported if the best) through every layout's forward and gather.
         return common(setup, setup["plain"], tmp_path / name, "--train-iters", 3, "--metrics-file",
                       tmp_path / f"{name}.jsonl", "--train-file", setup["train"], setup["train2"],
-                      "--dataset-sampling", "round_robin", "--no-duplicates", "--matryoshka-dims", "32,16", *extra)
+                      "--dataset-sampling", "round_robin", "--no-duplicates", "--matryoshka-dims", "32,16",
+                      "--eval-interval", 2, "--keep-best", "ndcg_at_10", *extra)
 
     run(*args("one"))
     one = losses(tmp_path / "one.jsonl")
@@ -338,13 +342,19 @@ def test_layouts_follow_one_process(setup, tmp_path):
 
     one_weights = load_file(tmp_path / "one" / "sentence-transformers" / "model.safetensors")
     per_file = [{k: v for k, v in json.loads(line).items() if k.startswith("contrastive_loss_")}
-                for line in open(tmp_path / "one.jsonl")]
+                for line in open(tmp_path / "one.jsonl") if "contrastive_loss" in line]
     assert [list(p) for p in per_file] == [["contrastive_loss_train"], ["contrastive_loss_train2"],
                                            ["contrastive_loss_train"]]
+    def dev(name):
+        return [{k: v for k, v in json.loads(line).items() if k.startswith("dev_")}
+                for line in open(tmp_path / f"{name}.jsonl") if "dev_ndcg_at_10" in line]
+
+    assert len(dev("one")) == 1 and "step" in one_results
     for name in ("chunk", *layouts):
         assert losses(tmp_path / f"{name}.jsonl") == pytest.approx(one, abs=1e-5), name
+        assert dev(name)[0] == pytest.approx(dev("one")[0], abs=1e-5), name
         theirs = [{k: v for k, v in json.loads(line).items() if k.startswith("contrastive_loss_")}
-                  for line in open(tmp_path / f"{name}.jsonl")]
+                  for line in open(tmp_path / f"{name}.jsonl") if "contrastive_loss" in line]
         assert [list(p) for p in theirs] == [list(p) for p in per_file], name
         assert all(p == pytest.approx(q, abs=1e-5) for p, q in zip(theirs, per_file)), name
         assert json.load(open(tmp_path / name / "eval_results.json")) == pytest.approx(one_results, abs=1e-5), name
