@@ -16,9 +16,9 @@ import megabert
 from megabert.data import build_tokenizer
 from megabert.errors import DataError
 from megabert.tasks.embeddings.data import read_beir, read_pairs
-from megabert.tasks.embeddings.features import pairs_to_tensors, texts_to_tensors
+from megabert.tasks.embeddings.features import TextFormat, pairs_to_tensors, texts_to_tensors
 from megabert.tasks.embeddings.grad_cache import ContrastiveObjective, GradientCacheRunner
-from megabert.tasks.embeddings.loss import contrastive_loss
+from megabert.tasks.embeddings.loss import Matryoshka, contrastive_loss
 from megabert.tasks.embeddings.metrics import retrieval_metrics
 from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions, ModernBertForSentenceEmbedding
 from megabert.training.strategy import SequentialRunner, TrainingTask
@@ -69,7 +69,7 @@ def test_files_and_features(tmp_path):
     pairs = read_pairs(paths["train"])
     assert [len(p.negatives) for p in pairs] == [0, 1, 2]
     tok = build_tokenizer("BertWordPieceLowerCase", paths["vocab"])
-    t = pairs_to_tensors(pairs, tok, 16)
+    t = pairs_to_tensors(pairs, tok, TextFormat(16))
     assert t["input_ids"].shape == (3, 4, 16) and t["text_mask"].tolist() == [
         [True, True, False, False], [True, True, True, False], [True, True, True, True]]
     hf = transformers.BertTokenizerFast(paths["vocab"], do_lower_case=True)
@@ -97,6 +97,14 @@ def setup(tmp_path_factory):
     (dropout 0.1 and 0)."""
     root = tmp_path_factory.mktemp("emb")
     paths = write_retrieval_set(root / "data", train_pairs=48, dev_queries=12, train_topics=16, dev_topics=8)
+    # A second training file (other topics, the same words) for the several-files runs.
+    other = write_retrieval_set(root / "other", train_pairs=32, dev_queries=2, train_topics=8, dev_topics=2, seed=1)
+    paths["train2"] = str(root / "data" / "train2.jsonl")
+    rows = [json.loads(line) for line in open(other["train"])]
+    # Eight more queries of the first eight positives: copies --no-duplicates keeps apart.
+    rows += [{**row, "query": row["query"] + " f9"} for row in rows[:8]]
+    with open(paths["train2"], "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
     size = len(open(paths["vocab"]).read().split())
     for name, p in (("dropout", 0.1), ("plain", 0.0)):
         cfg = transformers.BertConfig(vocab_size=size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -125,7 +133,7 @@ def _features(paths, n=8, mixed=True):
         from megabert.tasks.embeddings.data import Pair
 
         pairs = [Pair(p.query, p.positive, p.negatives * (i % 3)) for i, p in enumerate(pairs)]
-    return pairs_to_tensors(pairs, build_tokenizer("BertWordPieceLowerCase", paths["vocab"]), 24)
+    return pairs_to_tensors(pairs, build_tokenizer("BertWordPieceLowerCase", paths["vocab"]), TextFormat(24))
 
 
 def _grads(model):
@@ -149,19 +157,38 @@ def _dp_body(rank, world, paths):
     out = model(**half)
     loss = contrastive_loss(out.embeddings, out.text_mask, temperature=0.05, dp_group=ps.dp_group)
     loss.backward()
+    _check_dp_average(loss, whole, model, ref)
+    # The same with Matryoshka: every cut of the one gather's candidates.
+    matryoshka = Matryoshka((32, 16, 8), (1.0, 0.5, 0.25))
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    whole = contrastive_loss(out.embeddings, out.text_mask, temperature=0.05, dp_group=None, matryoshka=matryoshka)
+    whole.backward()
+    ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    out = model(**half)
+    loss = contrastive_loss(out.embeddings, out.text_mask, temperature=0.05, dp_group=ps.dp_group,
+                            matryoshka=matryoshka)
+    loss.backward()
+    _check_dp_average(loss, whole, model, ref)
+    megabert.destroy_parallel()
+
+
+def _check_dp_average(loss, whole, model, ref):
+    """The DP ranks' mean loss and mean gradients equal one process's (1e-6)."""
     mean = loss.detach().clone()
     torch.distributed.all_reduce(mean)
     assert abs(mean.item() / 2 - whole.item()) < 1e-6, (mean.item() / 2, whole.item())
     for k, g in _grads(model).items():
         torch.distributed.all_reduce(g)
         assert torch.allclose(g / 2, ref[k], atol=1e-6, rtol=0), (k, (g / 2 - ref[k]).abs().max().item())
-    megabert.destroy_parallel()
 
 
 def test_gathered_negatives_dp2_equal_dp1(setup):
     """The loss over the global batch with every rank's candidates gathered (and their
     gradients summed back) equals one process holding the whole batch: loss within 1e-6,
-    every parameter gradient within 1e-6 (in float64; the float32 runs: the layouts test)."""
+    every parameter gradient within 1e-6 (in float64; the float32 runs: the layouts test),
+    plain and with Matryoshka (sizes 32, 16, 8)."""
     run_distributed(_dp_body, 2, setup)
 
 
@@ -221,7 +248,8 @@ def run(*args):
 
 
 def losses(path):
-    return [json.loads(line)["contrastive_loss"] for line in open(path)]
+    """The logged training losses (not the evaluation lines of --eval-interval)."""
+    return [row["contrastive_loss"] for row in map(json.loads, open(path)) if "contrastive_loss" in row]
 
 
 def st_encode(path, texts):
@@ -283,11 +311,18 @@ def test_layouts_follow_one_process(setup, tmp_path):
     PP=2 (two micro-batches through the pipeline schedule, cached; and one, direct), ZeRO-3
     at DP=2 and one process with --embedding-chunk-size 2 give one process's losses within
     1e-5, and its dev scores (queries and passages encoded through the stages, gathered over
-    DP ranks) and its exported weights."""
+    DP ranks; per Matryoshka size) and its exported weights; with two training files,
+    --no-duplicates, Matryoshka and --eval-interval/--keep-best on (the per-file losses and the
+    step-2 scores too)."""
 
     def args(name, *extra):
+        # Two training files (round robin), --no-duplicates and Matryoshka: the batch order is
+        # BatchPlan's at every layout, the loss a sum over sizes; an evaluation during training
+        # (at step 2 of 3, exported if the best) through every layout's forward and gather.
         return common(setup, setup["plain"], tmp_path / name, "--train-iters", 3, "--metrics-file",
-                      tmp_path / f"{name}.jsonl", *extra)
+                      tmp_path / f"{name}.jsonl", "--train-file", setup["train"], setup["train2"],
+                      "--dataset-sampling", "round_robin", "--no-duplicates", "--matryoshka-dims", "32,16",
+                      "--eval-interval", 2, "--keep-best", "ndcg_at_10", *extra)
 
     run(*args("one"))
     one = losses(tmp_path / "one.jsonl")
@@ -306,8 +341,22 @@ def test_layouts_follow_one_process(setup, tmp_path):
     from safetensors.torch import load_file
 
     one_weights = load_file(tmp_path / "one" / "sentence-transformers" / "model.safetensors")
+    per_file = [{k: v for k, v in json.loads(line).items() if k.startswith("contrastive_loss_")}
+                for line in open(tmp_path / "one.jsonl") if "contrastive_loss" in line]
+    assert [list(p) for p in per_file] == [["contrastive_loss_train"], ["contrastive_loss_train2"],
+                                           ["contrastive_loss_train"]]
+    def dev(name):
+        return [{k: v for k, v in json.loads(line).items() if k.startswith("dev_")}
+                for line in open(tmp_path / f"{name}.jsonl") if "dev_ndcg_at_10" in line]
+
+    assert len(dev("one")) == 1 and "step" in one_results
     for name in ("chunk", *layouts):
         assert losses(tmp_path / f"{name}.jsonl") == pytest.approx(one, abs=1e-5), name
+        assert dev(name)[0] == pytest.approx(dev("one")[0], abs=1e-5), name
+        theirs = [{k: v for k, v in json.loads(line).items() if k.startswith("contrastive_loss_")}
+                  for line in open(tmp_path / f"{name}.jsonl") if "contrastive_loss" in line]
+        assert [list(p) for p in theirs] == [list(p) for p in per_file], name
+        assert all(p == pytest.approx(q, abs=1e-5) for p, q in zip(theirs, per_file)), name
         assert json.load(open(tmp_path / name / "eval_results.json")) == pytest.approx(one_results, abs=1e-5), name
         # The export gathers every TP shard, pipeline stage and ZeRO-3 partition.
         weights = load_file(tmp_path / name / "sentence-transformers" / "model.safetensors")

@@ -57,12 +57,13 @@ class Predictor:
     bf16: bool = False
     fp16: bool = False
 
-    def outputs(self, tensors: dict[str, torch.Tensor], outputs_of: Callable[[object], Sequence[torch.Tensor]]
-                ) -> Optional[list[np.ndarray]]:
+    def outputs(self, tensors: dict[str, torch.Tensor], outputs_of: Callable[[object], Sequence[torch.Tensor]],
+                **options) -> Optional[list[np.ndarray]]:
         """The arrays `outputs_of(model output)` picks for every feature in order, on every
-        rank (None when there are no features); see predict_outputs."""
+        rank (None when there are no features); see predict_outputs (`options`: its gather
+        and progress)."""
         return predict_outputs(self.model, tensors, self.ps, self.batch_size, self.task, outputs_of, bf16=self.bf16,
-                               fp16=self.fp16)
+                               fp16=self.fp16, **options)
 
     @property
     def writes(self) -> bool:
@@ -108,6 +109,14 @@ class FinetuneTask(abc.ABC):
     def predict(self, tokenizer, predictor: Predictor) -> None:
         """Predicts, scores and writes the task's outputs (on `predictor.writes` ranks);
         nothing when the run does not predict. Every rank calls it: prediction is collective."""
+
+    def train_batches(self, tensors: dict[str, torch.Tensor], run: ResolvedRun, ps: ParallelState
+                      ) -> Optional[Callable[[int], Iterator[dict]]]:
+        """Where the task orders its training features itself (the embedding task's several
+        files and no-duplicate batches): `batches(consumed samples)`, this rank's endless
+        micro-batches from that point on, as feature_batches; None (the default): the
+        driver's shuffle."""
+        return None
 
     def prepare_trainer(self, trainer: Trainer, run: ResolvedRun) -> None:
         """Before training: where a task's step runs differently from a mean of independent
@@ -165,6 +174,8 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
             # for the tasks whose model takes them.
             wanted = model.config.unpad_input and "token_positions" in task.training_task.inputs
             return with_flat_token_positions(out, "token_positions") if wanted else out
+
+        batches = task.train_batches(tensors, run, ps) or batches
     else:
         # --epochs counts passes over the features; a step holds global batch rows of several each.
         warn_if_packing_wasted(packing, n, int(tensors["attention_mask"].sum()), rows, what="features")
@@ -260,12 +271,14 @@ def feature_batches(tensors: dict[str, torch.Tensor], *, global_batch: int, micr
 @torch.no_grad()
 def predict_outputs(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps: ParallelState, batch_size: int,
                     task: TrainingTask, outputs_of: Callable[[object], Sequence[torch.Tensor]], *, bf16: bool = False,
-                    fp16: bool = False) -> list[np.ndarray]:
+                    fp16: bool = False, gather: bool = True, progress: Optional[Callable[[int], None]] = None
+                    ) -> list[np.ndarray]:
     """The arrays `outputs_of(model output)` picks (each [batch, ...], float CPU), for every
     feature in order, on every rank. DP rank r takes the r-th contiguous shard (all TP ranks
     and pipeline stages of a DP rank run the same batches together); the shards are
-    gathered over the data-parallel group. Batches are padded to `batch_size` with PP > 1
-    (stages exchange fixed shapes) and trimmed after."""
+    gathered over the data-parallel group (`gather=False`: each DP rank keeps its own shard's,
+    None for an empty one). Batches are padded to `batch_size` with PP > 1 (stages exchange
+    fixed shapes) and trimmed after. `progress(n)`: n more of this rank's features done."""
     n, seq = tensors["input_ids"].shape[0], tensors["input_ids"].shape[-1]  # [n, s], or [n, texts, s]
     shard = np.array_split(np.arange(n), ps.dp_size)[ps.dp_rank]
     batches, sizes = [], []
@@ -286,6 +299,8 @@ def predict_outputs(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps
     outputs = []
     for k in range(0, len(batches), ps.pp_size):
         outputs += predictor.forward_only(batches[k:k + ps.pp_size], pick)
+        if progress is not None:
+            progress(sum(sizes[k:k + ps.pp_size]))
     if ps.pp_size > 1:
         box = [outputs]
         comm.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
@@ -293,7 +308,7 @@ def predict_outputs(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ps
     arrays = None
     if outputs:
         arrays = [np.concatenate([o[i][:m].numpy() for o, m in zip(outputs, sizes)]) for i in range(len(outputs[0]))]
-    if ps.dp_size > 1:
+    if ps.dp_size > 1 and gather:
         gathered: list[Optional[list]] = [None] * ps.dp_size
         comm.all_gather_object(gathered, arrays, group=ps.dp_group)
         # A rank with an empty shard (fewer features than DP ranks) returns None.

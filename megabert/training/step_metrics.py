@@ -22,7 +22,10 @@ class IntervalMetrics:
 
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
-        self._loss_steps = 0  # steps that produced losses (all of them on the last pipeline stage)
+        # Steps that produced each loss (all of them on the last pipeline stage; a loss of
+        # some steps only, such as the embedding task's loss per training file, is the mean
+        # over those).
+        self._loss_steps: dict[str, int] = {}
         self._nonfinite: Optional[torch.Tensor] = None
         self.steps = 0
         self.overflows = 0  # fp16 steps skipped for overflow (known on the host)
@@ -35,7 +38,7 @@ class IntervalMetrics:
                 # The step's loss is the mean over its micro-batches, as the update's gradient.
                 mean = torch.stack([m[k].float() for m in result.metrics]).mean()
                 self._sums[k] = self._sums[k] + mean if k in self._sums else mean
-            self._loss_steps += 1
+                self._loss_steps[k] = self._loss_steps.get(k, 0) + 1
         if result.nonfinite is not None:
             flag = result.nonfinite.reshape(())
             self._nonfinite = flag if self._nonfinite is None else self._nonfinite + flag
@@ -45,7 +48,7 @@ class IntervalMetrics:
 
     def means(self) -> Metrics:
         """{loss name: its mean over the interval's steps}, on the device."""
-        return {k: v / self._loss_steps for k, v in self._sums.items()}
+        return {k: v / self._loss_steps[k] for k, v in self._sums.items()}
 
     def nonfinite_steps(self) -> int:
         """Steps whose update was skipped for a non-finite gradient norm (reads the count)."""

@@ -50,6 +50,9 @@ class Trainer:
         self.stop_requested = False
         self.step_packing: Optional[torch.Tensor] = None
         self.interval = IntervalMetrics()
+        # Called with the iteration after each step's logging and evaluation, before a save
+        # (a task's own evaluation: the embedding task's --eval-interval).
+        self.step_hooks: list[Callable[[int], None]] = []
         # Bytes each rank sends per training step, by group (megabert.parallel.comm).
         self.ledger = CommLedger.for_state(self.ps)
         self.log = MetricsLogger(enabled=self.ps.is_logging_rank, train_iters=cfg.train_iters,
@@ -90,6 +93,8 @@ class Trainer:
                     last_log_time, last_log_iter = now, it
                 if self.data.valid is not None and self.cfg.eval_interval and it % self.cfg.eval_interval == 0:
                     self._report_eval(it)
+                for hook in self.step_hooks:
+                    hook(it)
                 # Ranks agree on stopping with one all-reduce per logging step, not per step.
                 if logging_step and self._should_stop():
                     self.log.event(it, f"SIGTERM received: saving at iteration {it} and exiting")

@@ -29,8 +29,18 @@ def _json_lines(path: str):
     """(line number, object) of a JSON-lines file; blank lines skipped."""
     if not os.path.isfile(path):
         raise DataError(f"{path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        yield from json_objects(f, path)
+    with open(path, "rb") as f:
+        yield from json_objects(utf8_lines(f, path), path)
+
+
+def utf8_lines(lines, path: str):
+    """A binary file's lines decoded, a byte that is not UTF-8 a one-line error naming the line."""
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: byte {raw[e.start]:#04x} at column {e.start + 1} is not UTF-8; "
+                            f"re-encode the file as UTF-8") from None
 
 
 def _text(row: dict, key: str, where: str, required: bool = True) -> str:
@@ -43,7 +53,7 @@ def _text(row: dict, key: str, where: str, required: bool = True) -> str:
 
 
 def read_pairs(path: str) -> list[Pair]:
-    """The training pairs of a JSON-lines file."""
+    """The training pairs of a JSON-lines file (what tools/mine_hard_negatives.py writes, too)."""
     pairs = []
     for lineno, row in _json_lines(path):
         where = f"{path}:{lineno}"
@@ -84,13 +94,14 @@ def read_beir(path: str, split: str = "dev") -> BeirSet:
         raise DataError(f"--eval-dir {path} is not a directory (BEIR layout: corpus.jsonl, queries.jsonl, "
                         f"qrels/{split}.tsv)")
     qrels: dict[str, dict[str, int]] = {}
+    lines: dict[str, int] = {}  # corpus id -> the first qrels line naming it
     if not os.path.isfile(qrels_file):
         raise DataError(f"{qrels_file} does not exist; a BEIR dir has qrels/{split}.tsv")
-    with open(qrels_file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(qrels_file, "rb") as f:
+        for lineno, line in enumerate(utf8_lines(f, qrels_file), start=1):
             fields = line.rstrip("\r\n").split("\t")
-            if lineno == 1 or not line.strip():
-                continue  # the header (query-id, corpus-id, score)
+            if not line.strip() or (lineno == 1 and len(fields) == 3 and not _is_int(fields[2])):
+                continue  # the header (query-id, corpus-id, score); a file without one starts with a judgement
             if len(fields) != 3:
                 raise DataError(f"{qrels_file}:{lineno}: {len(fields)} tab-separated columns, BEIR's qrels have 3 "
                                 f"(query-id, corpus-id, score)")
@@ -99,15 +110,18 @@ def read_beir(path: str, split: str = "dev") -> BeirSet:
             except ValueError:
                 raise DataError(f"{qrels_file}:{lineno}: score {fields[2]!r} is not an integer")
             qrels.setdefault(fields[0], {})[fields[1]] = score
+            lines.setdefault(fields[1], lineno)
     if not qrels:
         raise DataError(f"{qrels_file} holds no judgements")
-    corpus_ids, passages = [], []
-    for lineno, row in _json_lines(os.path.join(path, "corpus.jsonl")):
-        where = f"{os.path.join(path, 'corpus.jsonl')}:{lineno}"
-        corpus_ids.append(str(row.get("_id") if row.get("_id") is not None else _text(row, "_id", where)))
-        passages.append(passage_text(_text(row, "title", where, required=False), _text(row, "text", where)))
-    if not corpus_ids:
-        raise DataError(f"{path}/corpus.jsonl holds no documents")
+    corpus_file = os.path.join(path, "corpus.jsonl")
+    corpus_ids, passages = read_corpus(corpus_file)
+    # A judged document the corpus lacks can never be retrieved (its query would score 0, silently).
+    known = set(corpus_ids)
+    missing_docs = [d for d in lines if d not in known]
+    if missing_docs:
+        d = min(missing_docs, key=lines.get)
+        raise DataError(f"{qrels_file}:{lines[d]}: corpus-id {d!r} is not in {corpus_file}; drop the judgement or "
+                        f"add the document")
     query_ids, queries = [], []
     for lineno, row in _json_lines(os.path.join(path, "queries.jsonl")):
         where = f"{os.path.join(path, 'queries.jsonl')}:{lineno}"
@@ -119,3 +133,28 @@ def read_beir(path: str, split: str = "dev") -> BeirSet:
     if missing:
         raise DataError(f"{qrels_file} judges query {missing[0]!r}, which {path}/queries.jsonl does not hold")
     return BeirSet(corpus_ids, passages, query_ids, queries, qrels)
+
+
+def read_corpus(corpus_file: str) -> tuple[list[str], list[str]]:
+    """A BEIR corpus.jsonl's ids and passages (title + " " + text). An id twice is an error:
+    both copies would be retrieved, and one of them counted as relevant twice over."""
+    corpus_ids, passages, seen = [], [], {}
+    for lineno, row in _json_lines(corpus_file):
+        where = f"{corpus_file}:{lineno}"
+        doc_id = str(row.get("_id") if row.get("_id") is not None else _text(row, "_id", where))
+        if doc_id in seen:
+            raise DataError(f"{where}: _id {doc_id!r} is already line {seen[doc_id]}'s; corpus ids must be unique")
+        seen[doc_id] = lineno
+        corpus_ids.append(doc_id)
+        passages.append(passage_text(_text(row, "title", where, required=False), _text(row, "text", where)))
+    if not corpus_ids:
+        raise DataError(f"{corpus_file} holds no documents")
+    return corpus_ids, passages
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True

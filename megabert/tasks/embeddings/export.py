@@ -7,13 +7,17 @@
       sentence_bert_config.json           max_seq_length (texts cut as megabert cuts them)
       1_Pooling/config.json               mean or [CLS] pooling
       2_Normalize/                        when embeddings are normalised
-      config_sentence_transformers.json   the similarity: cosine, or dot without normalisation
+      config_sentence_transformers.json   the similarity: cosine, or dot without normalisation; the
+                                          prompts `query` and `document` (--query-prompt, --document-prompt)
 
 A ModernBERT bi-encoder writes transformers' ModernBertModel (config.json, model.safetensors)
 and copies tokenizer.json, tokenizer_config.json and special_tokens_map.json from the
 directory of the run's tokenizer.json in place of the WordPiece files.
 
-`SentenceTransformer(dir).encode(texts)` then computes megabert's embeddings. The files
+`SentenceTransformer(dir).encode(texts)` then computes megabert's embeddings (documents';
+`encode(queries, prompt_name="query")` or `encode_query` the queries'; max_seq_length is the
+documents' length). A Matryoshka model loads truncated as
+`SentenceTransformer(dir, truncate_dim=256)` (its cosine similarity re-normalises). The files
 are the layout sentence-transformers has written since v2 (and the hub's models use),
 which later versions still load.
 """
@@ -49,7 +53,7 @@ def gather_whole_model(model: BertForSentenceEmbedding, local: Optional[dict] = 
 
 
 def write_sentence_transformers(path: str, model: BertForSentenceEmbedding, full: dict, vocab_file: str, *,
-                                lower_case: bool, max_seq_length: int) -> None:
+                                lower_case: bool, max_seq_length: int, prompts: Optional[dict] = None) -> None:
     """Writes the directory from rank 0's gathered state (gather_whole_model)."""
     table = reference_table(model.config, type(model).__name__)
     if model.config.model_family == "modernbert":
@@ -76,7 +80,7 @@ def write_sentence_transformers(path: str, model: BertForSentenceEmbedding, full
     files = {"modules.json": modules, "1_Pooling/config.json": pooling,
              "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False},
              "config_sentence_transformers.json": {"similarity_fn_name": "cosine" if options.normalize else "dot",
-                                                   "prompts": {}, "default_prompt_name": None}}
+                                                   "prompts": dict(prompts or {}), "default_prompt_name": None}}
     for name, value in files.items():
         with open(os.path.join(path, name), "w", encoding="utf-8") as f:
             json.dump(value, f, indent=2)

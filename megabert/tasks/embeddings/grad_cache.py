@@ -33,7 +33,7 @@ import torch
 
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
-from megabert.tasks.embeddings.loss import contrastive_loss
+from megabert.tasks.embeddings.loss import Matryoshka, contrastive_loss
 from megabert.tensor_parallel.random import RNGStatesTracker
 
 EMBEDDING_FIELDS = ("input_ids", "token_type_ids", "attention_mask", "text_mask")
@@ -43,29 +43,44 @@ class ContrastiveObjective:
     """The embedding task's `TrainingTask.output_loss`: an EmbeddingOutput -> (loss, {"contrastive_loss"}).
     Directly the InfoNCE loss of the output's examples against the global batch; inside a
     gradient-cache step, the surrogate of the next piece (pass 3 above), its metric the
-    step's loss."""
+    step's loss.
 
-    def __init__(self, temperature: float, dp_group):
-        self.temperature, self.dp_group = temperature, dp_group
+    `dataset`: the name of the training file the current global batch comes from, when
+    there are several (megabert.tasks.embeddings.sampling sets it as it hands out the
+    step's first micro-batch); the step's loss is then also logged as
+    contrastive_loss_NAME."""
+
+    def __init__(self, temperature: float, dp_group, matryoshka: Optional[Matryoshka] = None):
+        self.temperature, self.dp_group, self.matryoshka = temperature, dp_group, matryoshka
         self.cached: Optional[deque] = None  # (gradient [n, T, h], weight) per piece, in order
         self.step_loss: Optional[torch.Tensor] = None
+        self.dataset: Optional[str] = None
+
+    def loss(self, embeddings: torch.Tensor, text_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return contrastive_loss(embeddings, text_mask, temperature=self.temperature, dp_group=self.dp_group,
+                                matryoshka=self.matryoshka)
+
+    def metrics(self, loss: torch.Tensor) -> dict:
+        if self.dataset is None:
+            return {"contrastive_loss": loss}
+        return {"contrastive_loss": loss, f"contrastive_loss_{self.dataset}": loss}
 
     def __call__(self, out) -> tuple[torch.Tensor, dict]:
         if self.cached is None:
-            loss = contrastive_loss(out.embeddings, out.text_mask, temperature=self.temperature, dp_group=self.dp_group)
-            return loss, {"contrastive_loss": loss}
+            loss = self.loss(out.embeddings, out.text_mask)
+            return loss, self.metrics(loss)
         grad, weight = self.cached.popleft()
         # The runners divide each piece's loss by the number of pieces (a mean over
         # micro-batches); `weight` (that number) undoes it: the pieces' gradients add up.
         surrogate = (out.embeddings * grad).sum() * weight
-        return surrogate, {"contrastive_loss": self.step_loss}
+        return surrogate, self.metrics(self.step_loss)
 
     def loss_and_gradients(self, embeddings: list[torch.Tensor], masks: list[Optional[torch.Tensor]]
                            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Pass 2: the loss over every piece's embeddings and its gradient per piece."""
         leaf = torch.cat(embeddings).detach().requires_grad_(True)
         mask = None if masks[0] is None else torch.cat(masks)
-        loss = contrastive_loss(leaf, mask, temperature=self.temperature, dp_group=self.dp_group)
+        loss = self.loss(leaf, mask)
         loss.backward()
         return loss.detach(), list(leaf.grad.split([e.size(0) for e in embeddings]))
 
