@@ -9,7 +9,7 @@ import logging
 from typing import Callable, Iterable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
-from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches, warn_if_packing_wasted
+from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches, with_fill_check
 from megabert.data.shard_sources import detect_nvidia_data
 from megabert.config import DataConfig
 from megabert.errors import DataError
@@ -47,8 +47,6 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
     source = " ".join(data.data_path)
 
     packing = packing_spec(data, t.seed) if data.pack_sequences else None
-    if packing is not None and ps.is_logging_rank:
-        warn_if_packing_wasted(packing)  # --packing-window 1; the row fill is in every metrics line
 
     def loader(ds, consumed):
         if packing is not None:
@@ -64,7 +62,9 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
 
     def train_batches(consumed):
         if packing is not None:  # sized for the whole run: one pass
-            return checked_batches(batches_of(loader(train_ds, consumed), consumed), tokenizer.vocab_size, source)
+            windows = loader(train_ds, consumed)
+            windows = with_fill_check(windows, packing) if ps.is_logging_rank else windows  # one warning line
+            return checked_batches(batches_of(windows, consumed), tokenizer.vocab_size, source)
         return checked_batches(infinite(lambda: loader(train_ds, consumed)), tokenizer.vocab_size, source)
 
     if valid_ds is None or not evals:
