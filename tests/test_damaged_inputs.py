@@ -311,10 +311,27 @@ def test_entity_tags_and_enough_data_do_not_warn(caplog):
 
 
 # The command line: a handful of rows through the real entry scripts, each stopping before any
-# model is built (no --load is read: the preflight comes first).
+# model is built (the preflight, or the run's resolution, which reads --load's config alone).
+def _hf_dir_without_tokenizer(t):
+    """config.json of a BERT and a weights file (not read before the error), no vocab.txt or tokenizer.json."""
+    d = _dir(t, "hf")
+    _file(t / "hf", "config.json", json.dumps({"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32,
+                                               "num_attention_heads": 2, "intermediate_size": 64,
+                                               "vocab_size": 100, "max_position_embeddings": 64}))
+    _file(t / "hf", "model.safetensors", b"")
+    return d
+
+
 def _cli_cases(t):
     f, d = _file(t, "f", "x"), _dir(t)
     return [
+        (["finetune_ner.py", "--load", _hf_dir_without_tokenizer(t), "--train-file", f], "--vocab-file (or "
+         "--tokenizer-model) is required: " + str(t / "hf") + " has neither a vocab.txt nor a tokenizer.json"),
+        (["pretrain_bert.py", "--data-path", "x", "--save", f], f"--save {f} is a file, not a directory"),
+        (["tools/checkpoint/reshard.py", "--load", d, "--save", os.path.join(f, "x"), "--tensor-model-parallel-size",
+          "1"], f"--save {os.path.join(f, 'x')} cannot be created: {f} is a file, not a directory"),
+        (["tools/checkpoint/convert_megatron.py", "import", "--megatron-dir", str(t / "none"), "--output", d],
+         f"--megatron-dir {t / 'none'} does not exist"),
         (["finetune_ner.py", "--load", d, "--train-file", f, "--output-dir", f], f"--output-dir {f} is a file"),
         (["finetune_squad.py", "--load", d, "--train-file", d], f"--train-file {d} is a directory; it takes a file"),
         (["tools/preprocess_data.py", "--input", f, "--output-prefix", os.path.join(f, "p"), "--vocab-file", f],
@@ -331,7 +348,7 @@ def test_entry_scripts_stop_in_one_line_before_building(tmp_path):
         r = run_main(os.path.join(ROOT, argv[0]), *argv[1:])
         one_line_error(r, "error: " + fragment)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (argv, r.stderr)
-    argv, fragment = cases[0]
+    argv, fragment = next(c for c in cases if c[0][0] == "finetune_ner.py" and "--output-dir" in c[0])
     r = run_cmd([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], cwd=tmp_path)
     one_line_error(r, "error: " + fragment)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
