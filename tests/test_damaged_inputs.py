@@ -265,6 +265,17 @@ def _warn_first_window():
     assert list(with_fill_check([window, window], spec)) == [window, window]  # checks the first only
 
 
+def _ner_task_check(t):
+    """NerTask.check_inputs on a training file tagged B-ORG / O and a validation file with a B-PER."""
+    from megabert.checkpoint.start import Format, Source
+    from megabert.tasks.ner.finetuning import NerTask
+
+    ft = NerConfig(train_file=_file(t, "train.txt", "EU B-ORG\nrejects O\n"),
+                   validation_file=_file(t, "valid.txt", "Peter B-PER\nrejects O\n"), output_dir=str(t / "out"))
+    cfg = FinetuneConfigs(parallel=ParallelConfig(), optim=OptimConfig(), train=TrainConfig(), finetune=ft)
+    return lambda: NerTask(cfg, Source(_hf_dir_without_tokenizer(t), Format.HF)).check_inputs()
+
+
 # (case, what it reaches, the one warning it gives; tmp -> the call)
 WARNINGS = [
     ("one-pair-repeated-to-a-batch", "finetune.warn_if_small", r"the training data gives 1 features, fewer than one "
@@ -283,6 +294,8 @@ WARNINGS = [
          TASKS["rte"], _glue(t, "index\tsentence1\tsentence2\tlabel\n0\tA\tB\tentailment\n")(), "dev.tsv",
          _glue(t, "index\tsentence1\tsentence2\tlabel\n0\tA\tB\tentailment\n1\tA\tC\tnot_entailment\n",
                name="dev.tsv")())),
+    ("ner-validation-tag-never-trained", "NerTask.check_inputs", r"valid.txt has tags the model never predicts "
+     r"\(not in the training file\): B-PER$", _ner_task_check),
     ("conll-pos-column-as-tags", "ner.warn_unless_entity_tags", r"train.txt: no tag in the last column is an entity "
      r"tag \(O, B-X, I-X; found NN, NNP, VBZ\)", lambda t: lambda: warn_unless_entity_tags(
          "train.txt", tuple(sorted({s for x in read_sentences(_file(t, "train.txt", "EU NNP\nrejects VBZ\nit NN\n"))
