@@ -25,6 +25,7 @@ from megabert.checkpoint.safetensors_file import read_safetensors
 from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
 from megabert.data import build_tokenizer
 from megabert.data.packing import PackingSpec, warn_if_packing_wasted, with_fill_check
+from megabert.data.samplers import warn_if_small
 from megabert.errors import MegabertError
 from megabert.paths import DIR, OUT_DIR, check_config_paths, check_path
 from megabert.tasks.glue.data import read_examples, warn_unseen_labels
@@ -32,7 +33,6 @@ from megabert.tasks.glue.tasks import TASKS
 from megabert.tasks.ner.config import NerConfig
 from megabert.tasks.ner.data import read_sentences, warn_unless_entity_tags
 from megabert.tasks.squad.examples import read_squad_examples
-from megabert.training.finetune import warn_if_small
 from tests.helpers.pretrain_runs import ROOT, one_line_error, run_cmd, run_main
 
 # How main (71416f6) ended each case: a traceback, rc 0 having done something wrong, a message that
@@ -278,7 +278,7 @@ def _ner_task_check(t):
 
 # (case, what it reaches, the one warning it gives; tmp -> the call)
 WARNINGS = [
-    ("one-pair-repeated-to-a-batch", "finetune.warn_if_small", r"the training data gives 1 features, fewer than one "
+    ("one-pair-repeated-to-a-batch", "samplers.warn_if_small", r"the training data gives 1 features, fewer than one "
      r"global batch of 32: each step repeats them \(about 32.0 times\); lower --global-batch-size to 1",
      lambda t: lambda: warn_if_small(1, 32, "features")),
     ("packing-window-1", "packing.warn_if_packing_wasted", r"--packing-window 1 puts each of the samples in a row of "

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
 from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches, with_fill_check
+from megabert.data.samplers import warn_if_small
 from megabert.data.shard_sources import detect_nvidia_data
 from megabert.config import DataConfig
 from megabert.errors import DataError
@@ -45,6 +46,9 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
                                                                 run.model.bert_binary_head)
     source = " ".join(data.data_path)
+    epochs = (getattr(train_ds, "stats", None) or {}).get("epochs", 0)  # Megatron's indexed data: its mapping's
+    if ps.is_logging_rank and epochs > 1 and not data.pack_sequences:
+        warn_if_small(len(train_ds) // epochs, global_batch, "samples an epoch")
 
     packing = packing_spec(data, t.seed) if data.pack_sequences else None
 
