@@ -53,6 +53,9 @@ def test_import_export_round_trip(setup, tmp_path):
     assert os.path.isfile(ckpt / "tokenizer.json")
     r = run_main("tools/checkpoint/convert_hf.py", "export", "--load", str(ckpt), "--hf-dir", str(out))
     assert r.returncode == 0, r.stderr
+    written = r.stdout.strip().splitlines()[-1].split(": ", 1)[1].split(", ")  # the files it says it wrote
+    assert "tokenizer.json" in written and "vocab.txt" not in written
+    assert sorted(written) == sorted(os.listdir(out)), (written, os.listdir(out))
 
     ref_logits, ref = _logits(hf_dir)
     logits, exported = _logits(str(out))

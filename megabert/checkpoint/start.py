@@ -172,6 +172,8 @@ def _finetuning_start(train: TrainConfig) -> RunStart:
 def _nothing_at(path: str) -> str:
     if not os.path.exists(path):
         return "does not exist"
+    if os.path.isfile(path):  # model.safetensors or config.json named where their directory belongs
+        return f"is a file; it takes a checkpoint's directory (such as {os.path.dirname(os.path.abspath(path))})"
     return f"holds no checkpoint (no {TRACKER}, no mp_rank_* directories, no Hugging Face or TF BERT files)"
 
 

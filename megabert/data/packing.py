@@ -292,6 +292,16 @@ def warn_if_packing_wasted(spec: PackingSpec, num_samples: int = 0, real_tokens:
                        spec.max_samples_per_row, spec.seq_length, int(spec.seq_length * num_samples / real_tokens))
 
 
+def with_fill_check(windows: Iterable[dict], spec: PackingSpec) -> Iterator[dict]:
+    """`windows` as they come, the first one's rows checked by warn_if_packing_wasted (pre-training
+    learns how its samples pack only from its first packed window)."""
+    for k, window in enumerate(windows):
+        if k == 0:
+            rows = np.asarray(window["row_samples"])
+            warn_if_packing_wasted(spec, int(rows.sum()), int(np.asarray(window["packed_seqlens"]).sum()), len(rows))
+        yield window
+
+
 def packing_stats(batches: list[dict]) -> Optional[torch.Tensor]:
     """[samples, real tokens, rows, row slots] summed over packed micro-batches, popped from them; None
     when they are not packed."""

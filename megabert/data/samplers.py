@@ -7,12 +7,15 @@ stopped, and every sample is seen by exactly one rank.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
 
 from megabert.data.sample_errors import ReportingDataLoader
 from megabert.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 
 class PretrainingSampler(torch.utils.data.Sampler):
@@ -65,3 +68,14 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     return ReportingDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
                                generator=torch.Generator().manual_seed(0))
+
+
+def warn_if_small(count: int, global_batch: int, what: str) -> None:
+    """One warning when an epoch is smaller than a global batch: a step then holds some training
+    samples more than once (fine-tuning's feature_batches and pre-training's sample mapping fill it
+    from the next epochs), which is legitimate but rarely meant (a one-pair file trained as a batch
+    of 32 copies)."""
+    if count < global_batch:
+        logger.warning("the training data gives %d %s, fewer than one global batch of %d: each step repeats them "
+                       "(about %.1f times); lower --global-batch-size to %d or give more data", count, what,
+                       global_batch, global_batch / count, count)

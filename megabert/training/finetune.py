@@ -31,6 +31,7 @@ from megabert.config import FinetuneConfigs, TaskConfig
 from megabert.data import build_tokenizer
 from megabert.data.packing import (PackingSpec, packed_feature_batches, rows_per_epoch, warn_if_packing_wasted,
                                    with_flat_token_positions)
+from megabert.data.samplers import warn_if_small
 from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
 from megabert.paths import check_config_paths
@@ -194,16 +195,6 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
     task.prepare_trainer(trainer, run)
     trainer.train()
     return trainer
-
-
-def warn_if_small(count: int, global_batch: int, what: str) -> None:
-    """One warning when an epoch is smaller than a global batch: a step then holds some training
-    features more than once (feature_batches fills it from the next epochs), which is legitimate
-    but rarely meant (a one-pair file trained as a batch of 32 copies)."""
-    if count < global_batch:
-        logger.warning("the training data gives %d %s, fewer than one global batch of %d: each step repeats them "
-                       "(about %.1f times); lower --global-batch-size to %d or give more data", count, what,
-                       global_batch, global_batch / count, count)
 
 
 def write_json(path: str, value) -> None:

@@ -145,8 +145,8 @@ def _task_vocab(task: TaskConfig, explicit: frozenset, pretrained: Source) -> Ta
                       os.path.join(pretrained.directory, "tokenizer.json")]
         vocab = next((c for c in candidates if c and os.path.isfile(c)), None)
         if vocab is None:
-            raise ConfigError(f"--vocab-file is required: {pretrained.path} has no vocab.txt; pass the vocab the "
-                              f"model was pre-trained with")
+            raise ConfigError(f"--vocab-file (or --tokenizer-model) is required: {pretrained.path} has neither a "
+                              f"vocab.txt nor a tokenizer.json; pass the tokenizer the model was pre-trained with")
     kind = task.tokenizer_type
     if vocab.endswith(".json") and "finetune.tokenizer_type" not in explicit:
         kind = "HuggingFaceTokenizer"

@@ -81,6 +81,19 @@ def read_tsv(path: str, task: GlueTaskSpec, *, test: bool = False) -> list[GlueE
     return examples
 
 
+def warn_unseen_labels(task: GlueTaskSpec, train: list[GlueExample], path: str, examples: list[GlueExample]
+                       ) -> None:
+    """One warning when a dev file holds classes the training data never shows: legitimate (a
+    small or filtered training set), but the model then scores those rows as it was never taught."""
+    if task.is_regression:
+        return
+    unseen = sorted({e.label for e in examples} - {e.label for e in train} - {None})
+    if unseen:
+        logger.warning("%s has labels the training data never shows: %s (%d of %d rows)", path,
+                       ", ".join(task.labels[i] for i in unseen), sum(e.label in unseen for e in examples),
+                       len(examples))
+
+
 def read_named_columns(path: str, task: GlueTaskSpec, *, test: bool = False) -> list[GlueExample]:
     """A CSV (with a header row) or JSON-lines file: the sentences are `sentence1` and
     `sentence2` when both exist, else the first one or two columns that are not `label`

@@ -16,7 +16,7 @@ from megabert.config import FinetuneConfigs
 from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
-from megabert.tasks.glue.data import GlueExample, read_examples
+from megabert.tasks.glue.data import GlueExample, read_examples, warn_unseen_labels
 from megabert.tasks.glue.features import examples_to_tensors
 from megabert.tasks.glue.metrics import glue_metrics
 from megabert.model import ModernBertForSequenceClassification
@@ -152,9 +152,12 @@ class GlueTask(FinetuneTask):
         return glue_task()
 
     def check_inputs(self) -> None:
-        for path in [self.files.train] + [p for p, _ in self.files.dev]:
+        train = read_examples(self.files.train, self.glue) if self.files.train else None
+        for path, _ in self.files.dev:
             if path:
-                read_examples(path, self.glue)
+                dev = read_examples(path, self.glue)
+                if train is not None:
+                    warn_unseen_labels(self.glue, train, path, dev)
 
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
         return load_glue_model(self.cfg, self.pretrained, ps, vocab_size)

@@ -9,7 +9,8 @@ import logging
 from typing import Callable, Iterable, Iterator, Optional
 
 from megabert.data import build_pretraining_data_loader
-from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches, warn_if_packing_wasted
+from megabert.data.packing import PackingSpec, packed_loader, packed_micro_batches, with_fill_check
+from megabert.data.samplers import warn_if_small
 from megabert.data.shard_sources import HDF5, detect_nvidia_data
 from megabert.config import DataConfig
 from megabert.errors import ConfigError, DataError
@@ -45,17 +46,18 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
     else:
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
                                                                 run.model.bert_binary_head)
+    source = " ".join(data.data_path)
+    epochs = (getattr(train_ds, "stats", None) or {}).get("epochs", 0)  # Megatron's indexed data: its mapping's
+    if ps.is_logging_rank and epochs > 1 and not data.pack_sequences:
+        warn_if_small(len(train_ds) // epochs, global_batch, "samples an epoch")
     if data.mask_prob_schedule is not None:
         if nvidia is not None and nvidia.format == HDF5:
             raise ConfigError(f"--mask-prob-schedule cannot change the masks of --data-path's {HDF5} shards, which "
                               f"are stored masked; drop the flag or train on Megatron indexed data or LDDL shards")
         # Validation keeps --mask-prob, so its losses compare across the schedule.
         train_ds = ScheduledMasking(train_ds, MaskRates.of(data, global_batch))
-    source = " ".join(data.data_path)
 
     packing = packing_spec(data, t.seed) if data.pack_sequences else None
-    if packing is not None and ps.is_logging_rank:
-        warn_if_packing_wasted(packing)  # --packing-window 1; the row fill is in every metrics line
 
     def loader(ds, consumed):
         if packing is not None:
@@ -71,7 +73,9 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
 
     def train_batches(consumed):
         if packing is not None:  # sized for the whole run: one pass
-            return checked_batches(batches_of(loader(train_ds, consumed), consumed), tokenizer.vocab_size, source)
+            windows = loader(train_ds, consumed)
+            windows = with_fill_check(windows, packing) if ps.is_logging_rank else windows  # one warning line
+            return checked_batches(batches_of(windows, consumed), tokenizer.vocab_size, source)
         return checked_batches(infinite(lambda: loader(train_ds, consumed)), tokenizer.vocab_size, source)
 
     if valid_ds is None or not evals:
