@@ -26,3 +26,35 @@ def test_demo_script_runs_small(tmp_path):
     glue = json.load(open(tmp_path / "glue" / "out" / "eval_results.json"))
     assert glue["eval_samples"] > 0 and 0 <= glue["eval_accuracy"] <= 1 and "GLUE task in SST-2 format" in r.stdout
     assert open(tmp_path / "glue" / "out" / "SST-2.tsv").readline() == "index\tprediction\n"
+
+
+def _demo_data_in_a_process(w, hash_seed):
+    """`make demo`'s first three steps (corpus, WordPiece vocab, preprocessing with 2 workers) at
+    a small size, in one fresh interpreter with its own hash seeds (Python's and Rust's)."""
+    tools = os.path.join(ROOT, "tools")
+    steps = [[os.path.join(tools, "make_demo_corpus.py"), "--output", f"{w}/corpus.jsonl", "--max-documents", "150"],
+             [os.path.join(tools, "train_tokenizer.py"), "--input", f"{w}/corpus.jsonl", "--output", f"{w}/vocab.txt",
+              "--vocab-size", "2000"],
+             [os.path.join(tools, "preprocess_data.py"), "--input", f"{w}/corpus.jsonl", "--json-keys", "text",
+              "--output-prefix", f"{w}/demo", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
+              f"{w}/vocab.txt", "--split-sentences", "--workers", "2"]]
+    script = ("import runpy, sys\n"
+              f"for argv in {steps!r}:\n"
+              "    sys.argv = argv\n"
+              "    try:\n"
+              "        runpy.run_path(argv[0], run_name='__main__')\n"
+              "    except SystemExit as e:\n"
+              "        assert not e.code, e.code\n")
+    env = {**os.environ, "PYTHONHASHSEED": str(hash_seed), "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_demo_data_is_the_same_on_every_run(tmp_path):
+    """Issue 51: the demo's figures differed between runs, first of all because its vocab did.
+    Two runs write the same corpus, vocab and dataset, byte for byte."""
+    for seed in (1, 2):
+        (tmp_path / str(seed)).mkdir()
+        _demo_data_in_a_process(tmp_path / str(seed), seed)
+    for name in ("corpus.jsonl", "vocab.txt", "demo_text_sentence.bin", "demo_text_sentence.idx"):
+        assert open(tmp_path / "1" / name, "rb").read() == open(tmp_path / "2" / name, "rb").read(), name

@@ -10,8 +10,9 @@ No optimizer step runs at lr 0 (issue 51): the warm-up's ramp starts one step be
 first (it = 0 is never taken) and the decay's ramp ends one step after the last of
 --lr-decay-iters (at it = decay_iters + 1, never taken), so the first step is above the
 warm-up's start, the last above --min-lr, and each step has a lr of its own (the warm-up's
-last step is the only one at the peak). transformers and Megatron take lr(step - 1) instead,
-spending their first step at 0 (or the last one at --min-lr, as we did before). docs/recipes.md.
+last step is the only one at the peak). transformers and Megatron take lr(step - 1) and
+spend their first step at 0; megabert took lr(step) on a decay ending at the last step and
+spent that one at --min-lr. docs/recipes.md.
 warmup_exp_decay_exp keeps init as bing_bert keeps its --lr_offset, added to the whole
 curve: lr(it) = init + (lr - init) * f(it), f rising as (it / warmup)^2, then decaying."""
 from __future__ import annotations
