@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -91,9 +92,9 @@ class Megabert:
 
     def mine(self, model_dir: str, pairs: str, output: str) -> None:
         a = self.args
+        margin = ["--relative-margin", a.relative_margin] if a.relative_margin is not None else []
         self._run(self.mine_script, ["--pairs", pairs, "--load", model_dir, "--output", output, "--num-negatives", 1,
-                                     "--range-min", a.range_min, "--relative-margin", a.relative_margin,
-                                     "--micro-batch-size", 128])
+                                     "--range-min", a.range_min, *margin, "--micro-batch-size", 128])
 
 
 def st_train(init: str, pairs: list[Pair], args, dims=None):
@@ -154,8 +155,9 @@ def st_mine(model, pairs: list[Pair], args) -> list[Pair] | None:
     from sentence_transformers.util import mine_hard_negatives
 
     data = datasets.Dataset.from_dict({"query": [p.query for p in pairs], "positive": [p.positive for p in pairs]})
-    mined = mine_hard_negatives(data, model, num_negatives=1, range_min=args.range_min,
-                                relative_margin=args.relative_margin, output_format="triplet", verbose=False)
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        mined = mine_hard_negatives(data, model, num_negatives=1, range_min=args.range_min,
+                                    relative_margin=args.relative_margin, output_format="triplet", verbose=False)
     by_query = {q: n for q, n in zip(mined["query"], mined["negative"])}
     # Pairs whose query found no negative keep none (as megabert's output); the batch then has
     # no hard-negative column for them, so they are dropped from the triplet training.
@@ -164,23 +166,27 @@ def st_mine(model, pairs: list[Pair], args) -> list[Pair] | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=512)
+    p.add_argument("--pairs", type=int, default=1024)
     p.add_argument("--dev-queries", type=int, default=200)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--range-min", type=int, default=0)
-    p.add_argument("--relative-margin", type=float, default=0.05)
+    # About the positives a topic has (1024 pairs over 128 topics): they are relevant, so the
+    # top ranks are skipped rather than mined as (false) negatives. A margin instead can leave
+    # a weak first model's pairs without a negative, which sentence-transformers' triplets
+    # then drop while megabert trains them with in-batch negatives alone.
+    p.add_argument("--range-min", type=int, default=8)
+    p.add_argument("--relative-margin", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None)
     args = p.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="retrieval_bench_")
     paths = write_retrieval_set(os.path.join(work, "data"), train_pairs=args.pairs, dev_queries=args.dev_queries,
-                                train_topics=64, dev_topics=100, passages_per_dev_topic=3, seed=args.seed,
+                                train_topics=128, dev_topics=100, passages_per_dev_topic=3, seed=args.seed,
                                 negatives="none")
     init = os.path.join(work, "init")
     make_init(init, paths["vocab"], args)
