@@ -71,12 +71,14 @@ def test_mining_equals_sentence_transformers(setup, export, tmp_path, name):
     assert sum(map(len, ours.values())) > len(ours)  # the filters left negatives to compare
 
 
-def test_mining_dp2_equals_one_process_and_trains(setup, export, tmp_path):
-    """DP=2 (the corpus embedded and searched in two shards, merged) writes the one-process
-    file; the file is training pairs with 3 negatives each that --train-file reads."""
+def test_mining_layouts_equal_one_process_and_train(setup, export, tmp_path):
+    """DP=2 (the corpus embedded and searched in two shards, merged) and TP=2 write the
+    one-process file; the file is training pairs with 3 negatives each that --train-file reads."""
     mine(setup, export, tmp_path / "one.jsonl", "--range-min", 1)
     mine(setup, export, tmp_path / "dp2.jsonl", "--range-min", 1, world=2)
+    mine(setup, export, tmp_path / "tp2.jsonl", "--range-min", 1, "--tensor-model-parallel-size", 2, world=2)
     assert open(tmp_path / "dp2.jsonl").read() == open(tmp_path / "one.jsonl").read()
+    assert open(tmp_path / "tp2.jsonl").read() == open(tmp_path / "one.jsonl").read()
     pairs = read_pairs(str(tmp_path / "one.jsonl"))
     assert [p.query for p in pairs] == [p.query for p in read_pairs(setup["train"])]
     assert all(len(p.negatives) == 3 and p.positive not in p.negatives for p in pairs)

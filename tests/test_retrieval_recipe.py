@@ -5,7 +5,6 @@ truncate_dim), --no-duplicates and several training files (BatchPlan: no text tw
 global batch, one file per batch, deterministic, resumable), --eval-interval with
 --keep-best, and one-line errors on bad input. The layouts: tests/test_embeddings.py."""
 import json
-import os
 
 import numpy as np
 import pytest

@@ -16,6 +16,7 @@ from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
 from megabert.model_family import checkpoint_model_config
 from megabert.parallel import ParallelState
+from megabert.tasks.embeddings.config import number_list
 from megabert.tasks.embeddings.data import BeirSet, Pair, read_beir, read_pairs
 from megabert.tasks.embeddings.evaluation import BeirEvaluator
 from megabert.tasks.embeddings.export import gather_whole_model, write_sentence_transformers
@@ -127,7 +128,7 @@ class EmbeddingsTask(FinetuneTask):
         ft = self.config
         if len(self.files) < 2 and ft.duplicates:
             return None
-        weights = [float(w) for w in ft.dataset_weights.split(",")] if ft.dataset_weights else None
+        weights = number_list(ft.dataset_weights, "--dataset-weights", float) if ft.dataset_weights else None
         self.plan = BatchPlan(self.files, global_batch=run.batch.global_batch_size, seed=run.train.seed,
                               no_duplicates=not ft.duplicates, sampling=ft.dataset_sampling, weights=weights)
         several = len(self.files) > 1

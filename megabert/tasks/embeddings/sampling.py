@@ -21,7 +21,7 @@ in the same batch would otherwise be scored as a negative of its own query's pos
 """
 from __future__ import annotations
 
-import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -30,9 +30,6 @@ import torch
 
 from megabert.errors import DataError
 from megabert.tasks.embeddings.data import Pair
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class TrainingFile:
@@ -44,8 +41,6 @@ class TrainingFile:
 
 def file_names(paths: Sequence[str]) -> list[str]:
     """Short names of the training files (their base names without .jsonl), made unique."""
-    import os
-
     names = []
     for i, path in enumerate(paths):
         name = os.path.basename(path).removesuffix(".jsonl")
@@ -71,8 +66,6 @@ class BatchPlan:
                     raise DataError(f"--no-duplicates: {f.path} cannot fill one global batch of {global_batch} pairs "
                                     f"without repeating a text ({len(f.pairs)} pairs, {distinct} distinct texts); "
                                     f"lower --global-batch-size or drop --no-duplicates")
-        elif min(len(f.pairs) for f in files) < 1:
-            raise DataError("a --train-file holds no pairs")
 
     def file_order(self) -> Iterator[int]:
         """The file of each step, endless."""
