@@ -30,6 +30,7 @@ from typing import Optional
 
 from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megabert.errors import ConfigError
+from megabert.families import get_family
 from megabert.parallel.layout import BatchLayout, data_parallel_size
 from megabert.parallel.zero import ZeroPlan
 
@@ -181,8 +182,9 @@ def check_cuda_graphs(cfg: Configs | FinetuneConfigs) -> None:
                                                           "collectives replayed inside a graph would escape "
                                                           "--distributed-timeout-minutes (a lost peer would hang the "
                                                           "job) and the per-step byte ledger"),
-           (cfg.model.model_family != "bert", f"is for BERT (not yet tried on --model-family "
-                                               f"{cfg.model.model_family}'s packed step)"),
+           (not get_family(cfg.model.model_family).packed_mlm_slots,
+            f"is for BERT-style masked LMs' fixed-shape packed step; --model-family {cfg.model.model_family}'s "
+            f"selects its masked positions on the device"),
            (cfg.model.recompute_granularity is not None, "cannot combine with --recompute-granularity: the "
                                                          "recompute restores RNG states by value inside backward")]
     for bad, what in why:

@@ -14,7 +14,9 @@ import torch
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
-from megabert.model_family import checkpoint_model_config
+from megabert.families import recipe
+from megabert.model.registry import MODEL_CLASSES
+from megabert.model_family import checkpoint_model_config, task_model_class_name
 from megabert.parallel import ParallelState
 from megabert.tasks.embeddings.data import BeirSet, Pair, read_beir, read_pairs
 from megabert.tasks.embeddings.export import gather_whole_model, write_sentence_transformers
@@ -22,7 +24,7 @@ from megabert.tasks.embeddings.features import group_texts, pairs_to_tensors, te
 from megabert.tasks.embeddings.grad_cache import (EMBEDDING_FIELDS, ContrastiveObjective, GradientCacheRunner,
                                                    check_cache_layout, check_chunk_size)
 from megabert.tasks.embeddings.metrics import per_query_metrics
-from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions, ModernBertForSentenceEmbedding
+from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions
 from megabert.training.build import build_runner
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.resolve import ResolvedRun
@@ -70,9 +72,11 @@ class EmbeddingsTask(FinetuneTask):
         self.objective: Optional[ContrastiveObjective] = None
         self.model: Optional[BertForSentenceEmbedding] = None
         self.trainer: Optional[Trainer] = None
-        # A ModernBERT --load (a transformers dir or a megabert checkpoint of one) trains as
-        # ModernBertForSentenceEmbedding and exports with its tokenizer.json.
-        self.modernbert = checkpoint_model_config(pretrained) is not None
+        # A --load of a family with a tokenizer.json (a transformers dir or a megabert checkpoint
+        # of one) exports with its tokenizer.json.
+        loaded = checkpoint_model_config(pretrained)
+        self.modernbert = loaded is not None and recipe(loaded).tokenizer == "tokenizer.json"
+        self.model_class = MODEL_CLASSES[task_model_class_name(pretrained, "embeddings")]
 
     @property
     def training_task(self) -> TrainingTask:
@@ -95,8 +99,7 @@ class EmbeddingsTask(FinetuneTask):
     def load_model(self, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
         # Unpadded encoder: the pooling reads real tokens alone and retrieval texts leave much
         # of max_seq_length to padding.
-        model_class = ModernBertForSentenceEmbedding if self.modernbert else BertForSentenceEmbedding
-        model = load_task_model(model_class, self.cfg, self.pretrained, ps, vocab_size, unpad_input=True)
+        model = load_task_model(self.model_class, self.cfg, self.pretrained, ps, vocab_size, unpad_input=True)
         ft = self.config
         model.options = EmbeddingOptions(pooling=ft.pooling, normalize=ft.normalize,
                                          texts_per_example=texts_per_pair(self.pairs) if self.pairs else 1)
