@@ -121,9 +121,12 @@ def check_optim(optim: OptimConfig) -> None:
 
 def check_model(model: ModelConfig) -> None:
     """The architecture's flags among themselves."""
-    if model.hidden_size % model.num_attention_heads:
+    if model.hidden_size % model.num_attention_heads and model.kv_channels is None:
         raise ConfigError(f"--hidden-size {model.hidden_size} is not divisible by "
                           f"--num-attention-heads {model.num_attention_heads}")
+    if model.num_attention_heads % model.num_kv_heads:
+        raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                          f"--num-query-groups {model.num_kv_heads}")
     if model.unpad_input and model.sequence_parallel:
         raise ConfigError("--unpad-input cannot combine with --sequence-parallel (the sequence is split over "
                           "tensor-parallel ranks, the real tokens are not); use --no-unpad-input")
@@ -220,6 +223,10 @@ def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_s
     if model.num_attention_heads % tp:
         raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"--num-query-groups {kv} neither splits over nor replicates onto "
+                          f"--tensor-model-parallel-size {tp}: use a TP size that divides or is a multiple of it")
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")

@@ -69,6 +69,16 @@ def hf_config_from_model(cfg: ModelConfig, architecture: Optional[str] = None) -
                if architecture.endswith(("ForSequenceClassification", "ForTokenClassification")) else {})}
 
 
+def hf_architecture(cfg: ModelConfig, model_class: str) -> str:
+    """The transformers architecture an export of our `model_class` names: a masked LM without a
+    sentence-pair head is the family's *ForMaskedLM; a task model keeps its name."""
+    family = get_family(cfg.model_family)
+    if model_class == "EncoderForMaskedLM" or (model_class == family.task_classes.get("pretraining")
+                                               and not cfg.bert_binary_head):
+        return family.architectures["masked_lm"]
+    return model_class
+
+
 def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:
     """What AutoModelFor{Sequence,Token}Classification and pipeline("text-classification" /
     "token-classification") read: the labels (ids as JSON strings, as transformers writes
@@ -97,16 +107,25 @@ def _normalise_hf_keys(state: dict) -> dict:
     return out
 
 
-def hf_to_megabert(hf_state: dict, table: dict[str, ParamSpec]) -> dict:
+def hf_to_megabert(hf_state: dict, table: dict[str, ParamSpec], aliases: Optional[dict] = None) -> dict:
     """Full HF state dict -> full megabert state dict, for the parameters of `table` (a
     model's spec table) whose Hugging Face names are all present; the rest is left out
-    for the loader to report. Vocab rows are as HF has them (unpadded): loading pads."""
+    for the loader to report. Vocab rows are as HF has them (unpadded): loading pads.
+    `aliases`: prefixes another writer of the family uses -> transformers' (Family.hf_prefix_aliases).
+    A tensor holding NaN or inf is refused by name."""
     hf_state = _normalise_hf_keys(hf_state)
+    for old, new in (aliases or {}).items():
+        hf_state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in hf_state.items()}
     out: dict[str, torch.Tensor] = {}
     for name, spec in table.items():
         parts = [hf_state.get(n) for n in spec.hf_names]
         if not parts or any(p is None for p in parts):
             continue
+        bad = next((n for n, p in zip(spec.hf_names, parts) if p.is_floating_point() and not torch.isfinite(p).all()),
+                   None)
+        if bad is not None:
+            raise CheckpointError(f"{bad} holds NaN or inf values: the checkpoint is damaged (re-download or "
+                                  f"re-export it)")
         out[name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         if spec.valid_rows is not None and out[name].size(0) != spec.valid_rows:
             raise CheckpointError(f"{spec.hf_names[0]} has {out[name].size(0)} rows but config.json's vocab_size is "

@@ -37,6 +37,8 @@ class Family:
     task_classes: Mapping[str, str] = field(default_factory=dict)
     """Task (pretraining, sequence_classification, token_classification, question_answering,
     embeddings) -> the registered model class name (megabert.model.registry) that runs it."""
+    hf_prefix_aliases: Mapping[str, str] = field(default_factory=dict)
+    """Tensor-name prefixes other writers of the family use -> transformers' ("new." -> "gte.")."""
     hf_base_prefix: str = ""
     """The base model's prefix in transformers' task checkpoints ("bert."): a bare base model
     (sentence-transformers' export) is saved without it."""

@@ -123,6 +123,9 @@ class MLPSpec:
     out_bias: bool = True
     dropout: float = 0.0
     """Inside the MLP, after the activation (ModernBERT's mlp_dropout)."""
+    gate_first: bool = False
+    """glu: the up-projection's halves are [gate; input], the activated half second (GTE's
+    up_gate_proj); False: [input; gate] (ModernBERT's Wi)."""
 
     def __post_init__(self):
         _need(self.ffn_size > 0, f"the MLP width must be positive, got {self.ffn_size}")

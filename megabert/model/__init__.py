@@ -4,8 +4,8 @@ layout. The task models (pre-training, SQuAD, ...) live in their task packages u
 megabert.tasks; the masked LM and the classifiers every family shares live here."""
 from megabert.model.bert import BertModel, BertPreTrainedModel, attention_mask_to_bool
 from megabert.model.classifier import ModernBertForSequenceClassification
-from megabert.model.masked_lm import EncoderForMaskedLM, MaskedLMOutput, ModernBertForMaskedLM
+from megabert.model.masked_lm import AutoModelForMaskedLM, EncoderForMaskedLM, MaskedLMOutput, ModernBertForMaskedLM
 from megabert.model.outputs import ModelOutput
 
-__all__ = ["BertModel", "BertPreTrainedModel", "EncoderForMaskedLM", "MaskedLMOutput", "ModelOutput",
+__all__ = ["AutoModelForMaskedLM", "BertModel", "BertPreTrainedModel", "EncoderForMaskedLM", "MaskedLMOutput", "ModelOutput",
            "ModernBertForMaskedLM", "ModernBertForSequenceClassification", "attention_mask_to_bool"]

@@ -13,14 +13,17 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from megabert import ops
+from megabert.errors import ConfigError
 from megabert.model.context import BuildContext
 from megabert.model.local_attention import local_attention, worth_blocking
 from megabert.model.rope import RotaryTables, padded_positions, rotate_qkv
 from megabert.model.unpad import TokenLayout
-from megabert.parallel.param_spec import set_hf_names
-from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
+from megabert.parallel.param_spec import describe, set_hf_names
+from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, copy_to_tp, gather_from_sp
+from megabert.tensor_parallel.layers import gemm_weight
 
 
 def band_mask(s: int, half_window: int, device) -> torch.Tensor:
@@ -87,13 +90,17 @@ class SelfAttention(nn.Module):
         self.head_dim = attn.head_dim
         inner = attn.num_heads * attn.head_dim
         self.qkv_name, self.out_name = spec.names.qkv, spec.names.attn_out
-        self.add_module(self.qkv_name, ColumnParallelLinear(spec.hidden_size, 3 * inner, stride=3,
-                                                            bias=attn.qkv_bias, **ctx.tp_kwargs()))
+        self.kv_heads = None
+        if attn.gqa:
+            self._build_gqa(ctx, hf_prefix)
+        else:
+            self.add_module(self.qkv_name, ColumnParallelLinear(spec.hidden_size, 3 * inner, stride=3,
+                                                                bias=attn.qkv_bias, **ctx.tp_kwargs()))
+            # transformers may keep Q, K and V as three matrices; ours is their concatenation.
+            set_hf_names(self, {f"{self.qkv_name}.{k}": v for k, v in spec.hf_layer("qkv", hf_prefix).items()
+                                if k == "weight" or attn.qkv_bias})
         self.add_module(self.out_name, RowParallelLinear(inner, spec.hidden_size, input_is_parallel=True,
                                                          bias=attn.out_bias, **ctx.row_parallel_kwargs()))
-        # transformers may keep Q, K and V as three matrices; ours is their concatenation.
-        set_hf_names(self, {f"{self.qkv_name}.{k}": v for k, v in spec.hf_layer("qkv", hf_prefix).items()
-                            if k == "weight" or attn.qkv_bias})
         set_hf_names(self, {f"{self.out_name}.{k}": v for k, v in spec.hf_layer("attn_out", hf_prefix).items()
                             if k == "weight" or attn.out_bias})
         self.selective_recompute = ctx.config.recompute_granularity == "selective"
@@ -107,6 +114,58 @@ class SelfAttention(nn.Module):
         self.varlen = ctx.attention_backend == "varlen"
         self.blocked = self.half_window is not None and ctx.attention_backend != "torch"
         self.window = (-1, -1) if self.half_window is None else (self.half_window, self.half_window)
+
+    def _build_gqa(self, ctx: BuildContext, hf_prefix: str) -> None:
+        """Grouped-query attention: Q column-parallel by heads; K and V ([K; V], stride 2) split
+        by key/value heads when the TP size divides them, so each rank keeps the key/value heads
+        of its own query heads (query heads [j*g, (j+1)*g) share head j); replicated when the TP
+        size exceeds them (Megatron's rule), each rank then reading its query heads' group. A
+        replicated K/V weight sees only its rank's group: its gradient is partial over the TP
+        group and is summed there (ParamSpec.sequence_parallel)."""
+        spec, attn, tp = ctx.spec, ctx.spec.attention, ctx.tp_size
+        d, h = attn.head_dim, spec.hidden_size
+        self.group = attn.num_heads // attn.num_kv_heads
+        self.add_module("query", ColumnParallelLinear(h, attn.num_heads * d, bias=attn.qkv_bias, **ctx.tp_kwargs()))
+        names = {"query": spec.hf_layer("q", hf_prefix), "key_value": spec.hf_layer("kv", hf_prefix)}
+        if attn.num_kv_heads % tp == 0:
+            self.kv_heads = attn.num_kv_heads // tp
+            self.kv_replicated = None
+            self.add_module("key_value", ColumnParallelLinear(h, 2 * attn.num_kv_heads * d, stride=2,
+                                                              bias=attn.qkv_bias, **ctx.tp_kwargs()))
+        else:
+            if tp % attn.num_kv_heads:
+                raise ConfigError(f"{attn.num_kv_heads} key/value heads neither split over nor replicate onto "
+                                  f"--tensor-model-parallel-size {tp}: use a TP size that divides or is a "
+                                  f"multiple of them")
+            self.kv_heads = 1
+            # The one key/value head of this rank's query heads.
+            self.kv_replicated = ctx.tp_rank * attn.num_kv_heads // tp
+            linear = nn.Linear(h, 2 * attn.num_kv_heads * d, bias=attn.qkv_bias, dtype=ctx.params_dtype,
+                               device=ctx.device)
+            describe(linear.weight, sequence_parallel=True)
+            if attn.qkv_bias:
+                describe(linear.bias, init="zeros", weight_decay=False, sequence_parallel=True)
+            self.add_module("key_value", linear)
+        for module, table in names.items():
+            set_hf_names(self, {f"{module}.{k}": v for k, v in table.items() if k == "weight" or attn.qkv_bias})
+
+    def _gqa_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x -> [..., 3, n/tp, d]: each query head beside its group's key/value head."""
+        q = self.query(x)
+        q = q.view(*q.shape[:-1], 1, self.heads_per_rank, self.head_dim)
+        if self.kv_replicated is None:
+            kv = self.key_value(x)
+        else:
+            # Every rank's K/V path reads the whole input: its gradient there is partial.
+            full = gather_from_sp(x, self.ctx.tp_group) if self.ctx.sequence_parallel else copy_to_tp(x, self.ctx.tp_group)
+            bias = None if self.key_value.bias is None else gemm_weight(self.key_value.bias)
+            kv = F.linear(full, gemm_weight(self.key_value.weight), bias)
+        kv = kv.view(*kv.shape[:-1], 2, -1, self.head_dim)  # [..., 2, kv heads here, d]
+        if self.kv_replicated is not None:
+            kv = kv.narrow(-2, self.kv_replicated, 1)
+        # Query head i of this rank reads key/value head i // group of this rank's.
+        kv = kv.repeat_interleave(self.heads_per_rank // self.kv_heads, dim=-2)
+        return torch.cat((q, kv), dim=-3)
 
     @property
     def is_global(self) -> bool:
@@ -157,9 +216,12 @@ class SelfAttention(nn.Module):
         at these rows of [T, h] alone -> [n, h]; every token is still attended to."""
         if inputs is None:  # a layer run on its own: [s, b, h], no padding
             inputs = AttentionInputs.unmasked(x.size(0), x.size(1), self.head_dim, x.device)
-        qkv = getattr(self, self.qkv_name)(x)  # [s, b, 3h/tp] or [T, 3h/tp]
-        # The stride-3 QKV weight gives each token [Q_r | K_r | V_r], each heads x d.
-        qkv = qkv.view(*qkv.shape[:-1], 3, self.heads_per_rank, self.head_dim)
+        if self.kv_heads is not None:
+            qkv = self._gqa_qkv(x)  # [s, b, 3, n/tp, d] or [T, 3, n/tp, d]
+        else:
+            qkv = getattr(self, self.qkv_name)(x)  # [s, b, 3h/tp] or [T, 3h/tp]
+            # The stride-3 QKV weight gives each token [Q_r | K_r | V_r], each heads x d.
+            qkv = qkv.view(*qkv.shape[:-1], 3, self.heads_per_rank, self.head_dim)
         if self.theta is not None:
             cos, sin = inputs.rope.get(self.theta, qkv.dtype)  # [T, 1, d] or [s, b, 1, d]
             qkv = rotate_qkv(qkv, cos, sin)

@@ -63,7 +63,7 @@ def build_context(config: ModelConfig, ps: ParallelState, seed: int, params_dtyp
     rng = RNGStatesTracker(device, split_ranks=ps.tp_size > 1)
     rng.add(TP_STREAM, tp_stream_seed(seed, ps.tp_rank, ps.pp_rank))
     spec = encoder_spec(config)
-    return BuildContext(config=config, spec=spec, tp_group=ps.tp_group, tp_size=ps.tp_size, rng=rng,
+    return BuildContext(config=config, spec=spec, tp_group=ps.tp_group, tp_size=ps.tp_size, tp_rank=ps.tp_rank, rng=rng,
                         attention_backend=resolve_attention_backend(config.attention_backend, device.type,
                                                                     spec.attention.head_dim),
                         layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),

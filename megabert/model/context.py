@@ -27,6 +27,7 @@ class BuildContext:
     dropout_add_backend: str = "torch"  # resolved: torch | fused
     params_dtype: torch.dtype = torch.float32
     device: Optional[torch.device] = None
+    tp_rank: int = 0
 
     @property
     def sequence_parallel(self) -> bool:

@@ -115,6 +115,13 @@ class MLMHead(VocabParallelDecoder):
             set_hf_names(self, {f"{self.norm_name}.{k}": v for k, v in spec.hf("head_norm").items()
                                 if getattr(norm, k, None) is not None})
         per_rank = padded_vocab_size // ctx.tp_size
+        self.decoder = None
+        if not head.tied:
+            # A decoder of its own (EuroBERT's lm_head): vocab-parallel as the word embeddings.
+            self.decoder = describe(nn.Parameter(torch.empty(per_rank, spec.hidden_size, dtype=ctx.params_dtype,
+                                                             device=ctx.device)),
+                                    partition_dim=0, valid_rows=ctx.config.vocab_size,
+                                    hf_names=spec.hf("decoder", ("weight",)).get("weight", ()))
         if head.decoder_bias:
             self.bias = describe(nn.Parameter(torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device)),
                                  partition_dim=0, init="zeros", weight_decay=False, valid_rows=ctx.config.vocab_size)
@@ -125,6 +132,10 @@ class MLMHead(VocabParallelDecoder):
         describe_module(self, placement="last")
         first_pad = ctx.config.vocab_size - tp_rank * per_rank  # local index of the first padding column
         self.local_pad_start = first_pad if first_pad < per_rank else None
+
+    def decoder_weight(self, word_embeddings: Optional[torch.Tensor]) -> torch.Tensor:
+        """The matrix the logits multiply by: the head's own decoder, else the word embeddings."""
+        return self.decoder if self.decoder is not None else word_embeddings
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dense is None:

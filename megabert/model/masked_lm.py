@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from megabert.config import ModelConfig
+from megabert.families import encoder_spec
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead
 from megabert.model.outputs import ModelOutput
@@ -76,8 +77,9 @@ class EncoderForMaskedLM(BertPreTrainedModel):
     logits are computed at the masked positions alone ([n_masked, vocab])."""
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
-        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=True, **kwargs)
-        if self.bert.embeddings is not None:
+        tied = encoder_spec(config).mlm_head.tied
+        super().__init__(config, parallel_state, add_pooler=False, output_embeddings=tied, **kwargs)
+        if self.bert.embeddings is not None and tied:
             describe(self.bert.word_embeddings, placement="tied")  # the decoder's weight too
         self.lm_head = MLMHead(self.ctx, self.padded_vocab_size, self.parallel_state.tp_rank) \
             if self.stage.is_last_stage else None
@@ -97,6 +99,9 @@ class EncoderForMaskedLM(BertPreTrainedModel):
                                               packed_seqlens=packed_seqlens, mlm_flat_positions=mlm_flat_positions,
                                               token_positions=token_positions))
 
+    def _decoder_weight(self) -> torch.Tensor:
+        return self.lm_head.decoder_weight(self.bert.word_embeddings if self.bert.embeddings is not None else None)
+
     def head_positions(self, batch: dict) -> Optional[torch.Tensor]:
         labels = batch.get("labels")
         if not self.config.mlm_logits_at_masked_only or labels is None:
@@ -115,13 +120,17 @@ class EncoderForMaskedLM(BertPreTrainedModel):
                 hidden, target = hidden[selected], labels[selected]  # [n, h], [n]
         loss = loss_sum = None
         if target is not None:
-            logits, per_token = self.lm_head.logits_and_loss(hidden, self.bert.word_embeddings, target)
+            logits, per_token = self.lm_head.logits_and_loss(hidden, self._decoder_weight(), target)
             loss_sum = per_token.sum()
             loss = loss_sum / (target != -100).sum().clamp(min=1)
         else:
-            logits = self.lm_head.logits(self.lm_head.transform(hidden), self.bert.word_embeddings)
+            logits = self.lm_head.logits(self.lm_head.transform(hidden), self._decoder_weight())
         return MaskedLMOutput(loss=loss, logits_parallel=logits, tp_group=self.ctx.tp_group,
                               vocab_size=self.config.vocab_size, labels=target, loss_sum=loss_sum)
+
+
+# transformers' name: the masked LM of whichever family a directory's config.json names.
+AutoModelForMaskedLM = EncoderForMaskedLM
 
 
 @register_model

@@ -1,5 +1,6 @@
 """The MLP of every family, as the spec says: plain (up -> activation -> down, BERT's GELU) or
-gated (one up-projection [input; gate] -> act(input) * gate -> down: GeGLU, SwiGLU).
+gated (one up-projection [input; gate] -> act(input) * gate -> down: GeGLU, SwiGLU; the halves
+in the order the family's checkpoints keep them, MLPSpec.gate_first).
 
 Tensor parallelism: the up-projection is column-parallel, the down-projection row-parallel,
 one all-reduce in total. A gated up-projection [input; gate] (2f x h) is split with stride 2,
@@ -36,6 +37,7 @@ class MLP(nn.Module):
         spec, mlp = ctx.spec, ctx.spec.mlp
         self.ctx = ctx
         self.gated = mlp.kind == "glu"
+        self.gate_first = mlp.gate_first
         self.in_name, self.out_name = spec.names.mlp_in, spec.names.mlp_out
         width = 2 * mlp.ffn_size if self.gated else mlp.ffn_size
         self.add_module(self.in_name, ColumnParallelLinear(spec.hidden_size, width, stride=2 if self.gated else 1,
@@ -64,6 +66,8 @@ class MLP(nn.Module):
                 h = ops.bias_gelu(up(x), None)
         elif self.gated:
             inp, gate = up(x).chunk(2, dim=-1)  # this rank's matching columns of both halves
+            if self.gate_first:
+                inp, gate = gate, inp
             h = self.act(inp) * gate
         else:
             h = self.act(up(x))

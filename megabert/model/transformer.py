@@ -40,9 +40,10 @@ class TransformerLayer(nn.Module):
         self.attn_dropout_p, self.mlp_dropout_p = spec.residual_dropout
         describe_module(self, placement="layer", layer=layer_number)
 
-    def _epilogue(self, x: torch.Tensor, residual: torch.Tensor, p: float, layer_norm: Optional[nn.Module] = None
-                  ) -> torch.Tensor:
-        """layer_norm(residual + dropout(x, p)) (no norm when None): with the 'compiled'
+    def _epilogue(self, x: torch.Tensor, residual: torch.Tensor, layer_norm: Optional[nn.Module] = None,
+                  p: Optional[float] = None) -> torch.Tensor:
+        """layer_norm(residual + dropout(x, p)) (no norm when None; p None: the attention's
+        residual dropout): with the 'compiled'
         backend one fused function (inside the LayerNorm's forward when there is one), else
         the fused CPU kernel or PyTorch's dropout + add, then the norm, as
         ctx.dropout_add_backend says."""
@@ -50,7 +51,7 @@ class TransformerLayer(nn.Module):
         # parallel slices: the per-rank stream, so slices get independent masks. The fused
         # kernel draws its Philox key from the default generator, which the fork swaps (the
         # compiled epilogue draws with ATen's dropout from it too).
-        p = p if self.training else 0.0
+        p = (self.attn_dropout_p if p is None else p) if self.training else 0.0
         # No draw, so no stream to swap in (a swap is a graph break under torch.compile).
         fork = self.ctx.rng.fork() if self.ctx.sequence_parallel and p else contextlib.nullcontext()
         with fork:
@@ -71,10 +72,10 @@ class TransformerLayer(nn.Module):
                                                                        self.mlp_norm_name))
         if self.pre_ln:
             h = attn_norm(x) if attn_norm is not None else x
-            x = self._epilogue(attention(h, inputs, rows), residual, self.attn_dropout_p)
-            return self._epilogue(self.mlp(mlp_norm(x)), x, self.mlp_dropout_p)
-        x = self._epilogue(attention(x, inputs, rows), residual, self.attn_dropout_p, attn_norm)
-        return self._epilogue(self.mlp(x), x, self.mlp_dropout_p, mlp_norm)
+            x = self._epilogue(attention(h, inputs, rows), residual)
+            return self._epilogue(self.mlp(mlp_norm(x)), x, p=self.mlp_dropout_p)
+        x = self._epilogue(attention(x, inputs, rows), residual, attn_norm)
+        return self._epilogue(self.mlp(x), x, mlp_norm, p=self.mlp_dropout_p)
 
 
 class TransformerBlock(nn.Module):

@@ -66,7 +66,7 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     model_class = next((a for a in tasks if a in (hf_config.get("architectures") or [])),
                        family.task_classes["pretraining"])
     table = reference_table(cfg, model_class)
-    full = hf_io.hf_to_megabert(hf_state, table)
+    full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases)
     missing = sorted(set(table) - set(full))
     if missing and family.architecture_from_checkpoint:
         raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
@@ -112,15 +112,11 @@ def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenize
     cfg = ModelConfig(**meta["model_config"])
     family = get_family(cfg.model_family)
     if family.recipe.tokenizer == "tokenizer.json":
-        arch = meta.get("model_class", family.task_classes["pretraining"])
-        if arch == family.task_classes["pretraining"]:
-            arch = family.architectures["pretraining"]
+        arch = hf_io.hf_architecture(cfg, meta.get("model_class", family.task_classes["pretraining"]))
         hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch))
         _copy_files(_tokenizer_json_dir(load, meta, vocab_file), hf_dir, TOKENIZER_JSON_FILES)
         return
-    arch = meta.get("model_class", "BertForPreTraining")
-    if arch == "BertForPreTraining" and not cfg.bert_binary_head:
-        arch = "BertForMaskedLM"
+    arch = hf_io.hf_architecture(cfg, meta.get("model_class", family.task_classes["pretraining"]))
     vocab, lower_case = export_tokenizer(load, meta, vocab_file, tokenizer_type)
     hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch), vocab,
                        lower_case=lower_case)
