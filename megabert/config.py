@@ -42,7 +42,7 @@ def check_at_least(config, minimum: int, *names: str) -> None:
 
 
 # The families of megabert.families (which builds on this module, so it cannot be asked here).
-FAMILY_NAMES = ("bert", "modernbert", "eurobert", "gte", "nomic_bert")
+FAMILY_NAMES = ("bert", "modernbert", "eurobert", "gte", "nomic_bert", "ultrabert")
 # The activations megabert's ModernBERT implements, by transformers' ACT2FN names.
 MODERNBERT_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
@@ -117,6 +117,9 @@ class ModelConfig:
                                           "[j*g, (j+1)*g) share head j); default: one per attention head. "
                                           "Families with GQA (eurobert, ultrabert).")
     kv_channels: Optional[int] = arg(None, "Each attention head's dimension; default hidden size / heads.")
+    layer_types: Optional[list] = arg(None, "Each layer's attention, full_attention or sliding_attention (UltraBERT's "
+                                      "config.json); None: the family's pattern.", cli=False)
+    prediction_head_size: Optional[int] = arg(None, "UltraBERT: the MLM head's bottleneck width (default hidden size).")
     untie_embeddings_and_output_weights: bool = arg(False, "The MLM decoder has a weight of its own instead of the "
                                                     "word embeddings (EuroBERT's default).")
     global_rope_theta: float = arg(160000.0, "ModernBERT: RoPE base of the global attention layers.")

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.errors import ConfigError
-from megabert.families import bert, eurobert, gte, modernbert, nomic_bert
+from megabert.families import bert, eurobert, gte, modernbert, nomic_bert, ultrabert
 from megabert.families.family import Family, Recipe
 from megabert.families.spec import EncoderSpec
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (bert.FAMILY, modernbert.FAMILY, eurobert.FAMILY, gte.FAMILY,
-                                                  nomic_bert.FAMILY)}
+                                                  nomic_bert.FAMILY, ultrabert.FAMILY)}
 
 
 def get_family(name: str) -> Family:

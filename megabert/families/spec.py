@@ -138,6 +138,9 @@ class MLPSpec:
 class MLMHeadSpec:
     transform: bool = True
     """dense -> activation (-> norm) before the decoder; False: the decoder reads the hidden states."""
+    width: int = 0
+    """> 0: the transform is a bottleneck, dense (h -> width) -> activation -> dense (width -> h)
+    -> activation (UltraBERT's prediction head); 0: one dense h -> h."""
     activation: str = "gelu"
     dense_bias: bool = True
     norm: bool = True

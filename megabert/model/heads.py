@@ -97,17 +97,14 @@ class MLMHead(VocabParallelDecoder):
         super().__init__()
         spec, head = ctx.spec, ctx.spec.mlm_head
         self.tp_group, self.tp_size = ctx.tp_group, ctx.tp_size
-        self.dense = self.act = None
+        self.dense = self.dense2 = self.act = None
         self.norm_name = spec.names.head_norm
         norm = None
         if head.transform:
-            self.dense = nn.Linear(spec.hidden_size, spec.hidden_size, bias=head.dense_bias, dtype=ctx.params_dtype,
-                                   device=ctx.device)
-            describe(self.dense.weight)
-            if head.dense_bias:
-                describe(self.dense.bias, init="zeros", weight_decay=False)
-            set_hf_names(self, {f"dense.{k}": v for k, v in spec.hf("head_dense").items()
-                                if k == "weight" or head.dense_bias})
+            width = head.width or spec.hidden_size
+            self.dense = self._linear(ctx, spec.hidden_size, width, "head_dense")
+            if head.width:
+                self.dense2 = self._linear(ctx, width, spec.hidden_size, "head_dense2")
             self.act = ACTIVATIONS[head.activation]
             norm = ctx.norm(sequence_parallel=False) if head.norm else None
         self.add_module(self.norm_name, norm)
@@ -133,6 +130,15 @@ class MLMHead(VocabParallelDecoder):
         first_pad = ctx.config.vocab_size - tp_rank * per_rank  # local index of the first padding column
         self.local_pad_start = first_pad if first_pad < per_rank else None
 
+    def _linear(self, ctx: BuildContext, n_in: int, n_out: int, part: str) -> nn.Linear:
+        bias = ctx.spec.mlm_head.dense_bias
+        linear = nn.Linear(n_in, n_out, bias=bias, dtype=ctx.params_dtype, device=ctx.device)
+        describe(linear.weight)
+        if bias:
+            describe(linear.bias, init="zeros", weight_decay=False)
+        set_hf_names(linear, {k: v for k, v in ctx.spec.hf(part).items() if k == "weight" or bias})
+        return linear
+
     def decoder_weight(self, word_embeddings: Optional[torch.Tensor]) -> torch.Tensor:
         """The matrix the logits multiply by: the head's own decoder, else the word embeddings."""
         return self.decoder if self.decoder is not None else word_embeddings
@@ -141,5 +147,7 @@ class MLMHead(VocabParallelDecoder):
         if self.dense is None:
             return hidden
         x = self.act(self.dense(hidden))
+        if self.dense2 is not None:
+            x = self.act(self.dense2(x))
         norm = getattr(self, self.norm_name)
         return x if norm is None else norm(x)

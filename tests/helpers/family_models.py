@@ -29,6 +29,16 @@ def _config(family: str, **config):
         keys = dict(common, type_vocab_size=2, rope_parameters={"rope_type": "default", "rope_theta": 300.0})
         keys.update(config)
         return transformers.NomicBertConfig(**keys), transformers.NomicBertForMaskedLM
+    if family == "ultrabert":
+        # 4 layers: sliding, sliding, full, sliding (transformers' default pattern; 2 per pipeline
+        # stage); a window of 3 each side, shorter than the rows; a head narrower than the hidden size.
+        keys = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, pad_token_id=PAD_ID,
+                    sliding_window=3, prediction_head_size=24,
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 900.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})
+        keys.update(config)
+        return transformers.UltrabertConfig(**keys), transformers.UltrabertForMaskedLM
     raise ValueError(family)
 
 
