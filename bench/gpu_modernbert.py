@@ -43,7 +43,7 @@ import _kernel_breakdown as kb
 from _gpu_common import (Device, Side, batch_flops, dynamo_counts, fmt, hf_train_step, profile_side,
                          time_interleaved, warm_up)
 from megabert.arguments import parse_args
-from megabert.checkpoint.hf_modernbert import hf_config_from_model
+from megabert.checkpoint.hf import hf_config_from_model
 from megabert.config import modernbert_base
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.metrics import device_peak_tflops

@@ -16,7 +16,7 @@ __all__ = [
     "init_parallel", "get_parallel_state", "destroy_parallel",
     "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification", "BertModel",
     "ModernBertForMaskedLM", "ModernBertForSequenceClassification", "BertForTokenClassification",
-    "ModernBertForQuestionAnswering", "ModernBertForTokenClassification",
+    "ModernBertForQuestionAnswering", "ModernBertForTokenClassification", "AutoModelForMaskedLM", "EncoderForMaskedLM",
 ]
 
 
@@ -38,7 +38,8 @@ def __getattr__(name: str):
         from megabert.tasks.glue import BertForSequenceClassification
 
         return BertForSequenceClassification
-    if name in ("ModernBertForMaskedLM", "ModernBertForSequenceClassification"):
+    if name in ("ModernBertForMaskedLM", "ModernBertForSequenceClassification", "AutoModelForMaskedLM",
+                "EncoderForMaskedLM"):
         import megabert.model
 
         return getattr(megabert.model, name)

@@ -47,6 +47,8 @@ def check_at_least(config, minimum: int, *names: str) -> None:
             raise ConfigError(f"{flags[name]} must be >= {minimum}, got {value}")
 
 
+# The families of megabert.families (which builds on this module, so it cannot be asked here).
+FAMILY_NAMES = ("bert", "modernbert", "eurobert", "gte", "nomic_bert", "ultrabert")
 # The activations megabert's ModernBERT implements, by transformers' ACT2FN names.
 MODERNBERT_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
@@ -112,9 +114,20 @@ class ModelConfig:
     # fields above ModernBERT takes the sizes, attention_dropout, layernorm_epsilon (its
     # norm_eps), init_method_std (its initializer_range) and vocab/max positions; it has no
     # token types, no hidden_dropout (its dropouts are the three below) and no binary head.
-    model_family: str = arg("bert", "Model family: bert, or modernbert (RoPE, GeGLU, pre-norm, alternating "
-                            "global/local attention, MLM only; its defaults: --mask-prob 0.3, LayerNorm eps 1e-5, "
-                            "no dropout, FFN 1.5 x hidden, 8192 positions).", choices=("bert", "modernbert"))
+    model_family: str = arg("bert", "Model family (megabert.families): bert; modernbert (RoPE, GeGLU, pre-norm, "
+                            "alternating global/local attention, MLM only; its defaults: --mask-prob 0.3, LayerNorm "
+                            "eps 1e-5, no dropout, FFN 1.5 x hidden, 8192 positions); eurobert (Llama's block, "
+                            "bidirectional: RMSNorm pre-norm, grouped-query attention, SwiGLU, RoPE, untied "
+                            "decoder).", choices=FAMILY_NAMES)
+    num_query_groups: Optional[int] = arg(None, "Key/value heads (grouped-query attention; query heads "
+                                          "[j*g, (j+1)*g) share head j); default: one per attention head. "
+                                          "Families with GQA (eurobert, ultrabert).")
+    kv_channels: Optional[int] = arg(None, "Each attention head's dimension; default hidden size / heads.")
+    layer_types: Optional[list] = arg(None, "Each layer's attention, full_attention or sliding_attention (UltraBERT's "
+                                      "config.json); None: the family's pattern.", cli=False)
+    prediction_head_size: Optional[int] = arg(None, "UltraBERT: the MLM head's bottleneck width (default hidden size).")
+    untie_embeddings_and_output_weights: bool = arg(False, "The MLM decoder has a weight of its own instead of the "
+                                                    "word embeddings (EuroBERT's default).")
     global_rope_theta: float = arg(160000.0, "ModernBERT: RoPE base of the global attention layers.")
     local_rope_theta: float = arg(10000.0, "ModernBERT: RoPE base of the local (sliding window) attention layers.")
     global_attn_every_n_layers: int = arg(3, "ModernBERT: layer i attends globally when i %% n == 0, else "
@@ -164,13 +177,17 @@ class ModelConfig:
             if sorted(self.id2label) != list(range(self.num_labels)):
                 raise ConfigError(f"id2label {self.id2label} does not name classes 0..{self.num_labels - 1}")
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
     def is_global_layer(self, layer: int) -> bool:
         """ModernBERT: whether layer `layer` (0-based) attends globally (transformers' layer_types)."""
         return layer % self.global_attn_every_n_layers == 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocab rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule),

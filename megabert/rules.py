@@ -31,6 +31,7 @@ from typing import Optional
 from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
+from megabert.families import get_family
 from megabert.parallel.layout import UNEVEN_FLAGS, BatchLayout, data_parallel_size, stage_layer_counts
 
 # Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
@@ -130,9 +131,12 @@ def check_steps_past_decay(optim: OptimConfig, train_iters: Optional[int]) -> No
 
 def check_model(model: ModelConfig) -> None:
     """The architecture's flags among themselves."""
-    if model.hidden_size % model.num_attention_heads:
+    if model.hidden_size % model.num_attention_heads and model.kv_channels is None:
         raise ConfigError(f"--hidden-size {model.hidden_size} is not divisible by "
                           f"--num-attention-heads {model.num_attention_heads}")
+    if model.num_attention_heads % model.num_kv_heads:
+        raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                          f"--num-query-groups {model.num_kv_heads}")
     if model.unpad_input and model.sequence_parallel:
         raise ConfigError("--unpad-input cannot combine with --sequence-parallel (the sequence is split over "
                           "tensor-parallel ranks, the real tokens are not); use --no-unpad-input")
@@ -192,8 +196,9 @@ def check_cuda_graphs(cfg: Configs | FinetuneConfigs) -> None:
                                                           "collectives replayed inside a graph would escape "
                                                           "--distributed-timeout-minutes (a lost peer would hang the "
                                                           "job) and the per-step byte ledger"),
-           (cfg.model.model_family != "bert", f"is for BERT (not yet tried on --model-family "
-                                               f"{cfg.model.model_family}'s packed step)"),
+           (not get_family(cfg.model.model_family).packed_mlm_slots,
+            f"is for BERT-style masked LMs' fixed-shape packed step; --model-family {cfg.model.model_family}'s "
+            f"selects its masked positions on the device"),
            (cfg.model.recompute_granularity is not None, "cannot combine with --recompute-granularity: the "
                                                          "recompute restores RNG states by value inside backward")]
     for bad, what in why:
@@ -231,6 +236,10 @@ def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_s
     if model.num_attention_heads % tp:
         raise ConfigError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"--num-query-groups {kv} neither splits over nor replicates onto "
+                          f"--tensor-model-parallel-size {tp}: use a TP size that divides or is a multiple of it")
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")

@@ -186,7 +186,7 @@ def test_modernbert_local_layers_on_the_kernel_equal_the_band_masked_reference()
 def test_rotate_qkv_equals_rotate_of_q_and_k(dtype):
     """ModernBERT's fused RoPE (one buffer: Q, K rotated, V copied) against `rotate` of Q and
     K and a stack, outputs and the grad of the packed QKV, padded [s, b] and unpadded [T]."""
-    from megabert.model.modernbert.rope import cos_sin, rotate, rotate_qkv
+    from megabert.model.rope import cos_sin, rotate, rotate_qkv
 
     def rotate_in(x, cos, sin):  # `rotate` (fp32 math), in fp64 for fp64
         if x.dtype != torch.float64:

@@ -7,7 +7,7 @@ import torch
 
 import megabert
 from megabert.checkpoint.hf import megabert_to_hf
-from megabert.model.modernbert.layers import band_mask
+from megabert.model.attention import band_mask
 from megabert.model.pretrained import gather_full
 from megabert.parallel.param_spec import spec_table
 from megabert.tensor_parallel.layers import shard
@@ -265,7 +265,7 @@ def test_flops_count_geglu_and_windows():
 def test_blocked_local_attention_equals_the_band_masked_dense_core(s, w):
     """Outputs and gradients of the blocked window equal the dense core under the band mask,
     with padded rows and a length that is no multiple of the block."""
-    from megabert.model.modernbert.local_attention import local_attention
+    from megabert.model.local_attention import local_attention
     from megabert.ops.reference import scaled_masked_softmax_reference
 
     gen = torch.Generator().manual_seed(0)

@@ -214,7 +214,7 @@ def test_both_config_json_spellings_read_alike(setup):
     """transformers 5's config.json (layer_types, rope_parameters) and the Hub's 4.x one
     (global_attn_every_n_layers, global/local_rope_theta) give one ModelConfig; a layer pattern
     megabert does not build is an error, not a silent approximation."""
-    from megabert.checkpoint.hf_modernbert import hf_config_from_model, model_config_from_hf
+    from megabert.checkpoint.hf import hf_config_from_model, model_config_from_hf
 
     _, hf_dir = setup
     new = json.load(open(os.path.join(hf_dir, "config.json")))

@@ -23,7 +23,7 @@ def _fake_state(tp, pp, pp_rank):
 
 
 def _real_count(cfg, ps) -> int:
-    from megabert.model.modernbert import ModernBertForMaskedLM
+    from megabert.model import ModernBertForMaskedLM
 
     return sum(p.numel() for p in ModernBertForMaskedLM(cfg, ps, device="meta").parameters())
 
@@ -116,7 +116,7 @@ def _saved_bytes(model, batch, layer_names=()):
 
 
 def _model_and_batch(cfg, s, b=1):
-    from megabert.model.modernbert import ModernBertForMaskedLM
+    from megabert.model import ModernBertForMaskedLM
 
     model = ModernBertForMaskedLM(cfg, megabert.init_parallel())
     model.train()
@@ -177,7 +177,7 @@ def test_step_flops_count_the_modules_flops():
     the window covers the row (the reference core: plain matmuls the counter sees)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megabert.model.modernbert import ModernBertForMaskedLM
+    from megabert.model import ModernBertForMaskedLM
     from megabert.planning.step_time import step_flops
 
     cfg = modernbert_tiny(num_layers=3, hidden_size=64, num_attention_heads=2, vocab_size=512, local_attention=16,

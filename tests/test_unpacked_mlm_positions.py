@@ -344,7 +344,7 @@ def test_modernbert_unpacked_step_selects_by_the_hosts_positions(monkeypatch):
     backward); the same loss and
     gradients (fp32, dropout 0, the local-window layers included)."""
     from megabert.config import modernbert_tiny
-    from megabert.model.modernbert.model import ModernBertForMaskedLM
+    from megabert.model import ModernBertForMaskedLM
     from tests.test_host_syncs import DataDependentOps
 
     megabert.init_parallel()

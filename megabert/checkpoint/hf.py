@@ -1,6 +1,7 @@
-"""Hugging Face BERT <-> megabert: configs and full (unsharded) state dicts.
+"""Hugging Face <-> megabert, every family of the registry (megabert.families): configs and
+full (unsharded) state dicts.
 
-Only names and the QKV fusion differ; the numbers are copied as they are. Which of our
+Only names and fusions (QKV, a GLU's halves) differ; the numbers are copied as they are. Which of our
 parameters is which HF tensor is part of each parameter's ParamSpec (`hf_names`), set by
 the module that owns it. The vocab is padded on load (zero rows, never reached by a
 user-visible logit) and cut on export.
@@ -13,63 +14,69 @@ from typing import Optional
 
 import torch
 
-from megabert.checkpoint import hf_modernbert, safe_pickle
+from megabert.checkpoint import safe_pickle
 from megabert.config import ModelConfig
-from megabert.errors import CheckpointError, RefusedFileError
+from megabert.errors import CheckpointError, ConfigError, RefusedFileError
+from megabert.families import family_for_model_type, get_family
 from megabert.parallel.param_spec import ParamSpec
 
 # ---------------------------------------------------------------- configs
 
-CLASSIFIERS = {"BertForSequenceClassification", "BertForTokenClassification"}
-"""Architectures whose config carries the labels (num_labels, id2label)."""
-
-
-def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    if hf_modernbert.is_modernbert_config(hf):
-        return hf_modernbert.model_config_from_hf(hf, **overrides)
-    if hf.get("model_type", "bert") != "bert":
-        raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; only BERT and ModernBERT are "
-                              f"supported")
-    act = hf.get("hidden_act", "gelu")
-    if act != "gelu":
-        raise CheckpointError(f"config.json has hidden_act {act!r}; megabert's BERT uses exact GELU ('gelu')")
-    if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise CheckpointError("only absolute position embeddings are supported "
-                              f"(config.json says {hf['position_embedding_type']!r})")
-    fields = dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-                  num_attention_heads=hf["num_attention_heads"], ffn_hidden_size=hf["intermediate_size"],
-                  vocab_size=hf["vocab_size"], max_position_embeddings=hf["max_position_embeddings"],
-                  type_vocab_size=hf.get("type_vocab_size", 2),
-                  hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
-                  attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
-                  layernorm_epsilon=hf.get("layer_norm_eps", 1e-12),
-                  init_method_std=hf.get("initializer_range", 0.02))
-    if CLASSIFIERS & set(hf.get("architectures") or []):
+def model_config_from_hf(hf: dict, where: str = "config.json", **overrides) -> ModelConfig:
+    """config.json -> ModelConfig, by the family its model_type names (megabert.families). A
+    config that is not a JSON object, or whose family megabert does not build, is a one-line
+    error naming `where` (the file) and the field; never BERT by default."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{where} holds a JSON {type(hf).__name__}, not an object of config fields")
+    try:
+        family = family_for_model_type(hf.get("model_type", "bert"), where)
+        fields = family.config_from_hf(hf)
+    except KeyError as e:
+        raise CheckpointError(f"{where} lacks {e.args[0]!r}, which a {hf.get('model_type', 'bert')} config "
+                              f"needs") from None
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    for name, value in fields.items():
+        kind = _FIELD_TYPES.get(name)
+        if kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise CheckpointError(f"{where}: {name} (ModelConfig field) is {value!r}, not a "
+                                  f"{' or '.join(k.__name__ for k in kind)}")
+    if any(str(a).endswith(("ForSequenceClassification", "ForTokenClassification"))
+           for a in hf.get("architectures") or []):
         # transformers derives num_labels from id2label; a config may carry either.
         id2label = hf.get("id2label")
         fields.update(num_labels=len(id2label) if id2label else hf.get("num_labels", 2), id2label=id2label)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**{"model_family": family.name, **fields, **overrides})
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
 
 
-def hf_config_from_model(cfg: ModelConfig, architecture: str) -> dict:
-    if cfg.model_family == "modernbert":
-        return {**hf_modernbert.hf_config_from_model(cfg, architecture),
-                **(_classification_fields(cfg, architecture)
-                   if architecture.endswith(("ForSequenceClassification", "ForTokenClassification")) else {})}
-    if cfg.layernorm_position != "post":
-        raise CheckpointError("transformers' BERT is post-LayerNorm; a pre-LN model cannot be exported to it")
-    return {
-        "architectures": [architecture], "model_type": "bert", "hidden_act": "gelu",
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.ffn_hidden_size,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
-        "type_vocab_size": cfg.type_vocab_size, "hidden_dropout_prob": cfg.hidden_dropout,
-        "attention_probs_dropout_prob": cfg.attention_dropout, "layer_norm_eps": cfg.layernorm_epsilon,
-        "initializer_range": cfg.init_method_std, "position_embedding_type": "absolute",
-        "pad_token_id": 0, "torch_dtype": "float32",
-        **(_classification_fields(cfg, architecture) if architecture in CLASSIFIERS else {}),
-    }
+# ModelConfig fields a config.json supplies, with the JSON types that can hold them.
+_FIELD_TYPES = {**{k: (int,) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                       "vocab_size", "max_position_embeddings", "type_vocab_size",
+                                       "global_attn_every_n_layers", "local_attention")},
+                **{k: (int, float) for k in ("layernorm_epsilon", "init_method_std", "hidden_dropout",
+                                             "attention_dropout", "global_rope_theta", "local_rope_theta")}}
+
+
+def hf_config_from_model(cfg: ModelConfig, architecture: Optional[str] = None) -> dict:
+    """config.json for `cfg` (its family's), naming `architecture` (default: the family's masked LM)."""
+    family = get_family(cfg.model_family)
+    architecture = architecture or family.architectures.get("pretraining", "")
+    return {**family.hf_config(cfg, architecture),
+            **(_classification_fields(cfg, architecture)
+               if architecture.endswith(("ForSequenceClassification", "ForTokenClassification")) else {})}
+
+
+def hf_architecture(cfg: ModelConfig, model_class: str) -> str:
+    """The transformers architecture an export of our `model_class` names: a masked LM without a
+    sentence-pair head is the family's *ForMaskedLM; a task model keeps its name."""
+    family = get_family(cfg.model_family)
+    if model_class == "EncoderForMaskedLM" or (model_class == family.task_classes.get("pretraining")
+                                               and not cfg.bert_binary_head):
+        return family.architectures["masked_lm"]
+    return model_class
 
 
 def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:
@@ -100,16 +107,25 @@ def _normalise_hf_keys(state: dict) -> dict:
     return out
 
 
-def hf_to_megabert(hf_state: dict, table: dict[str, ParamSpec]) -> dict:
+def hf_to_megabert(hf_state: dict, table: dict[str, ParamSpec], aliases: Optional[dict] = None) -> dict:
     """Full HF state dict -> full megabert state dict, for the parameters of `table` (a
     model's spec table) whose Hugging Face names are all present; the rest is left out
-    for the loader to report. Vocab rows are as HF has them (unpadded): loading pads."""
+    for the loader to report. Vocab rows are as HF has them (unpadded): loading pads.
+    `aliases`: prefixes another writer of the family uses -> transformers' (Family.hf_prefix_aliases).
+    A tensor holding NaN or inf is refused by name."""
     hf_state = _normalise_hf_keys(hf_state)
+    for old, new in (aliases or {}).items():
+        hf_state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in hf_state.items()}
     out: dict[str, torch.Tensor] = {}
     for name, spec in table.items():
         parts = [hf_state.get(n) for n in spec.hf_names]
         if not parts or any(p is None for p in parts):
             continue
+        bad = next((n for n, p in zip(spec.hf_names, parts) if p.is_floating_point() and not torch.isfinite(p).all()),
+                   None)
+        if bad is not None:
+            raise CheckpointError(f"{bad} holds NaN or inf values: the checkpoint is damaged (re-download or "
+                                  f"re-export it)")
         out[name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         if spec.valid_rows is not None and out[name].size(0) != spec.valid_rows:
             raise CheckpointError(f"{spec.hf_names[0]} has {out[name].size(0)} rows but config.json's vocab_size is "
@@ -141,8 +157,16 @@ def is_hf_dir(path: str) -> bool:
 
 
 def read_hf_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    """config.json of `path`: a JSON object, else a one-line error naming the file."""
+    where = os.path.join(path, "config.json")
+    try:
+        with open(where) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where} holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
 
 
 HF_FILES = safe_pickle.Allowed("Hugging Face checkpoint", safe_pickle.TENSORS)

@@ -28,6 +28,7 @@ from megabert.checkpoint.layout import load_file, parallel_meta, resolve_checkpo
     saved_virtual_stage_layers
 from megabert.checkpoint.optimizer_state import shard_optimizer_state, unshard_optimizer_states
 from megabert.checkpoint.sharding import checkpoint_table, repad_vocab, shard_state, unshard_states
+from megabert.families import get_family
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.errors import CheckpointError
 from megabert.parallel.layout import StageLayout
@@ -113,7 +114,7 @@ def _read_external(source: Source, tp_rank: int, tp_size: int, stage: StageLayou
         raise ValueError(f"{source.path} is a Hugging Face / TF directory: reading it needs the model's spec table")
     hf_config, hf_state = external.read_external(source)
     cfg = hf_io.model_config_from_hf(hf_config)
-    full = hf_io.hf_to_megabert(hf_state, table)
+    full = hf_io.hf_to_megabert(hf_state, table, get_family(cfg.model_family).hf_prefix_aliases)
     full = repad_vocab(full, table, padded_vocab_size or cfg.padded_vocab_size(tp_size))
     model = shard_state(full, table, tp_rank=tp_rank, tp_size=tp_size, stage=stage)
     return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": 0},

@@ -22,12 +22,15 @@ import torch.nn as nn
 from megabert.config import ModelConfig
 from megabert.errors import ConfigError
 from megabert.model.context import BuildContext
-from megabert.model.embeddings import BertEmbeddings, TiedWordEmbeddings
+from megabert.model.attention import AttentionInputs
+from megabert.model.embeddings import Embeddings, TiedWordEmbeddings
+from megabert.families import check_task_class, encoder_spec
 from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
-from megabert.model.packed import block_diagonal_mask, fixed_shape_packing
+from megabert.model.packed import block_diagonal_mask, fixed_shape_packing, sample_positions, sample_segments
 from megabert.model.pretrained import PretrainedMixin
 from megabert.model.registry import register_model
+from megabert.model.rope import RotaryTables, padded_positions, unpadded_positions
 from megabert.model.transformer import TransformerBlock
 from megabert.model.unpad import TokenLayout
 from megabert.ops import resolve_attention_backend, resolve_dropout_add_backend, resolve_layernorm_backend
@@ -59,24 +62,26 @@ def build_context(config: ModelConfig, ps: ParallelState, seed: int, params_dtyp
     device = torch.device(device) if device is not None else ps.device
     rng = RNGStatesTracker(device, split_ranks=ps.tp_size > 1)
     rng.add(TP_STREAM, tp_stream_seed(seed, ps.tp_rank, ps.pp_rank))
-    return BuildContext(config=config, tp_group=ps.tp_group, tp_size=ps.tp_size, rng=rng,
-                        attention_backend=resolve_attention_backend(config.attention_backend, device.type, config.head_dim),
+    spec = encoder_spec(config)
+    return BuildContext(config=config, spec=spec, tp_group=ps.tp_group, tp_size=ps.tp_size, tp_rank=ps.tp_rank, rng=rng,
+                        attention_backend=resolve_attention_backend(config.attention_backend, device.type,
+                                                                    spec.attention.head_dim),
                         layernorm_backend=resolve_layernorm_backend(config.layernorm_backend, device.type),
                         dropout_add_backend=resolve_dropout_add_backend(config.dropout_add_backend, device.type),
                         params_dtype=params_dtype, device=device)
 
 
-class BertBackbone(nn.Module):
-    """Embeddings -> transformer layers -> (pooler): the part of BERT this rank holds.
-    `output_embeddings`: the last stage also needs the word embeddings (the MLM head's
-    tied projection), as a copy when it is not also the first stage."""
+class EncoderBackbone(nn.Module):
+    """Embeddings -> transformer layers -> (final norm) -> (pooler): the part of the encoder
+    this rank holds. `output_embeddings`: the last stage also needs the word embeddings (the
+    MLM head's tied projection), as a copy when it is not also the first stage."""
 
     def __init__(self, ctx: BuildContext, stage: StageLayout, padded_vocab_size: int, *, add_pooler: bool,
                  output_embeddings: bool):
         super().__init__()
         self.ctx, self.stage = ctx, stage
         if stage.is_first_stage:
-            self.embeddings = BertEmbeddings(ctx, padded_vocab_size)
+            self.embeddings = Embeddings(ctx, padded_vocab_size)
         elif stage.is_last_stage and output_embeddings:
             self.embeddings = TiedWordEmbeddings(ctx, padded_vocab_size)
         else:
@@ -84,6 +89,61 @@ class BertBackbone(nn.Module):
         self.encoder = TransformerBlock(ctx, stage.layer_ids, final_layernorm=stage.is_last_stage)
         self.pooler = Pooler(ctx) if add_pooler and stage.is_last_stage else None
         self.unpad = ctx.config.unpad_input
+        attn = ctx.spec.attention
+        # RoPE and windows read each sample's positions and bounds from the token layout (its
+        # cu_seqlens), so packed rows always take one; learned positions come with position_ids.
+        self.layout_positions = attn.rope or bool(attn.half_window)
+
+    def _token_layout(self, input_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                      packed_seqlens: Optional[torch.Tensor], token_positions: Optional[torch.Tensor] = None
+                      ) -> Optional[TokenLayout]:
+        """The unpadded layout (real tokens, a sequence per row or per packed sample), or None
+        for the padded [s, b] one."""
+        seq_length = input_ids.size(1) if input_ids is not None else attention_mask.size(1)
+        unpad = self.unpad and attention_mask is not None and attention_mask.dim() == 2
+        if packed_seqlens is not None and not self.layout_positions \
+                and fixed_shape_packing(packed_seqlens.device, self.unpad):
+            # Packed rows: every position, fixed shapes (megabert.model.packed; the varlen kernels
+            # take each sample as a sequence, the other backends a block-diagonal mask).
+            return TokenLayout.packed_rows(packed_seqlens, seq_length) \
+                if self.ctx.attention_backend == "varlen" and not self.ctx.sequence_parallel else None
+        if unpad:
+            return TokenLayout(attention_mask, packed_seqlens, token_positions)
+        if packed_seqlens is None or not self.layout_positions or self.ctx.sequence_parallel:
+            # Sequence parallelism splits the padded [s, b] layout: packed rows stay in it, each
+            # sample kept apart by its segment (the block-diagonal mask, the window layers' segments).
+            return None
+        # Every position, fixed shapes (no host sync): each row's padding is one more sequence.
+        return TokenLayout.packed_rows(packed_seqlens, seq_length)
+
+    def _inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], tokens: Optional[TokenLayout],
+                packed_seqlens: Optional[torch.Tensor] = None) -> AttentionInputs:
+        """What every layer of this micro-batch reads: masks, layout, RoPE tables."""
+        if tokens is not None:
+            s = tokens.s
+        else:
+            s = hidden.size(0) * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        rope = None
+        if self.ctx.spec.attention.rope:
+            if tokens is not None:
+                # Each sequence of cu_seqlens (a row, or a packed row's sample) counts from 0.
+                positions = unpadded_positions(tokens.cu_seqlens, tokens.num_tokens)  # [T]
+            elif packed_seqlens is None:
+                positions = padded_positions(s, hidden.size(1), hidden.device)  # [s, b]
+            else:  # packed rows in the padded layout: each sample's positions from 0
+                positions = sample_positions(packed_seqlens, s).t()
+            rope = RotaryTables(positions, self.ctx.spec.attention.head_dim)
+        # Packed rows: the padded cores see each sample alone (window layers add their band to
+        # it); None where the varlen kernel takes cu_seqlens instead.
+        if packed_seqlens is None:
+            mask = attention_mask_to_bool(attention_mask)
+        elif tokens is not None and self.ctx.attention_backend == "varlen":
+            mask = None
+        else:
+            mask = block_diagonal_mask(packed_seqlens, s)
+        segments = sample_segments(packed_seqlens, s) if packed_seqlens is not None and tokens is None \
+            and self.layout_positions else None
+        return AttentionInputs(mask, tokens, rope, s, hidden.device, padded_segments=segments)
 
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],
                       token_type_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
@@ -96,43 +156,30 @@ class BertBackbone(nn.Module):
         the heads read; with the unpadded encoder the last layer computes only those, and the
         sequence is zero elsewhere.
         Packed rows (megabert.model.packed): `packed_seqlens` [b, cap] and `position_ids`
-        [b, s]; attention stays inside each sample and pooled is [b * cap, h], one [CLS] per slot.
-        `token_positions` (unpacked rows, the unpadded encoder): the real tokens' flat positions
-        as the host found them (TokenLayout)."""
+        [b, s] (each sample's from 0: learned positions read them, RoPE derives the same from
+        packed_seqlens); attention stays inside each sample and pooled is [b * cap, h], one
+        [CLS] per slot. `token_positions` (unpacked rows, the unpadded encoder): the real
+        tokens' flat positions as the host found them (TokenLayout)."""
         if self.stage.is_first_chunk(v):
-            tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
-            hidden = self.embeddings(input_ids, tt, position_ids)
+            hidden = self.embeddings(input_ids, token_type_ids, position_ids)
         last = self.stage.is_last_chunk(v)
+        tokens = self._token_layout(input_ids, attention_mask, packed_seqlens, token_positions)
+        inputs = self._inputs(hidden, attention_mask, tokens, packed_seqlens)
         # Unpadded: the chunk's layers see [T, h] of the real tokens; what leaves the chunk
         # (to the heads, or to the next pipeline stage) is [s, b, h] again.
-        if packed_seqlens is not None and fixed_shape_packing(packed_seqlens.device, self.unpad):
-            # Packed rows: every position, fixed shapes (megabert.model.packed; the varlen kernels
-            # take each sample as a sequence, the other backends a block-diagonal mask).
-            tokens = TokenLayout.packed_rows(packed_seqlens, input_ids.size(1) if input_ids is not None
-                                             else attention_mask.size(1)) \
-                if self.ctx.attention_backend == "varlen" and not self.ctx.sequence_parallel else None
-        else:
-            tokens = TokenLayout(attention_mask, packed_seqlens, token_positions) if self.unpad \
-                and attention_mask is not None and attention_mask.dim() == 2 else None
         if tokens is not None:
             hidden = tokens.unpad(hidden)  # [T, h]
             if not tokens.fixed_shape:
                 maybe_mark_dynamic(hidden, 0)  # T changes with every batch (see TokenLayout)
         # The heads of pre-training read [CLS] and the masked positions (~15% of tokens): the
-        # last layer's projection, MLP, LayerNorms and dropout run on those rows alone.
+        # last layer's projection, MLP, norms and dropout run on those rows alone.
         layer_ids = self.stage.chunk_layers(v)
         rows = keep = None
         if last and tokens is not None and head_positions is not None and len(layer_ids) > 0:
             rows, keep = tokens.head_rows(head_positions)
             if not tokens.fixed_shape:
                 maybe_mark_dynamic(rows, 0)  # as T: a compiled last layer takes any number of rows
-        if packed_seqlens is None:
-            mask = attention_mask_to_bool(attention_mask)
-        elif tokens is not None and self.ctx.attention_backend == "varlen":
-            mask = None  # the varlen kernels take the samples' cu_seqlens instead
-        else:
-            mask = block_diagonal_mask(packed_seqlens, attention_mask.size(1))
-        x = self.encoder(hidden, mask, layer_ids, apply_final_layernorm=last, tokens=tokens, rows=rows)
+        x = self.encoder(hidden, inputs, layer_ids, apply_final_layernorm=last, rows=rows)
         if tokens is not None:
             x = tokens.pad(x) if rows is None else tokens.pad_rows(x, rows, keep)
         if not last:
@@ -144,6 +191,9 @@ class BertBackbone(nn.Module):
     @property
     def word_embeddings(self) -> torch.Tensor:
         return self.embeddings.word_embeddings.weight
+
+
+BertBackbone = EncoderBackbone  # the name earlier code imported
 
 
 class _InitAfterConstruction(type):
@@ -171,11 +221,7 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
                  last_stage_layers: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
         super().__init__()
         ps = parallel_state or get_parallel_state()
-        if config.model_family != "bert" and self.backbone_class is BertBackbone:
-            raise ConfigError(f"{type(self).__name__} is a BERT model but the config is a {config.model_family} one "
-                              f"(a ModernBERT checkpoint?): build ModernBERT as ModernBertForMaskedLM or its task "
-                              f"models (ModernBertForSequenceClassification, ModernBertForQuestionAnswering, "
-                              f"ModernBertForTokenClassification)")
+        check_task_class(config, type(self).__name__)
         # The model's own door (the Python API builds it without a resolved run): its shape
         # must split over this rank grid.
         check_model_split(config, ps.tp_size, ps.pp_size, num_layers_per_virtual_stage, first_stage_layers,
@@ -198,9 +244,9 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         self.initialize_parameters()
 
     def initialize_parameters(self) -> None:
-        """Every parameter from its spec, name and the seed (a model family may override)."""
+        """Every parameter from its ParamSpec, name, the seed and the EncoderSpec's initialisation."""
         ps = self.parallel_state
-        initialize_parameters(self, self.seed, self.config.init_method_std, ps.tp_rank, ps.tp_size)
+        initialize_parameters(self, self.seed, self.ctx.spec, ps.tp_rank, ps.tp_size)
 
     # ------------------------------------------------------------ pipeline interface
 

@@ -1,4 +1,4 @@
-"""What every BERT submodule needs to build itself, passed down explicitly."""
+"""What every encoder submodule needs to build itself, passed down explicitly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,14 +9,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megabert.config import ModelConfig
-from megabert.model.norm import LayerNorm
+from megabert.model.norm import LayerNorm, RMSNorm
+from megabert.families.spec import EncoderSpec
 from megabert.parallel.param_spec import describe
 from megabert.tensor_parallel.random import RNGStatesTracker
 
 
 @dataclass
 class BuildContext:
-    config: ModelConfig
+    config: ModelConfig  # how the layers compute (backends, recompute, sequence parallelism, ...)
+    spec: EncoderSpec  # what the encoder is (megabert.families maps the config onto it)
     tp_group: Optional[dist.ProcessGroup]
     tp_size: int
     rng: RNGStatesTracker  # per-TP-rank dropout stream (attention probs, sequence-parallel regions)
@@ -25,6 +27,7 @@ class BuildContext:
     dropout_add_backend: str = "torch"  # resolved: torch | fused
     params_dtype: torch.dtype = torch.float32
     device: Optional[torch.device] = None
+    tp_rank: int = 0
 
     @property
     def sequence_parallel(self) -> bool:
@@ -40,12 +43,15 @@ class BuildContext:
         """tp_kwargs, and the bias added in the output's dtype with --bf16-residual."""
         return dict(self.tp_kwargs(), bias_in_output_dtype=self.config.bf16_residual)
 
-    def layer_norm(self, hidden_size: Optional[int] = None, *, sequence_parallel: Optional[bool] = None,
-                   bias: bool = True) -> LayerNorm:
+    def norm(self, hidden_size: Optional[int] = None, *, sequence_parallel: Optional[bool] = None) -> nn.Module:
+        """A norm of the spec's kind (LayerNorm with or without bias, or RMSNorm)."""
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
-        return LayerNorm(hidden_size or self.config.hidden_size, self.config.layernorm_epsilon,
-                         backend=self.layernorm_backend, sequence_parallel=sp, params_dtype=self.params_dtype,
-                         device=self.device, bias=bias, bf16_residual=self.config.bf16_residual)
+        norm = self.spec.norm
+        cls = RMSNorm if norm.kind == "rmsnorm" else LayerNorm
+        kwargs = {} if norm.kind == "rmsnorm" else {"bias": norm.bias}
+        return cls(hidden_size or self.spec.hidden_size, norm.eps, backend=self.layernorm_backend, sequence_parallel=sp,
+                   params_dtype=self.params_dtype, device=self.device, bf16_residual=self.config.bf16_residual,
+                   **kwargs)
 
     def linear(self, in_features: int, out_features: int) -> nn.Linear:
         """A replicated nn.Linear (pooler, small heads): normal weight, zero bias."""

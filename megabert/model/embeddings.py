@@ -1,4 +1,4 @@
-"""Word + position + token-type embeddings, LayerNorm, dropout -> [s, b, h]."""
+"""The embeddings of every family: word (+ position) (+ token type), norm, dropout -> [s, b, h]."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,23 +9,21 @@ import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
 from megabert.model.norm import residual_stream
-from megabert.parallel.param_spec import describe, set_hf_names
+from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.tensor_parallel import VocabParallelEmbedding, scatter_to_sp
-
-WORD_EMBEDDINGS_HF = "bert.embeddings.word_embeddings.weight"
-
 
 def word_embeddings(ctx: BuildContext, padded_vocab_size: int) -> VocabParallelEmbedding:
     """The (vocab-parallel) word embeddings; rows past the real vocab are padding."""
-    emb = VocabParallelEmbedding(padded_vocab_size, ctx.config.hidden_size, tp_group=ctx.tp_group, init_method=None,
+    emb = VocabParallelEmbedding(padded_vocab_size, ctx.spec.hidden_size, tp_group=ctx.tp_group, init_method=None,
                                  params_dtype=ctx.params_dtype, device=ctx.device)
-    describe(emb.weight, valid_rows=ctx.config.vocab_size, placement="first", hf_names=(WORD_EMBEDDINGS_HF,))
+    describe(emb.weight, valid_rows=ctx.config.vocab_size, placement="first",
+             hf_names=ctx.spec.hf("word_embeddings", ("weight",)).get("weight", ()))
     return emb
 
 
 class TiedWordEmbeddings(nn.Module):
     """The last pipeline stage's copy of the word embeddings, for the MLM head's output
-    projection. Named like BertEmbeddings' so both copies save under one name (and so
+    projection. Named like Embeddings' so both copies save under one name (and so
     initialise identically); the trainer keeps them equal by summing their gradients over
     the embedding group, and only the first stage's copy counts in the gradient norm."""
 
@@ -34,44 +32,56 @@ class TiedWordEmbeddings(nn.Module):
         self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
 
 
-class BertEmbeddings(nn.Module):
+class Embeddings(nn.Module):
+    """Word (+ learned position) (+ token type) embeddings, as the spec says, summed, then the
+    embedding norm (if any) and dropout -> [s, b, h]."""
+
     def __init__(self, ctx: BuildContext, padded_vocab_size: int):
         super().__init__()
-        cfg = ctx.config
+        spec, emb = ctx.spec, ctx.spec.embeddings
         self.ctx = ctx
         self.word_embeddings = word_embeddings(ctx, padded_vocab_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                dtype=ctx.params_dtype, device=ctx.device)
-        self.tokentype_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size,
-                                                 dtype=ctx.params_dtype, device=ctx.device)
-        describe(self.position_embeddings.weight, placement="first")
-        describe(self.tokentype_embeddings.weight, placement="first")
-        set_hf_names(self, {"position_embeddings.weight": "bert.embeddings.position_embeddings.weight",
-                            "tokentype_embeddings.weight": "bert.embeddings.token_type_embeddings.weight"})
-        # The embedding LayerNorm runs before the sequence is scattered: full-sequence params.
+        self.position_embeddings = self.tokentype_embeddings = None
+        if emb.max_positions:
+            self.position_embeddings = nn.Embedding(emb.max_positions, spec.hidden_size, dtype=ctx.params_dtype,
+                                                    device=ctx.device)
+            describe(self.position_embeddings.weight, placement="first",
+                     hf_names=spec.hf("position_embeddings", ("weight",)).get("weight", ()))
+        if emb.type_vocab_size:
+            self.tokentype_embeddings = nn.Embedding(emb.type_vocab_size, spec.hidden_size, dtype=ctx.params_dtype,
+                                                     device=ctx.device)
+            describe(self.tokentype_embeddings.weight, placement="first",
+                     hf_names=spec.hf("token_type_embeddings", ("weight",)).get("weight", ()))
+        # The embedding norm runs before the sequence is scattered: full-sequence params.
         # Megatron-LM's BERT has none (its pre-LN layers normalise their input anyway).
-        self.layernorm = ctx.layer_norm(sequence_parallel=False) if cfg.embedding_layernorm else None
-        if self.layernorm is not None:
-            for p in self.layernorm.parameters():
-                describe(p, placement="first")
-            set_hf_names(self, {"layernorm.weight": "bert.embeddings.LayerNorm.weight",
-                                "layernorm.bias": "bert.embeddings.LayerNorm.bias"})
-        self.dropout_p = cfg.hidden_dropout
+        self.norm_name = spec.names.embedding_norm
+        norm = ctx.norm(sequence_parallel=False) if emb.norm else None
+        self.add_module(self.norm_name, norm)
+        if norm is not None:
+            describe_module(norm, placement="first")
+            set_hf_names(self, {f"{self.norm_name}.{k}": v for k, v in spec.hf("embedding_norm").items()
+                                if getattr(norm, k, None) is not None})
+        self.dropout_p = emb.dropout
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """position_ids: [b, s], or None for 0 .. s - 1 in every row (packed rows restart them
-        at each sample)."""
-        seq_len = input_ids.size(1)
-        if seq_len > self.position_embeddings.num_embeddings:
-            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
-                             f"{self.position_embeddings.num_embeddings}")
-        positions = torch.arange(seq_len, device=input_ids.device) if position_ids is None else position_ids
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) \
-            + self.tokentype_embeddings(token_type_ids)  # [b, s, h]
+        at each sample). Read only with learned positions (RoPE takes them from the layout)."""
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            seq_len = input_ids.size(1)
+            if seq_len > self.position_embeddings.num_embeddings:
+                raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
+                                 f"{self.position_embeddings.num_embeddings}")
+            positions = torch.arange(seq_len, device=input_ids.device) if position_ids is None else position_ids
+            x = x + self.position_embeddings(positions)
+        if self.tokentype_embeddings is not None:
+            x = x + self.tokentype_embeddings(token_type_ids if token_type_ids is not None
+                                              else torch.zeros_like(input_ids))
         x = x.transpose(0, 1).contiguous()  # [s, b, h]: Megatron's layout
-        if self.layernorm is not None:
-            x = self.layernorm(x)
+        norm = getattr(self, self.norm_name)
+        if norm is not None:
+            x = norm(x)
         x = residual_stream(x, self.ctx.config.bf16_residual)
         if self.ctx.sequence_parallel:
             x = scatter_to_sp(x, self.ctx.tp_group)  # [s/tp, b, h]

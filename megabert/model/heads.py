@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
+from megabert.model.mlp import ACTIVATIONS
 from megabert.model.packed import gather_cls
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
@@ -18,7 +19,7 @@ from megabert.tensor_parallel.layers import gemm_weight
 
 def head_linear(ctx: BuildContext, out_features: int, hf_prefix: str) -> nn.Linear:
     """A replicated hidden -> out_features linear on the last stage."""
-    lin = ctx.linear(ctx.config.hidden_size, out_features)
+    lin = ctx.linear(ctx.spec.hidden_size, out_features)
     describe_module(lin, placement="last")
     set_hf_names(lin, {"weight": hf_prefix + "weight", "bias": hf_prefix + "bias"})
     return lin
@@ -29,7 +30,7 @@ class Pooler(nn.Module):
 
     def __init__(self, ctx: BuildContext):
         super().__init__()
-        self.dense = head_linear(ctx, ctx.config.hidden_size, "bert.pooler.dense.")
+        self.dense = head_linear(ctx, ctx.spec.hidden_size, ctx.spec.hf_names["pooler"][0] + ".")
 
     def forward(self, sequence: torch.Tensor, packed_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[s, b, h] -> [b, h]; packed rows ([b, cap] sample lengths): [b * cap, h], each
@@ -84,7 +85,8 @@ class VocabParallelDecoder(nn.Module):
 
 
 class MLMHead(VocabParallelDecoder):
-    """dense -> GELU -> LayerNorm -> logits against the (vocab-parallel) word embeddings.
+    """The spec's head transform (dense -> activation -> norm, any of it optional) -> logits
+    against the (vocab-parallel) word embeddings plus the decoder bias.
 
     Logits stay split over the vocab ([..., V/tp]); the loss is computed without
     gathering them. Columns past the real vocab (padding) are filled with the dtype's
@@ -93,20 +95,59 @@ class MLMHead(VocabParallelDecoder):
 
     def __init__(self, ctx: BuildContext, padded_vocab_size: int, tp_rank: int):
         super().__init__()
-        cfg = ctx.config
-        self.tp_group = ctx.tp_group
-        self.dense = head_linear(ctx, cfg.hidden_size, "cls.predictions.transform.dense.")
-        self.layernorm = ctx.layer_norm(sequence_parallel=False)
+        spec, head = ctx.spec, ctx.spec.mlm_head
+        self.tp_group, self.tp_size = ctx.tp_group, ctx.tp_size
+        self.dense = self.dense2 = self.act = None
+        self.norm_name = spec.names.head_norm
+        norm = None
+        if head.transform:
+            width = head.width or spec.hidden_size
+            self.dense = self._linear(ctx, spec.hidden_size, width, "head_dense")
+            if head.width:
+                self.dense2 = self._linear(ctx, width, spec.hidden_size, "head_dense2")
+            self.act = ACTIVATIONS[head.activation]
+            norm = ctx.norm(sequence_parallel=False) if head.norm else None
+        self.add_module(self.norm_name, norm)
+        if norm is not None:
+            set_hf_names(self, {f"{self.norm_name}.{k}": v for k, v in spec.hf("head_norm").items()
+                                if getattr(norm, k, None) is not None})
         per_rank = padded_vocab_size // ctx.tp_size
-        self.bias = describe(nn.Parameter(torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device)),
-                             partition_dim=0, init="zeros", weight_decay=False, valid_rows=cfg.vocab_size)
-        set_hf_names(self, {"layernorm.weight": "cls.predictions.transform.LayerNorm.weight",
-                            "layernorm.bias": "cls.predictions.transform.LayerNorm.bias",
-                            "bias": "cls.predictions.bias"})
+        self.decoder = None
+        if not head.tied:
+            # A decoder of its own (EuroBERT's lm_head): vocab-parallel as the word embeddings.
+            self.decoder = describe(nn.Parameter(torch.empty(per_rank, spec.hidden_size, dtype=ctx.params_dtype,
+                                                             device=ctx.device)),
+                                    partition_dim=0, valid_rows=ctx.config.vocab_size,
+                                    hf_names=spec.hf("decoder", ("weight",)).get("weight", ()))
+        if head.decoder_bias:
+            self.bias = describe(nn.Parameter(torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device)),
+                                 partition_dim=0, init="zeros", weight_decay=False, valid_rows=ctx.config.vocab_size)
+            set_hf_names(self, {"bias": spec.hf("decoder_bias", ("bias",)).get("bias", ())})
+        else:  # no parameter (none to export); zeros keep one code path
+            self.register_buffer("bias", torch.zeros(per_rank, dtype=ctx.params_dtype, device=ctx.device),
+                                 persistent=False)
         describe_module(self, placement="last")
-        first_pad = cfg.vocab_size - tp_rank * per_rank  # local index of the first padding column
+        first_pad = ctx.config.vocab_size - tp_rank * per_rank  # local index of the first padding column
         self.local_pad_start = first_pad if first_pad < per_rank else None
-        self.tp_size = ctx.tp_size
+
+    def _linear(self, ctx: BuildContext, n_in: int, n_out: int, part: str) -> nn.Linear:
+        bias = ctx.spec.mlm_head.dense_bias
+        linear = nn.Linear(n_in, n_out, bias=bias, dtype=ctx.params_dtype, device=ctx.device)
+        describe(linear.weight)
+        if bias:
+            describe(linear.bias, init="zeros", weight_decay=False)
+        set_hf_names(linear, {k: v for k, v in ctx.spec.hf(part).items() if k == "weight" or bias})
+        return linear
+
+    def decoder_weight(self, word_embeddings: Optional[torch.Tensor]) -> torch.Tensor:
+        """The matrix the logits multiply by: the head's own decoder, else the word embeddings."""
+        return self.decoder if self.decoder is not None else word_embeddings
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.layernorm(F.gelu(self.dense(hidden)))
+        if self.dense is None:
+            return hidden
+        x = self.act(self.dense(hidden))
+        if self.dense2 is not None:
+            x = self.act(self.dense2(x))
+        norm = getattr(self, self.norm_name)
+        return x if norm is None else norm(x)

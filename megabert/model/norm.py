@@ -1,4 +1,4 @@
-"""LayerNorm module over `megabert.ops.layer_norm` (fused kernel or PyTorch)."""
+"""The norms: LayerNorm over `megabert.ops.layer_norm` (fused kernel or PyTorch), and RMSNorm."""
 from __future__ import annotations
 
 import contextlib
@@ -77,3 +77,29 @@ def residual_stream(x: torch.Tensor, bf16_residual: bool) -> torch.Tensor:
     autocast in bf16 (one cast per micro-batch: the embeddings sum and normalise in fp32), else
     as it is."""
     return x.to(torch.bfloat16) if bf16_residual and _bf16_autocast(x.device.type) else x
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim (Zhang & Sennrich 2019), as
+    transformers' Llama-family RMSNorm computes it: in fp32, cast back to the input's dtype
+    before the weight multiplies it. With `sequence_parallel` the weight's gradient is partial
+    over the TP group, as LayerNorm's."""
+
+    def __init__(self, hidden_size: int, eps: float, *, backend: str = "torch", sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None, bf16_residual: bool = False):
+        super().__init__()
+        self.eps, self.backend, self.bf16_residual = eps, backend, bf16_residual
+        self.weight = describe(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)),
+                               init="ones", weight_decay=False, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> torch.Tensor:
+        """With `residual`: rms_norm(residual + dropout(x, dropout_p)) (a post-LN epilogue)."""
+        if residual is not None:
+            x = residual + torch.nn.functional.dropout(x, dropout_p, dropout_p > 0.0)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return gemm_weight(self.weight).to(x.dtype) * xf.to(x.dtype) if self.bf16_residual and \
+            x.dtype == torch.bfloat16 else self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, eps={self.eps}, rms"

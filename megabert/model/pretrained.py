@@ -97,9 +97,7 @@ class PretrainedMixin:
             raise ConfigError("save_hf needs the whole model on each rank (--pipeline-model-parallel-size 1): save a "
                               "checkpoint and run tools/checkpoint/convert_hf.py export on it")
         full = self.full_state_dict()
-        arch = type(self).__name__
-        if arch == "BertForPreTraining" and not self.config.bert_binary_head:
-            arch = "BertForMaskedLM"  # no pooler / sentence-pair head to export
+        arch = hf_io.hf_architecture(self.config, type(self).__name__)
         if self.parallel_state.rank == 0:
             hf_io.write_hf_dir(path, hf_io.megabert_to_hf(full, spec_table(self)),
                                hf_io.hf_config_from_model(self.config, arch), vocab_file, lower_case=lower_case)

@@ -1,4 +1,4 @@
-"""Hugging Face BERT or ModernBERT <-> megabert checkpoint, at any tensor/pipeline layout;
+"""Hugging Face (any family of megabert.families) <-> megabert checkpoint, at any tensor/pipeline layout;
 Google's TensorFlow BERT -> megabert.
 
     convert_hf.py import --hf-dir bert-base-uncased/ --output ckpt/ --tensor-model-parallel-size 2
@@ -7,7 +7,7 @@ Google's TensorFlow BERT -> megabert.
 
 The export writes weights, config.json and the tokenizer files (vocab.txt, tokenizer_config.json,
 special_tokens_map.json) that transformers' AutoTokenizer and pipeline() load as they stand; a
-ModernBERT's tokenizer.json (and tokenizer_config.json, special_tokens_map.json) is copied from
+tokenizer.json family's tokenizer.json (and tokenizer_config.json, special_tokens_map.json) is copied from
 --vocab-file's directory, the run's, or beside the checkpoint.
 
 Runs in one process without a process group: shards are cut as the parameters' specs
@@ -23,7 +23,6 @@ import sys
 from typing import Optional
 
 from megabert.checkpoint import hf as hf_io
-from megabert.checkpoint import hf_modernbert
 from megabert.checkpoint import tf as tf_io
 from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, export_tokenizer
 from megabert.checkpoint.layout import save_full_model
@@ -33,6 +32,7 @@ from megabert.tasks import model_classes
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.rules import validate_layout
 from megabert.errors import CheckpointError, cli_main
+from megabert.families import get_family
 from megabert.paths import DIR, FILE_OR_DIR, OUT_DIR, check_paths
 
 
@@ -53,49 +53,34 @@ def read_source(hf_dir: Optional[str], tf_checkpoint: Optional[str]) -> tuple[di
 
 def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = None,
                       tf_checkpoint: Optional[str] = None) -> str:
+    """A transformers dir of any family (megabert.families, by config.json's model_type) or a
+    TF BERT -> a checkpoint of the family's masked LM, or of the task model its architectures
+    name (a fine-tuned head comes along), its tokenizer files beside it."""
     hf_config, hf_state, source_dir = read_source(hf_dir, tf_checkpoint)
-    if hf_modernbert.is_modernbert_config(hf_config):
-        return _import_modernbert(output, tp, pp, hf_config, hf_state, source_dir)
-    arch = (hf_config.get("architectures") or ["BertForPreTraining"])[0]
-    # A fine-tuned head comes along; anything else imports as the pre-training model.
-    model_class = arch if arch in ("BertForQuestionAnswering", "BertForSequenceClassification",
-                                   "BertForTokenClassification") else "BertForPreTraining"
     has_binary_head = any(k.startswith("cls.seq_relationship") for k in hf_state)
-    cfg = hf_io.model_config_from_hf(hf_config, bert_binary_head=has_binary_head)
+    cfg = hf_io.model_config_from_hf(hf_config, os.path.join(source_dir, "config.json"),
+                                     bert_binary_head=has_binary_head)
+    family = get_family(cfg.model_family)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
     model_classes()  # registers every task model class by name
+    tasks = [c for t, c in family.task_classes.items() if t not in ("pretraining", "embeddings")]
+    model_class = next((a for a in tasks if a in (hf_config.get("architectures") or [])),
+                       family.task_classes["pretraining"])
     table = reference_table(cfg, model_class)
-    full = hf_io.hf_to_megabert(hf_state, table)
+    full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases)
+    missing = sorted(set(table) - set(full))
+    if missing and family.architecture_from_checkpoint:
+        raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
+                              f"{table[missing[0]].hf_names}); is it a {family.name} checkpoint of that kind?")
     path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)
     # The tokenizer travels with the weights: export and --load find it beside the checkpoint.
-    for name in ("vocab.txt", "tokenizer_config.json"):
-        if os.path.isfile(os.path.join(source_dir, name)):
-            shutil.copyfile(os.path.join(source_dir, name), os.path.join(output, name))
+    _copy_files(source_dir, output, TOKENIZER_JSON_FILES if family.recipe.tokenizer == "tokenizer.json"
+                else ("vocab.txt", "tokenizer_config.json"))
     return path
 
 
-def _import_modernbert(output: str, tp: int, pp: int, hf_config: dict, hf_state: dict, source_dir: str) -> str:
-    """A transformers ModernBERT dir -> a ModernBertForMaskedLM (or the task model its
-    architectures name: sequence or token classification, question answering) checkpoint, its
-    tokenizer files beside it."""
-    cfg = hf_io.model_config_from_hf(hf_config)
-    validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
-    model_classes()
-    tasks = ("ModernBertForSequenceClassification", "ModernBertForTokenClassification", "ModernBertForQuestionAnswering")
-    model_class = next((a for a in tasks if a in (hf_config.get("architectures") or [])), "ModernBertForMaskedLM")
-    table = reference_table(cfg, model_class)
-    full = hf_io.hf_to_megabert(hf_state, table)
-    missing = sorted(set(table) - set(full))
-    if missing:
-        raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
-                              f"{table[missing[0]].hf_names}); is it a ModernBERT checkpoint of that kind?")
-    path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)
-    _copy_files(source_dir, output, MODERNBERT_TOKENIZER_FILES)
-    return path
-
-
-# What transformers' AutoTokenizer reads from a ModernBERT dir (tokenizer.json holds the model).
-MODERNBERT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# What transformers' AutoTokenizer reads from a tokenizer.json family's dir (tokenizer.json holds the model).
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _copy_files(source: str, target: str, names) -> list[str]:
@@ -108,8 +93,8 @@ def _copy_files(source: str, target: str, names) -> list[str]:
     return copied
 
 
-def _modernbert_tokenizer_dir(load: str, meta: dict, vocab_file: Optional[str]) -> str:
-    """Where the exported ModernBERT's tokenizer.json comes from: --vocab-file (the file or its
+def _tokenizer_json_dir(load: str, meta: dict, vocab_file: Optional[str]) -> str:
+    """Where the export's tokenizer.json comes from: --vocab-file (the file or its
     directory), else the one the run was trained with, else the one beside the checkpoint."""
     args = meta.get("args") or {}
     trained = args.get("data") or args.get("finetune") or {}  # pre-training's flags, or fine-tuning's
@@ -128,14 +113,13 @@ def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenize
     """Writes the Hugging Face dir; returns the names of the files it wrote."""
     full, meta, table = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
-    if cfg.model_family == "modernbert":
-        arch = meta.get("model_class", "ModernBertForMaskedLM")
+    family = get_family(cfg.model_family)
+    if family.recipe.tokenizer == "tokenizer.json":
+        arch = hf_io.hf_architecture(cfg, meta.get("model_class", family.task_classes["pretraining"]))
         hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch))
-        copied = _copy_files(_modernbert_tokenizer_dir(load, meta, vocab_file), hf_dir, MODERNBERT_TOKENIZER_FILES)
+        copied = _copy_files(_tokenizer_json_dir(load, meta, vocab_file), hf_dir, TOKENIZER_JSON_FILES)
         return ["model.safetensors", "config.json", *copied]
-    arch = meta.get("model_class", "BertForPreTraining")
-    if arch == "BertForPreTraining" and not cfg.bert_binary_head:
-        arch = "BertForMaskedLM"
+    arch = hf_io.hf_architecture(cfg, meta.get("model_class", family.task_classes["pretraining"]))
     vocab, lower_case = export_tokenizer(load, meta, vocab_file, tokenizer_type)
     hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch), vocab,
                        lower_case=lower_case)

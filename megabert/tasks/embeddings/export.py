@@ -30,6 +30,7 @@ from typing import Optional
 
 from megabert.checkpoint import hf as hf_io
 from megabert.errors import CheckpointError
+from megabert.families import get_family
 from megabert.model.pretrained import gather_full
 from megabert.parallel import ParallelState, comm
 from megabert.parallel.param_spec import reference_table, spec_table
@@ -56,15 +57,15 @@ def write_sentence_transformers(path: str, model: BertForSentenceEmbedding, full
                                 lower_case: bool, max_seq_length: int, prompts: Optional[dict] = None) -> None:
     """Writes the directory from rank 0's gathered state (gather_whole_model)."""
     table = reference_table(model.config, type(model).__name__)
-    if model.config.model_family == "modernbert":
-        # transformers' ModernBertModel is the masked LM's `model.` without the prefix.
-        hf_state = {k.removeprefix("model."): v for k, v in hf_io.megabert_to_hf(full, table).items()}
-        hf_io.write_hf_dir(path, hf_state, hf_io.hf_config_from_model(model.config, "ModernBertModel"))
+    family = get_family(model.config.model_family)
+    # transformers' base model (BertModel, ModernBertModel) is the masked LM's without the prefix.
+    hf_state = {k.removeprefix(family.hf_base_prefix): v for k, v in hf_io.megabert_to_hf(full, table).items()}
+    config = hf_io.hf_config_from_model(model.config, family.architectures["embeddings"])
+    if family.recipe.tokenizer == "tokenizer.json":
+        hf_io.write_hf_dir(path, hf_state, config)
         copy_tokenizer_json(vocab_file, path)
     else:
-        hf_state = {k.removeprefix("bert."): v for k, v in hf_io.megabert_to_hf(full, table).items()}
-        hf_io.write_hf_dir(path, hf_state, hf_io.hf_config_from_model(model.config, "BertModel"), vocab_file,
-                           lower_case=lower_case)
+        hf_io.write_hf_dir(path, hf_state, config, vocab_file, lower_case=lower_case)
     options = model.options
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]

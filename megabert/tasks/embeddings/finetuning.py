@@ -14,7 +14,9 @@ import torch
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
-from megabert.model_family import checkpoint_model_config
+from megabert.families import recipe
+from megabert.model.registry import MODEL_CLASSES
+from megabert.model_family import checkpoint_model_config, task_model_class_name
 from megabert.parallel import ParallelState
 from megabert.tasks.embeddings.config import number_list
 from megabert.tasks.embeddings.data import BeirSet, Pair, read_beir, read_pairs
@@ -24,8 +26,8 @@ from megabert.tasks.embeddings.features import TextFormat, pairs_to_tensors, tex
 from megabert.tasks.embeddings.grad_cache import (EMBEDDING_FIELDS, ContrastiveObjective, GradientCacheRunner,
                                                    check_cache_layout, check_chunk_size)
 from megabert.tasks.embeddings.loss import Matryoshka
+from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions
 from megabert.tasks.embeddings.sampling import BatchPlan, TrainingFile, file_names, plan_batches
-from megabert.tasks.embeddings.model import BertForSentenceEmbedding, EmbeddingOptions, ModernBertForSentenceEmbedding
 from megabert.training.build import build_runner
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.resolve import ResolvedRun
@@ -39,10 +41,9 @@ WORDPIECE = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 def load_embedding_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState, vocab_size: int,
                          texts_per_example: int) -> BertForSentenceEmbedding:
-    """The bi-encoder from --load with the run's pooling and normalisation. A ModernBERT --load
-    (a transformers dir or a megabert checkpoint of one) is ModernBertForSentenceEmbedding."""
-    modernbert = checkpoint_model_config(pretrained) is not None
-    model_class = ModernBertForSentenceEmbedding if modernbert else BertForSentenceEmbedding
+    """The bi-encoder from --load with the run's pooling and normalisation, as the loaded
+    family's embedding model (megabert.families)."""
+    model_class = MODEL_CLASSES[task_model_class_name(pretrained, "embeddings")]
     # Unpadded encoder: the pooling reads real tokens alone and retrieval texts leave much
     # of max_seq_length to padding.
     model = load_task_model(model_class, cfg, pretrained, ps, vocab_size, unpad_input=True)
@@ -71,9 +72,10 @@ class EmbeddingsTask(FinetuneTask):
         self.tokenizer = None
         self.best: Optional[tuple[float, int]] = None  # --keep-best: (value, step) of the exported model
         self.fmt = TextFormat.of(self.config)
-        # A ModernBERT --load (a transformers dir or a megabert checkpoint of one) trains as
-        # ModernBertForSentenceEmbedding and exports with its tokenizer.json.
-        self.modernbert = checkpoint_model_config(pretrained) is not None
+        # A --load of a family with a tokenizer.json (a transformers dir or a megabert checkpoint
+        # of one) exports with its tokenizer.json.
+        loaded = checkpoint_model_config(pretrained)
+        self.modernbert = loaded is not None and recipe(loaded).tokenizer == "tokenizer.json"
 
     @property
     def training_task(self) -> TrainingTask:

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
-from megabert.model.modernbert.model import ModernBertBackbone, ModernBertForMaskedLM
 from megabert.model.outputs import ModelOutput
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
@@ -92,18 +91,8 @@ class BertForSentenceEmbedding(BertPreTrainedModel):
 
 @register_model
 class ModernBertForSentenceEmbedding(BertForSentenceEmbedding):
-    """The bi-encoder over ModernBERT: the same pooling over its final-normed hidden states
-    (what sentence-transformers pools over transformers' ModernBertModel). ModernBERT has no
-    token types: the backbone ignores token_type_ids."""
-
-    backbone_class = ModernBertBackbone
-
-    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
-        if config.model_family != "modernbert":
-            raise ValueError(f"ModernBertForSentenceEmbedding needs a ModernBERT config, got {config.model_family!r}")
-        super().__init__(config, parallel_state, **kwargs)
-
-    initialize_parameters = ModernBertForMaskedLM.initialize_parameters
+    """BertForSentenceEmbedding under the class name ModernBERT bi-encoder checkpoints record
+    (every family's encoder is one class; the spec says what it is)."""
 
 
 def flatten_texts(batch: dict) -> dict:

@@ -19,8 +19,8 @@ from megabert.parallel import ParallelState
 from megabert.tasks.glue.data import GlueExample, read_examples, warn_unseen_labels
 from megabert.tasks.glue.features import examples_to_tensors
 from megabert.tasks.glue.metrics import glue_metrics
-from megabert.model import ModernBertForSequenceClassification
-from megabert.model_family import checkpoint_model_config
+from megabert.model.registry import MODEL_CLASSES
+from megabert.model_family import task_model_class_name
 from megabert.tasks.glue.model import BertForSequenceClassification
 from megabert.tasks.glue.tasks import TASKS, GlueTaskSpec
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
@@ -81,9 +81,8 @@ def load_glue_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState,
     sentences leave most of max_seq_length to padding."""
     task = TASKS[cfg.finetune.task_name]
     id2label = None if task.is_regression else dict(enumerate(task.labels))
-    # A ModernBERT --load fine-tunes as ModernBertForSequenceClassification (its pooling from its config).
-    model_class = ModernBertForSequenceClassification if checkpoint_model_config(pretrained) is not None \
-        else BertForSequenceClassification
+    # The --load's family says the classifier (its pooling, a prediction head) from its config.
+    model_class = MODEL_CLASSES[task_model_class_name(pretrained, "sequence_classification")]
     try:
         return load_task_model(model_class, cfg, pretrained, ps, vocab_size, num_labels=task.num_labels,
                                id2label=id2label, unpad_input=True)

@@ -10,8 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megabert.model.classifier import BertClassifier, ClassifierOutput
-from megabert.model.modernbert.classification import ModernBertTaskModel
+from megabert.model.classifier import BertClassifier, ClassifierOutput, PredictionHeadTaskModel
 from megabert.model.registry import register_model
 
 IGNORE_INDEX = -100
@@ -53,7 +52,7 @@ def token_output(logits: torch.Tensor, batch: dict, num_labels: int) -> TokenCla
 
 
 @register_model
-class ModernBertForTokenClassification(ModernBertTaskModel):
+class ModernBertForTokenClassification(PredictionHeadTaskModel):
     """A tag per token on ModernBERT, as transformers' ModernBertForTokenClassification."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -68,7 +67,7 @@ class ModernBertForTokenClassification(ModernBertTaskModel):
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> TokenClassifierOutput:
         # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
-        hidden = F.dropout(self.prediction_head(sequence.transpose(0, 1)), self.config.classifier_dropout,
+        hidden = F.dropout(self.prediction_head(sequence.transpose(0, 1)), self.ctx.spec.classifier.dropout,
                            self.training)  # [b, s, h]
         return token_output(self.classifier(hidden), batch, self.config.num_labels)
 

@@ -11,12 +11,12 @@ import torch
 
 from megabert.config import DataConfig
 from megabert.data.packing import with_flat_label_positions, with_flat_token_positions, with_label_positions
-from megabert.model import ModernBertForMaskedLM
+from megabert.families import get_family, task_class_name
+from megabert.model.registry import MODEL_CLASSES
 from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
-from megabert.tasks.pretraining.masking import MaskRates
-from megabert.tasks.pretraining import BertForPreTraining
 from megabert.tasks.pretraining import BertPreTrainingOutput
+from megabert.tasks.pretraining.masking import MaskRates
 from megabert.parallel import ParallelState
 from megabert.tensor_parallel.random import seed_default_stream
 from megabert.training.build import apply_compile, build_trainer
@@ -64,9 +64,9 @@ def pretraining_batches(batches: Iterable[dict], run: ResolvedRun, device: torch
     - unpacked rows with the unpadded encoder: `token_positions` [T], row x seq + column of each
       real token (with_flat_token_positions), which megabert.model.unpad.TokenLayout takes
       instead of the mask's nonzero(). The unpacked step then waits for the device nowhere.
-    ModernBERT takes the unpacked rows' two (its packed rows select on the device)."""
+    A family whose masked LM has no packed rows' slots (Family.packed_mlm_slots False) takes the unpacked rows' two (its packed rows select on the device)."""
     data = run.data
-    if run.model.model_family != "bert" and data.pack_sequences:
+    if data.pack_sequences and not get_family(run.model.model_family).packed_mlm_slots:
         return batches
     if data.pack_sequences:
         if not (run.model.mlm_logits_at_masked_only and fixed_shape_packing(device, run.model.unpad_input)):
@@ -147,7 +147,7 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
     (ours or DeepSpeed's) and checkpoint state -> a ready Trainer, all from the resolved run."""
     model_cfg = dataclasses.replace(run.model, vocab_size=model_vocab_size(run.model, run.explicit, vocab_size))
     seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
-    model_class = ModernBertForMaskedLM if model_cfg.model_family == "modernbert" else BertForPreTraining
+    model_class = MODEL_CLASSES[task_class_name(model_cfg, "pretraining")]
     model = model_class(model_cfg, ps, seed=run.train.seed,
                         num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage,
                         first_stage_layers=run.parallel.decoder_first_pipeline_num_layers,

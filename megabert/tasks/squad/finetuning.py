@@ -15,8 +15,9 @@ from megabert.parallel import ParallelState
 from megabert.tasks.squad.evaluate import evaluate
 from megabert.tasks.squad.examples import load_squad_json, read_squad_examples
 from megabert.tasks.squad.features import convert_examples_to_features, features_to_tensors
-from megabert.model_family import checkpoint_model_config
-from megabert.tasks.squad.model import BertForQuestionAnswering, ModernBertForQuestionAnswering
+from megabert.model.registry import MODEL_CLASSES
+from megabert.model_family import task_model_class_name
+from megabert.tasks.squad.model import BertForQuestionAnswering
 from megabert.tasks.squad.postprocess import postprocess_predictions
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
 from megabert.training.strategy import TrainingTask
@@ -34,9 +35,8 @@ def qa_task() -> TrainingTask:
 def load_qa_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState, vocab_size: int) -> BertForQuestionAnswering:
     """BertForQuestionAnswering from --load (megabert checkpoint of any TP layout, or a
     Hugging Face / TF directory); the QA head is new unless the checkpoint already has one."""
-    # A ModernBERT --load (a transformers dir or a megabert checkpoint of one) gets ModernBERT's span head.
-    model_class = ModernBertForQuestionAnswering if checkpoint_model_config(pretrained) is not None \
-        else BertForQuestionAnswering
+    # The --load's family (a transformers dir or a megabert checkpoint of one) says the span head.
+    model_class = MODEL_CLASSES[task_model_class_name(pretrained, "question_answering")]
     return load_task_model(model_class, cfg, pretrained, ps, vocab_size)
 
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
+from megabert.model.classifier import PredictionHeadTaskModel
 from megabert.model.heads import head_linear
-from megabert.model.modernbert.classification import ModernBertTaskModel
 from megabert.model.outputs import ModelOutput
 from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
@@ -61,7 +61,7 @@ def span_output(logits: torch.Tensor, batch: dict) -> QuestionAnsweringOutput:
 
 
 @register_model
-class ModernBertForQuestionAnswering(ModernBertTaskModel):
+class ModernBertForQuestionAnswering(PredictionHeadTaskModel):
     """Span extraction on ModernBERT, as transformers' ModernBertForQuestionAnswering: the
     final-normed hidden states -> the prediction head (dense, activation, norm) -> dropout ->
     a linear to 2 outputs (start, end)."""
@@ -80,7 +80,7 @@ class ModernBertForQuestionAnswering(ModernBertTaskModel):
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> QuestionAnsweringOutput:
         # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
-        hidden = F.dropout(self.prediction_head(sequence.transpose(0, 1)), self.config.classifier_dropout,
+        hidden = F.dropout(self.prediction_head(sequence.transpose(0, 1)), self.ctx.spec.classifier.dropout,
                            self.training)  # [b, s, h]
         return span_output(self.classifier(hidden), batch)
 

@@ -1,7 +1,8 @@
-"""Rotary position embeddings (Su et al. 2021) as ModernBERT applies them.
+"""Rotary position embeddings (Su et al. 2021), rotate-half layout, as transformers' RoPE
+families apply them.
 
-Global and local layers rotate with different bases (config.global_rope_theta /
-local_rope_theta). In the padded [s, b] layout a token's position is its slot in the row, as
+Each layer type may rotate with its own base (EncoderSpec.attention.rope_theta: ModernBERT's
+global and local layers, UltraBERT's full and sliding ones). In the padded [s, b] layout a token's position is its slot in the row, as
 transformers counts; in the unpadded [T] one it is the token's offset from its sequence's
 start in cu_seqlens, so that once samples are packed into a row each sample starts at 0.
 NOTE: with right padding (what ModernBERT's tokenizer does) the two agree; with left padding
@@ -106,18 +107,17 @@ def padded_positions(s: int, b: int, device) -> torch.Tensor:
 
 
 class RotaryTables:
-    """cos/sin of one micro-batch for both layer types, made on first use and read by every
+    """cos/sin of one micro-batch for every RoPE base, made on first use and read by every
     layer (O(tokens x d) once, not per layer). `positions`: [T] unpadded or [s, b] padded."""
 
-    def __init__(self, positions: torch.Tensor, head_dim: int, global_theta: float, local_theta: float):
+    def __init__(self, positions: torch.Tensor, head_dim: int):
         self.positions, self.head_dim = positions, head_dim
-        self._theta = {True: global_theta, False: local_theta}
         self._tables: dict = {}
 
-    def get(self, is_global: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [..., 1, d] in `dtype` (the activations'): broadcast over [..., heads, d]."""
-        key = (is_global, dtype)
+        key = (theta, dtype)
         if key not in self._tables:
-            cos, sin = cos_sin(self.positions, self.head_dim, self._theta[is_global], dtype)
+            cos, sin = cos_sin(self.positions, self.head_dim, theta, dtype)
             self._tables[key] = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return self._tables[key]

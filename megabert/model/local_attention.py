@@ -5,7 +5,7 @@ A query at position i sees the keys within `w` positions (|i - j| <= w, transfor
 bidirectional sliding window). Queries go in blocks of `B`; block j's keys all lie in the
 `B + 2w` positions from jB - w, which `unfold` gathers as a view. Scores, softmax, dropout
 and the value product run on [.., B, B + 2w] tiles: O(s (B + 2w)) time and memory where the
-band-masked dense path (megabert.model.modernbert.layers.band_mask) spends O(s^2). Keys
+band-masked dense path (megabert.model.attention.band_mask) spends O(s^2). Keys
 outside a row's window, past the sequence or at padding get no probability, so the result
 is the dense path's up to float rounding (the same terms, summed in another order).
 """

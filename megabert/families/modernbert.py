@@ -1,15 +1,57 @@
-"""transformers' ModernBertConfig <-> megabert's ModelConfig (model_family "modernbert").
+"""ModernBERT (Warner et al. 2024, "Smarter, Better, Faster, Longer") as transformers'
+`modernbert`: no positions or token types (RoPE, a base per layer type), pre-LN with a final
+norm and none before layer 0's attention, a GeGLU MLP, global attention every n-th layer and
+a sliding window in the others, no biases by default, a tied decoder, MLM only.
 
-Both config.json spellings are read: transformers 5's (`layer_types`, `rope_parameters`)
-and the one on the Hub since ModernBERT's release (`global_attn_every_n_layers`,
+Both config.json spellings are read: transformers 5's (`layer_types`, `rope_parameters`) and
+the one on the Hub since ModernBERT's release (`global_attn_every_n_layers`,
 `global_rope_theta`, `local_rope_theta`). An export writes both, consistent, so transformers
-4.48+ and 5 read it alike. The tensors need no conversion beyond names: each ModernBERT
-parameter's Hugging Face name is in its ParamSpec (megabert.model.modernbert).
+4.48+ and 5 read it alike.
 """
 from __future__ import annotations
 
-from megabert.config import MODERNBERT_ACTIVATIONS, ModelConfig
+from megabert.config import MODERNBERT_ACTIVATIONS, MODERNBERT_MODEL_DEFAULTS, ModelConfig
 from megabert.errors import CheckpointError
+from megabert.families.family import Family, Recipe
+from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
+                                 MLPSpec, ModuleNames, NormSpec)
+
+NAMES = ModuleNames(attention="attn", qkv="Wqkv", attn_out="Wo", mlp_in="Wi", mlp_out="Wo", attn_norm="attn_norm",
+                    mlp_norm="mlp_norm", final_norm="final_norm", embedding_norm="norm", head_norm="norm")
+_LAYER = {"qkv": ("attn.Wqkv",), "attn_out": ("attn.Wo",), "attn_norm": ("attn_norm",), "mlp_in": ("mlp.Wi",),
+          "mlp_out": ("mlp.Wo",), "mlp_norm": ("mlp_norm",)}
+_GLOBAL = {"word_embeddings": ("model.embeddings.tok_embeddings",), "embedding_norm": ("model.embeddings.norm",),
+           "final_norm": ("model.final_norm",), "head_dense": ("head.dense",), "head_norm": ("head.norm",),
+           "decoder_bias": ("decoder",), "classifier_dense": ("head.dense",), "classifier_norm": ("head.norm",)}
+
+
+def spec(cfg: ModelConfig) -> EncoderSpec:
+    layer_types = tuple("full_attention" if cfg.is_global_layer(i) else "sliding_attention"
+                        for i in range(cfg.num_layers))
+    rope = {"full_attention": cfg.global_rope_theta, "sliding_attention": cfg.local_rope_theta}
+    return EncoderSpec(
+        family="modernbert", hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        norm=NormSpec(kind="layernorm", eps=cfg.layernorm_epsilon, bias=cfg.norm_bias),
+        pre_norm=True, first_layer_attn_norm=False,
+        embeddings=EmbeddingSpec(max_positions=0, type_vocab_size=0, norm=True, dropout=cfg.embedding_dropout),
+        attention=AttentionSpec(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_attention_heads,
+                                head_dim=cfg.head_dim, qkv_bias=cfg.attention_bias, out_bias=cfg.attention_bias,
+                                dropout=cfg.attention_dropout, layer_types=layer_types,
+                                rope_theta={t: rope[t] for t in set(layer_types)},
+                                half_window={"sliding_attention": cfg.local_attention // 2}
+                                if "sliding_attention" in layer_types else {}),
+        mlp=MLPSpec(ffn_size=cfg.ffn_hidden_size, kind="glu", activation=cfg.hidden_activation, in_bias=cfg.mlp_bias,
+                    out_bias=cfg.mlp_bias, dropout=cfg.mlp_dropout),
+        # transformers' out_drop after the attention's Wo; nothing after the MLP's.
+        residual_dropout=(cfg.attention_dropout, 0.0),
+        mlm_head=MLMHeadSpec(transform=True, activation=cfg.classifier_activation, dense_bias=cfg.classifier_bias,
+                             norm=True, tied=True, decoder_bias=cfg.decoder_bias),
+        classifier=ClassifierSpec(pooling=cfg.classifier_pooling, prediction_head=True,
+                                  dense_bias=cfg.classifier_bias, activation=cfg.classifier_activation,
+                                  dropout=cfg.classifier_dropout),
+        init=InitSpec(std=cfg.init_method_std, truncate_at=cfg.initializer_cutoff_factor, scaled_out=True),
+        names=NAMES, hf_layer_prefix="model.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
+
 
 _SPECIAL_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")
 # transformers' ModernBertConfig defaults, for the keys an older config.json may lack.
@@ -18,10 +60,6 @@ _DEFAULTS = dict(global_rope_theta=160000.0, local_rope_theta=10000.0, global_at
                  decoder_bias=True, classifier_bias=False, hidden_activation="gelu", classifier_activation="gelu",
                  initializer_cutoff_factor=2.0, initializer_range=0.02, attention_dropout=0.0,
                  embedding_dropout=0.0, mlp_dropout=0.0, classifier_pooling="cls", max_position_embeddings=8192)
-
-
-def is_modernbert_config(hf: dict) -> bool:
-    return hf.get("model_type") == "modernbert"
 
 
 def _every_n(hf: dict) -> int:
@@ -45,7 +83,7 @@ def _rope_theta(hf: dict, layer_type: str, old_key: str) -> float:
     return float(params.get("rope_theta", hf.get(old_key, _DEFAULTS[old_key])))
 
 
-def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
+def config_from_hf(hf: dict) -> dict:
     if not hf.get("tie_word_embeddings", True):
         raise CheckpointError("config.json has tie_word_embeddings false; megabert's ModernBERT ties the decoder to "
                               "the word embeddings, as ModernBERT does")
@@ -70,18 +108,14 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         initializer_cutoff_factor=get("initializer_cutoff_factor") or 3.0,  # transformers: None means 3
         classifier_pooling=get("classifier_pooling"), classifier_dropout=hf.get("classifier_dropout") or 0.0,
         special_token_ids=special or None)
-    if {"ModernBertForSequenceClassification", "ModernBertForTokenClassification"} & set(hf.get("architectures") or []):
-        id2label = hf.get("id2label")  # transformers derives num_labels from id2label
-        fields.update(num_labels=len(id2label) if id2label else hf.get("num_labels", 2), id2label=id2label)
     for act in ("hidden_activation", "classifier_activation"):
         if fields[act] not in MODERNBERT_ACTIVATIONS:
             raise CheckpointError(f"config.json has {act} {fields[act]!r}; megabert's ModernBERT takes "
                                   f"{', '.join(MODERNBERT_ACTIVATIONS)}")
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    return fields
 
 
-def hf_config_from_model(cfg: ModelConfig, architecture: str = "ModernBertForMaskedLM") -> dict:
+def hf_config(cfg: ModelConfig, architecture: str = "ModernBertForMaskedLM") -> dict:
     n = cfg.global_attn_every_n_layers
     layer_types = ["full_attention" if cfg.is_global_layer(i) else "sliding_attention" for i in range(cfg.num_layers)]
     special = cfg.special_token_ids or {}
@@ -105,3 +139,17 @@ def hf_config_from_model(cfg: ModelConfig, architecture: str = "ModernBertForMas
         "tie_word_embeddings": True, "sparse_prediction": False, "torch_dtype": "float32",
         **{k: v for k, v in special.items() if k in _SPECIAL_IDS},
     }
+
+
+FAMILY = Family(
+    name="modernbert", model_type="modernbert", spec=spec, config_from_hf=config_from_hf, hf_config=hf_config,
+    recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="tokenizer.json"),
+    scratch_defaults={k: v for k, v in MODERNBERT_MODEL_DEFAULTS.items() if k != "model_family"},
+    task_classes={"pretraining": "ModernBertForMaskedLM",
+                  "sequence_classification": "ModernBertForSequenceClassification",
+                  "token_classification": "ModernBertForTokenClassification",
+                  "question_answering": "ModernBertForQuestionAnswering",
+                  "embeddings": "ModernBertForSentenceEmbedding"},
+    hf_base_prefix="model.",
+    architectures={"masked_lm": "ModernBertForMaskedLM", "pretraining": "ModernBertForMaskedLM", "embeddings": "ModernBertModel"},
+)

@@ -1,0 +1,62 @@
+"""The registry of encoder families: each a small module mapping its transformers config and
+weight names onto one EncoderSpec (megabert.families.spec), and holding its pre-training recipe.
+
+Code outside this package never asks which family a model is: it reads the spec
+(`encoder_spec(config)`), the recipe, or the class a task builds (`task_class_name`). A new
+family is one more module here and one line in FAMILIES.
+"""
+from __future__ import annotations
+
+from megabert.config import ModelConfig
+from megabert.errors import ConfigError
+from megabert.families import bert, eurobert, gte, modernbert, nomic_bert, ultrabert
+from megabert.families.family import Family, Recipe
+from megabert.families.spec import EncoderSpec
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (bert.FAMILY, modernbert.FAMILY, eurobert.FAMILY, gte.FAMILY,
+                                                  nomic_bert.FAMILY, ultrabert.FAMILY)}
+
+
+def get_family(name: str) -> Family:
+    found = FAMILIES.get(name)
+    if found is None:
+        raise ConfigError(f"unknown model family {name!r}: megabert knows {', '.join(sorted(FAMILIES))}")
+    return found
+
+
+def family_for_model_type(model_type: object, where: str) -> Family:
+    """The family whose config.json model_type is `model_type` (`where`: the file, for the error)."""
+    for f in FAMILIES.values():
+        if f.model_type == model_type:
+            return f
+    known = ", ".join(sorted(f.model_type for f in FAMILIES.values()))
+    raise ConfigError(f"{where}: model_type {model_type!r} is not a family megabert builds (it knows {known})")
+
+
+def encoder_spec(config: ModelConfig) -> EncoderSpec:
+    """The EncoderSpec of `config` (its family's mapping)."""
+    return get_family(config.model_family).spec(config)
+
+
+def task_class_name(config: ModelConfig, task: str) -> str:
+    """The registered model class that runs `task` for `config`'s family."""
+    f = get_family(config.model_family)
+    name = f.task_classes.get(task)
+    if name is None:
+        raise ConfigError(f"the {f.name} family has no {task.replace('_', ' ')} model in megabert")
+    return name
+
+
+def recipe(config: ModelConfig) -> Recipe:
+    return get_family(config.model_family).recipe
+
+
+def check_task_class(config: ModelConfig, class_name: str) -> None:
+    """A task class that is one family's (BertForPreTraining) built for another family's config
+    is an error naming the class that family runs the task with."""
+    mine = get_family(config.model_family)
+    for f in FAMILIES.values():
+        for task, name in f.task_classes.items():
+            if name == class_name and f is not mine and mine.task_classes.get(task) != class_name:
+                raise ConfigError(f"{class_name} is the {f.name} family's {task.replace('_', ' ')} model but the "
+                                  f"config is a {mine.name} one: build {mine.task_classes.get(task, 'another model')}")

@@ -1,0 +1,53 @@
+"""What a family module declares: its Recipe and its Family record (megabert.families)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from megabert.config import ModelConfig
+from megabert.families.spec import EncoderSpec
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the family pre-trains from scratch."""
+
+    mask_prob: float
+    """The share of tokens masked (--mask-prob's default)."""
+    binary_head: bool
+    """A sentence-pair (NSP/SOP) head beside the masked LM."""
+    tokenizer: str
+    """wordpiece (vocab.txt) or tokenizer.json (a transformers fast tokenizer)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """--model-family NAME, ModelConfig.model_family."""
+    model_type: str
+    """config.json's model_type."""
+    spec: Callable[[ModelConfig], EncoderSpec]
+    config_from_hf: Callable[[dict], dict]
+    """config.json -> ModelConfig fields (a CheckpointError names the field it cannot take)."""
+    hf_config: Callable[[ModelConfig, str], dict]
+    """(config, architecture) -> config.json."""
+    recipe: Recipe
+    scratch_defaults: Mapping[str, object] = field(default_factory=dict)
+    """ModelConfig fields for --model-family NAME where a flag is left out."""
+    task_classes: Mapping[str, str] = field(default_factory=dict)
+    """Task (pretraining, sequence_classification, token_classification, question_answering,
+    embeddings) -> the registered model class name (megabert.model.registry) that runs it."""
+    hf_prefix_aliases: Mapping[str, str] = field(default_factory=dict)
+    """Tensor-name prefixes other writers of the family use -> transformers' ("new." -> "gte.")."""
+    hf_base_prefix: str = ""
+    """The base model's prefix in transformers' task checkpoints ("bert."): a bare base model
+    (sentence-transformers' export) is saved without it."""
+    packed_mlm_slots: bool = False
+    """The pre-training model reads packed rows' masked positions as fixed [b, slots]
+    (megabert.model.packed): the fixed-shape packed step that CUDA graphs need. False: its
+    packed rows select them on the device."""
+    architecture_from_checkpoint: bool = True
+    """--load DIR takes the architecture from the checkpoint's config (False: from the flags, as
+    Megatron-LM's BERT; the checkpoint must then match them)."""
+    architectures: Mapping[str, str] = field(default_factory=dict)
+    """Task -> the transformers architecture an export of it names (pretraining: the masked LM's)."""

@@ -1,0 +1,80 @@
+"""GTE (Li et al. 2023; gte-multilingual, gte-en-v1.5) as transformers' `gte`: BERT's post-LN
+layout with RoPE instead of learned positions, an embedding LayerNorm, token type row 0 always
+added (type_vocab_size 1), a gated MLP (act(gate) * up, exact GELU by default; biases only on the
+down projection and q/k/v/o), and BERT's MLM head with an exact GELU, tied, with a decoder bias.
+
+On disk (what transformers writes and the Hub holds): a fused `qkv_proj` [q; k; v] and a fused
+`up_gate_proj` [up; gate], up first (MLPSpec.gate_first); Hub checkpoints carry the prefix
+`new.` where transformers writes `gte.` (both are read)."""
+from __future__ import annotations
+
+from megabert.config import ModelConfig
+from megabert.families.family import Family, Recipe
+from megabert.families.rope_config import checked_activation, rope_theta
+from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
+                                    MLPSpec, NormSpec)
+
+_LAYER = {"qkv": ("attention.qkv_proj",), "attn_out": ("attention.o_proj",), "attn_norm": ("attn_ln",),
+          "mlp_in": ("mlp.up_gate_proj",), "mlp_out": ("mlp.down_proj",), "mlp_norm": ("mlp_ln",)}
+_GLOBAL = {"word_embeddings": ("gte.embeddings.word_embeddings",),
+           "token_type_embeddings": ("gte.embeddings.token_type_embeddings",),
+           "embedding_norm": ("gte.embeddings.LayerNorm",), "head_dense": ("lm_head.dense",),
+           "head_norm": ("lm_head.norm",), "decoder_bias": ("lm_head.decoder",)}
+
+
+def spec(cfg: ModelConfig) -> EncoderSpec:
+    return EncoderSpec(
+        family="gte", hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        norm=NormSpec(kind="layernorm", eps=cfg.layernorm_epsilon, bias=True), pre_norm=False,
+        embeddings=EmbeddingSpec(max_positions=0, type_vocab_size=cfg.type_vocab_size, norm=True,
+                                 dropout=cfg.hidden_dropout),
+        attention=AttentionSpec(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_attention_heads,
+                                head_dim=cfg.head_dim, qkv_bias=True, out_bias=True, dropout=cfg.attention_dropout,
+                                layer_types=("full_attention",) * cfg.num_layers,
+                                rope_theta={"full_attention": cfg.global_rope_theta}),
+        mlp=MLPSpec(ffn_size=cfg.ffn_hidden_size, kind="glu", activation=cfg.hidden_activation, in_bias=False,
+                    out_bias=True, dropout=cfg.hidden_dropout, gate_first=True),
+        residual_dropout=(cfg.hidden_dropout, cfg.hidden_dropout),
+        mlm_head=MLMHeadSpec(transform=True, activation="gelu", dense_bias=True, norm=True, tied=True,
+                             decoder_bias=True),
+        classifier=ClassifierSpec(pooling="cls"),
+        init=InitSpec(std=cfg.init_method_std),
+        hf_layer_prefix="gte.encoder.layer.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
+
+
+def config_from_hf(hf: dict) -> dict:
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim")
+    return dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+        ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 8192), type_vocab_size=hf.get("type_vocab_size", 1),
+        kv_channels=head_dim if head_dim not in (None, hf["hidden_size"] // heads) else None,
+        hidden_dropout=hf.get("hidden_dropout_prob", 0.1), attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
+        layernorm_epsilon=hf.get("layer_norm_eps", 1e-12), init_method_std=hf.get("initializer_range", 0.02),
+        global_rope_theta=rope_theta(hf, 160000.0, "GTE"), hidden_activation=checked_activation(hf, "gelu", "GTE"),
+        bert_binary_head=False)
+
+
+def hf_config(cfg: ModelConfig, architecture: str = "GteForMaskedLM") -> dict:
+    return {
+        "architectures": [architecture], "model_type": "gte", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_activation,
+        "max_position_embeddings": cfg.max_position_embeddings, "type_vocab_size": cfg.type_vocab_size,
+        "hidden_dropout_prob": cfg.hidden_dropout, "attention_probs_dropout_prob": cfg.attention_dropout,
+        "layer_norm_eps": cfg.layernorm_epsilon, "initializer_range": cfg.init_method_std,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.global_rope_theta},
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+    }
+
+
+FAMILY = Family(
+    name="gte", model_type="gte", spec=spec, config_from_hf=config_from_hf, hf_config=hf_config,
+    recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="tokenizer.json"),
+    scratch_defaults={"type_vocab_size": 1, "global_rope_theta": 160000.0, "max_position_embeddings": 8192,
+                      "bert_binary_head": False, "attention_dropout": 0.0},
+    task_classes={"pretraining": "EncoderForMaskedLM"},
+    hf_base_prefix="gte.", hf_prefix_aliases={"new.": "gte."},
+    architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel"},
+)
