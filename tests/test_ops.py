@@ -8,7 +8,7 @@ import torch
 import megabert.say_once
 import megabert.fused_kernels as fk
 from megabert.errors import ConfigError
-from megabert.ops import (core_attention, dispatch, layer_norm, resolve_attention_backend, resolve_layernorm_backend,
+from megabert.ops import (core_attention, layer_norm, resolve_attention_backend, resolve_layernorm_backend,
                           scaled_masked_softmax)
 from megabert.ops.reference import layer_norm_reference, scaled_masked_softmax_reference
 

@@ -10,7 +10,6 @@ import megabert
 import megabert.say_once
 from megabert.config import ModelConfig, OptimConfig
 from megabert.model.pretrained import gather_full
-import megabert.optim as optim_module
 from megabert.optim import Lamb, LRSchedule, build_optimizer, param_groups
 from megabert.parallel.param_spec import describe, spec_table
 
