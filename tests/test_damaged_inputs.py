@@ -341,6 +341,9 @@ def _cli_cases(t):
         (["finetune_ner.py", "--load", _hf_dir_without_tokenizer(t), "--train-file", f], "--vocab-file (or "
          "--tokenizer-model) is required: " + str(t / "hf") + " has neither a vocab.txt nor a tokenizer.json"),
         (["pretrain_bert.py", "--data-path", "x", "--save", f], f"--save {f} is a file, not a directory"),
+        (["pretrain_bert.py", "--data-path", "x", "--load", str(t / "hf")], "--vocab-file (or --tokenizer-model) is "
+         f"required: pre-training takes only a ModernBERT's tokenizer.json from beside --load, and {t / 'hf'} has "
+         f"none"),
         (["finetune_glue.py", "--task-name", "rte", "--data-dir", d, "--output-dir", d, "--load", f],
          f"--load {f} is a file; it takes a checkpoint's directory (such as {t})"),
         (["tools/checkpoint/reshard.py", "--load", d, "--save", os.path.join(f, "x"), "--tensor-model-parallel-size",

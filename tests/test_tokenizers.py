@@ -138,7 +138,8 @@ def test_build_errors(kind, path, err, words):
 def test_wrong_files_are_clear_errors(vocab_file, tmp_path):
     with pytest.raises(DataError, match="not a SentencePiece model"):
         build_tokenizer("SentencePieceTokenizer", vocab_file)
-    with pytest.raises(DataError, match="is not JSON .*: a tokenizer.json is JSON; a WordPiece vocab.txt takes --tokenizer-type"):
+    with pytest.raises(DataError, match="is not JSON .*: a tokenizer.json is JSON; a WordPiece vocab.txt takes "
+                                        "--tokenizer-type"):
         build_tokenizer("HuggingFaceTokenizer", vocab_file)
     (tmp_path / "v.txt").write_text("a\nb\n")
     with pytest.raises(DataError, match="no \\[UNK\\]"):

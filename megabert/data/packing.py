@@ -287,9 +287,10 @@ def warn_if_packing_wasted(spec: PackingSpec, num_samples: int = 0, real_tokens:
         return
     share, per_row = real_tokens / (rows * spec.seq_length), num_samples / rows
     if share < LOW_REAL_TOKEN_SHARE and per_row > spec.max_samples_per_row - 0.5:
+        fit = int(spec.seq_length * num_samples / max(real_tokens, 1))  # samples of the mean length a row holds
         logger.warning("packed rows are %.0f%% real tokens with %.1f %s a row, capped by --max-samples-per-row %d: "
                        "raise it (rows of %d tokens hold about %d of these)", 100 * share, per_row, what,
-                       spec.max_samples_per_row, spec.seq_length, int(spec.seq_length * num_samples / real_tokens))
+                       spec.max_samples_per_row, spec.seq_length, fit)
 
 
 def with_fill_check(windows: Iterable[dict], spec: PackingSpec) -> Iterator[dict]:

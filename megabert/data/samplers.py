@@ -78,4 +78,4 @@ def warn_if_small(count: int, global_batch: int, what: str) -> None:
     if count < global_batch:
         logger.warning("the training data gives %d %s, fewer than one global batch of %d: each step repeats them "
                        "(about %.1f times); lower --global-batch-size to %d or give more data", count, what,
-                       global_batch, global_batch / count, count)
+                       global_batch, global_batch / max(count, 1), count)

@@ -111,6 +111,10 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
         # A --load / --pretrained-checkpoint that holds nothing stopped the run above, before
         # index mappings are built.
         cfg = resolve_model_family(cfg, start.source)
+        if cfg.data.vocab_file is None and start.source is not None:  # else build_tokenizer asks for a WordPiece vocab
+            raise ConfigError(f"--vocab-file (or --tokenizer-model) is required: pre-training takes only a "
+                              f"ModernBERT's tokenizer.json from beside --load, and {start.source.directory} has none; "
+                              f"pass the tokenizer the model was trained with")
         model = cfg.model
         check_seq_length(cfg.data.seq_length, model)
     check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
