@@ -28,21 +28,31 @@ def test_demo_script_runs_small(tmp_path):
     assert open(tmp_path / "glue" / "out" / "SST-2.tsv").readline() == "index\tprediction\n"
 
 
-def _demo_data_in_a_process(w, hash_seed):
+DEMO_DATA = [["tools/make_demo_corpus.py", "--output", "{w}/corpus.jsonl", "--max-documents", "150"],
+             ["tools/train_tokenizer.py", "--input", "{w}/corpus.jsonl", "--output", "{w}/vocab.txt", "--vocab-size",
+              "2000"],
+             ["tools/preprocess_data.py", "--input", "{w}/corpus.jsonl", "--json-keys", "text", "--output-prefix",
+              "{w}/demo", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "{w}/vocab.txt",
+              "--split-sentences", "--workers", "2"]]
+
+
+def _demo_data(w, hash_seed=None):
     """`make demo`'s first three steps (corpus, WordPiece vocab, preprocessing with 2 workers) at
-    a small size, in one fresh interpreter with its own hash seeds (Python's and Rust's)."""
-    tools = os.path.join(ROOT, "tools")
-    steps = [[os.path.join(tools, "make_demo_corpus.py"), "--output", f"{w}/corpus.jsonl", "--max-documents", "150"],
-             [os.path.join(tools, "train_tokenizer.py"), "--input", f"{w}/corpus.jsonl", "--output", f"{w}/vocab.txt",
-              "--vocab-size", "2000"],
-             [os.path.join(tools, "preprocess_data.py"), "--input", f"{w}/corpus.jsonl", "--json-keys", "text",
-              "--output-prefix", f"{w}/demo", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
-              f"{w}/vocab.txt", "--split-sentences", "--workers", "2"]]
-    script = ("import runpy, sys\n"
+    a small size: in this process, or (`hash_seed`) in a fresh interpreter with other hash
+    seeds (Python's and Rust's)."""
+    steps = [[a.format(w=w) for a in argv] for argv in DEMO_DATA]
+    if hash_seed is None:
+        from tests.helpers.cli_utils import run_main
+
+        for tool, *argv in steps:
+            r = run_main(tool, *argv)
+            assert r.returncode == 0, r.stderr
+        return
+    script = ("import os, runpy, sys\n"
               f"for argv in {steps!r}:\n"
-              "    sys.argv = argv\n"
+              f"    sys.argv = [os.path.join({ROOT!r}, argv[0])] + argv[1:]\n"
               "    try:\n"
-              "        runpy.run_path(argv[0], run_name='__main__')\n"
+              "        runpy.run_path(sys.argv[0], run_name='__main__')\n"
               "    except SystemExit as e:\n"
               "        assert not e.code, e.code\n")
     env = {**os.environ, "PYTHONHASHSEED": str(hash_seed), "PYTHONPATH": ROOT}
@@ -52,9 +62,11 @@ def _demo_data_in_a_process(w, hash_seed):
 
 def test_demo_data_is_the_same_on_every_run(tmp_path):
     """Issue 51: the demo's figures differed between runs, first of all because its vocab did.
-    Two runs write the same corpus, vocab and dataset, byte for byte."""
-    for seed in (1, 2):
-        (tmp_path / str(seed)).mkdir()
-        _demo_data_in_a_process(tmp_path / str(seed), seed)
+    Two runs (this process and another with other hash seeds) write the same corpus, vocab and
+    dataset, byte for byte."""
+    for name in ("1", "2"):
+        (tmp_path / name).mkdir()
+    _demo_data(tmp_path / "1")
+    _demo_data(tmp_path / "2", hash_seed=int(os.environ.get("PYTHONHASHSEED") or 0) + 1)
     for name in ("corpus.jsonl", "vocab.txt", "demo_text_sentence.bin", "demo_text_sentence.idx"):
         assert open(tmp_path / "1" / name, "rb").read() == open(tmp_path / "2" / name, "rb").read(), name

@@ -34,26 +34,39 @@ def corpus(tmp_path_factory):
     return d
 
 
-def _train_in_a_process(corpus, out, hash_seed):
-    """Both trainers in one fresh interpreter (its own hash seeds: Python's and Rust's)."""
+TRAINING = (["--output", "vocab.txt", "--vocab-size", "120", "--min-frequency", "1"],
+            ["--output", "bpe", "--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", "400", "--min-frequency",
+             "1"])
+
+
+def _train(corpus, out, hash_seed=None):
+    """Both trainers on `corpus` into `out`: in this process, or (`hash_seed`) in a fresh
+    interpreter with other hash seeds (Python's and Rust's)."""
+    argvs = [["--input", str(corpus / "corpus.jsonl")] + [str(out / a) if a in ("vocab.txt", "bpe") else a
+                                                          for a in argv] for argv in TRAINING]
+    if hash_seed is None:
+        for argv in argvs:
+            r = run_main("tools/train_tokenizer.py", *argv)
+            assert r.returncode == 0, r.stderr
+        return
     tool = os.path.join(ROOT, "tools", "train_tokenizer.py")
-    script = (f"import runpy, sys\n"
-              f"for argv in ({[tool, '--input', str(corpus / 'corpus.jsonl'), '--output', str(out / 'vocab.txt'), '--vocab-size', '120', '--min-frequency', '1']!r},\n"
-              f"             {[tool, '--input', str(corpus / 'corpus.jsonl'), '--output', str(out / 'bpe'), '--tokenizer-type', 'HuggingFaceTokenizer', '--vocab-size', '400', '--min-frequency', '1']!r}):\n"
-              f"    sys.argv = argv\n"
-              f"    try:\n"
-              f"        runpy.run_path(argv[0], run_name='__main__')\n"
-              f"    except SystemExit as e:\n"
-              f"        assert not e.code, e.code\n")
+    script = ("import runpy, sys\n"
+              f"for argv in {argvs!r}:\n"
+              f"    sys.argv = [{tool!r}] + argv\n"
+              "    try:\n"
+              f"        runpy.run_path({tool!r}, run_name='__main__')\n"
+              "    except SystemExit as e:\n"
+              "        assert not e.code, e.code\n")
     env = {**os.environ, "PYTHONHASHSEED": str(hash_seed), "PYTHONPATH": ROOT}
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_two_runs_write_the_same_bytes(corpus, tmp_path):
-    for seed in (1, 2):
-        (tmp_path / str(seed)).mkdir()
-        _train_in_a_process(corpus, tmp_path / str(seed), seed)
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    _train(corpus, tmp_path / "1")
+    _train(corpus, tmp_path / "2", hash_seed=int(os.environ.get("PYTHONHASHSEED") or 0) + 1)
     for name in ("vocab.txt", "bpe/tokenizer.json", "bpe/tokenizer_config.json"):
         a, b = (open(tmp_path / s / name, "rb").read() for s in ("1", "2"))
         assert a == b, name

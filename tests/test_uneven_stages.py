@@ -134,3 +134,16 @@ def test_planner_counts_each_stage_as_built(tmp_path):
     r = run_main("tools/plan_layout.py", "--num-layers", "5", "--hidden-size", "128", "--num-attention-heads", "2",
                  "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2")
     assert r.returncode == 0, r.stderr
+
+
+def test_planner_proposes_an_uneven_last_stage():
+    """ModernBERT-base's 22 layers on 4 devices: PP=4 is a candidate as 6, 6, 6 and 4 layers."""
+    from megabert.config import modernbert_base
+    from megabert.planning import Workload
+    from megabert.planning.search import candidate_layouts
+
+    layouts = candidate_layouts(modernbert_base(), Workload(seq_length=512, micro_batch_size=1), 4)
+    pp4 = [lay for lay in layouts if lay.pp == 4]
+    assert pp4 and all(lay.last_stage_layers == 4 and lay.virtual_stages == 1 for lay in pp4)
+    assert pp4[0].short().startswith("tp1.pp4(last 4)") and "--decoder-last-pipeline-num-layers 4" in pp4[0].flags()
+    assert all(lay.last_stage_layers is None for lay in layouts if lay.pp == 2)  # 22 = 2 x 11

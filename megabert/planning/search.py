@@ -7,6 +7,7 @@ less memory.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
@@ -38,8 +39,8 @@ def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp
                       distributed_optimizer: bool = True) -> list[Layout]:
     """Every layout of `devices` ranks the model and the batch allow. TP stays within
     `max_tp` (one node's fast interconnect); sequence parallelism is tried with TP > 1;
-    interleaving with 2 and 4 chunks where the layers divide; megabert's own trainer with
-    and without --use-distributed-optimizer at DP > 1."""
+    interleaving with 2 and 4 chunks where the layers divide, an uneven last stage where they
+    do not; megabert's own trainer with and without --use-distributed-optimizer at DP > 1."""
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     zero_stages = tuple(zero_stages)
@@ -48,12 +49,17 @@ def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp
         if tp > max_tp or model.num_attention_heads % tp or model.ffn_hidden_size % tp:
             continue
         for pp in _divisors(devices // tp):
+            last = None
             if model.num_layers % pp:
-                continue
+                # Uneven stages (--decoder-last-pipeline-num-layers): the first stages take
+                # ceil(layers / pp) each, the last the rest (22 layers at PP=4: 6, 6, 6, 4).
+                last = model.num_layers - (pp - 1) * math.ceil(model.num_layers / pp)
+                if last < 1:
+                    continue
             dp = devices // (tp * pp)
             if run.global_batch_size is not None and run.global_batch_size % (run.micro_batch_size * dp):
                 continue
-            vs = [1] + [v for v in (2, 4) if pp > 1 and (model.num_layers // pp) % v == 0]
+            vs = [1] + [v for v in (2, 4) if pp > 1 and last is None and (model.num_layers // pp) % v == 0]
             for v in vs:
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for z in zero_stages:
@@ -70,7 +76,7 @@ def candidate_layouts(model: ModelConfig, run: Workload, devices: int, *, max_tp
                             try:  # megabert.rules decides what combines (ZeRO-2/3 with PP, SP with ZeRO)
                                 out.append(Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, sequence_parallel=sp,
                                                   zero_stage=z, offload_optimizer=oo, offload_params=op,
-                                                  distributed_optimizer=do))
+                                                  distributed_optimizer=do, last_stage_layers=last))
                             except ConfigError:
                                 continue
     return out

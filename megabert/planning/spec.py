@@ -179,6 +179,10 @@ class Layout:
     def short(self) -> str:
         """A compact name for tables: tp2.pp4(v2).dp8.z1+sp."""
         name = f"tp{self.tp}.pp{self.pp}" + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
+        split = [f"{end} {n}" for end, n in (("first", self.first_stage_layers), ("last", self.last_stage_layers))
+                 if n is not None]
+        if split:
+            name += f"({', '.join(split)})"
         name += f".dp{self.dp}.z{self.zero_stage}"
         if self.sequence_parallel:
             name += "+sp"

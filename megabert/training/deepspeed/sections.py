@@ -143,7 +143,8 @@ def translate_scheduler(section: Any, t: OptimTranslation) -> None:
 
     NOTE: the curve follows our iteration count (Megatron's: iteration 1 runs at
     warmup_min_lr + delta / warmup_num_steps); DeepSpeed's own scheduler lags it by a step
-    or two, as it applies the LR for step k after optimizer step k."""
+    or two, as it applies the LR for step k after optimizer step k. Our decay reaches
+    warmup_min_lr one step after total_num_steps, so no step runs at it (megabert.optim.lr_schedules)."""
     if not isinstance(section, dict) or not isinstance(section.get("type"), str):
         raise t.error('has a "scheduler" section without a "type"; give {"type": "WarmupLR", "params": {...}} '
                       'or drop it')
