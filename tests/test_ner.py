@@ -134,6 +134,8 @@ def test_finetune_outputs_resume_and_export(ner_setup, tmp_path):
     gives the same logits, and imports back to the same results."""
     dirs, train, dev, dev_sentences = ner_setup
     schedule = ["--lr-decay-iters", 12, "--lr-warmup-fraction", 0.25]  # the same schedule for 6 and 12 steps
+    # Every window labelled (more labels than --train-windows owned): these 12 steps find entities.
+    schedule += ["--train-windows", "all"]
     full = common(dirs["dropout"], train, dev, tmp_path / "full", "--train-iters", 12, "--test-file", dev,
                   "--metrics-file", tmp_path / "f.jsonl", *schedule)
     assert "ner dev: eval_loss" in ner(*full).stdout

@@ -15,7 +15,11 @@ at the sentence's end. Every sub-word
 lies in some window, so every word's first sub-word does; a word is predicted from the
 window where it sits most central (the most context on its shorter side; ties to the
 longer, then the earlier window: the rule of Google's run_squad.py _check_is_max_context).
-Training uses every window, labelled wherever a word starts in it.
+Training labels each word in the window that predicts it (`train_windows="owned"`), so a
+word in the overlap of two windows counts once in the loss, as a word of a short sentence
+does: labelled wherever it starts ("all"), the overlap of every long sentence counted twice
+and pulled the loss towards long sentences (issue 52). "first" keeps a sentence's first
+window alone, as run_ner.py's truncation trains (the words past it are still predicted).
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ import torch
 
 from megabert.tasks.ner.data import Sentence
 from megabert.tasks.ner.model import IGNORE_INDEX
+
+
+TRAIN_WINDOWS = ("owned", "all", "first")
+"""Where training labels a word of a sentence longer than one window (--train-windows)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +96,16 @@ def continuation_labels(labels: Sequence[str]) -> list[int]:
 
 def sentences_to_features(sentences: Sequence[Sentence], tokenizer, max_seq_length: int, *,
                           label2id: Optional[dict[str, int]] = None, overlap: Optional[int] = None,
-                          label_all_tokens: bool = False, drop_unlabelled: bool = False) -> Features:
+                          label_all_tokens: bool = False, drop_unlabelled: bool = False,
+                          train_windows: Optional[str] = None) -> Features:
     """Features of every window of every sentence. `label2id`: label the words (sentences
     with tags; a tag outside it is left unlabelled); `overlap`: sub-words each window shares
     with the one before (default half a window); `drop_unlabelled`: leave out windows with no label
-    (training: a window inside one very long word teaches nothing)."""
+    (training: a window inside one very long word teaches nothing); `train_windows`: where a
+    word is labelled, None or "all" in every window it starts in, "owned" in the one that
+    predicts it, "first" in the first window only (see the module's docstring)."""
+    if train_windows not in (None, *TRAIN_WINDOWS):
+        raise ValueError(f"train_windows must be one of {', '.join(TRAIN_WINDOWS)}, got {train_windows!r}")
     length = max_seq_length - 2
     overlap = length // 2 if overlap is None else overlap
     to_inner = continuation_labels(sorted(label2id, key=label2id.get)) if label2id else None
@@ -115,8 +128,18 @@ def sentences_to_features(sentences: Sequence[Sentence], tokenizer, max_seq_leng
         lengths = [min(length, len(ids) - s) for s in starts]
         owner = [best_window(f, starts, lengths) for f in firsts]
         for k, (s, n) in enumerate(zip(starts, lengths)):
+            if train_windows == "first" and k > 0:
+                break
             owned = tuple((firsts[w] - s + 1, w) for w in range(len(firsts)) if owner[w] == k)  # +1: [CLS]
             labels = [IGNORE_INDEX, *token_labels[s:s + n], IGNORE_INDEX]
+            if train_windows == "owned":
+                # The sub-words of the words this window owns (a word's later sub-words follow
+                # its first, up to the next word's first).
+                mine = [False] * (n + 2)
+                for position, word in owned:
+                    stop = firsts[word + 1] - s + 1 if word + 1 < len(firsts) else n + 1
+                    mine[position:min(stop, n + 1)] = [True] * (min(stop, n + 1) - position)
+                labels = [x if keep else IGNORE_INDEX for x, keep in zip(labels, mine)]
             if drop_unlabelled and all(x == IGNORE_INDEX for x in labels):
                 continue
             rows.append(([tokenizer.cls, *ids[s:s + n], tokenizer.sep], labels))

@@ -142,7 +142,8 @@ class NerTask(FinetuneTask):
         ft = self.config
         return sentences_to_features(sentences, tokenizer, ft.max_seq_length,
                                      label2id={t: i for i, t in enumerate(self.labels)}, overlap=ft.stride,
-                                     label_all_tokens=ft.label_all_tokens and train, drop_unlabelled=train)
+                                     label_all_tokens=ft.label_all_tokens and train, drop_unlabelled=train,
+                                     train_windows=ft.train_windows if train else None)
 
     def train_tensors(self, tokenizer):
         if "train" not in self.sentences:
