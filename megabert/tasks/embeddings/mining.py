@@ -61,7 +61,7 @@ class MiningConfig(TextEmbeddingConfig):
                                    "num_negatives + most positives (x10 negatives with a margin or --max-score).")
     max_score: Optional[float] = arg(None, "Remove candidates whose similarity to the query is above this.")
     relative_margin: Optional[float] = arg(None, "Remove candidates scoring above the positive's score minus M x its "
-                                           "magnitude (0.05: NV-Retriever's TopK-PercPos 95%).")
+                                           "magnitude (0.05: NV-Retriever's TopK-PercPos 95%%).")
     absolute_margin: Optional[float] = arg(None, "Remove candidates scoring above the positive's score minus this.")
     faiss: bool = arg(False, "Search with faiss' exact inner-product index (IndexFlatIP; faiss must be installed) "
                       "instead of a matrix product on the device.")
