@@ -17,12 +17,13 @@ PYTHON=${PYTHON:-.venv/bin/python}
 DEEPSPEED_SPEC=${DEEPSPEED_SPEC:-deepspeed==0.19.8}  # pyproject.toml: deepspeed>=0.19,<0.20
 # What the image lacks of megabert's dependencies, its extras (deepspeed, mpi, test) and
 # DeepSpeed's own (read from deepspeed's metadata: einops, msgpack, ninja, numpy, packaging,
-# psutil, py-cpuinfo, tqdm are on the image). Checked against the image's package list of
+# psutil, py-cpuinfo, tqdm are on the image; datasets, the test extra's peer of hard-negative mining, with
+# dill and multiprocess are not). Checked against the image's package list of
 # 2026-11 (/work/.library/device/KINDS.md in this workplace). typing-extensions is on the
 # image, but pydantic-core needs a recent one (megatron-core likewise packaging>=24.2):
 # pip takes the wheel only where the image's copy is too old.
 MISSING=(hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions packaging
-         zstandard mwparserfromhell megatron-core mpich)
+         zstandard mwparserfromhell megatron-core mpich datasets dill multiprocess)
 # The image's platform: CPython 3.12, manylinux x86-64 (pip matches each tag exactly).
 TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
