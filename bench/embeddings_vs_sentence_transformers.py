@@ -166,8 +166,9 @@ def st_evaluator_check(model, beir) -> dict:
     return {k: next(v for name, v in out.items() if name.endswith(suffix)) for k, suffix in pick.items()}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_arguments(description: str) -> argparse.ArgumentParser:
+    """The data, model and training flags of this bench and bench/retrieval_recipe.py."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=1024)
     p.add_argument("--dev-queries", type=int, default=200)
     p.add_argument("--layers", type=int, default=2)
@@ -177,9 +178,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--points", type=int, default=4, help="dev evaluations along the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None)
+    return p
+
+
+def main() -> None:
+    p = run_arguments(__doc__)
+    p.add_argument("--points", type=int, default=4, help="dev evaluations along the run")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     work = args.work_dir or tempfile.mkdtemp(prefix="emb_bench_")

@@ -25,7 +25,6 @@ Runs, each from the same init:
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -44,7 +43,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from bench.embeddings_vs_sentence_transformers import make_init, st_model  # noqa: E402
+from bench.embeddings_vs_sentence_transformers import make_init, run_arguments, st_model  # noqa: E402
 from megabert.config import OptimConfig  # noqa: E402
 from megabert.optim import LRSchedule  # noqa: E402
 from megabert.tasks.embeddings.data import Pair, read_beir, read_pairs  # noqa: E402
@@ -165,24 +164,13 @@ def st_mine(model, pairs: list[Pair], args) -> list[Pair] | None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=1024)
-    p.add_argument("--dev-queries", type=int, default=200)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--epochs", type=float, default=3.0)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p = run_arguments(__doc__)
     # About the positives a topic has (1024 pairs over 128 topics): they are relevant, so the
     # top ranks are skipped rather than mined as (false) negatives. A margin instead can leave
     # a weak first model's pairs without a negative, which sentence-transformers' triplets
     # then drop while megabert trains them with in-batch negatives alone.
     p.add_argument("--range-min", type=int, default=8)
     p.add_argument("--relative-margin", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", default=None)
     args = p.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="retrieval_bench_")
     paths = write_retrieval_set(os.path.join(work, "data"), train_pairs=args.pairs, dev_queries=args.dev_queries,
