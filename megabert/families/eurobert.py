@@ -93,8 +93,10 @@ FAMILY = Family(
                       "max_position_embeddings": 8192, "layernorm_position": "pre", "bert_binary_head": False,
                       "hidden_activation": "silu", "global_rope_theta": 250000.0,
                       "untie_embeddings_and_output_weights": True},
-    task_classes={"pretraining": "EncoderForMaskedLM"},
+    # Sequence classification ("late" pooling: the classifier's logits averaged) is not here yet.
+    task_classes={"pretraining": "EncoderForMaskedLM", "token_classification": "BertForTokenClassification",
+                  "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="model.",
     architectures={"pretraining": "EuroBertForMaskedLM", "masked_lm": "EuroBertForMaskedLM",
-                   "embeddings": "EuroBertModel"},
+                   "embeddings": "EuroBertModel", "token_classification": "EuroBertForTokenClassification"},
 )

@@ -19,7 +19,7 @@ _LAYER = {"qkv": ("attention.qkv_proj",), "attn_out": ("attention.o_proj",), "at
 _GLOBAL = {"word_embeddings": ("gte.embeddings.word_embeddings",),
            "token_type_embeddings": ("gte.embeddings.token_type_embeddings",),
            "embedding_norm": ("gte.embeddings.LayerNorm",), "head_dense": ("lm_head.dense",),
-           "head_norm": ("lm_head.norm",), "decoder_bias": ("lm_head.decoder",)}
+           "head_norm": ("lm_head.norm",), "decoder_bias": ("lm_head.decoder",), "pooler": ("gte.pooler.dense",)}
 
 
 def spec(cfg: ModelConfig) -> EncoderSpec:
@@ -37,7 +37,7 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
         residual_dropout=(cfg.hidden_dropout, cfg.hidden_dropout),
         mlm_head=MLMHeadSpec(transform=True, activation="gelu", dense_bias=True, norm=True, tied=True,
                              decoder_bias=True),
-        classifier=ClassifierSpec(pooling="cls"),
+        classifier=ClassifierSpec(pooling="pooler"),
         init=InitSpec(std=cfg.init_method_std),
         hf_layer_prefix="gte.encoder.layer.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
@@ -74,7 +74,10 @@ FAMILY = Family(
     recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="tokenizer.json"),
     scratch_defaults={"type_vocab_size": 1, "global_rope_theta": 160000.0, "max_position_embeddings": 8192,
                       "bert_binary_head": False, "attention_dropout": 0.0},
-    task_classes={"pretraining": "EncoderForMaskedLM"},
+    task_classes={"pretraining": "EncoderForMaskedLM", "sequence_classification": "BertForSequenceClassification",
+                  "token_classification": "BertForTokenClassification", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="gte.", hf_prefix_aliases={"new.": "gte."},
-    architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel"},
+    architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel",
+                   "sequence_classification": "GteForSequenceClassification",
+                   "token_classification": "GteForTokenClassification"},
 )

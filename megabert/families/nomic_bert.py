@@ -20,7 +20,8 @@ _LAYER = {"qkv": ("attn.Wqkv",), "attn_out": ("attn.out_proj",), "attn_norm": ("
 _GLOBAL = {"word_embeddings": ("nomic_bert.embeddings.word_embeddings",),
            "token_type_embeddings": ("nomic_bert.embeddings.token_type_embeddings",),
            "embedding_norm": ("nomic_bert.emb_ln",), "head_dense": ("cls.predictions.transform.dense",),
-           "head_norm": ("cls.predictions.transform.layer_norm",), "decoder_bias": ("cls.predictions",)}
+           "head_norm": ("cls.predictions.transform.layer_norm",), "decoder_bias": ("cls.predictions",),
+           "pooler": ("nomic_bert.pooler.dense",)}
 
 
 def spec(cfg: ModelConfig) -> EncoderSpec:
@@ -38,7 +39,7 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
         residual_dropout=(cfg.hidden_dropout, cfg.hidden_dropout),
         mlm_head=MLMHeadSpec(transform=True, activation=cfg.hidden_activation, dense_bias=True, norm=True, tied=True,
                              decoder_bias=True),
-        classifier=ClassifierSpec(pooling="mean"),
+        classifier=ClassifierSpec(pooling="pooler"),
         init=InitSpec(std=cfg.init_method_std),
         hf_layer_prefix="nomic_bert.encoder.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
@@ -74,8 +75,10 @@ FAMILY = Family(
     recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="wordpiece"),
     scratch_defaults={"global_rope_theta": 1000.0, "hidden_activation": "silu", "hidden_dropout": 0.0,
                       "attention_dropout": 0.0, "max_position_embeddings": 2048, "bert_binary_head": False},
-    task_classes={"pretraining": "EncoderForMaskedLM"},
+    task_classes={"pretraining": "EncoderForMaskedLM", "sequence_classification": "BertForSequenceClassification",
+                  "token_classification": "BertForTokenClassification", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="nomic_bert.",
     architectures={"pretraining": "NomicBertForMaskedLM", "masked_lm": "NomicBertForMaskedLM",
-                   "embeddings": "NomicBertModel"},
+                   "embeddings": "NomicBertModel", "sequence_classification": "NomicBertForSequenceClassification",
+                   "token_classification": "NomicBertForTokenClassification"},
 )

@@ -48,7 +48,8 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
         mlm_head=MLMHeadSpec(transform=True, width=cfg.prediction_head_size or cfg.hidden_size,
                              activation="gelu_pytorch_tanh", dense_bias=False, norm=False,
                              tied=not cfg.untie_embeddings_and_output_weights, decoder_bias=False),
-        classifier=ClassifierSpec(pooling=cfg.classifier_pooling),
+        classifier=ClassifierSpec(pooling=cfg.classifier_pooling, prediction_head=False,
+                                  dropout=cfg.classifier_dropout),
         init=InitSpec(std=cfg.init_method_std),
         hf_layer_prefix="ultrabert.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
@@ -107,8 +108,12 @@ FAMILY = Family(
                       "max_position_embeddings": 32768, "layernorm_position": "pre", "bert_binary_head": False,
                       "hidden_activation": "silu", "global_rope_theta": 2_560_000.0, "local_rope_theta": 10_000.0,
                       "local_attention": 256, "untie_embeddings_and_output_weights": True},
-    task_classes={"pretraining": "EncoderForMaskedLM"},
+    task_classes={"pretraining": "EncoderForMaskedLM", "sequence_classification": "EncoderForSequenceClassification",
+                  "token_classification": "BertForTokenClassification",
+                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="ultrabert.",
     architectures={"pretraining": "UltrabertForMaskedLM", "masked_lm": "UltrabertForMaskedLM",
-                   "embeddings": "UltrabertModel"},
+                   "embeddings": "UltrabertModel", "sequence_classification": "UltrabertForSequenceClassification",
+                   "token_classification": "UltrabertForTokenClassification",
+                   "question_answering": "UltrabertForQuestionAnswering"},
 )

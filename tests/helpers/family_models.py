@@ -8,7 +8,8 @@ SEQ = 20
 PAD_ID = 0
 
 
-def _config(family: str, **config):
+def family_config(family: str, **config):
+    """(transformers' config of a tiny `family` model with `config` keys added, its masked-LM class)."""
     import transformers
 
     if family == "eurobert":
@@ -45,7 +46,7 @@ def _config(family: str, **config):
 def make_family_dir(path, family: str, **config) -> str:
     """transformers' masked LM of `family` with `config` keys added or replaced, norm weights
     (and biases) moved off their init so that a swapped name would show; saved to `path`."""
-    cfg, cls = _config(family, **config)
+    cfg, cls = family_config(family, **config)
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():
