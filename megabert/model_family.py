@@ -31,7 +31,6 @@ def family_defaults(name: str) -> dict:
     return {**{f"model.{k}": v for k, v in family.scratch_defaults.items()}, "data.mask_prob": family.recipe.mask_prob}
 
 
-MODERNBERT_DEFAULTS = family_defaults("modernbert")
 # How the model computes, not what it is: always the flags' (pretrain_bert.py's defaults
 # included), whatever a loaded checkpoint says.
 RUN_TIME_FIELDS = ("attention_backend", "layernorm_backend", "dropout_add_backend", "recompute_granularity",
