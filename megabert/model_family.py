@@ -70,7 +70,8 @@ def resolve_model_family(cfg: Configs, start: Optional[Source] = None) -> Config
     if loaded is not None:
         if "model.model_family" in cfg.explicit and model.model_family != loaded.model_family:
             raise ConfigError(f"--model-family {model.model_family}, but the checkpoint to start from is a "
-                              f"{loaded.model_family}; drop --model-family (the architecture comes from the checkpoint)")
+                              f"{loaded.model_family}; drop --model-family (the architecture comes from the "
+                              f"checkpoint)")
         fields = {}
         for f in dataclasses.fields(ModelConfig):
             mine, theirs = getattr(model, f.name), getattr(loaded, f.name)

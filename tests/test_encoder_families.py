@@ -18,7 +18,8 @@ from megabert.parallel.param_spec import spec_table
 from megabert.training.grads import sync_sequence_parallel_grads
 
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.family_models import family_batch, family_config, make_family_dir
+from tests.helpers.family_models import family_config, make_family_dir
+from tests.helpers.modernbert_models import modernbert_batch as family_batch
 from tests.helpers.hf_models import close
 
 transformers = pytest.importorskip("transformers")

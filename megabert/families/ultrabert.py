@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
+from megabert.families.eurobert import LAYER_NAMES as EUROBERT_LAYER
 from megabert.families.family import Family, Recipe
 from megabert.families.rope_config import checked_activation, rope_theta
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
                                     MLPSpec, NormSpec)
 
-_LAYER = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "q": ("self_attn.q_proj",),
-          "kv": ("self_attn.k_proj", "self_attn.v_proj"), "attn_out": ("self_attn.o_proj",),
-          "attn_norm": ("input_layernorm",), "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp_out": ("mlp.down_proj",), "mlp_norm": ("post_attention_layernorm",)}
+# EuroBERT's block, named as EuroBERT names it under the layer prefix.
+_LAYER = EUROBERT_LAYER
 _GLOBAL = {"word_embeddings": ("ultrabert.embed_tokens",), "final_norm": ("ultrabert.norm",),
            "head_dense": ("head.linear1",), "head_dense2": ("head.linear2",), "decoder": ("cls",)}
 FULL, SLIDING = "full_attention", "sliding_attention"

@@ -63,9 +63,10 @@ def _kernel_accounting(model: ModelConfig) -> bool:
 
 def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, recompute: str,
                            is_global: bool, rows: Optional[int] = None) -> float:
-    """Bytes one layer of a RoPE family (global, or within the spec's sliding window) keeps for backward, per micro-batch, on one TP rank, for rows with no padding (see the
-    module docstring). `rows`: tokens the layer computes past its attention core (the model's
-    last layer, on pretrain_bert.py's fast path, only the masked ones); None: all."""
+    """Bytes one layer of a RoPE family (global, or within the spec's sliding window) keeps for
+    backward, per micro-batch, on one TP rank, for rows with no padding (see the module
+    docstring). `rows`: tokens the layer computes past its attention core (the model's last
+    layer, on pretrain_bert.py's fast path, only the masked ones); None: all."""
     spec = encoder_spec(model)
     s, b, h, f, n = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
         model.num_attention_heads

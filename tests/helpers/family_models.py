@@ -1,11 +1,9 @@
 """Tiny transformers models of the families beyond BERT and ModernBERT, saved with transformers'
-own classes (no download), and a right-padded batch: the references megabert's families are
-compared with."""
+own classes (no download): the references megabert's families are compared with (on
+tests.helpers.modernbert_models' right-padded batch)."""
 import torch
 
-VOCAB = 99  # not a multiple of 128: exercises vocab padding
-SEQ = 20
-PAD_ID = 0
+from tests.helpers.modernbert_models import PAD_ID, VOCAB
 
 
 def family_config(family: str, **config):
@@ -55,18 +53,3 @@ def make_family_dir(path, family: str, **config) -> str:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(path))
     return str(path)
-
-
-def family_batch(seed=1):
-    """ids [3, SEQ], right-padded rows, labels at a few positions (-100 elsewhere)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, VOCAB, (3, SEQ), generator=gen)
-    am = torch.ones_like(ids)
-    am[1, 13:] = 0
-    am[2, 5:] = 0
-    ids[am == 0] = PAD_ID
-    labels = torch.full_like(ids, -100)
-    labels[:, 2] = ids[:, 2]
-    labels[0, 17] = ids[0, 17]
-    labels[1, 9] = ids[1, 9]
-    return ids, am, labels
