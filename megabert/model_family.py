@@ -31,7 +31,6 @@ def family_defaults(name: str) -> dict:
     return {**{f"model.{k}": v for k, v in family.scratch_defaults.items()}, "data.mask_prob": family.recipe.mask_prob}
 
 
-MODERNBERT_DEFAULTS = family_defaults("modernbert")
 # How the model computes, not what it is: always the flags' (pretrain_bert.py's defaults
 # included), whatever a loaded checkpoint says.
 RUN_TIME_FIELDS = ("attention_backend", "layernorm_backend", "dropout_add_backend", "recompute_granularity",
@@ -71,7 +70,8 @@ def resolve_model_family(cfg: Configs, start: Optional[Source] = None) -> Config
     if loaded is not None:
         if "model.model_family" in cfg.explicit and model.model_family != loaded.model_family:
             raise ConfigError(f"--model-family {model.model_family}, but the checkpoint to start from is a "
-                              f"{loaded.model_family}; drop --model-family (the architecture comes from the checkpoint)")
+                              f"{loaded.model_family}; drop --model-family (the architecture comes from the "
+                              f"checkpoint)")
         fields = {}
         for f in dataclasses.fields(ModelConfig):
             mine, theirs = getattr(model, f.name), getattr(loaded, f.name)

@@ -18,7 +18,8 @@ from megabert.parallel.param_spec import spec_table
 from megabert.training.grads import sync_sequence_parallel_grads
 
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.family_models import family_batch, make_family_dir
+from tests.helpers.family_models import family_config, make_family_dir
+from tests.helpers.modernbert_models import modernbert_batch as family_batch
 from tests.helpers.hf_models import close
 
 transformers = pytest.importorskip("transformers")
@@ -171,3 +172,44 @@ def test_convert_import_export_round_trip(hf_dir, tmp_path):
     b = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out"))
     ids, am, _ = family_batch()
     close(b(input_ids=ids, attention_mask=am).logits, a(input_ids=ids, attention_mask=am).logits, "exported logits")
+
+
+HEADS = [("gte", "GteForSequenceClassification"), ("gte", "GteForTokenClassification"),
+         ("nomic_bert", "NomicBertForSequenceClassification"), ("eurobert", "EuroBertForTokenClassification"),
+         ("ultrabert", "UltrabertForSequenceClassification"), ("ultrabert", "UltrabertForQuestionAnswering")]
+
+
+@pytest.mark.parametrize("family,arch", HEADS)
+def test_task_heads_equal_transformers(family, arch, tmp_path):
+    """Each family's fine-tuning model (the registry's task class: the same classes every family
+    uses) loads transformers' task model of that family and gives its logits; convert_hf imports
+    it as that task model."""
+    from megabert.families import task_class_name
+    from megabert.model.registry import MODEL_CLASSES
+    from megabert.tasks import model_classes
+    from tests.helpers.cli_utils import run_main
+
+    cfg, _ = family_config(family, num_labels=3)
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(cfg).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    task = {"SequenceClassification": "sequence_classification", "TokenClassification": "token_classification",
+            "QuestionAnswering": "question_answering"}[arch.split("For")[-1]]
+    model_classes()
+    ids, am, _ = family_batch()
+    model = megabert.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"), megabert.init_parallel())
+    cls = MODEL_CLASSES[task_class_name(model.config, task)]
+    model = cls.from_pretrained(str(tmp_path / "hf"), megabert.init_parallel()).eval()
+    out, ref = model(ids, attention_mask=am), hf(input_ids=ids, attention_mask=am)
+    if task == "question_answering":
+        close(out.start_logits[am.bool()], ref.start_logits[am.bool()], "start logits")
+    elif task == "token_classification":
+        close(out.logits[am.bool()], ref.logits[am.bool()], "logits")
+    else:
+        close(out.logits, ref.logits, "logits")
+    r = run_main("tools/checkpoint/convert_hf.py", "import", "--hf-dir", str(tmp_path / "hf"), "--output",
+                 str(tmp_path / "ck"))
+    assert r.returncode == 0, r.stderr
+    from megabert.checkpoint.reader import read_full
+
+    assert read_full(str(tmp_path / "ck"))[1]["model_class"] == cls.__name__

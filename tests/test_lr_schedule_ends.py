@@ -1,7 +1,6 @@
 """No optimizer step at lr 0 (issue 51): the first and last steps of every schedule, and a
 one-step fine-tuning run that moves the weights (before, its only step ran at lr 0)."""
 import json
-import os
 
 import numpy as np
 import pytest

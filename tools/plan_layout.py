@@ -33,13 +33,10 @@ import sys
 from megabert.arguments import PRETRAIN_DEFAULTS
 from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig
 from megabert.errors import ConfigError, cli_main
-from megabert.model_family import MODERNBERT_DEFAULTS
+from megabert.families import recipe
 from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan
 from megabert.planning.params import total_params
 from megabert.planning.step_time import Links, StepTime, compute_time, step_time
-
-
-MODERNBERT_MASK_PROB = MODERNBERT_DEFAULTS["data.mask_prob"]
 
 
 def _default(config_class, name: str):
@@ -66,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     prec = r.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true")
     prec.add_argument("--fp16", action="store_true")
-    r.add_argument("--mask-prob", type=float, help="share of tokens the MLM head predicts (default: pretrain_bert.py's, "
-                   f"{_default(DataConfig, 'mask_prob')}, or {MODERNBERT_MASK_PROB} for a ModernBERT)")
+    r.add_argument("--mask-prob", type=float, help="share of tokens the MLM head predicts (default: the family's recipe: "
+                   "BERT 0.15, ModernBERT 0.3, ...)")
     r.add_argument("--recompute-granularity", default="none", help="none, selective or full")
     r.add_argument("--device", default="cuda", help="cuda (GPU memory) or cpu (process RSS)")
     r.add_argument("--overhead-gb", type=float, help="fixed per-process overhead (default: calibrated per device)")
@@ -130,7 +127,7 @@ def run_from_args(args, model: ModelConfig) -> Workload:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     mask_prob = args.mask_prob
     if mask_prob is None:
-        mask_prob = MODERNBERT_MASK_PROB if model.model_family == "modernbert" else _default(DataConfig, "mask_prob")
+        mask_prob = recipe(model).mask_prob
     return Workload(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, mask_prob=mask_prob,
                     global_batch_size=args.global_batch_size, precision=precision,
                     recompute=args.recompute_granularity, device=args.device, overhead_gb=args.overhead_gb,

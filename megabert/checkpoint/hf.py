@@ -76,7 +76,8 @@ def hf_architecture(cfg: ModelConfig, model_class: str) -> str:
     if model_class == "EncoderForMaskedLM" or (model_class == family.task_classes.get("pretraining")
                                                and not cfg.bert_binary_head):
         return family.architectures["masked_lm"]
-    return model_class
+    task = next((t for t, c in family.task_classes.items() if c == model_class and t != "pretraining"), None)
+    return family.architectures.get(task, model_class)
 
 
 def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:

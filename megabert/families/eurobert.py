@@ -10,8 +10,9 @@ from megabert.families.family import Family, Recipe
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
                                     MLPSpec, NormSpec)
 
-_LAYER = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "q": ("self_attn.q_proj",),
-          "kv": ("self_attn.k_proj", "self_attn.v_proj"), "attn_out": ("self_attn.o_proj",),
+LAYER_NAMES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "q": ("self_attn.q_proj",), "kv": ("self_attn.k_proj", "self_attn.v_proj"),
+               "attn_out": ("self_attn.o_proj",),
           "attn_norm": ("input_layernorm",),
           # Our gated up-projection is [input; gate] with act(input): transformers' gate_proj is
           # the activated half.
@@ -38,7 +39,7 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
                              decoder_bias=cfg.mlp_bias),
         classifier=ClassifierSpec(pooling="mean"),
         init=InitSpec(std=cfg.init_method_std),
-        hf_layer_prefix="model.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
+        hf_layer_prefix="model.layers.{i}.", hf_layer_names=LAYER_NAMES, hf_names=_GLOBAL)
 
 
 def _rope_theta(hf: dict) -> float:
@@ -54,7 +55,8 @@ def config_from_hf(hf: dict) -> dict:
     heads = hf["num_attention_heads"]
     act = hf.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
-        raise CheckpointError(f"config.json has hidden_act {act!r}; megabert's EuroBERT takes {', '.join(_ACTIVATIONS)}")
+        raise CheckpointError(f"config.json has hidden_act {act!r}; megabert's EuroBERT takes "
+                              f"{', '.join(_ACTIVATIONS)}")
     head_dim = hf.get("head_dim")
     special = {k: hf[k] for k in _SPECIAL_IDS if isinstance(hf.get(k), int)}
     return dict(
@@ -93,8 +95,10 @@ FAMILY = Family(
                       "max_position_embeddings": 8192, "layernorm_position": "pre", "bert_binary_head": False,
                       "hidden_activation": "silu", "global_rope_theta": 250000.0,
                       "untie_embeddings_and_output_weights": True},
-    task_classes={"pretraining": "EncoderForMaskedLM"},
+    # Sequence classification ("late" pooling: the classifier's logits averaged) is not here yet.
+    task_classes={"pretraining": "EncoderForMaskedLM", "token_classification": "BertForTokenClassification",
+                  "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="model.",
     architectures={"pretraining": "EuroBertForMaskedLM", "masked_lm": "EuroBertForMaskedLM",
-                   "embeddings": "EuroBertModel"},
+                   "embeddings": "EuroBertModel", "token_classification": "EuroBertForTokenClassification"},
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.families.family import Family, Recipe
-from megabert.families.rope_config import checked_activation, rope_theta
+from megabert.families.rope_config import bert_layout_fields, bert_layout_hf_config
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
                                     MLPSpec, NormSpec)
 
@@ -19,7 +19,7 @@ _LAYER = {"qkv": ("attention.qkv_proj",), "attn_out": ("attention.o_proj",), "at
 _GLOBAL = {"word_embeddings": ("gte.embeddings.word_embeddings",),
            "token_type_embeddings": ("gte.embeddings.token_type_embeddings",),
            "embedding_norm": ("gte.embeddings.LayerNorm",), "head_dense": ("lm_head.dense",),
-           "head_norm": ("lm_head.norm",), "decoder_bias": ("lm_head.decoder",)}
+           "head_norm": ("lm_head.norm",), "decoder_bias": ("lm_head.decoder",), "pooler": ("gte.pooler.dense",)}
 
 
 def spec(cfg: ModelConfig) -> EncoderSpec:
@@ -37,36 +37,18 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
         residual_dropout=(cfg.hidden_dropout, cfg.hidden_dropout),
         mlm_head=MLMHeadSpec(transform=True, activation="gelu", dense_bias=True, norm=True, tied=True,
                              decoder_bias=True),
-        classifier=ClassifierSpec(pooling="cls"),
+        classifier=ClassifierSpec(pooling="pooler"),
         init=InitSpec(std=cfg.init_method_std),
         hf_layer_prefix="gte.encoder.layer.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
 
 def config_from_hf(hf: dict) -> dict:
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim")
-    return dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-        ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 8192), type_vocab_size=hf.get("type_vocab_size", 1),
-        kv_channels=head_dim if head_dim not in (None, hf["hidden_size"] // heads) else None,
-        hidden_dropout=hf.get("hidden_dropout_prob", 0.1), attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
-        layernorm_epsilon=hf.get("layer_norm_eps", 1e-12), init_method_std=hf.get("initializer_range", 0.02),
-        global_rope_theta=rope_theta(hf, 160000.0, "GTE"), hidden_activation=checked_activation(hf, "gelu", "GTE"),
-        bert_binary_head=False)
+    return bert_layout_fields(hf, "GTE", theta=160000.0, act="gelu", type_vocab_size=1, positions=8192,
+                              hidden_dropout=0.1)
 
 
 def hf_config(cfg: ModelConfig, architecture: str = "GteForMaskedLM") -> dict:
-    return {
-        "architectures": [architecture], "model_type": "gte", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_activation,
-        "max_position_embeddings": cfg.max_position_embeddings, "type_vocab_size": cfg.type_vocab_size,
-        "hidden_dropout_prob": cfg.hidden_dropout, "attention_probs_dropout_prob": cfg.attention_dropout,
-        "layer_norm_eps": cfg.layernorm_epsilon, "initializer_range": cfg.init_method_std,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.global_rope_theta},
-        "tie_word_embeddings": True, "torch_dtype": "float32",
-    }
+    return {**bert_layout_hf_config(cfg, "gte", architecture), "tie_word_embeddings": True}
 
 
 FAMILY = Family(
@@ -74,7 +56,10 @@ FAMILY = Family(
     recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="tokenizer.json"),
     scratch_defaults={"type_vocab_size": 1, "global_rope_theta": 160000.0, "max_position_embeddings": 8192,
                       "bert_binary_head": False, "attention_dropout": 0.0},
-    task_classes={"pretraining": "EncoderForMaskedLM"},
+    task_classes={"pretraining": "EncoderForMaskedLM", "sequence_classification": "BertForSequenceClassification",
+                  "token_classification": "BertForTokenClassification", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="gte.", hf_prefix_aliases={"new.": "gte."},
-    architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel"},
+    architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel",
+                   "sequence_classification": "GteForSequenceClassification",
+                   "token_classification": "GteForTokenClassification"},
 )

@@ -151,5 +151,6 @@ FAMILY = Family(
                   "question_answering": "ModernBertForQuestionAnswering",
                   "embeddings": "ModernBertForSentenceEmbedding"},
     hf_base_prefix="model.",
-    architectures={"masked_lm": "ModernBertForMaskedLM", "pretraining": "ModernBertForMaskedLM", "embeddings": "ModernBertModel"},
+    architectures={"masked_lm": "ModernBertForMaskedLM", "pretraining": "ModernBertForMaskedLM",
+                   "embeddings": "ModernBertModel"},
 )

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
+from megabert.families.eurobert import LAYER_NAMES as EUROBERT_LAYER
 from megabert.families.family import Family, Recipe
 from megabert.families.rope_config import checked_activation, rope_theta
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
                                     MLPSpec, NormSpec)
 
-_LAYER = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "q": ("self_attn.q_proj",),
-          "kv": ("self_attn.k_proj", "self_attn.v_proj"), "attn_out": ("self_attn.o_proj",),
-          "attn_norm": ("input_layernorm",), "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp_out": ("mlp.down_proj",), "mlp_norm": ("post_attention_layernorm",)}
+# EuroBERT's block, named as EuroBERT names it under the layer prefix.
+_LAYER = EUROBERT_LAYER
 _GLOBAL = {"word_embeddings": ("ultrabert.embed_tokens",), "final_norm": ("ultrabert.norm",),
            "head_dense": ("head.linear1",), "head_dense2": ("head.linear2",), "decoder": ("cls",)}
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -48,7 +47,8 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
         mlm_head=MLMHeadSpec(transform=True, width=cfg.prediction_head_size or cfg.hidden_size,
                              activation="gelu_pytorch_tanh", dense_bias=False, norm=False,
                              tied=not cfg.untie_embeddings_and_output_weights, decoder_bias=False),
-        classifier=ClassifierSpec(pooling=cfg.classifier_pooling),
+        classifier=ClassifierSpec(pooling=cfg.classifier_pooling, prediction_head=False,
+                                  dropout=cfg.classifier_dropout),
         init=InitSpec(std=cfg.init_method_std),
         hf_layer_prefix="ultrabert.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
@@ -107,8 +107,12 @@ FAMILY = Family(
                       "max_position_embeddings": 32768, "layernorm_position": "pre", "bert_binary_head": False,
                       "hidden_activation": "silu", "global_rope_theta": 2_560_000.0, "local_rope_theta": 10_000.0,
                       "local_attention": 256, "untie_embeddings_and_output_weights": True},
-    task_classes={"pretraining": "EncoderForMaskedLM"},
+    task_classes={"pretraining": "EncoderForMaskedLM", "sequence_classification": "EncoderForSequenceClassification",
+                  "token_classification": "BertForTokenClassification",
+                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="ultrabert.",
     architectures={"pretraining": "UltrabertForMaskedLM", "masked_lm": "UltrabertForMaskedLM",
-                   "embeddings": "UltrabertModel"},
+                   "embeddings": "UltrabertModel", "sequence_classification": "UltrabertForSequenceClassification",
+                   "token_classification": "UltrabertForTokenClassification",
+                   "question_answering": "UltrabertForQuestionAnswering"},
 )

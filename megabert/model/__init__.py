@@ -7,5 +7,6 @@ from megabert.model.classifier import ModernBertForSequenceClassification
 from megabert.model.masked_lm import AutoModelForMaskedLM, EncoderForMaskedLM, MaskedLMOutput, ModernBertForMaskedLM
 from megabert.model.outputs import ModelOutput
 
-__all__ = ["AutoModelForMaskedLM", "BertModel", "BertPreTrainedModel", "EncoderForMaskedLM", "MaskedLMOutput", "ModelOutput",
+__all__ = ["AutoModelForMaskedLM", "BertModel", "BertPreTrainedModel", "EncoderForMaskedLM", "MaskedLMOutput",
+           "ModelOutput",
            "ModernBertForMaskedLM", "ModernBertForSequenceClassification", "attention_mask_to_bool"]

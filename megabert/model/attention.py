@@ -157,7 +157,8 @@ class SelfAttention(nn.Module):
             kv = self.key_value(x)
         else:
             # Every rank's K/V path reads the whole input: its gradient there is partial.
-            full = gather_from_sp(x, self.ctx.tp_group) if self.ctx.sequence_parallel else copy_to_tp(x, self.ctx.tp_group)
+            group = self.ctx.tp_group
+            full = gather_from_sp(x, group) if self.ctx.sequence_parallel else copy_to_tp(x, group)
             bias = None if self.key_value.bias is None else gemm_weight(self.key_value.bias)
             kv = F.linear(full, gemm_weight(self.key_value.weight), bias)
         kv = kv.view(*kv.shape[:-1], 2, -1, self.head_dim)  # [..., 2, kv heads here, d]
@@ -211,9 +212,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, inputs: Optional[AttentionInputs], rows: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
         """x: [s, b, h] (or [s/tp, b, h] with sequence parallelism), or [T, h] of the real
-        tokens that inputs.tokens places (inputs None: [s, b, h] without padding) (unpadded: the GEMMs skip padding; the varlen core works
-        on [T, ...] as it is, the others pad back). `rows` (unpadded only): the output is wanted
-        at these rows of [T, h] alone -> [n, h]; every token is still attended to."""
+        tokens that inputs.tokens places (inputs None: [s, b, h] without padding; unpadded: the
+        GEMMs skip padding; the varlen core works on [T, ...] as it is, the others pad back).
+        `rows` (unpadded only): the output is wanted at these rows of [T, h] alone -> [n, h];
+        every token is still attended to."""
         if inputs is None:  # a layer run on its own: [s, b, h], no padding
             inputs = AttentionInputs.unmasked(x.size(0), x.size(1), self.head_dim, x.device)
         if self.kv_heads is not None:

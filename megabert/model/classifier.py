@@ -127,10 +127,11 @@ def packed_mean(x: torch.Tensor, packed_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 class PredictionHeadTaskModel(BertPreTrainedModel):
-    """What the prediction-head families' task models share, as transformers' ModernBertFor{SequenceClassification,
-    TokenClassification,QuestionAnswering}: the backbone, then on the last stage the prediction
-    head (dense, activation, norm) and a linear `classifier` of `outputs(config)` outputs; the
-    initialisation of ModernBertForMaskedLM. Each task model writes its forward and `head`."""
+    """What the pooling classifiers share, as transformers' ModernBertFor{SequenceClassification,
+    TokenClassification,QuestionAnswering} and UltrabertForSequenceClassification: the backbone,
+    then on the last stage the prediction head (dense, activation, norm) where the spec has one
+    (ClassifierSpec.prediction_head) and a linear `classifier` of `outputs(config)` outputs. Each
+    task model writes its forward and `head`."""
 
     @staticmethod
     def outputs(config: ModelConfig) -> int:
@@ -140,13 +141,15 @@ class PredictionHeadTaskModel(BertPreTrainedModel):
         super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
         self.prediction_head = self.classifier = None
         if self.stage.is_last_stage:
-            self.prediction_head = PredictionHead(self.ctx)
+            self.prediction_head = PredictionHead(self.ctx) if self.ctx.spec.classifier.prediction_head \
+                else nn.Identity()
             self.classifier = classifier_linear(self.ctx, self.outputs(config))
 
 
 @register_model
-class ModernBertForSequenceClassification(PredictionHeadTaskModel):
-    """Sequence classification / regression on ModernBERT's pooled output, as transformers'."""
+class EncoderForSequenceClassification(PredictionHeadTaskModel):
+    """Sequence classification / regression on the pooled output ([CLS] or the mean, as
+    ClassifierSpec.pooling), as transformers' ModernBERT's and UltraBERT's."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
@@ -190,3 +193,8 @@ class ModernBertForSequenceClassification(PredictionHeadTaskModel):
         logits = self.classifier(x)  # [b (* cap), num_labels]
         loss, loss_sum = sequence_loss(logits, batch, self.config.num_labels)
         return ClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
+
+
+@register_model
+class ModernBertForSequenceClassification(EncoderForSequenceClassification):
+    """EncoderForSequenceClassification under the class name ModernBERT checkpoints record."""

@@ -2,9 +2,10 @@
 families apply them.
 
 Each layer type may rotate with its own base (EncoderSpec.attention.rope_theta: ModernBERT's
-global and local layers, UltraBERT's full and sliding ones). In the padded [s, b] layout a token's position is its slot in the row, as
-transformers counts; in the unpadded [T] one it is the token's offset from its sequence's
-start in cu_seqlens, so that once samples are packed into a row each sample starts at 0.
+global and local layers, UltraBERT's full and sliding ones). In the padded [s, b] layout a
+token's position is its slot in the row, as transformers counts; in the unpadded [T] one it is
+the token's offset from its sequence's start in cu_seqlens, so that once samples are packed
+into a row each sample starts at 0.
 NOTE: with right padding (what ModernBERT's tokenizer does) the two agree; with left padding
 the unpadded layout counts from the first real token and transformers from the row's start.
 

@@ -46,18 +46,28 @@ import math
 from typing import Optional
 
 from megabert.config import ModelConfig
+from megabert.families import encoder_spec
 from megabert.planning.spec import Layout, Workload
 
 MASK_BYTES = 1  # torch keeps dropout masks as bool
 NORM_STATS_BYTES = 8  # a LayerNorm keeps its fp32 mean and rstd per token
 
 
+def _kernel_accounting(model: ModelConfig) -> bool:
+    """Whether the layers are counted as ModernBERT's (linear in s, a gated MLP; measured in
+    tests/test_planning_modernbert.py): the RoPE families, which run megabert's attention on
+    the varlen and windowed kernels. The learned-position families keep Korthikanti's count
+    (a dense core; measured against BERT's)."""
+    return encoder_spec(model).attention.rope
+
+
 def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, recompute: str,
                            is_global: bool, rows: Optional[int] = None) -> float:
-    """Bytes one ModernBERT layer (global or local) keeps for backward, per micro-batch, on
-    one TP rank, for rows with no padding (see the module docstring). `rows`: tokens the
-    layer computes past its attention core (the model's last layer, on pretrain_bert.py's
-    fast path, only the masked ones); None: all."""
+    """Bytes one layer of a RoPE family (global, or within the spec's sliding window) keeps for
+    backward, per micro-batch, on one TP rank, for rows with no padding (see the module
+    docstring). `rows`: tokens the layer computes past its attention core (the model's last
+    layer, on pretrain_bert.py's fast path, only the masked ones); None: all."""
+    spec = encoder_spec(model)
     s, b, h, f, n = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
         model.num_attention_heads
     e, t = run.activation_bytes, layout.tp
@@ -70,9 +80,9 @@ def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, re
     # mean and rstd); after it, each row: the MLP norm's and Wi's inputs, the GeGLU's 4f.
     before = tokens * (2 * h * e + NORM_STATS_BYTES) / replicated_div
     after = rows * (2 * h * e + NORM_STATS_BYTES) / replicated_div + rows * 4 * f * e / t
-    if model.attention_dropout > 0:  # the attention output's dropout (replicated)
+    if spec.residual_dropout[0] > 0:  # the attention output's dropout (replicated)
         after += rows * h * MASK_BYTES / replicated_div
-    if model.mlp_dropout > 0:
+    if spec.mlp.dropout > 0:
         after += rows * f * MASK_BYTES / t
     # Wo's input: the core's output, kept by the kernel anyway unless only some rows go on.
     wo_input = rows * h * e / t
@@ -84,11 +94,11 @@ def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, re
         # kernel with its window.
         core = tokens * (4 * h * e + 4 * n) / t + (wo_input if rows < tokens else 0.0)
         return before + core + after
-    w = model.local_attention // 2
-    block = max(w, 8)  # megabert.model.modernbert.local_attention.block_size
+    w = max(spec.attention.half_window.values())
+    block = max(w, 8)  # megabert.model.local_attention.block_size
     span = block + 2 * w
     core = tokens * ((h + 2 * h * span / block) * e + n * span * e) / t + tokens * span * MASK_BYTES
-    if model.attention_dropout > 0:
+    if spec.attention.dropout > 0:
         core += tokens * n * span * MASK_BYTES / t
     return before + core + wo_input + after
 
@@ -103,22 +113,25 @@ def stage_layers_bytes(model: ModelConfig, run: Workload, layout: Layout, stage:
     """Bytes the layers of stage `stage` keep for one micro-batch (ModernBERT: each layer as
     global or local)."""
     layers = stage_layer_ids(model, layout, stage)
-    if model.model_family != "modernbert":
+    if not _kernel_accounting(model):
         return len(layers) * layer_activation_bytes(model, run, layout, recompute)
     # The model's last layer goes on past its core at the predicted rows only (the unpadded
     # encoder's head_positions, pretrain_bert.py's default).
     last = model.num_layers - 1
     rows = math.ceil(run.mask_prob * run.seq_length) * run.micro_batch_size \
         if run.mlm_logits_at_masked_only and not layout.sequence_parallel else None
-    return sum(modernbert_layer_bytes(model, run, layout, recompute, model.is_global_layer(i),
+    attention = encoder_spec(model).attention
+    return sum(modernbert_layer_bytes(model, run, layout, recompute, attention.window(i) is None,
                                       rows if i == last else None) for i in layers)
 
 
 def layer_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, recompute: str) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank
     (ModernBERT: its larger kind, the local layers' with their window tiles)."""
-    if model.model_family == "modernbert":
-        return max(modernbert_layer_bytes(model, run, layout, recompute, g) for g in (True, False))
+    if _kernel_accounting(model):
+        attention = encoder_spec(model).attention
+        kinds = {attention.window(i) is None for i in range(model.num_layers)}
+        return max(modernbert_layer_bytes(model, run, layout, recompute, g) for g in kinds)
     s, b, h, f, a = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
         model.num_attention_heads
     e, t = run.activation_bytes, layout.tp
@@ -142,7 +155,7 @@ def embedding_activation_bytes(model: ModelConfig, run: Workload, layout: Layout
     ModernBERT: the ids; its norm's input stands in for layer 0's attention-norm input, which
     layer 0 lacks but modernbert_layer_bytes counts."""
     s, b, h = run.seq_length, run.micro_batch_size, model.hidden_size
-    if model.model_family == "modernbert":
+    if _kernel_accounting(model):
         return 8 * s * b
     sp = layout.tp if layout.sequence_parallel else 1
     return 3 * 8 * s * b + s * b * h * (2 * run.activation_bytes + MASK_BYTES / sp)
@@ -175,11 +188,12 @@ def stage_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, st
     m = run.microbatches(layout.dp)
     flight = in_flight_microbatches(layout, stage, m)
     total = flight * stage_layers_bytes(model, run, layout, stage, run.recompute)
-    if model.model_family == "modernbert":
-        # Each chunk's RoPE tables (cos and sin of both layer kinds, [s, b, head_dim]) live
-        # while its micro-batch's activations do.
-        total += flight * layout.virtual_stages * 4 * run.seq_length * run.micro_batch_size * model.head_dim \
-            * run.activation_bytes
+    bases = len(set(encoder_spec(model).attention.rope_theta.values()))
+    if bases:
+        # Each chunk's RoPE tables (cos and sin of each base, [s, b, head_dim]) live while its
+        # micro-batch's activations do.
+        total += flight * layout.virtual_stages * 2 * bases * run.seq_length * run.micro_batch_size \
+            * model.head_dim * run.activation_bytes
     if run.recompute == "full":
         # Backward rebuilds one layer at a time: that layer's whole activations live again.
         total += layer_activation_bytes(model, run, layout, "none")

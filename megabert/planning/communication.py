@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 from megabert.config import ModelConfig
 from megabert.data_parallel.zero_plan import ZeroBuckets
-from megabert.planning.params import embedding_tensors, stage_params
+from megabert.families import encoder_spec
+from megabert.planning.params import embedding_tables, embedding_tensors, stage_params
 from megabert.planning.spec import Layout, Workload
 
 
@@ -95,9 +96,8 @@ def _not_read_by_backward(model: ModelConfig, tp: int, pp: int, stage: int) -> l
     """Partitionable tensors that ZeRO-3 does not gather again for backward: the embedding
     tables (an embedding's gradient is a scatter-add of its output's; the table is not read)
     and the MLM output bias (a bias's gradient is a sum; the only vocab-sized one)."""
-    tables = 1 if model.model_family == "modernbert" else 3  # word (ModernBERT: no position, token type)
-    out = embedding_tensors(model, tp)[:tables] if stage == 0 else []
-    if stage == pp - 1 and (model.model_family != "modernbert" or model.decoder_bias):
+    out = embedding_tensors(model, tp)[:embedding_tables(model)] if stage == 0 else []
+    if stage == pp - 1 and encoder_spec(model).mlm_head.decoder_bias:
         out.append(model.padded_vocab_size(tp) // tp)
     return out
 

@@ -6,24 +6,28 @@ from __future__ import annotations
 from typing import Optional
 
 from megabert.config import ModelConfig
+from megabert.families import encoder_spec
 
 
 def bert_flops_per_sample(cfg: ModelConfig, seq_len: int, masked_tokens: Optional[int] = None) -> float:
     """Model FLOPs for forward + backward of one sample (Megatron's accounting: 2 FLOPs per
-    multiply-add, backward = 2 x forward, activation recompute not counted).
-    Per layer and token: 24h^2 (QKV, projection, MLP at ffn = 4h) + 4sh (attention); the LM
-    head adds 2hV per predicted token (all tokens, or only masked ones). ModernBERT: its
-    GeGLU's three ffn x h matrices, and local layers' attention over their window."""
-    h, s, ffn = cfg.hidden_size, seq_len, cfg.ffn_hidden_size
-    if cfg.model_family == "modernbert":
-        # GeGLU: Wi is 2 x ffn wide, then Wo; a local layer's token attends to at most its
-        # window (local_attention + 1 keys).
-        local = min(s, cfg.local_attention + 1)
-        layers = sum(2 * (4 * h * h + 3 * h * ffn) + 4 * (s if cfg.is_global_layer(i) else local) * h
-                     for i in range(cfg.num_layers))
-    else:
-        layers = cfg.num_layers * (2 * (4 * h * h + 2 * h * ffn) + 4 * s * h)
+    multiply-add, backward = 2 x forward, activation recompute not counted), from the
+    EncoderSpec. Per layer and token: the Q/K/V and output projections (2h(n + 2k)d + 2nd h with
+    k key/value heads), the MLP (2hf per matrix: two, or three when gated) and the attention
+    core, 4 x keys x nd, where a window layer's token sees at most 2w + 1 keys. BERT (f = 4h,
+    k = n) is 24h^2 + 4sh. The LM head adds its transform and 2hV per predicted token (all
+    tokens, or only masked ones)."""
+    spec = encoder_spec(cfg)
+    a, m, h, s = spec.attention, spec.mlp, spec.hidden_size, seq_len
+    inner, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    projections = 2 * (h * (inner + 2 * kv) + inner * h) + 2 * h * m.ffn_size * (3 if m.kind == "glu" else 2)
+    layers = 0
+    for i in range(spec.num_layers):
+        w = a.window(i)
+        layers += projections + 4 * (s if w is None else min(s, 2 * w + 1)) * inner
+    head = spec.mlm_head
+    width = head.width or h
+    transform = (2 * h * width + (2 * width * h if head.width else 0)) if head.transform else 0
     predicted = s if masked_tokens is None else masked_tokens
-    head = predicted * (2 * h * h + 2 * h * cfg.vocab_size)
-    forward = s * layers + head
+    forward = s * layers + predicted * (transform + 2 * h * cfg.vocab_size)
     return 3.0 * forward

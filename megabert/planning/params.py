@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megabert.config import ModelConfig
+from megabert.families import encoder_spec, recipe
+from megabert.families.spec import EncoderSpec
 
 
 @dataclass(frozen=True)
@@ -31,68 +33,69 @@ class StageParams:
         return sum(n for n in self.tensors if n < threshold)
 
 
-def _norm(model: ModelConfig) -> list[int]:
-    """A ModernBERT LayerNorm: weight, and a bias with norm_bias."""
-    h = model.hidden_size
-    return [h, h] if model.norm_bias else [h]
+def _norm(spec: EncoderSpec) -> list[int]:
+    """One norm: weight, and a bias for a LayerNorm with one."""
+    h = spec.hidden_size
+    return [h, h] if spec.norm.kind == "layernorm" and spec.norm.bias else [h]
 
 
-def modernbert_layer_tensors(model: ModelConfig, tp: int, layer: int) -> list[int]:
-    """One ModernBERT layer on one TP rank (megabert.model.modernbert.layers): Wqkv [3h, h] and
-    the GeGLU's Wi [2f, h] ([input; gate]) column-parallel, both Wo row-parallel, biases only
-    with attention_bias / mlp_bias (none in ModernBERT-base and -large), the norms replicated;
-    layer 0 has no attention norm (its input is the embedding norm's output)."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    attn_bias, mlp_bias = model.attention_bias, model.mlp_bias
-    out = _norm(model) if layer > 0 else []
-    out += [3 * h * h // tp] + ([3 * h // tp] if attn_bias else [])  # Wqkv
-    out += [h * h // tp] + ([h] if attn_bias else [])  # attention Wo
-    out += _norm(model)  # mlp_norm
-    out += [2 * f * h // tp] + ([2 * f // tp] if mlp_bias else [])  # Wi
-    out += [h * f // tp] + ([h] if mlp_bias else [])  # MLP Wo
-    return out
+def _linear(n_out: int, n_in: int, bias: bool, split: int = 1, bias_split: int = 1) -> list[int]:
+    """A linear layer's weight (n_out x n_in / split) and bias (n_out / bias_split, if any)."""
+    return [n_out * n_in // split] + ([n_out // bias_split] if bias else [])
 
 
 def layer_tensors(model: ModelConfig, tp: int, layer: int = 1) -> list[int]:
-    """One transformer layer on one TP rank: QKV and the MLP's first GEMM are column-parallel
-    (weight and bias split), the projections row-parallel (weight split, bias whole), the
-    two LayerNorms replicated. `layer`: its number (ModernBERT's layer 0 differs)."""
-    if model.model_family == "modernbert":
-        return modernbert_layer_tensors(model, tp, layer)
-    h, f = model.hidden_size, model.ffn_hidden_size
-    return [3 * h * h // tp, 3 * h // tp,  # QKV
-            h * h // tp, h,  # attention output projection
-            h, h,  # attention LayerNorm
-            f * h // tp, f // tp,  # h -> ffn
-            h * f // tp, h,  # ffn -> h
-            h, h]  # MLP LayerNorm
+    """One transformer layer on one TP rank, as the EncoderSpec builds it (megabert.model):
+    Q/K/V (fused, or with grouped key/value heads a query GEMM and a [K; V] one: split over TP
+    when it divides the key/value heads, else replicated) and the MLP's up-projection (2f wide
+    when gated) column-parallel (weight and bias split), the output projections row-parallel
+    (weight split, bias whole), the norms replicated. `layer`: its number (a pre-LN family may
+    give layer 0 no attention norm)."""
+    spec = encoder_spec(model)
+    a, m, h = spec.attention, spec.mlp, spec.hidden_size
+    inner, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    if a.gqa:
+        kv_split = tp if a.num_kv_heads % tp == 0 else 1
+        qkv = _linear(inner, h, a.qkv_bias, tp, tp) + _linear(2 * kv, h, a.qkv_bias, kv_split, kv_split)
+    else:
+        qkv = _linear(3 * inner, h, a.qkv_bias, tp, tp)
+    width = 2 * m.ffn_size if m.kind == "glu" else m.ffn_size
+    attn_norm = _norm(spec) if spec.first_layer_attn_norm or layer > 0 else []
+    return (attn_norm + qkv + _linear(h, inner, a.out_bias, tp) + _norm(spec)
+            + _linear(width, h, m.in_bias, tp, tp) + _linear(h, m.ffn_size, m.out_bias, tp))
 
 
 def embedding_tensors(model: ModelConfig, tp: int) -> list[int]:
-    """Word (vocab-parallel, padded vocab), position and token-type embeddings, LayerNorm.
-    ModernBERT: the word embeddings and their norm (RoPE: no position table, no token types)."""
-    h = model.hidden_size
-    if model.model_family == "modernbert":
-        return [model.padded_vocab_size(tp) // tp * h, *_norm(model)]
-    layernorm = [h, h] if model.embedding_layernorm else []
-    return [model.padded_vocab_size(tp) // tp * h, model.max_position_embeddings * h, model.type_vocab_size * h,
-            *layernorm]
+    """The embedding tables first (word: vocab-parallel, padded vocab; learned positions and
+    token types where the spec has them), then the embedding norm if any."""
+    spec = encoder_spec(model)
+    emb, h = spec.embeddings, spec.hidden_size
+    tables = [model.padded_vocab_size(tp) // tp * h] + [n * h for n in (emb.max_positions, emb.type_vocab_size) if n]
+    return tables + (_norm(spec) if emb.norm else [])
+
+
+def embedding_tables(model: ModelConfig) -> int:
+    """How many embedding tables embedding_tensors lists first."""
+    emb = encoder_spec(model).embeddings
+    return 1 + bool(emb.max_positions) + bool(emb.type_vocab_size)
 
 
 def head_tensors(model: ModelConfig, tp: int) -> list[int]:
-    """Last stage: final LayerNorm (pre-LN), pooler and binary head, MLM head (dense,
-    LayerNorm, vocab-parallel bias); the MLM projection reuses the word embeddings.
-    ModernBERT: the final norm, the head's dense (bias with classifier_bias) and norm, the
-    decoder bias (with decoder_bias); no pooler."""
-    h = model.hidden_size
-    if model.model_family == "modernbert":
-        return [*_norm(model), h * h, *([h] if model.classifier_bias else []), *_norm(model),
-                *([model.padded_vocab_size(tp) // tp] if model.decoder_bias else [])]
-    out = [h, h] if model.layernorm_position == "pre" else []
-    if model.bert_binary_head:
+    """Last stage: the final norm (pre-LN), the pooler and binary head (with a binary head),
+    the MLM head's transform (dense, or a bottleneck of two; its norm), an untied decoder
+    (vocab-parallel) and the decoder bias; a tied decoder reuses the word embeddings."""
+    spec = encoder_spec(model)
+    head, h = spec.mlm_head, spec.hidden_size
+    vocab = model.padded_vocab_size(tp) // tp
+    out = _norm(spec) if spec.pre_norm else []
+    if model.bert_binary_head and recipe(model).binary_head:  # the family's pre-training model has one
         out += [h * h, h, 2 * h, 2]
-    out += [h * h, h, h, h, model.padded_vocab_size(tp) // tp]
-    return out
+    if head.transform:
+        width = head.width or h
+        out += _linear(width, h, head.dense_bias) + (_linear(h, width, head.dense_bias) if head.width else [])
+        out += _norm(spec) if head.norm else []
+    out += [] if head.tied else [vocab * h]
+    return out + ([vocab] if head.decoder_bias else [])
 
 
 def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, layers: Optional[int] = None) -> StageParams:
@@ -100,15 +103,15 @@ def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, layers: Optio
     with interleaving a rank holds several chunks, but the same number of layers; uneven stages
     pass their own, Layout.stage)."""
     per_stage = model.num_layers // pp if layers is None else layers
-    # Which layers a rank holds does not change their count; only ModernBERT's layer 0
-    # (on stage 0, in its first chunk when interleaved) differs from the others.
+    # Which layers a rank holds does not change their count; only a layer 0 without an
+    # attention norm (on stage 0, in its first chunk when interleaved) differs from the others.
     tensors = [n for i in range(per_stage) for n in layer_tensors(model, tp, i if stage == 0 else 1)]
     tied = 0
     if stage == 0:
         tensors = embedding_tensors(model, tp) + tensors
     if stage == pp - 1:
         tensors = tensors + head_tensors(model, tp)
-        if pp > 1:
+        if pp > 1 and encoder_spec(model).mlm_head.tied:
             # NOTE: the last stage holds its own copy of the word embeddings for the tied MLM
             # projection (Megatron's layout); their gradients are summed with the first stage's.
             tied = model.padded_vocab_size(tp) // tp * model.hidden_size

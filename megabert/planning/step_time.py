@@ -35,9 +35,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megabert.config import ModelConfig
-from megabert.config import BUCKET_ELEMENTS
+from megabert.config import BUCKET_ELEMENTS, ModelConfig
 from megabert.errors import ConfigError
+from megabert.families import encoder_spec
 from megabert.parallel.state import rank_of
 from megabert.planning.communication import CommEstimate, communication
 from megabert.planning.params import stage_params
@@ -179,14 +179,17 @@ def step_flops(model: ModelConfig, run: Workload, layout: Layout) -> float:
     divided over tp x pp."""
     s, h, L, V = run.seq_length, model.hidden_size, model.num_layers, model.vocab_size
     B = run.micro_batch_size * run.microbatches(layout.dp)
-    if model.model_family == "modernbert":
-        return B * _modernbert_sample_flops(model, run) / (layout.tp * layout.pp)
+    spec = encoder_spec(model)
+    if spec.mlp.kind != "plain" or spec.attention.gqa or spec.attention.half_window or spec.mlm_head.width:
+        # Outside the closed form's encoder (plain MLP, full attention over every head):
+        # the per-sample count.
+        return B * _sample_flops(model, run) / (layout.tp * layout.pp)
     flops = 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
     return flops / (layout.tp * layout.pp)
 
 
-def _modernbert_sample_flops(model: ModelConfig, run: Workload) -> float:
-    """One ModernBERT sample's FLOPs (megabert.planning.flops), the MLM head at the predicted
+def _sample_flops(model: ModelConfig, run: Workload) -> float:
+    """One sample's FLOPs (megabert.planning.flops), the MLM head at the predicted
     tokens only on pretrain_bert.py's default path."""
     predicted = math.ceil(run.mask_prob * run.seq_length) if run.mlm_logits_at_masked_only else None
     return bert_flops_per_sample(model, run.seq_length, predicted)

@@ -1,14 +1,13 @@
 """Tiny transformers models of the families beyond BERT and ModernBERT, saved with transformers'
-own classes (no download), and a right-padded batch: the references megabert's families are
-compared with."""
+own classes (no download): the references megabert's families are compared with (on
+tests.helpers.modernbert_models' right-padded batch)."""
 import torch
 
-VOCAB = 99  # not a multiple of 128: exercises vocab padding
-SEQ = 20
-PAD_ID = 0
+from tests.helpers.modernbert_models import PAD_ID, VOCAB
 
 
-def _config(family: str, **config):
+def family_config(family: str, **config):
+    """(transformers' config of a tiny `family` model with `config` keys added, its masked-LM class)."""
     import transformers
 
     if family == "eurobert":
@@ -45,7 +44,7 @@ def _config(family: str, **config):
 def make_family_dir(path, family: str, **config) -> str:
     """transformers' masked LM of `family` with `config` keys added or replaced, norm weights
     (and biases) moved off their init so that a swapped name would show; saved to `path`."""
-    cfg, cls = _config(family, **config)
+    cfg, cls = family_config(family, **config)
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():
@@ -54,18 +53,3 @@ def make_family_dir(path, family: str, **config) -> str:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(path))
     return str(path)
-
-
-def family_batch(seed=1):
-    """ids [3, SEQ], right-padded rows, labels at a few positions (-100 elsewhere)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, VOCAB, (3, SEQ), generator=gen)
-    am = torch.ones_like(ids)
-    am[1, 13:] = 0
-    am[2, 5:] = 0
-    ids[am == 0] = PAD_ID
-    labels = torch.full_like(ids, -100)
-    labels[:, 2] = ids[:, 2]
-    labels[0, 17] = ids[0, 17]
-    labels[1, 9] = ids[1, 9]
-    return ids, am, labels

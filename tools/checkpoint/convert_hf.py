@@ -63,8 +63,10 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     family = get_family(cfg.model_family)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
     model_classes()  # registers every task model class by name
-    tasks = [c for t, c in family.task_classes.items() if t not in ("pretraining", "embeddings")]
-    model_class = next((a for a in tasks if a in (hf_config.get("architectures") or [])),
+    # transformers' architecture (or ours) -> the task model that holds its head
+    heads = {name: c for t, c in family.task_classes.items() if t not in ("pretraining", "embeddings")
+             for name in (c, family.architectures.get(t))}
+    model_class = next((heads[a] for a in (hf_config.get("architectures") or []) if a in heads),
                        family.task_classes["pretraining"])
     table = reference_table(cfg, model_class)
     full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases)

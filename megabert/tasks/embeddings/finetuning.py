@@ -75,18 +75,19 @@ class EmbeddingsTask(FinetuneTask):
         # A --load of a family with a tokenizer.json (a transformers dir or a megabert checkpoint
         # of one) exports with its tokenizer.json.
         loaded = checkpoint_model_config(pretrained)
-        self.modernbert = loaded is not None and recipe(loaded).tokenizer == "tokenizer.json"
+        self.tokenizer_json = loaded is not None and recipe(loaded).tokenizer == "tokenizer.json"
 
     @property
     def training_task(self) -> TrainingTask:
         return TrainingTask(inputs=EMBEDDING_FIELDS, output_loss=self.objective)
 
     def check_inputs(self) -> None:
-        if self.config.output_dir and self.modernbert and self.config.tokenizer_type != "HuggingFaceTokenizer":
+        if self.config.output_dir and self.tokenizer_json and self.config.tokenizer_type != "HuggingFaceTokenizer":
             raise ConfigError(f"--tokenizer-type {self.config.tokenizer_type}: the sentence-transformers export of a "
-                              f"ModernBERT copies its tokenizer.json; use HuggingFaceTokenizer with --vocab-file "
-                              f"PATH/tokenizer.json (the default for a ModernBERT --load)")
-        if self.config.output_dir and not self.modernbert and self.config.tokenizer_type not in WORDPIECE:
+                              f"model with a tokenizer.json (ModernBERT, EuroBERT, ...) copies it; use "
+                              f"HuggingFaceTokenizer with --vocab-file PATH/tokenizer.json (the default for such a "
+                              f"--load)")
+        if self.config.output_dir and not self.tokenizer_json and self.config.tokenizer_type not in WORDPIECE:
             raise ConfigError(f"--tokenizer-type {self.config.tokenizer_type}: the sentence-transformers export "
                               f"writes a BERT WordPiece tokenizer; use {' or '.join(WORDPIECE)} with a vocab.txt")
         check_chunk_size(self.cfg.train.micro_batch_size, self.config.embedding_chunk_size)
