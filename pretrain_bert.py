@@ -20,7 +20,7 @@ from megabert.training.metrics import configure_process_logging
 from megabert.data import build_tokenizer
 from megabert.tasks.pretraining.batches import build_batches
 from megabert.tasks.pretraining.task import build_pretraining
-from megabert.training.resolve import resolve_run
+from megabert.training.resolve import check_pretraining_tokenizer, resolve_run
 
 
 @cli_main
@@ -35,6 +35,7 @@ def main(argv=None) -> None:
     run = resolve_run(cfg, ps)  # flags + DeepSpeed JSON, checked once; everything below reads it
     if not cfg.data.data_path:
         raise megabert.ConfigError("--data-path is required: a dataset prefix made by tools/preprocess_data.py")
+    check_pretraining_tokenizer(run)
     tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.vocab_file)
     if ps.is_logging_rank:  # the planner's predicted peak against --memory-budget-gb
         megabert.planning.log_preflight(run, ps.device, vocab_size=tokenizer.vocab_size)

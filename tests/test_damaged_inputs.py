@@ -342,7 +342,7 @@ def _cli_cases(t):
          "--tokenizer-model) is required: " + str(t / "hf") + " has neither a vocab.txt nor a tokenizer.json"),
         (["pretrain_bert.py", "--data-path", "x", "--save", f], f"--save {f} is a file, not a directory"),
         (["pretrain_bert.py", "--data-path", "x", "--load", str(t / "hf")], "--vocab-file (or --tokenizer-model) is "
-         f"required: pre-training takes only a ModernBERT's tokenizer.json from beside --load, and {t / 'hf'} has "
+         f"required: pre-training takes only a tokenizer.json from beside --load, and {t / 'hf'} has "
          f"none"),
         (["finetune_glue.py", "--task-name", "rte", "--data-dir", d, "--output-dir", d, "--load", f],
          f"--load {f} is a file; it takes a checkpoint's directory (such as {t})"),

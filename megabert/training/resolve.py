@@ -91,6 +91,16 @@ class ResolvedRun:
         return self.data.binary_head_task
 
 
+def check_pretraining_tokenizer(run: ResolvedRun) -> None:
+    """pretrain_bert.py's tokenizer: a run that starts from a checkpoint without a tokenizer.json
+    beside it (resolve_model_family adopts one) needs --vocab-file, which a missing-vocab error
+    of the WordPiece reader would not say."""
+    if run.data.vocab_file is None and run.start.source is not None:
+        raise ConfigError(f"--vocab-file (or --tokenizer-model) is required: pre-training takes only a "
+                          f"tokenizer.json from beside --load, and {run.start.source.directory} has none; "
+                          f"pass the tokenizer the model was trained with")
+
+
 def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig] = None) -> ResolvedRun:
     """Decides the run's start (once, logged once: other ranks' loggers are quiet), takes a
     loaded ModernBERT's architecture, applies the rules that need the world, the disk or the
@@ -111,10 +121,6 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
         # A --load / --pretrained-checkpoint that holds nothing stopped the run above, before
         # index mappings are built.
         cfg = resolve_model_family(cfg, start.source)
-        if cfg.data.vocab_file is None and start.source is not None:  # else build_tokenizer asks for a WordPiece vocab
-            raise ConfigError(f"--vocab-file (or --tokenizer-model) is required: pre-training takes only a "
-                              f"ModernBERT's tokenizer.json from beside --load, and {start.source.directory} has none; "
-                              f"pass the tokenizer the model was trained with")
         model = cfg.model
         check_seq_length(cfg.data.seq_length, model)
     check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
