@@ -213,3 +213,24 @@ def test_task_heads_equal_transformers(family, arch, tmp_path):
     from megabert.checkpoint.reader import read_full
 
     assert read_full(str(tmp_path / "ck"))[1]["model_class"] == cls.__name__
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_auto_model_takes_bert_and_modernbert_dirs(family, tmp_path):
+    """megabert.AutoModelForMaskedLM reads the family from config.json's model_type for the first
+    two families too: transformers' masked LM's logits over the config's vocab."""
+    from tests.helpers.modernbert_models import make_modernbert_dir
+
+    if family == "bert":
+        cfg = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=64)
+        torch.manual_seed(0)
+        transformers.BertForMaskedLM(cfg).save_pretrained(str(tmp_path / "hf"))
+        hf_dir = str(tmp_path / "hf")
+    else:
+        hf_dir = make_modernbert_dir(tmp_path / "hf")
+    ids, am, _ = family_batch()
+    ref = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir).eval()(input_ids=ids, attention_mask=am).logits
+    model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, megabert.init_parallel()).eval()
+    assert model.config.model_family == family
+    close(model(ids, attention_mask=am).logits[am.bool()], ref[am.bool()], "logits")

@@ -52,11 +52,13 @@ def recipe(config: ModelConfig) -> Recipe:
 
 
 def check_task_class(config: ModelConfig, class_name: str) -> None:
-    """A task class that is one family's (BertForPreTraining) built for another family's config
-    is an error naming the class that family runs the task with."""
+    """A task class of other families only (BertForPreTraining) built for this family's config
+    is an error naming the class this family runs the task with."""
     mine = get_family(config.model_family)
+    if class_name in mine.task_classes.values():
+        return
     for f in FAMILIES.values():
         for task, name in f.task_classes.items():
-            if name == class_name and f is not mine and mine.task_classes.get(task) != class_name:
+            if name == class_name:
                 raise ConfigError(f"{class_name} is the {f.name} family's {task.replace('_', ' ')} model but the "
                                   f"config is a {mine.name} one: build {mine.task_classes.get(task, 'another model')}")

@@ -75,7 +75,8 @@ def hf_config(cfg: ModelConfig, architecture: str) -> dict:
 FAMILY = Family(
     name="bert", model_type="bert", spec=spec, config_from_hf=config_from_hf, hf_config=hf_config,
     recipe=Recipe(mask_prob=0.15, binary_head=True, tokenizer="wordpiece"),
-    task_classes={"pretraining": "BertForPreTraining", "sequence_classification": "BertForSequenceClassification",
+    task_classes={"pretraining": "BertForPreTraining", "masked_lm": "EncoderForMaskedLM",
+                  "sequence_classification": "BertForSequenceClassification",
                   "token_classification": "BertForTokenClassification",
                   "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="bert.", architecture_from_checkpoint=False, packed_mlm_slots=True,

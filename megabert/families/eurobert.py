@@ -96,7 +96,8 @@ FAMILY = Family(
                       "hidden_activation": "silu", "global_rope_theta": 250000.0,
                       "untie_embeddings_and_output_weights": True},
     # Sequence classification ("late" pooling: the classifier's logits averaged) is not here yet.
-    task_classes={"pretraining": "EncoderForMaskedLM", "token_classification": "BertForTokenClassification",
+    task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
+                  "token_classification": "BertForTokenClassification",
                   "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="model.",
     architectures={"pretraining": "EuroBertForMaskedLM", "masked_lm": "EuroBertForMaskedLM",

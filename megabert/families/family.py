@@ -35,8 +35,9 @@ class Family:
     scratch_defaults: Mapping[str, object] = field(default_factory=dict)
     """ModelConfig fields for --model-family NAME where a flag is left out."""
     task_classes: Mapping[str, str] = field(default_factory=dict)
-    """Task (pretraining, sequence_classification, token_classification, question_answering,
-    embeddings) -> the registered model class name (megabert.model.registry) that runs it."""
+    """Task (pretraining, masked_lm, sequence_classification, token_classification,
+    question_answering, embeddings) -> the registered model class name (megabert.model.registry)
+    that runs it. masked_lm: megabert.AutoModelForMaskedLM's (EncoderForMaskedLM, every family)."""
     hf_prefix_aliases: Mapping[str, str] = field(default_factory=dict)
     """Tensor-name prefixes other writers of the family use -> transformers' ("new." -> "gte.")."""
     hf_base_prefix: str = ""

@@ -145,7 +145,7 @@ FAMILY = Family(
     name="modernbert", model_type="modernbert", spec=spec, config_from_hf=config_from_hf, hf_config=hf_config,
     recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="tokenizer.json"),
     scratch_defaults={k: v for k, v in MODERNBERT_MODEL_DEFAULTS.items() if k != "model_family"},
-    task_classes={"pretraining": "ModernBertForMaskedLM",
+    task_classes={"pretraining": "ModernBertForMaskedLM", "masked_lm": "EncoderForMaskedLM",
                   "sequence_classification": "ModernBertForSequenceClassification",
                   "token_classification": "ModernBertForTokenClassification",
                   "question_answering": "ModernBertForQuestionAnswering",

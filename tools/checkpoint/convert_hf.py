@@ -64,7 +64,7 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
     model_classes()  # registers every task model class by name
     # transformers' architecture (or ours) -> the task model that holds its head
-    heads = {name: c for t, c in family.task_classes.items() if t not in ("pretraining", "embeddings")
+    heads = {name: c for t, c in family.task_classes.items() if t not in ("pretraining", "masked_lm", "embeddings")
              for name in (c, family.architectures.get(t))}
     model_class = next((heads[a] for a in (hf_config.get("architectures") or []) if a in heads),
                        family.task_classes["pretraining"])
