@@ -7,7 +7,11 @@ Data: a synthetic SQuAD v1.1-format set (no download). Each paragraph states two
 (of three kinds: birthplace and year, job and employer, a move) about each of --people
 made-up people, in random order with a filler sentence, so a question ("Where was Kavor
 Telmin born?") is answered only by matching its name and its relation to the right
-sentence; answers are 1 to 2 words. With two people a context is about 50 WordPiece tokens
+sentence; answers are 1 to 2 words. --hard (issue 52's harder set) adds two filler sentences (contexts
+of about 72 WordPieces with two people: at --max-seq-length 64 each question spans two
+windows or more, and 38% of the training windows hold no answer) and questions that ask who
+from a place, an organisation or a move ("Who was born in Telmin?": the answer is a name of
+several WordPieces). With two people a context is about 50 WordPiece tokens
 (at most 56): at --max-seq-length 64 and --doc-stride 16 some questions span two windows,
 at 128 about half of every window is padding. The vocab is a WordPiece trained on the set.
 
@@ -24,7 +28,7 @@ a fresh shuffle per epoch, model dropout 0.1. Both sides are scored by the offic
 v1.1 metric (megabert.tasks.squad.evaluate).
 
     nice -n 5 python bench/squad_vs_transformers.py [--seeds 8] [--questions 1200] [--epochs 8]
-        [--max-seq-length 64 --doc-stride 16] [--lr 1e-3] [--batch 32] [--jobs 2]
+        [--max-seq-length 64 --doc-stride 16] [--lr 1e-3] [--batch 32] [--jobs 2] [--hard]
         [--sides transformers,megabert[,megabert-padfrozen]] [--megabert-flag=--clip-grad=0 ...]
 
 Each run is a process of its own with one thread; --jobs runs that many at a time. A run
@@ -71,9 +75,12 @@ def _word(rng: random.Random, parts: int) -> str:
     return "".join(rng.choice(SYLLABLES) for _ in range(parts)).capitalize()
 
 
-def _paragraph(rng: random.Random, pid: str, people_per_paragraph: int) -> dict:
+def _paragraph(rng: random.Random, pid: str, people_per_paragraph: int, hard: bool = False) -> dict:
     """A context of two facts (of three kinds) about each of `people_per_paragraph` people, in random
-    order with a filler sentence, and four questions on it (answers located by character)."""
+    order with a filler sentence, and four questions on it (answers located by character).
+    `hard`: three filler sentences (longer contexts) and also questions that ask for the person
+    from a fact ("Who was born in Telmin?": the answer is a name of several WordPieces, found
+    by matching a place or an organisation instead of a name)."""
     people, used = [], set()
     while len(people) < people_per_paragraph:
         name = f"{_word(rng, rng.randint(1, 2))} {_word(rng, 2)}"
@@ -86,14 +93,18 @@ def _paragraph(rng: random.Random, pid: str, people_per_paragraph: int) -> dict:
         job, org = rng.choice(JOBS), f"{_word(rng, 2)} {rng.choice(ORG_KINDS)}"
         city2, year2 = _word(rng, 2), str(int(year) + rng.randint(18, 60))
         facts = [(f"{name} was born in {city} in {year}.",
-                  [(f"Where was {name} born?", city), (f"In what year was {name} born?", year)]),
+                  [(f"Where was {name} born?", city), (f"In what year was {name} born?", year)]
+                  + [(f"Who was born in {city}?", name)] * hard),
                  (f"{name.split()[0]} worked as a {job} for the {org}.",
-                  [(f"What did {name} work as?", job), (f"Which organisation employed {name}?", org)]),
+                  [(f"What did {name} work as?", job), (f"Which organisation employed {name}?", org)]
+                  + [(f"Who worked for the {org}?", name.split()[0])] * hard),
                  (f"In {year2}, {name} moved to {city2}.",
-                  [(f"Where did {name} move to?", city2), (f"When did {name} move to {city2}?", year2)])]
+                  [(f"Where did {name} move to?", city2), (f"When did {name} move to {city2}?", year2)]
+                  + [(f"Who moved to {city2} in {year2}?", name)] * hard)]
         sentences += rng.sample(facts, 2)
     rng.shuffle(sentences)
-    sentences.insert(rng.randint(0, len(sentences)), (rng.choice(FILLER), []))
+    for filler in rng.sample(FILLER, 3 if hard else 1):
+        sentences.insert(rng.randint(0, len(sentences)), (filler, []))
     context, qas = "", []
     for text, questions in sentences:
         offset = len(context) + (1 if context else 0)
@@ -106,9 +117,9 @@ def _paragraph(rng: random.Random, pid: str, people_per_paragraph: int) -> dict:
                     for k, (q, a, s) in enumerate(chosen)]}
 
 
-def make_squad(path: str, questions: int, seed: int, people: int) -> None:
+def make_squad(path: str, questions: int, seed: int, people: int, hard: bool = False) -> None:
     rng = random.Random(seed)
-    paragraphs = [_paragraph(rng, f"s{seed}p{i}", people) for i in range(math.ceil(questions / 4))]
+    paragraphs = [_paragraph(rng, f"s{seed}p{i}", people, hard) for i in range(math.ceil(questions / 4))]
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"version": "1.1", "data": [{"title": "synthetic", "paragraphs": paragraphs}]}, f)
 
@@ -296,6 +307,8 @@ def main() -> None:
     p.add_argument("--first-seed", type=int, default=1)
     p.add_argument("--questions", type=int, default=1200, help="training questions (dev: a quarter as many)")
     p.add_argument("--people", type=int, default=2, help="people per paragraph (the distractors of a question)")
+    p.add_argument("--hard", action="store_true", help="the harder set: longer contexts (three filler sentences) "
+                   "and questions that ask who (issue 52; with --people 4 contexts of about 150 WordPieces)")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=32)
@@ -329,8 +342,8 @@ def main() -> None:
     # (the WordPiece trainer breaks ties differently from run to run): ablations compare
     # against the same starting points.
     if not os.path.exists(vocab):
-        make_squad(args.train_file, args.questions, seed=1000, people=args.people)
-        make_squad(args.dev_file, args.questions // 4, seed=2000, people=args.people)
+        make_squad(args.train_file, args.questions, seed=1000, people=args.people, hard=args.hard)
+        make_squad(args.dev_file, args.questions // 4, seed=2000, people=args.people, hard=args.hard)
         make_vocab([args.train_file, args.dev_file], vocab)
     sides = args.sides.split(",")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, 1 thread per run, {args.jobs} runs at "
