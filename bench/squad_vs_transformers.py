@@ -8,8 +8,8 @@ Data: a synthetic SQuAD v1.1-format set (no download). Each paragraph states two
 made-up people, in random order with a filler sentence, so a question ("Where was Kavor
 Telmin born?") is answered only by matching its name and its relation to the right
 sentence; answers are 1 to 2 words. --hard (issue 52's harder set) adds two filler sentences (contexts
-of about 72 WordPieces with two people: at --max-seq-length 64 each question spans two
-windows or more, and 38% of the training windows hold no answer) and questions that ask who
+of about 72 WordPieces with two people: at --max-seq-length 64 a question spans two
+windows, and 38% of the training windows hold no answer) and questions that ask who
 from a place, an organisation or a move ("Who was born in Telmin?": the answer is a name of
 several WordPieces). With two people a context is about 50 WordPiece tokens
 (at most 56): at --max-seq-length 64 and --doc-stride 16 some questions span two windows,
@@ -265,8 +265,8 @@ def freeze_pad_row() -> None:
 
     load = finetuning.load_qa_model
 
-    def load_frozen(cfg, ps, vocab_size):
-        model = load(cfg, ps, vocab_size)
+    def load_frozen(*args):
+        model = load(*args)
         weight = model.bert.embeddings.word_embeddings.weight
         weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), 0.0))
         return model

@@ -11,9 +11,7 @@ import random
 import pytest
 import torch
 
-from megabert.config import OptimConfig
 from megabert.data import build_tokenizer
-from megabert.optim import LRSchedule
 from megabert.tasks.ner.data import label_set, read_sentences
 from megabert.tasks.ner.features import sentences_to_features
 from megabert.training.finetune import feature_batches
@@ -21,6 +19,7 @@ from megabert.training.finetune import feature_batches
 from tests.helpers.cli_utils import main_worker
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.ner_files import conll, tagged_sentences, write, write_vocab
+from tests.helpers.reference_loop import plain_loop_losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,26 +79,8 @@ def transformers_losses(run, tensors, *, eps, weight_decay, clip):
     (warm-up over 10%, then linear decay; megabert's schedule, which another change may move,
     so that the loop follows it)."""
     model = transformers.BertForTokenClassification.from_pretrained(run["dir"], attn_implementation="eager").train()
-    no_decay = ("bias", "LayerNorm.weight")
-    groups = [{"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)],
-               "weight_decay": weight_decay},
-              {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
-               "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, eps=eps)
-    schedule = LRSchedule(OptimConfig(lr=LR, lr_warmup_fraction=0.1), STEPS)
     batches = feature_batches(tensors, global_batch=BATCH, micro_batch=BATCH, dp_rank=0, dp_size=1, seed=7)
-    losses = []
-    for step in range(1, STEPS + 1):
-        for group in opt.param_groups:
-            group["lr"] = schedule(step)
-        loss = model(**next(batches)).loss
-        losses.append(loss.item())
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return plain_loop_losses(model, batches, steps=STEPS, lr=LR, eps=eps, weight_decay=weight_decay, clip=clip)
 
 
 def test_features_are_run_ners(ner_run):

@@ -14,12 +14,11 @@ import os
 import pytest
 import torch
 
-from megabert.config import OptimConfig
-from megabert.optim import LRSchedule
 from megabert.training.finetune import feature_batches
 
 from tests.helpers.cli_utils import main_worker
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.reference_loop import plain_loop_losses
 from tests.helpers.squad_demo import DEMO, train_demo_vocab
 
 transformers = pytest.importorskip("transformers")
@@ -73,25 +72,8 @@ def transformers_losses(qa_dir, vocab, *, eps, clip, weight_decay, train_pad_row
     model = transformers.BertForQuestionAnswering.from_pretrained(qa_dir, attn_implementation="eager").train()
     if train_pad_row:
         model.bert.embeddings.word_embeddings.padding_idx = None
-    no_decay = () if decay_norms else ("bias", "LayerNorm.weight")
-    groups = [{"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)],
-               "weight_decay": weight_decay},
-              {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
-               "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, eps=eps)
-    schedule = LRSchedule(OptimConfig(lr=LR, lr_warmup_fraction=0.1), STEPS)
-    losses = []
-    for step in range(1, STEPS + 1):
-        for group in opt.param_groups:
-            group["lr"] = schedule(step)
-        loss = model(**next(batches)).loss
-        losses.append(loss.item())
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return plain_loop_losses(model, batches, steps=STEPS, lr=LR, eps=eps, weight_decay=weight_decay, clip=clip,
+                             no_decay=() if decay_norms else ("bias", "LayerNorm.weight"))
 
 
 def test_finetune_steps_equal_the_transformers_loop(tmp_path, qa_dir, demo_vocab):
