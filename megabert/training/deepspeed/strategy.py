@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -14,6 +14,8 @@ from megabert.checkpoint.start import Source
 from megabert.errors import CheckpointError
 from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import build_optimizer
+from megabert.tensor_parallel.layers import use_linear
+from megabert.training.deepspeed.ds_config import takes_memory_efficient_linear
 from megabert.training.deepspeed.engine import initialize, reduce_gradients
 from megabert.training.grads import grad_norm, sync_tied_embedding_grads
 from megabert.training.strategy import SequentialRunner, StepResult, Strategy, TrainingTask
@@ -28,9 +30,7 @@ class DeepSpeedStrategy(Strategy):
     boundary only); with it, our schedule runs the micro-batches and ZeRO-1 takes the
     gradients after. `runner`: the pipeline schedule with PP > 1, else None."""
 
-    def __init__(self, engine, ps, runner, task: TrainingTask, *, zero_stage: int, fp16: bool, bf16: bool,
-                 linear: Optional[Callable] = None):
-        """`linear`: torch.nn.functional.linear as it was before DeepSpeed started (see close)."""
+    def __init__(self, engine, ps, runner, task: TrainingTask, *, zero_stage: int, fp16: bool, bf16: bool):
         # NOTE: at PP=1 no autocast of ours: DeepSpeed's bf16/fp16 modes cast the module
         # itself, and its forward (training and evaluation alike) is the engine's.
         runner = runner or SequentialRunner(engine, task, backward=self._micro_batch_backward)
@@ -38,7 +38,6 @@ class DeepSpeedStrategy(Strategy):
         self.engine = engine
         self.zero_stage, self.fp16, self.bf16 = zero_stage, fp16, bf16
         self._own_norm: Optional[float] = None
-        self._linear = linear
 
     @property
     def lr_optimizer(self) -> torch.optim.Optimizer:
@@ -139,13 +138,6 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
-        # ZeRO-3 replaces torch.nn.functional.linear with its memory-saving version for good
-        # ("This will persist unless manually reset."): every model built later in the
-        # process would multiply through DeepSpeed's function (a bf16 GEMM output plus an
-        # fp32 bias adds in place in bf16 there, not as F.linear under autocast).
-        if self._linear is not None:
-            torch.nn.functional.linear = self._linear
-            self._linear = None
 
 
 def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim: OptimConfig, train: TrainConfig,
@@ -157,8 +149,14 @@ def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim:
     the CPU, which torch's fused AdamW kernel takes (vectorised and threaded, as fast as
     DeepSpeedCPUAdam: docs/performance.md), so no DeepSpeed op is compiled on first use."""
     optimizer = build_optimizer(model, optim, ps.tp_group)
-    linear = torch.nn.functional.linear
     engine = initialize(model, optimizer, ds_config, ps)
     # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
-    return DeepSpeedStrategy(engine, ps, runner, task, zero_stage=ds_config["zero_optimization"].get("stage", 0),
-                             fp16=train.fp16, bf16=train.bf16, linear=linear)
+    zero_stage = ds_config["zero_optimization"].get("stage", 0)
+    if zero_stage == 3 and takes_memory_efficient_linear(ds_config):
+        # NOTE: per layer, not DeepSpeed's process-wide swap of F.linear (engine_config turns that
+        # off): a model built later in the process keeps torch's F.linear, whose bf16 output plus
+        # fp32 bias rounds differently from DeepSpeed's in-place add (docs/performance.md).
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap  # after initialize's check that DeepSpeed is there
+
+        use_linear(model, zero3_linear_wrap)
+    return DeepSpeedStrategy(engine, ps, runner, task, zero_stage=zero_stage, fp16=train.fp16, bf16=train.bf16)
