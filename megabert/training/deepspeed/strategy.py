@@ -59,11 +59,11 @@ class DeepSpeedStrategy(Strategy):
 
     def train_step(self, batches: list[dict]) -> StepResult:
         engine = self.engine
-        skipped_before = getattr(engine, "skipped_steps", 0)
+        skipped_before = engine.skipped_steps
         self._own_norm = None
         if self.ps.pp_size > 1:
             # The schedule runs backward itself; DeepSpeed reduces and steps afterwards.
-            scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if self.fp16 else 1.0
+            scale = float(engine.optimizer.loss_scale) if self.fp16 else 1.0  # fp16: DeepSpeed's loss-scaling wrapper
             metrics = self.runner.forward_backward(batches, scale)
             sync_tied_embedding_grads(self.params, self.ps)
             reduce_gradients(engine, self.zero_stage)
@@ -73,8 +73,8 @@ class DeepSpeedStrategy(Strategy):
         # DeepSpeed reads its norm and overflow flag to the host itself, every step.
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else (self._own_norm if self._own_norm is not None else float("nan"))
-        scale = float(getattr(engine.optimizer, "loss_scale", float("nan"))) if self.fp16 else None
-        return StepResult(metrics, torch.tensor(norm), overflow=getattr(engine, "skipped_steps", 0) > skipped_before,
+        scale = float(engine.optimizer.loss_scale) if self.fp16 else None
+        return StepResult(metrics, torch.tensor(norm), overflow=engine.skipped_steps > skipped_before,
                           loss_scale=scale)
 
     # ------------------------------------------------------------ checkpoint hooks
@@ -127,10 +127,14 @@ class DeepSpeedStrategy(Strategy):
     def weights_loaded(self) -> None:
         """New weights in the engine's module do not reach its fp32 master copies (ZeRO
         partitions, fp16/bf16 wrappers): its first step would write the old weights back.
-        DeepSpeed's own module-only load refreshes them the same way."""
-        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
-        if refresh is not None:
-            refresh()
+        DeepSpeed's own module-only load refreshes them the same way. Every optimizer DeepSpeed
+        wraps ours in (ZeRO 1/2/3, its fp16 and bf16 ones: DeepSpeedOptimizer, 0.19) keeps masters
+        and refreshes them; unwrapped (fp32 without ZeRO) ours steps the module's own
+        parameters and there is nothing to refresh."""
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+        if isinstance(self.engine.optimizer, DeepSpeedOptimizer):
+            self.engine.optimizer.refresh_fp32_params()
 
     def close(self) -> None:
         """Releases the engine (its hooks, ZeRO-3 partition state and comm buffers) before
