@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
-from megabert.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megabert.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, use_linear
 
 from tests.helpers.dist_utils import patched, run_distributed
 from tests.helpers.train_utils import batches, build_trainer, read_metrics, train_worker, valid_sample
@@ -292,6 +292,25 @@ def test_zero3_resume_is_exact_and_its_checkpoint_holds_whole_weights(tmp_path):
     assert weights["bert.embeddings.word_embeddings.weight"].shape == (128, 32)
     run_distributed(train_worker, 2, z3 + ["--metrics-file", part, "--save", ckpt, "--load", ckpt])
     assert read_metrics(part) == read_metrics(full)
+
+
+def test_zero3_linear_saves_the_parameter_not_a_view_of_its_gathered_storage():
+    """Why the layers take DeepSpeed's linear under ZeRO-3: F.linear's autograd saves
+    weight.t(), a view that keeps the gathered storage alive after ZeRO-3 releases the
+    parameter; DeepSpeed's saves the Parameter itself and gathers it again in backward."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    held = {}
+    for name, linear in (("F.linear", torch.nn.functional.linear), ("zero3", zero3_linear_wrap)):
+        layer = ColumnParallelLinear(8, 4, tp_group=None)
+        use_linear(layer, linear)
+        gathered = layer.weight.untyped_storage().data_ptr()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            layer(torch.randn(3, 2, 8, requires_grad=True))
+        layer.weight.data = torch.empty(0)  # ZeRO-3's release after the module's forward
+        held[name] = any(t.untyped_storage().data_ptr() == gathered for t in saved)
+    assert held == {"F.linear": True, "zero3": False}
 
 
 def _linear_during_zero3_worker(rank, world):
