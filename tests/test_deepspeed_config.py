@@ -12,7 +12,8 @@ from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainC
 from megabert.data_parallel.zero_plan import ZeroBuckets
 from megabert.tasks.squad.config import SquadConfig
 from megabert.errors import ConfigError
-from megabert.training.deepspeed.ds_config import bucket_keys, build_config, offloads_optimizer, resolve_deepspeed_config
+from megabert.training.deepspeed.ds_config import (bucket_keys, build_config, engine_config, offloads_optimizer,
+                                                  resolve_deepspeed_config, takes_memory_efficient_linear)
 from megabert.training.resolve import resolve_run
 
 CPU = SimpleNamespace(world_size=2, dp_size=2, pp_size=1, device=torch.device("cpu"))
@@ -167,6 +168,14 @@ def test_zero_sized_to_the_model_with_only_the_stage_keys(stage):
     assert set(zero) == {"stage"} | expected | set(ring)
     assert all(zero[k] == sizing[k] for k in expected)
     assert {k: zero[k] for k in ring} == ring
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+def test_deepspeed_never_swaps_f_linear_and_the_json_says_whether_the_layers_take_its_linear(tmp_path, value):
+    zero = {"stage": 3} if value is None else {"stage": 3, "memory_efficient_linear": value}
+    ds, _ = resolve(tmp_path, {"zero_optimization": zero})
+    assert takes_memory_efficient_linear(ds) is (value is not False)  # DeepSpeed's default: true
+    assert engine_config(ds)["zero_optimization"]["memory_efficient_linear"] is False
 
 
 def test_offload_flags_map_onto_deepspeed_keys(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megabert.checkpoint.layout import load_file, resolve_checkpoint_dir, saved_layout
+from megabert.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, use_linear
 
 from tests.helpers.dist_utils import patched, run_distributed
 from tests.helpers.train_utils import batches, build_trainer, read_metrics, train_worker, valid_sample
@@ -293,20 +294,43 @@ def test_zero3_resume_is_exact_and_its_checkpoint_holds_whole_weights(tmp_path):
     assert read_metrics(part) == read_metrics(full)
 
 
-def _linear_after_zero3_worker(rank, world):
+def test_zero3_linear_saves_the_parameter_not_a_view_of_its_gathered_storage():
+    """Why the layers take DeepSpeed's linear under ZeRO-3: F.linear's autograd saves
+    weight.t(), a view that keeps the gathered storage alive after ZeRO-3 releases the
+    parameter; DeepSpeed's saves the Parameter itself and gathers it again in backward."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    held = {}
+    for name, linear in (("F.linear", torch.nn.functional.linear), ("zero3", zero3_linear_wrap)):
+        layer = ColumnParallelLinear(8, 4, tp_group=None)
+        use_linear(layer, linear)
+        gathered = layer.weight.untyped_storage().data_ptr()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            layer(torch.randn(3, 2, 8, requires_grad=True))
+        layer.weight.data = torch.empty(0)  # ZeRO-3's release after the module's forward
+        held[name] = any(t.untyped_storage().data_ptr() == gathered for t in saved)
+    assert held == {"F.linear": True, "zero3": False}
+
+
+def _linear_during_zero3_worker(rank, world):
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
     before = torch.nn.functional.linear
     _, _, trainer = build_trainer(["--deepspeed", "--zero-stage", "3", "--train-iters", "1"])
     try:
-        patched_during = torch.nn.functional.linear is not before
+        during = torch.nn.functional.linear
+        layers = [m for m in trainer.strategy.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
         trainer.train()
     finally:
         trainer.close()
-    # ZeRO-3 swaps in its memory-saving F.linear "until manually reset": closing the run resets
-    # it, so that a model built later in the process multiplies with torch's own.
-    assert patched_during and torch.nn.functional.linear is before
+    # DeepSpeed's memory-efficient linear reaches the tensor-parallel layers only; torch's
+    # F.linear stays torch's for the process, during the run and after it.
+    assert during is before and torch.nn.functional.linear is before
+    assert layers and all(layer.linear is zero3_linear_wrap for layer in layers)
 
 
-def test_a_closed_zero3_run_gives_torch_its_linear_back():
+def test_zero3_gives_its_linear_to_the_layers_and_leaves_torch_its_own():
     # Two ranks, as the other ZeRO-3 tests: DeepSpeed numbers modules process-wide, and a run
     # on one pooled worker alone would leave the ranks' numbering apart for the next test.
-    run_distributed(_linear_after_zero3_worker, 2)
+    run_distributed(_linear_during_zero3_worker, 2)

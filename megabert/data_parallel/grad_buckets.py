@@ -96,7 +96,6 @@ class GradBuckets:
         self._handles: list = [None] * len(self.buckets)
         self._expected = 0
         self._next = 0  # the first bucket not yet issued
-        self.issued_in_backward = 0  # buckets the last step issued before `finish` (read by tests and benchmarks)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def index_of(self, p: torch.nn.Parameter) -> int:
@@ -144,7 +143,6 @@ class GradBuckets:
         micro-batches), waits for every bucket and averages what this rank keeps. A peer
         lost meanwhile: the door's handle raises CommunicationError once the DP group's
         timeout (--distributed-timeout-minutes) passes."""
-        self.issued_in_backward = self._next
         for i in range(self._next, len(self.buckets)):
             self._pending[i] = 0
         self._issue_ready()

@@ -41,10 +41,6 @@ class OverlappedGradReducer:
     def buffers(self) -> dict[torch.dtype, torch.Tensor]:
         return self.grads.buffers
 
-    @property
-    def issued_in_backward(self) -> int:
-        return self.grads.issued_in_backward
-
     def start(self, num_micro_batches: int) -> None:
         self.grads.start(num_micro_batches)
 

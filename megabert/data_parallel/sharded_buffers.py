@@ -145,18 +145,11 @@ class ShardedBuffers:
         # Called with a bucket's parameters once its all-gather has landed (register_gather_hook).
         # (An OrderedDict: RemovableHandle holds a weak reference to it, which a dict refuses.)
         self._gather_hooks: OrderedDict[int, Callable[[list[torch.nn.Parameter]], None]] = OrderedDict()
-        # Per step, how many buckets each forward pre-hook that waited waited for (read by
-        # tests and benchmarks): several entries = the gathers were spread over forward.
-        self.forward_waits: list[int] = []
 
     @property
     def buffers(self) -> dict[torch.dtype, torch.Tensor]:
         """The gradient buffers, one per dtype."""
         return self.grads.buffers
-
-    @property
-    def issued_in_backward(self) -> int:
-        return self.grads.issued_in_backward
 
     def bucket_of(self, p: torch.nn.Parameter) -> ShardedBucket:
         return self.buckets[self.grads.index_of(p)]
@@ -164,7 +157,6 @@ class ShardedBuffers:
     # ---------------------------------------------------------------- gradients
 
     def start(self, num_micro_batches: int) -> None:
-        self.forward_waits = []
         self.grads.start(num_micro_batches)
 
     def _reduce_scatter(self, bucket: Bucket):
@@ -243,13 +235,7 @@ class ShardedBuffers:
                 continue
             upto = max(forward_index[id(self.bucket_of(p))] for p in own)
             self._pre_hooks.append(module.register_forward_pre_hook(
-                lambda mod, args, upto=upto: self._wait_in_forward(upto)))
-
-    def _wait_in_forward(self, upto: int) -> None:
-        before = self._waited
-        self.wait_params(upto)
-        if self._waited > before:
-            self.forward_waits.append(self._waited - before)
+                lambda mod, args, upto=upto: self.wait_params(upto)))
 
     def close(self) -> None:
         self.wait_params()

@@ -28,9 +28,6 @@ import torch
 
 
 class Adam(torch.optim.Optimizer):
-    # megabert.optim.clip.clipped_step sets `clip_coeff` for one step.
-    folds_clip_coeff = True
-
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
                  bias_correction: bool = True):
         if lr <= 0 or eps <= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or weight_decay < 0:

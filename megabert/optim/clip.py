@@ -30,6 +30,9 @@ from typing import Iterable, Optional
 
 import torch
 
+from megabert.optim.adam import Adam
+from megabert.optim.lamb import Lamb
+
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
 NORM_EPS = 1e-6
 
@@ -61,7 +64,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor
         finally:
             del optimizer.grad_scale
         return
-    if getattr(optimizer, "folds_clip_coeff", False):
+    if isinstance(optimizer, (Adam, Lamb)):  # their `clip_coeff`, set for one step
         optimizer.clip_coeff = coeff
         try:
             optimizer.step()

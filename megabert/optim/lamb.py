@@ -29,12 +29,10 @@ import torch
 import torch.distributed as dist
 
 from megabert.parallel import comm
+from megabert.parallel.param_spec import spec_of
 
 
 class Lamb(torch.optim.Optimizer):
-    # megabert.optim.clip.clipped_step sets `clip_coeff` for one step.
-    folds_clip_coeff = True
-
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
                  bias_correction: bool = True, min_trust_ratio: float = 0.0, max_trust_ratio: float = 10.0,
                  tp_group: Optional[dist.ProcessGroup] = None):
@@ -60,12 +58,15 @@ class Lamb(torch.optim.Optimizer):
             state["step"] = state["step"].to(p.device)
         return state
 
-    def _norms(self, params: list, updates: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """||w|| and ||update|| per tensor, [n] each; whole-matrix norms for TP-split tensors."""
-        w = list(torch._foreach_norm(params, 2, dtype=torch.float32))
+    def _norms(self, params: list, fp32_params: list, updates: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """||w|| and ||update|| per tensor, [n] each; whole-matrix norms for TP-split tensors
+        (`params` are the parameters, whose ParamSpec says which; `fp32_params` their values in
+        fp32, where a 16-bit parameter's copy carries no spec)."""
+        w = list(torch._foreach_norm(fp32_params, 2, dtype=torch.float32))
         u = list(torch._foreach_norm(updates, 2))
-        split = [i for i, p in enumerate(params) if getattr(p, "tensor_model_parallel", False)]
-        if split and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+        tp_split = self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
+        split = [i for i, p in enumerate(params) if spec_of(p).is_tensor_parallel] if tp_split else []
+        if split:
             # Only split tensors' norms are partial: their squares are summed, in one call.
             squares = torch.stack([w[i] for i in split] + [u[i] for i in split]).square()
             comm.all_reduce(squares, group=self.tp_group)
@@ -82,7 +83,7 @@ class Lamb(torch.optim.Optimizer):
             if work is None:
                 continue
             params, updates, fp32_params = work
-            w_norm, u_norm = self._norms(fp32_params, updates)
+            w_norm, u_norm = self._norms(params, fp32_params, updates)
             self._apply(group, params, updates, w_norm, u_norm)
         return loss
 

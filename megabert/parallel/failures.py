@@ -48,6 +48,8 @@ _MS = re.compile(r"(\d+)\s*ms\b")
 
 
 def group_name(group) -> str:
+    # dist.group.WORLD is None before init_process_group, and a ProcessGroup has group_desc
+    # only in recent torch (2.11-2.13 have it): both name no group.
     desc = getattr(group if group is not None else dist.group.WORLD, "group_desc", None) or "undefined"
     return GROUP_NAMES.get(desc, f"the {desc} group")
 

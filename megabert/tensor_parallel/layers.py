@@ -20,6 +20,8 @@ from megabert.tensor_parallel.mappings import (Group, copy_to_tp, gather_from_sp
                                                group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp)
 
 InitMethod = Callable[[torch.Tensor], None]
+LinearFn = Callable[..., torch.Tensor]
+"""F.linear's signature: (input, weight, bias=None) -> input @ weight.T + bias."""
 
 # A weight's 16-bit copy for its GEMM, kept by megabert.training.precision.MasterWeights
 # under --bf16 (the parameter stays the fp32 master): (copy, the parameter's _version when
@@ -138,6 +140,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"output size {out_features} is not divisible by tensor parallel size {tp}")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.linear: LinearFn = F.linear  # the GEMM; use_linear swaps it (ZeRO-3's)
         self.weight = _sharded_param((out_features, in_features), 0, stride, init_method, tp_group,
                                      params_dtype, device)
         if bias:
@@ -158,9 +161,9 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_tp(x, self.tp_group)
         bias = None if self.bias is None else gemm_weight(self.bias)
         if epilogue is not None:
-            y = epilogue(F.linear(x, gemm_weight(self.weight)), bias)
+            y = epilogue(self.linear(x, gemm_weight(self.weight)), bias)
         else:
-            y = F.linear(x, gemm_weight(self.weight), bias)
+            y = self.linear(x, gemm_weight(self.weight), bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -187,6 +190,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence parallelism needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
+        self.linear: LinearFn = F.linear  # the GEMM; use_linear swaps it (ZeRO-3's)
         self.weight = _sharded_param((out_features, in_features), 1, 1, init_method, tp_group, params_dtype, device)
         if bias:
             # With sequence parallelism each rank sees only its slice of the sequence, so
@@ -198,7 +202,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = F.linear(x, gemm_weight(self.weight))
+        y = self.linear(x, gemm_weight(self.weight))
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         if self.bias is None:
             return y
@@ -208,6 +212,19 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}"
+
+
+def use_linear(model: nn.Module, linear: LinearFn) -> int:
+    """Has every column- and row-parallel layer in `model` multiply through `linear` (F.linear
+    by default) and returns how many. For ZeRO-3, set by the strategy that runs it: its
+    memory-efficient linear saves the Parameter itself for backward and gathers it again
+    there, where F.linear's autograd saves weight.t(), a view of the gathered storage that
+    keeps every gathered weight alive through forward. Per layer, so torch's F.linear stays
+    what it is for the rest of the process."""
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    for layer in layers:
+        layer.linear = linear
+    return len(layers)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -49,8 +49,7 @@ def apply_compile(model: torch.nn.Module, ps: ParallelState, train: TrainConfig,
         train.micro_batch_size * ps.dp_size)
     untried = [why for why, on in (("--pipeline-model-parallel-size > 1", ps.pp_size > 1),
                                    ("--recompute-granularity full",
-                                    getattr(model, "config", None) is not None
-                                    and model.config.recompute_granularity == "full"),
+                                    model.config.recompute_granularity == "full"),
                                    (f"{micro_batches} micro-batches a step (failed on an H200)",
                                     micro_batches > 1)) if on]
     if cuda_graphs and untried:

@@ -49,7 +49,7 @@ def gemm_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     if any(isinstance(m, VocabParallelDecoder) for m in model.modules()):
         weights += [m.weight for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
         weights += [m.decoder for m in model.modules() if isinstance(m, VocabParallelDecoder)
-                    and getattr(m, "decoder", None) is not None]  # an untied decoder (EuroBERT's)
+                    and m.decoder is not None]  # an untied decoder (EuroBERT's)
     unique = {id(w): w for w in weights if w is not None and w.requires_grad}
     return list(unique.values())
 

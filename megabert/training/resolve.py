@@ -135,12 +135,11 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
         if cfg.train.deepspeed_config:  # the JSON may have chosen the stage or an offload: the plan that runs
             check_zero(zero, pp=ps.pp_size, compile=cfg.train.compile)
         train = dataclasses.replace(train, zero_stage=zero.stage)
-    data = getattr(cfg, "data", None)
-    if data is not None:
-        data = _sentence_pairs(data, model, cfg.explicit)
+    # Pre-training's Configs has a data section; FinetuneConfigs a task config instead.
+    data = None if finetuning else _sentence_pairs(cfg.data, model, cfg.explicit)
     return ResolvedRun(model=model, parallel=cfg.parallel, optim=optim, train=train, batch=batch,
                        world_size=ps.world_size, data=data,
-                       finetune=getattr(cfg, "finetune", None), zero=zero, deepspeed_config=ds_config,
+                       finetune=cfg.finetune if finetuning else None, zero=zero, deepspeed_config=ds_config,
                        explicit=cfg.explicit, start=start)
 
 

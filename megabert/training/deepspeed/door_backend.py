@@ -130,7 +130,7 @@ def guard_deepspeed_comm(timeout: datetime.timedelta) -> bool:
     # As deepspeed.initialize calls it (which then finds it done), with our timeout.
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     dist_init_required=False, timeout=timeout, verbose=False)
-    backend = getattr(ds_comm, "cdb", None)
+    backend = ds_comm.cdb  # a module global, None until init_distributed (0.19)
     if backend is None or not private_patches_allowed():
         return False
     if isinstance(backend, DoorBackend):  # a later run in this process: its own timeout

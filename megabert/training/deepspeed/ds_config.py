@@ -235,6 +235,23 @@ def zero_plan(config: dict, path: Optional[str], user: dict, hidden_size: Option
                     offload_origin=f" (--deepspeed_config {path})" if path else "")
 
 
+def takes_memory_efficient_linear(config: dict) -> bool:
+    """Whether ZeRO-3's tensor-parallel layers multiply through DeepSpeed's memory-efficient
+    linear: zero_optimization.memory_efficient_linear, DeepSpeed's default true. DeepSpeed
+    itself gets false (engine_config): it would replace torch.nn.functional.linear for the
+    whole process; the strategy hands the function to our layers instead (use_linear)."""
+    return _get(config, "zero_optimization.memory_efficient_linear") is not False
+
+
+def engine_config(config: dict) -> dict:
+    """`config` as deepspeed.initialize takes it: memory_efficient_linear off, so DeepSpeed
+    leaves torch.nn.functional.linear alone (takes_memory_efficient_linear)."""
+    if _get(config, "zero_optimization.memory_efficient_linear") is True:
+        _say_once("zero_optimization.memory_efficient_linear=true: megabert's tensor-parallel layers multiply "
+                  "through DeepSpeed's memory-efficient linear themselves; torch.nn.functional.linear is left as it is")
+    return {**config, "zero_optimization": {**config["zero_optimization"], "memory_efficient_linear": False}}
+
+
 def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int]
                              ) -> tuple[dict, OptimConfig, ZeroPlan]:
     """DeepSpeed's config, the OptimConfig to build our optimizer and LR schedule from, and

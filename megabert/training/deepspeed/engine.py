@@ -14,6 +14,7 @@ from megabert.errors import ConfigError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_table
 from megabert.training.deepspeed.door_backend import guard_deepspeed_comm
+from megabert.training.deepspeed.ds_config import engine_config
 from megabert.training.deepspeed.jit_ops import note_jit_build
 from megabert.training.deepspeed.mpu import DeepSpeedMpu, mark_pipe_replicated
 from megabert.training.deepspeed.zero_masters import share_fp32_masters
@@ -33,8 +34,8 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     start_comm(ps)
     mark_pipe_replicated(model, spec_table(model), ps)
     # Always our optimizer: a JSON's optimizer section was translated, not merged.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=DeepSpeedMpu(ps),
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(config),
+                                           mpu=DeepSpeedMpu(ps), dist_init_required=False)
     stage = config["zero_optimization"].get("stage", 0)
     freed = share_fp32_masters(engine.optimizer, stage) if private_patches_allowed() else 0
     if freed and ps.is_logging_rank:

@@ -52,4 +52,6 @@ def note_jit_build(builder_name: str, what: str) -> None:
     if jit_build_pending(builder) and _first_on_node():
         logger.warning("building DeepSpeed's %s op for %s: a one-time C++ compile, cached for later runs, that "
                        "takes a few minutes (install deepspeed with %s=1 to build it ahead)",
+                       # BUILD_VAR is each builder subclass's own (0.19); some accelerators' builders
+                       # have none, and DS_BUILD_OPS builds every op.
                        builder.name, what, getattr(builder, "BUILD_VAR", "DS_BUILD_OPS"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -14,6 +14,8 @@ from megabert.checkpoint.start import Source
 from megabert.errors import CheckpointError
 from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import build_optimizer
+from megabert.tensor_parallel.layers import use_linear
+from megabert.training.deepspeed.ds_config import takes_memory_efficient_linear
 from megabert.training.deepspeed.engine import initialize, reduce_gradients
 from megabert.training.grads import grad_norm, sync_tied_embedding_grads
 from megabert.training.strategy import SequentialRunner, StepResult, Strategy, TrainingTask
@@ -28,9 +30,7 @@ class DeepSpeedStrategy(Strategy):
     boundary only); with it, our schedule runs the micro-batches and ZeRO-1 takes the
     gradients after. `runner`: the pipeline schedule with PP > 1, else None."""
 
-    def __init__(self, engine, ps, runner, task: TrainingTask, *, zero_stage: int, fp16: bool, bf16: bool,
-                 linear: Optional[Callable] = None):
-        """`linear`: torch.nn.functional.linear as it was before DeepSpeed started (see close)."""
+    def __init__(self, engine, ps, runner, task: TrainingTask, *, zero_stage: int, fp16: bool, bf16: bool):
         # NOTE: at PP=1 no autocast of ours: DeepSpeed's bf16/fp16 modes cast the module
         # itself, and its forward (training and evaluation alike) is the engine's.
         runner = runner or SequentialRunner(engine, task, backward=self._micro_batch_backward)
@@ -38,7 +38,6 @@ class DeepSpeedStrategy(Strategy):
         self.engine = engine
         self.zero_stage, self.fp16, self.bf16 = zero_stage, fp16, bf16
         self._own_norm: Optional[float] = None
-        self._linear = linear
 
     @property
     def lr_optimizer(self) -> torch.optim.Optimizer:
@@ -60,11 +59,11 @@ class DeepSpeedStrategy(Strategy):
 
     def train_step(self, batches: list[dict]) -> StepResult:
         engine = self.engine
-        skipped_before = getattr(engine, "skipped_steps", 0)
+        skipped_before = engine.skipped_steps
         self._own_norm = None
         if self.ps.pp_size > 1:
             # The schedule runs backward itself; DeepSpeed reduces and steps afterwards.
-            scale = float(getattr(engine.optimizer, "loss_scale", 1.0)) if self.fp16 else 1.0
+            scale = float(engine.optimizer.loss_scale) if self.fp16 else 1.0  # fp16: DeepSpeed's loss-scaling wrapper
             metrics = self.runner.forward_backward(batches, scale)
             sync_tied_embedding_grads(self.params, self.ps)
             reduce_gradients(engine, self.zero_stage)
@@ -74,8 +73,8 @@ class DeepSpeedStrategy(Strategy):
         # DeepSpeed reads its norm and overflow flag to the host itself, every step.
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else (self._own_norm if self._own_norm is not None else float("nan"))
-        scale = float(getattr(engine.optimizer, "loss_scale", float("nan"))) if self.fp16 else None
-        return StepResult(metrics, torch.tensor(norm), overflow=getattr(engine, "skipped_steps", 0) > skipped_before,
+        scale = float(engine.optimizer.loss_scale) if self.fp16 else None
+        return StepResult(metrics, torch.tensor(norm), overflow=engine.skipped_steps > skipped_before,
                           loss_scale=scale)
 
     # ------------------------------------------------------------ checkpoint hooks
@@ -128,10 +127,14 @@ class DeepSpeedStrategy(Strategy):
     def weights_loaded(self) -> None:
         """New weights in the engine's module do not reach its fp32 master copies (ZeRO
         partitions, fp16/bf16 wrappers): its first step would write the old weights back.
-        DeepSpeed's own module-only load refreshes them the same way."""
-        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
-        if refresh is not None:
-            refresh()
+        DeepSpeed's own module-only load refreshes them the same way. Every optimizer DeepSpeed
+        wraps ours in (ZeRO 1/2/3, its fp16 and bf16 ones: DeepSpeedOptimizer, 0.19) keeps masters
+        and refreshes them; unwrapped (fp32 without ZeRO) ours steps the module's own
+        parameters and there is nothing to refresh."""
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+        if isinstance(self.engine.optimizer, DeepSpeedOptimizer):
+            self.engine.optimizer.refresh_fp32_params()
 
     def close(self) -> None:
         """Releases the engine (its hooks, ZeRO-3 partition state and comm buffers) before
@@ -139,13 +142,6 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
-        # ZeRO-3 replaces torch.nn.functional.linear with its memory-saving version for good
-        # ("This will persist unless manually reset."): every model built later in the
-        # process would multiply through DeepSpeed's function (a bf16 GEMM output plus an
-        # fp32 bias adds in place in bf16 there, not as F.linear under autocast).
-        if self._linear is not None:
-            torch.nn.functional.linear = self._linear
-            self._linear = None
 
 
 def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim: OptimConfig, train: TrainConfig,
@@ -157,8 +153,14 @@ def build_deepspeed_strategy(model: torch.nn.Module, ps, ds_config: dict, optim:
     the CPU, which torch's fused AdamW kernel takes (vectorised and threaded, as fast as
     DeepSpeedCPUAdam: docs/performance.md), so no DeepSpeed op is compiled on first use."""
     optimizer = build_optimizer(model, optim, ps.tp_group)
-    linear = torch.nn.functional.linear
     engine = initialize(model, optimizer, ds_config, ps)
     # The stage DeepSpeed runs: a --deepspeed_config may have chosen it.
-    return DeepSpeedStrategy(engine, ps, runner, task, zero_stage=ds_config["zero_optimization"].get("stage", 0),
-                             fp16=train.fp16, bf16=train.bf16, linear=linear)
+    zero_stage = ds_config["zero_optimization"].get("stage", 0)
+    if zero_stage == 3 and takes_memory_efficient_linear(ds_config):
+        # NOTE: per layer, not DeepSpeed's process-wide swap of F.linear (engine_config turns that
+        # off): a model built later in the process keeps torch's F.linear, whose bf16 output plus
+        # fp32 bias rounds differently from DeepSpeed's in-place add (docs/performance.md).
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap  # after initialize's check that DeepSpeed is there
+
+        use_linear(model, zero3_linear_wrap)
+    return DeepSpeedStrategy(engine, ps, runner, task, zero_stage=zero_stage, fp16=train.fp16, bf16=train.bf16)

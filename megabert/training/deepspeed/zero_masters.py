@@ -43,13 +43,13 @@ def share_fp32_masters(optimizer, zero_stage: int) -> int:
     freed on this rank (0 for bf16/fp16 runs, an offloaded optimizer or stage 0)."""
     freed = 0
     if zero_stage == 3:
-        if getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "swap_optimizer", False):
+        if optimizer.offload_optimizer or optimizer.swap_optimizer:  # set in __init__ (0.19, version.KNOWN)
             return 0
         for partition, master in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
             if partition is not None and _shareable(master, partition):
                 freed += _share(master, partition)
     elif zero_stage in (1, 2):
-        if getattr(optimizer, "cpu_offload", False):
+        if optimizer.cpu_offload:
             return 0
         for i, master in enumerate(optimizer.single_partition_of_fp32_groups):
             rank = dist.get_rank(group=optimizer.real_dp_process_group[i])
