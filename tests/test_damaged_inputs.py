@@ -370,3 +370,24 @@ def test_entry_scripts_stop_in_one_line_before_building(tmp_path):
     r = run_cmd([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], cwd=tmp_path)
     one_line_error(r, "error: " + fragment)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_convert_hf_import_refuses_a_tensor_the_config_does_not_size(tmp_path):
+    """A transformers BERT whose query weight lost half its rows: the import stops in one line
+    naming the tensors and writes nothing (it used to write a checkpoint that --load refused)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64)
+    hf = tmp_path / "hf"
+    transformers.BertForPreTraining(cfg).save_pretrained(hf)
+    state = load_file(hf / "model.safetensors")
+    state["bert.encoder.layer.0.attention.self.query.weight"] = torch.zeros(16, 32)
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "ckpt"
+    r = run_main(os.path.join(ROOT, "tools/checkpoint/convert_hf.py"), "import", "--hf-dir", str(hf),
+                 "--output", str(out))
+    one_line_error(r, f"error: {hf}: bert.encoder.layer.0.attention.self.query.weight+")
+    assert "has shape (80, 32) but config.json's sizes give (96, 32)" in r.stderr
+    assert not out.exists() or not any(out.iterdir())

@@ -18,11 +18,16 @@ def register_model(cls: type) -> type:
     return cls
 
 
-def _meta_table(cls: type, cfg) -> dict:
-    """The spec table of a whole model built on the meta device (no memory, no process
-    group, no numbers)."""
+def meta_model(cls: type, cfg):
+    """A whole model of `cls` (one rank, TP=PP=1) built on the meta device: shapes and specs,
+    no memory, no process group, no numbers."""
     from megabert.parallel.state import ParallelState
 
     shape_only = dataclasses.replace(cfg, attention_backend="torch", layernorm_backend="torch",
                                      dropout_add_backend="torch")
-    return spec_table(cls(shape_only, ParallelState.offline(), device="meta"))
+    return cls(shape_only, ParallelState.offline(), device="meta")
+
+
+def _meta_table(cls: type, cfg) -> dict:
+    """The spec table of a whole model built on the meta device."""
+    return spec_table(meta_model(cls, cfg))

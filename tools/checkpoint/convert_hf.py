@@ -27,6 +27,7 @@ from megabert.checkpoint import tf as tf_io
 from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, export_tokenizer
 from megabert.checkpoint.layout import save_full_model
 from megabert.checkpoint.reader import read_full
+from megabert.model.registry import meta_model
 from megabert.parallel.param_spec import reference_table
 from megabert.tasks import model_classes
 from megabert.config import ModelConfig, ParallelConfig
@@ -74,11 +75,26 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     if missing and family.architecture_from_checkpoint:
         raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
                               f"{table[missing[0]].hf_names}); is it a {family.name} checkpoint of that kind?")
+    check_shapes(full, table, cfg, model_class, source_dir)
     path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class=model_class)
     # The tokenizer travels with the weights: export and --load find it beside the checkpoint.
     _copy_files(source_dir, output, TOKENIZER_JSON_FILES if family.recipe.tokenizer == "tokenizer.json"
                 else ("vocab.txt", "tokenizer_config.json"))
     return path
+
+
+def check_shapes(full: dict, table: dict, cfg: ModelConfig, model_class: str, source_dir: str) -> None:
+    """Every tensor has the shape the model of `cfg` gives it, as --load checks (vocab rows as
+    config.json counts them: loading pads them), so no checkpoint is written that --load refuses."""
+    expected = dict(meta_model(model_classes()[model_class], cfg).state_dict())
+    for name, tensor in full.items():
+        want = tuple(expected[name].shape)
+        if table[name].valid_rows is not None:
+            want = (table[name].valid_rows, *want[1:])
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{source_dir}: {'+'.join(table[name].hf_names)} has shape {tuple(tensor.shape)} "
+                                  f"but config.json's sizes give {want}: the weights and config.json disagree "
+                                  f"(a damaged or mismatched checkpoint)")
 
 
 # What transformers' AutoTokenizer reads from a tokenizer.json family's dir (tokenizer.json holds the model).
