@@ -14,11 +14,11 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional, Sequence
 
 import numpy as np
 
+from megabert.data.byte_level import BLANK, CONTRACTIONS, SPACE, byte_class, byte_decoder
 from megabert.data.text_files import read_utf8
 from megabert.errors import ConfigError, DataError
 
@@ -395,7 +395,7 @@ class HuggingFaceTokenizer(_RustTokenizer):
         if self._prefix:  # WordPiece: "##" marks a continuation
             return token.startswith(self._prefix)
         if self._byte_level:  # a piece that begins with a whitespace byte ("Ġ" a space, "Ċ" a newline)
-            return _byte_class(token, first=True) not in (_BLANK, _SPACE)
+            return byte_class(token, first=True) not in (BLANK, SPACE)
         return not token.startswith("\u2581")  # Metaspace "▁" marks a word start
 
     def _special_mask(self) -> np.ndarray:
@@ -423,22 +423,22 @@ class HuggingFaceTokenizer(_RustTokenizer):
         last = np.zeros(self.vocab_size, dtype=np.int8)
         apostrophe = np.zeros(self.vocab_size, dtype=bool)
         contraction = np.zeros(self.vocab_size, dtype=bool)
-        decode = _byte_decoder()
+        decode = byte_decoder()
         for i, tok in self._inv_vocab.items():
             if special[i]:
                 continue
-            first[i], last[i] = _byte_class(tok, first=True), _byte_class(tok, first=False)
+            first[i], last[i] = byte_class(tok, first=True), byte_class(tok, first=False)
             if all(c in decode for c in tok):
                 text = bytes(decode[c] for c in tok).decode("utf-8", errors="replace")
                 apostrophe[i] = text.endswith("'") and not text[:-1].endswith(" ")  # " '" opens a quote
-                contraction[i] = text.startswith(_CONTRACTIONS) or text in ("r", "v", "l")
+                contraction[i] = text.startswith(CONTRACTIONS) or text in ("r", "v", "l")
             # A piece ending in a newline or a tab ends a word; one ending in a space does not:
             # the pre-tokenizer's words take one space in front (" ?\p{L}+"), so a lone "Ġ" piece
             # is the first of the next word's pieces.
-            ends[i] |= last[i] == _SPACE
+            ends[i] |= last[i] == SPACE
         # Whitespace is handled by starts/ends; classes compare letters, numbers and the rest.
-        first[first >= _BLANK] = 0
-        last[last >= _BLANK] = 0
+        first[first >= BLANK] = 0
+        last[last >= BLANK] = 0
         return WordStarts(starts=starts, ends=ends, first_class=first, last_class=last, apostrophe=apostrophe,
                           contraction=contraction)
 
@@ -467,49 +467,6 @@ def _has_component(spec, kind: str) -> bool:
             return any(walk(v) for v in node)
         return False
     return walk(spec.get("pre_tokenizer")) or walk(spec.get("decoder"))
-
-
-_CONTRACTIONS = ("s", "t", "re", "ve", "m", "ll", "d")  # after "'": the byte-level regex's first alternatives
-# 0: no class (empty, or part of a multi-byte character); _BLANK is the space " ", _SPACE other whitespace.
-_LETTER, _NUMBER, _OTHER, _BLANK, _SPACE = 1, 2, 3, 4, 5
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet back to bytes (the inverse of its bytes_to_unicode): printable
-    Latin-1 bytes stand for themselves, the others for chr(256 + k) ("Ġ" is the space, "Ċ" the newline)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, k = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + k)] = b
-            k += 1
-    return chars
-
-
-def _char_class(c: str) -> int:
-    if c == " ":
-        return _BLANK
-    if c.isspace():
-        return _SPACE
-    if c.isalpha():
-        return _LETTER
-    if c.isnumeric():
-        return _NUMBER
-    return _OTHER if c != "\ufffd" else 0  # U+FFFD: an incomplete UTF-8 sequence
-
-
-def _byte_class(token: str, *, first: bool) -> int:
-    """The class of a byte-level piece's first (or last) character; 0 when the piece starts
-    (ends) inside a multi-byte character, or is not byte-level text (an added token)."""
-    decode = _byte_decoder()
-    if not token or any(c not in decode for c in token):
-        return 0
-    raw = bytes(decode[c] for c in token)
-    text = raw.decode("utf-8", errors="replace")
-    return _char_class(text[0] if first else text[-1])
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str]) -> Tokenizer:
