@@ -44,7 +44,7 @@ from _gpu_common import (Device, Side, batch_flops, dynamo_counts, fmt, hf_train
                          time_interleaved, warm_up)
 from megabert.arguments import parse_args
 from megabert.checkpoint.hf import hf_config_from_model
-from megabert.config import modernbert_base
+from megabert.presets import modernbert_base
 from megabert.tasks.pretraining.task import build_pretraining
 from megabert.training.metrics import device_peak_tflops
 from megabert.training.resolve import resolve_run

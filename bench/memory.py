@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from megabert.config import PRESETS
+from megabert.presets import PRESETS
 from megabert.planning import Layout, Workload, estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

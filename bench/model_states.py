@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megabert.config import PRESETS
+from megabert.presets import PRESETS
 from megabert.planning import Layout, Workload, estimate
 
 from memory import LAYOUTS as MEMORY_LAYOUTS, VOCAB_SIZE  # bench/memory.py, beside this file

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from megabert.config import (DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, bert_base,
-                             bert_large, bert_tiny, modernbert_base, modernbert_large, modernbert_tiny)
+from megabert.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megabert.presets import bert_base, bert_large, bert_tiny, modernbert_base, modernbert_large, modernbert_tiny
 from megabert.errors import ConfigError, MegabertError
 from megabert.parallel import ParallelState, destroy_parallel, get_parallel_state, init_parallel
 

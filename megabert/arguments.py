@@ -10,8 +10,8 @@ import dataclasses
 import typing
 from typing import Optional, Sequence
 
-from megabert.config import (PRESETS, Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig,
-                             ParallelConfig, TrainConfig)
+from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megabert.presets import PRESETS
 from megabert.errors import ConfigError
 from megabert.model_family import resolve_model_family
 from megabert.rules import check_flags

@@ -1,4 +1,4 @@
-"""Typed configuration tree and presets.
+"""Typed configuration tree (presets: megabert.presets).
 
 Each field carries its CLI flag (Megatron-LM's name wherever Megatron has the flag) and
 its help text in `metadata`; `megabert.arguments` turns these dataclasses into the CLI,
@@ -8,10 +8,10 @@ several flags are megabert.rules', applied once when the run is resolved.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
+from megabert.config_fields import arg, check_at_least
 from megabert.errors import ConfigError
 
 # --ddp-bucket-size's default, which the reducers (megabert.data_parallel) and the layout
@@ -20,31 +20,6 @@ from megabert.errors import ConfigError
 # start sooner and leave less unhidden after backward; below a few MB each message's
 # latency starts to show. A 12M-parameter BERT makes 3 buckets, BERT-large 81.
 BUCKET_ELEMENTS = 4 * 1024 * 1024
-
-
-def arg(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
-        choices: tuple | None = None, factory: Any = None, cli: bool = True, aliases: tuple = ()) -> Any:
-    """A dataclass field with the metadata `megabert.arguments` needs for its flag (`aliases`:
-    other names of the same flag, e.g. Megatron's --tokenizer-model for --vocab-file)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "cli": cli, "aliases": aliases}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def flag_of(f: dataclasses.Field) -> str:
-    """A config field's CLI flag: its `arg(flag=...)`, else --its-name."""
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def check_at_least(config, minimum: int, *names: str) -> None:
-    """Each named field of `config` (None: not given, not checked) is at least `minimum`, else a
-    one-line error that names its flag."""
-    flags = {f.name: flag_of(f) for f in dataclasses.fields(config)}
-    for name in names:
-        value = getattr(config, name)
-        if value is not None and value < minimum:
-            raise ConfigError(f"{flags[name]} must be >= {minimum}, got {value}")
 
 
 # The families of megabert.families (which builds on this module, so it cannot be asked here).
@@ -511,50 +486,3 @@ class FinetuneConfigs:
     train: TrainConfig
     finetune: TaskConfig
     explicit: frozenset = frozenset()
-
-
-# Presets: plain functions so a user can read and copy them.
-
-def bert_tiny(**overrides) -> ModelConfig:
-    """2 layers, hidden 128: for CPU demos and tests (about 4M parameters with a 30k vocab)."""
-    return ModelConfig(**{"num_layers": 2, "hidden_size": 128, "num_attention_heads": 2, **overrides})
-
-
-def bert_base(**overrides) -> ModelConfig:
-    """BERT-base: 12 layers, hidden 768, 12 heads (110M parameters)."""
-    return ModelConfig(**{"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, **overrides})
-
-
-def bert_large(**overrides) -> ModelConfig:
-    """BERT-large: 24 layers, hidden 1024, 16 heads (340M parameters)."""
-    return ModelConfig(**{"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, **overrides})
-
-
-# ModernBERT's recipe where it differs from BERT's defaults (transformers' ModernBertConfig):
-# no dropout, LayerNorm eps 1e-5, 8192 positions, pre-norm, MLM only.
-MODERNBERT_MODEL_DEFAULTS = {"model_family": "modernbert", "layernorm_epsilon": 1e-5, "hidden_dropout": 0.0,
-                             "attention_dropout": 0.0, "max_position_embeddings": 8192, "layernorm_position": "pre",
-                             "bert_binary_head": False}
-
-
-def modernbert_tiny(**overrides) -> ModelConfig:
-    """4 layers, hidden 256, 4 heads (the issue's CPU benchmark shape), ModernBERT's vocab."""
-    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
-                          "vocab_size": 50368, **overrides})
-
-
-def modernbert_base(**overrides) -> ModelConfig:
-    """ModernBERT-base (answerdotai/ModernBERT-base): 22 layers, hidden 768, 12 heads, GeGLU 1152 (149M parameters)."""
-    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 22, "hidden_size": 768,
-                          "num_attention_heads": 12, "ffn_hidden_size": 1152, "vocab_size": 50368, **overrides})
-
-
-def modernbert_large(**overrides) -> ModelConfig:
-    """ModernBERT-large (answerdotai/ModernBERT-large): 28 layers, hidden 1024, 16 heads, GeGLU 2624 (395M parameters)."""
-    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 28, "hidden_size": 1024,
-                          "num_attention_heads": 16, "ffn_hidden_size": 2624, "vocab_size": 50368, **overrides})
-
-
-PRESETS = {"bert-tiny": bert_tiny, "bert-base": bert_base, "bert-large": bert_large,
-           "modernbert-tiny": modernbert_tiny, "modernbert-base": modernbert_base,
-           "modernbert-large": modernbert_large}

@@ -22,7 +22,7 @@ import os
 import tempfile
 from typing import Iterable
 
-from megabert.config import flag_of
+from megabert.config_fields import flag_of
 from megabert.errors import ConfigError, DataError
 
 FILE, DIR, FILE_OR_DIR = "file", "directory", "file or directory"

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from megabert.arguments import parse_args
-from megabert.config import ModelConfig, ParallelConfig, bert_large
+from megabert.config import ModelConfig, ParallelConfig
+from megabert.presets import bert_large
 from megabert.rules import validate_layout
 from megabert.errors import ConfigError
 

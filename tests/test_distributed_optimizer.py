@@ -180,7 +180,7 @@ def test_flag_rules(flags, message):
 
 
 def test_planner_shards_the_moments_and_keeps_the_ring_bytes():
-    from megabert.config import bert_large
+    from megabert.presets import bert_large
     from megabert.planning import Layout, Workload, communication, estimate
     from megabert.planning.step_time import Links, step_time
 

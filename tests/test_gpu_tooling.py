@@ -157,7 +157,7 @@ def test_real_token_flops_of_samples_are_the_same_packed_or_padded():
     import torch
 
     from gpu_bert_large import batch_flops
-    from megabert.config import bert_tiny
+    from megabert.presets import bert_tiny
     from megabert.data.packing import PackingSpec, pack_window
     from megabert.planning.flops import bert_flops_per_sample
 

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from megabert.config import ModelConfig, bert_base, bert_large, bert_tiny
+from megabert.config import ModelConfig
+from megabert.presets import bert_base, bert_large, bert_tiny
 from megabert.errors import ConfigError
 from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan
 from megabert.planning.communication import _stage_comm

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import megabert
-from megabert.config import ModelConfig, modernbert_base, modernbert_large, modernbert_tiny
+from megabert.config import ModelConfig
+from megabert.presets import modernbert_base, modernbert_large, modernbert_tiny
 from megabert.planning import Layout, Workload, estimate
 from megabert.planning.activations import modernbert_layer_bytes, stage_activation_bytes
 from megabert.planning.params import stage_params, total_params

@@ -5,7 +5,8 @@ prediction against steps measured across a shaped link is bench/multinode.py's (
 import pytest
 import torch
 
-from megabert.config import ModelConfig, bert_large
+from megabert.config import ModelConfig
+from megabert.presets import bert_large
 from megabert.errors import ConfigError
 from megabert.parallel.state import rank_of
 from megabert.planning import Layout, Workload, communication, plan

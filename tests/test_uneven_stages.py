@@ -112,7 +112,7 @@ def test_planner_counts_each_stage_as_built(tmp_path):
     its memory prediction follows the fuller stage, and plan_layout.py takes the flags."""
     import torch
 
-    from megabert.config import bert_tiny
+    from megabert.presets import bert_tiny
     from megabert.parallel.state import ParallelState
     from megabert.planning import Layout, Workload, estimate
     from megabert.planning.memory import estimate_stage
@@ -138,7 +138,7 @@ def test_planner_counts_each_stage_as_built(tmp_path):
 
 def test_planner_proposes_an_uneven_last_stage():
     """ModernBERT-base's 22 layers on 4 devices: PP=4 is a candidate as 6, 6, 6 and 4 layers."""
-    from megabert.config import modernbert_base
+    from megabert.presets import modernbert_base
     from megabert.planning import Workload
     from megabert.planning.search import candidate_layouts
 

@@ -343,7 +343,7 @@ def test_modernbert_unpacked_step_selects_by_the_hosts_positions(monkeypatch):
     without: the token count's nonzero(), three bool-mask selections in forward and one in
     backward); the same loss and
     gradients (fp32, dropout 0, the local-window layers included)."""
-    from megabert.config import modernbert_tiny
+    from megabert.presets import modernbert_tiny
     from megabert.model import ModernBertForMaskedLM
     from tests.test_host_syncs import DataDependentOps
 

@@ -31,7 +31,8 @@ import sys
 
 
 from megabert.arguments import PRETRAIN_DEFAULTS
-from megabert.config import PRESETS, DataConfig, ModelConfig, TrainConfig
+from megabert.config import DataConfig, ModelConfig, TrainConfig
+from megabert.presets import PRESETS
 from megabert.errors import ConfigError, cli_main
 from megabert.families import recipe
 from megabert.planning import Layout, Workload, communication, estimate, fit_warning, plan

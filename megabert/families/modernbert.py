@@ -10,7 +10,8 @@ the one on the Hub since ModernBERT's release (`global_attn_every_n_layers`,
 """
 from __future__ import annotations
 
-from megabert.config import MODERNBERT_ACTIVATIONS, MODERNBERT_MODEL_DEFAULTS, ModelConfig
+from megabert.config import MODERNBERT_ACTIVATIONS, ModelConfig
+from megabert.presets import MODERNBERT_MODEL_DEFAULTS
 from megabert.errors import CheckpointError
 from megabert.families.family import Family, Recipe
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,

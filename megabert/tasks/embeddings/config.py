@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megabert.config import TaskConfig, arg, check_at_least
+from megabert.config import TaskConfig
+from megabert.config_fields import arg, check_at_least
 from megabert.errors import ConfigError
 
 # The recipe of sentence-transformers' trainer and of most BERT retrievers trained with

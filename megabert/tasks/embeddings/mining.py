@@ -34,7 +34,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megabert.config import FinetuneConfigs, arg, check_at_least
+from megabert.config import FinetuneConfigs
+from megabert.config_fields import arg, check_at_least
 from megabert.errors import ConfigError
 from megabert.parallel import ParallelState, comm
 from megabert.tasks.embeddings.config import TextEmbeddingConfig
