@@ -1,9 +1,7 @@
 """Tiny transformers models of the families beyond BERT and ModernBERT, saved with transformers'
 own classes (no download): the references megabert's families are compared with (on
 tests.helpers.modernbert_models' right-padded batch)."""
-import torch
-
-from tests.helpers.modernbert_models import PAD_ID, VOCAB
+from tests.helpers.modernbert_models import PAD_ID, VOCAB, save_perturbed
 
 
 def family_config(family: str, **config):
@@ -45,11 +43,4 @@ def make_family_dir(path, family: str, **config) -> str:
     """transformers' masked LM of `family` with `config` keys added or replaced, norm weights
     (and biases) moved off their init so that a swapped name would show; saved to `path`."""
     cfg, cls = family_config(family, **config)
-    torch.manual_seed(0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(path))
-    return str(path)
+    return save_perturbed(cls, cfg, path)

@@ -18,8 +18,14 @@ def make_modernbert_dir(path, arch="ModernBertForMaskedLM", **config):
                 eos_token_id=2, sep_token_id=2)
     keys.update(config)
     cfg = transformers.ModernBertConfig(**keys)
+    return save_perturbed(getattr(transformers, arch), cfg, path)
+
+
+def save_perturbed(model_class, cfg, path) -> str:
+    """`model_class(cfg)` from seed 0 with its norm weights and biases moved off their init (so a
+    swapped name would show), saved to `path` as transformers saves it."""
     torch.manual_seed(0)
-    model = getattr(transformers, arch)(cfg)
+    model = model_class(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
