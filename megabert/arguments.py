@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megabert.presets import PRESETS
 from megabert.errors import ConfigError
+from megabert.families import FAMILIES, scratch_config
 from megabert.model_family import resolve_model_family
 from megabert.rules import check_flags
 
@@ -56,6 +57,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+# Flags whose choices only the registry knows (megabert.config sits below megabert.families,
+# which builds on its ModelConfig).
+REGISTRY_CHOICES = {"model.model_family": tuple(FAMILIES)}
 
 
 class _DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -108,7 +114,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str
                 group.add_argument(*_flags(f), dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_,
                                    metavar=metavar)
             else:
-                choices = f.metadata.get("choices")
+                choices = f.metadata.get("choices") or REGISTRY_CHOICES.get(dest)
                 if choices is not None:
                     choices = [c for c in choices if c is not None]
                 group.add_argument(*_flags(f), dest=dest, type=kind, choices=choices,
@@ -136,6 +142,8 @@ def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRE
     for section in sections:
         if section == "model" and getattr(ns, "preset", None):
             out[section] = PRESETS[ns.preset](**values[section])
+        elif section == "model":  # --model-family NAME: its defaults (MLP width) where a flag is left out
+            out[section] = scratch_config(**values[section])
         else:
             out[section] = classes[section](**values[section])
     return out

@@ -22,8 +22,6 @@ from megabert.errors import ConfigError
 BUCKET_ELEMENTS = 4 * 1024 * 1024
 
 
-# The families of megabert.families (which builds on this module, so it cannot be asked here).
-FAMILY_NAMES = ("bert", "modernbert", "eurobert", "gte", "nomic_bert", "ultrabert")
 # The activations megabert's ModernBERT implements, by transformers' ACT2FN names.
 MODERNBERT_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
@@ -35,7 +33,8 @@ class ModelConfig:
     num_layers: int = arg(2, "Number of transformer layers.")
     hidden_size: int = arg(128, "Transformer hidden size.")
     num_attention_heads: int = arg(2, "Number of attention heads.")
-    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size; default 4 x hidden size.")
+    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size; default the family's width for --model-family "
+                                         "NAME (megabert.families), else 4 x hidden size.")
     vocab_size: int = arg(30522, "Vocabulary size before padding (taken from the tokenizer when one is given).",
                           cli=False)
     make_vocab_size_divisible_by: int = arg(128, "Pad the vocab to a multiple of this x tensor parallel size.")
@@ -84,16 +83,12 @@ class ModelConfig:
     # set by the task from its label set, saved with the checkpoint, exported to config.json.
     num_labels: int = arg(2, "Outputs of a classification head; 1 is regression (STS-B).", cli=False)
     id2label: Optional[dict] = arg(None, "Class id -> label name (tag) of a classification head.", cli=False)
-    # The model family. ModernBERT (Warner et al. 2024; megabert.model.modernbert) reads the fields
-    # below, named as transformers' ModernBertConfig names them; BERT ignores them. From the
-    # fields above ModernBERT takes the sizes, attention_dropout, layernorm_epsilon (its
-    # norm_eps), init_method_std (its initializer_range) and vocab/max positions; it has no
-    # token types, no hidden_dropout (its dropouts are the three below) and no binary head.
-    model_family: str = arg("bert", "Model family (megabert.families): bert; modernbert (RoPE, GeGLU, pre-norm, "
-                            "alternating global/local attention, MLM only; its defaults: --mask-prob 0.3, LayerNorm "
-                            "eps 1e-5, no dropout, FFN 1.5 x hidden, 8192 positions); eurobert (Llama's block, "
-                            "bidirectional: RMSNorm pre-norm, grouped-query attention, SwiGLU, RoPE, untied "
-                            "decoder).", choices=FAMILY_NAMES)
+    # The model family (megabert.families: the registry knows each family's names, parts and
+    # defaults; this module sits below it). The fields marked "ModernBERT:" below are named as
+    # transformers' ModernBertConfig names them and read by the families whose spec uses them.
+    model_family: str = arg("bert", "Model family, a name in megabert.families' registry: the encoder's parts, and "
+                            "its recipe for the flags left out (mask rate, binary head, dropout, norm eps, MLP width, "
+                            "positions).")
     num_query_groups: Optional[int] = arg(None, "Key/value heads (grouped-query attention; query heads "
                                           "[j*g, (j+1)*g) share head j); default: one per attention head. "
                                           "Families with GQA (eurobert, ultrabert).")
@@ -130,9 +125,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            # ModernBERT-base's GeGLU is 1.5 x hidden wide (1152 for 768).
-            self.ffn_hidden_size = 3 * self.hidden_size // 2 if self.model_family == "modernbert" \
-                else 4 * self.hidden_size
+            # The transformer's (and Megatron's) width. A family's own (--model-family NAME) is
+            # the registry's, applied where the run is resolved (megabert.families.scratch_config).
+            self.ffn_hidden_size = 4 * self.hidden_size
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "max_position_embeddings", "vocab_size"):
             if getattr(self, name) <= 0:

@@ -2,7 +2,8 @@
 
 `pretrain_bert.py --model-family NAME` builds that family (megabert.families) from the size
 flags, with its recipe where a flag was left out (family_defaults; ModernBERT's: 30% masking,
-no binary head, no dropout, LayerNorm eps 1e-5, 8192 positions). A run that starts from a
+no binary head, no dropout, LayerNorm eps 1e-5, 8192 positions; its MLP width, 1.5 x hidden,
+is set where the flags become its ModelConfig: megabert.families.scratch_config). A run that starts from a
 checkpoint of a family that carries its architecture (`--load` or `--pretrained-checkpoint`
 of a transformers directory or of a megabert checkpoint of one) takes it from that checkpoint's config:
 continued pre-training is one command. The checkpoint is the run's start, decided once

@@ -4,6 +4,7 @@ arguments override any field."""
 from __future__ import annotations
 
 from megabert.config import ModelConfig
+from megabert.families import scratch_config
 
 
 def bert_tiny(**overrides) -> ModelConfig:
@@ -21,29 +22,22 @@ def bert_large(**overrides) -> ModelConfig:
     return ModelConfig(**{"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, **overrides})
 
 
-# ModernBERT's recipe where it differs from BERT's defaults (transformers' ModernBertConfig):
-# no dropout, LayerNorm eps 1e-5, 8192 positions, pre-norm, MLM only.
-MODERNBERT_MODEL_DEFAULTS = {"model_family": "modernbert", "layernorm_epsilon": 1e-5, "hidden_dropout": 0.0,
-                             "attention_dropout": 0.0, "max_position_embeddings": 8192, "layernorm_position": "pre",
-                             "bert_binary_head": False}
-
-
 def modernbert_tiny(**overrides) -> ModelConfig:
     """4 layers, hidden 256, 4 heads (the issue's CPU benchmark shape), ModernBERT's vocab."""
-    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
-                          "vocab_size": 50368, **overrides})
+    return scratch_config(**{"model_family": "modernbert", "num_layers": 4, "hidden_size": 256,
+                             "num_attention_heads": 4, "vocab_size": 50368, **overrides})
 
 
 def modernbert_base(**overrides) -> ModelConfig:
     """ModernBERT-base (answerdotai/ModernBERT-base): 22 layers, hidden 768, 12 heads, GeGLU 1152 (149M parameters)."""
-    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 22, "hidden_size": 768,
-                          "num_attention_heads": 12, "ffn_hidden_size": 1152, "vocab_size": 50368, **overrides})
+    return scratch_config(**{"model_family": "modernbert", "num_layers": 22, "hidden_size": 768,
+                             "num_attention_heads": 12, "ffn_hidden_size": 1152, "vocab_size": 50368, **overrides})
 
 
 def modernbert_large(**overrides) -> ModelConfig:
     """ModernBERT-large (answerdotai/ModernBERT-large): 28 layers, hidden 1024, 16 heads, GeGLU 2624 (395M parameters)."""
-    return ModelConfig(**{**MODERNBERT_MODEL_DEFAULTS, "num_layers": 28, "hidden_size": 1024,
-                          "num_attention_heads": 16, "ffn_hidden_size": 2624, "vocab_size": 50368, **overrides})
+    return scratch_config(**{"model_family": "modernbert", "num_layers": 28, "hidden_size": 1024,
+                             "num_attention_heads": 16, "ffn_hidden_size": 2624, "vocab_size": 50368, **overrides})
 
 
 PRESETS = {"bert-tiny": bert_tiny, "bert-base": bert_base, "bert-large": bert_large,

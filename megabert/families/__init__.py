@@ -7,6 +7,8 @@ family is one more module here and one line in FAMILIES.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megabert.config import ModelConfig
 from megabert.errors import ConfigError
 from megabert.families import bert, eurobert, gte, modernbert, nomic_bert, ultrabert
@@ -31,6 +33,15 @@ def family_for_model_type(model_type: object, where: str) -> Family:
             return f
     known = ", ".join(sorted(f.model_type for f in FAMILIES.values()))
     raise ConfigError(f"{where}: model_type {model_type!r} is not a family megabert builds (it knows {known})")
+
+
+def scratch_config(**fields) -> ModelConfig:
+    """ModelConfig(**fields) made from scratch: its family's scratch defaults and MLP width where
+    `fields` leave them out (what --model-family NAME gives the flags left out)."""
+    config = ModelConfig(**fields)
+    family = get_family(config.model_family)
+    defaults = {**family.scratch_defaults, "ffn_hidden_size": family.ffn_size(config.hidden_size)}
+    return dataclasses.replace(config, **{k: v for k, v in defaults.items() if fields.get(k) is None})
 
 
 def encoder_spec(config: ModelConfig) -> EncoderSpec:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable, Mapping
 
 from megabert.config import ModelConfig
@@ -34,6 +35,9 @@ class Family:
     recipe: Recipe
     scratch_defaults: Mapping[str, object] = field(default_factory=dict)
     """ModelConfig fields for --model-family NAME where a flag is left out."""
+    ffn_per_hidden: Fraction = Fraction(4)
+    """--ffn-hidden-size for --model-family NAME where it is left out, as a multiple of
+    --hidden-size (rounded down)."""
     task_classes: Mapping[str, str] = field(default_factory=dict)
     """Task (pretraining, masked_lm, sequence_classification, token_classification,
     question_answering, embeddings) -> the registered model class name (megabert.model.registry)
@@ -52,3 +56,7 @@ class Family:
     Megatron-LM's BERT; the checkpoint must then match them)."""
     architectures: Mapping[str, str] = field(default_factory=dict)
     """Task -> the transformers architecture an export of it names (pretraining: the masked LM's)."""
+
+    def ffn_size(self, hidden_size: int) -> int:
+        """The MLP width a model of this family and `hidden_size` gets by default."""
+        return int(self.ffn_per_hidden * hidden_size)

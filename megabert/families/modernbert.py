@@ -10,8 +10,9 @@ the one on the Hub since ModernBERT's release (`global_attn_every_n_layers`,
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 from megabert.config import MODERNBERT_ACTIVATIONS, ModelConfig
-from megabert.presets import MODERNBERT_MODEL_DEFAULTS
 from megabert.errors import CheckpointError
 from megabert.families.family import Family, Recipe
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
@@ -145,7 +146,12 @@ def hf_config(cfg: ModelConfig, architecture: str = "ModernBertForMaskedLM") -> 
 FAMILY = Family(
     name="modernbert", model_type="modernbert", spec=spec, config_from_hf=config_from_hf, hf_config=hf_config,
     recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="tokenizer.json"),
-    scratch_defaults={k: v for k, v in MODERNBERT_MODEL_DEFAULTS.items() if k != "model_family"},
+    # Where ModernBERT's recipe differs from BERT's defaults (transformers' ModernBertConfig): no
+    # dropout, LayerNorm eps 1e-5, 8192 positions, pre-norm, MLM only; ModernBERT-base's GeGLU is
+    # 1.5 x hidden wide (1152 for 768).
+    scratch_defaults={"layernorm_epsilon": 1e-5, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                      "max_position_embeddings": 8192, "layernorm_position": "pre", "bert_binary_head": False},
+    ffn_per_hidden=Fraction(3, 2),
     task_classes={"pretraining": "ModernBertForMaskedLM", "masked_lm": "EncoderForMaskedLM",
                   "sequence_classification": "ModernBertForSequenceClassification",
                   "token_classification": "ModernBertForTokenClassification",
