@@ -28,9 +28,23 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = ["eurobert", "gte", "nomic_bert", "ultrabert"]
 
 
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict:
+    """Each family's tiny transformers masked LM, saved once for the module."""
+    return {f: make_family_dir(tmp_path_factory.mktemp(f) / "hf", f) for f in FAMILIES}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def hf_dir(request, tmp_path_factory):
-    return make_family_dir(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+def hf_dir(request, family_dirs):
+    return family_dirs[request.param]
+
+
+def _parity(model, layout: str, what: str, out, ref) -> None:
+    """close(out, ref), printing the max-abs-diff for the parity table (docs/model-families.md;
+    pytest -s shows it)."""
+    diff = (out - ref).abs().max().item()
+    print(f"PARITY {model.config.model_family} {layout} {what} {diff:.1e}", flush=True)
+    close(out, ref, what)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +85,10 @@ def _check(rank, world, hf_dir, impl, backend, unpad):
     model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend=backend, unpad_input=unpad)
     out = model(ids, attention_mask=am, labels=labels)
     assert out.logits.shape == (3, ids.size(1), hf.config.vocab_size)
+    layout = f"TP{world} {impl}"
+    if rank == 0:
+        _parity(model, layout, "logits", out.logits[am.bool()], ref.logits[am.bool()])
+        _parity(model, layout, "loss", out.loss, ref.loss)
     close(out.logits[am.bool()], ref.logits[am.bool()], "logits")
     close(out.loss, ref.loss, "loss")
     out.loss.backward()
@@ -96,24 +114,45 @@ def test_replicated_kv_heads_and_biases_equal_transformers(mqa_dir):
     run_distributed(_check, 2, mqa_dir, "eager", "torch", False)
 
 
-def _check_pp(rank, world, hf_dir):
+def _check_pp(rank, world, hf_dirs, tp):
+    """Each dir's masked LM through the pipeline schedule at TP `tp` x PP world / tp: the last
+    stage's logits and loss equal transformers'."""
     from megabert.pipeline_parallel.p2p import PipeComm
     from megabert.pipeline_parallel.schedules import PipelineSchedule
     from megabert.training.strategy import TrainingTask
 
-    ps = megabert.init_parallel(pipeline_model_parallel_size=world)
-    _, ref = _reference(hf_dir, "eager")
-    ids, am, labels = family_batch()
-    model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend="torch")
-    comm = PipeComm(ps, model.activation_shape(ids.size(1), ids.size(0)), torch.float32)
-    schedule = PipelineSchedule(model, ps, comm, 1, TrainingTask(inputs=(), output_loss=lambda out: (out.loss, {})))
-    logits = schedule.forward_only([dict(input_ids=ids, attention_mask=am)], lambda out: out.logits)
-    if ps.is_last_stage:
-        close(logits[0][am.bool()], ref.logits[am.bool()], "logits")
+    ps = megabert.init_parallel(tensor_parallel_size=tp, pipeline_model_parallel_size=world // tp)
+    for hf_dir in hf_dirs:
+        _, ref = _reference(hf_dir, "eager")
+        ids, am, labels = family_batch()
+        model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend="torch")
+        cfg = model.config
+        for name, p in model.named_parameters():  # grouped key/value heads: each TP rank holds its share
+            if name.endswith("key_value.weight"):
+                assert p.size(0) == 2 * cfg.num_kv_heads // tp * cfg.head_dim, (name, tuple(p.shape))
+        comm = PipeComm(ps, model.activation_shape(ids.size(1), ids.size(0)), torch.float32)
+        task = TrainingTask(inputs=(), output_loss=lambda out: (out.loss, {}))
+        schedule = PipelineSchedule(model, ps, comm, 1, task)
+        outs = schedule.forward_only([dict(input_ids=ids, attention_mask=am, labels=labels)],
+                                     lambda out: (out.logits, out.loss))
+        if ps.is_last_stage:
+            logits, loss = outs[0]
+            layout = f"TP{tp}xPP{world // tp}" if tp > 1 else f"PP{world}"
+            if ps.tp_rank == 0:
+                _parity(model, layout, "logits", logits[am.bool()], ref.logits[am.bool()])
+                _parity(model, layout, "loss", loss, ref.loss)
+            close(logits[am.bool()], ref.logits[am.bool()], "logits")
+            close(loss, ref.loss, "loss")
 
 
 def test_pipeline_equals_transformers(hf_dir):
-    run_distributed(_check_pp, 2, hf_dir)
+    run_distributed(_check_pp, 2, [hf_dir], 1)
+
+
+def test_tp2_pp2_equals_transformers(family_dirs):
+    """TP 2 x PP 2 (4 processes, one spawn for every family): EuroBERT's and UltraBERT's grouped
+    key/value heads split over TP, each pipeline stage a half of the layers."""
+    run_distributed(_check_pp, 4, [family_dirs[f] for f in FAMILIES], 2)
 
 
 def _logits_diff(hf_dir, tamper) -> float:
@@ -152,11 +191,15 @@ def test_a_wrong_split_or_base_fails(hf_dir, wrong):
     assert _logits_diff(hf_dir, tamper) > 1e-2
 
 
-def test_convert_import_export_round_trip(hf_dir, tmp_path):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_convert_import_export_round_trip(hf_dir, tp, pp, tmp_path):
+    """convert_hf import at a layout (TP 2 x PP 2 splits both ways at once), then export: the same
+    tensors bit for bit, and transformers loads the export with megabert's logits (the
+    checkpoint's, read by one process)."""
     from tests.helpers.cli_utils import run_main
 
     r = run_main("tools/checkpoint/convert_hf.py", "import", "--hf-dir", hf_dir, "--output", str(tmp_path / "ck"),
-                 "--tensor-model-parallel-size", "2")
+                 "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp))
     assert r.returncode == 0, r.stderr
     # The export ships the family's tokenizer: a tokenizer.json (any file will do here) or a WordPiece vocab.
     (tmp_path / "ck" / "tokenizer.json").write_text("{}")
@@ -167,11 +210,17 @@ def test_convert_import_export_round_trip(hf_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     config, original = (json.load(open(d / "config.json")) for d in (tmp_path / "out", pathlib.Path(hf_dir)))
     assert config["model_type"] == original["model_type"] and config["architectures"] == original["architectures"]
-    assert _on_disk(str(tmp_path / "out")).keys() == _on_disk(hf_dir).keys()
-    a = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir)
-    b = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out"))
+    back, before = _on_disk(str(tmp_path / "out")), _on_disk(hf_dir)
+    assert back.keys() == before.keys() and all(torch.equal(back[k], before[k]) for k in before)
+    exported = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out"))
     ids, am, _ = family_batch()
-    close(b(input_ids=ids, attention_mask=am).logits, a(input_ids=ids, attention_mask=am).logits, "exported logits")
+    model = megabert.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "ck"), megabert.init_parallel(),
+                                                          attention_backend="torch").eval()
+    with torch.no_grad():
+        ours = model(ids, attention_mask=am).logits
+    layout = {(1, 1): "TP1", (2, 1): "TP2", (1, 2): "PP2", (2, 2): "TP2xPP2"}[tp, pp]
+    _parity(model, layout, "export logits", exported(input_ids=ids, attention_mask=am).logits[am.bool()],
+            ours[am.bool()])
 
 
 HEADS = [("gte", "GteForSequenceClassification"), ("gte", "GteForTokenClassification"),
