@@ -78,14 +78,15 @@ def _reference(hf_dir, impl):
     return hf, ref
 
 
-def _check(rank, world, hf_dir, impl, backend, unpad):
+def _check(rank, world, hf_dir, impl, backend, unpad, sequence_parallel=False):
     ps = megabert.init_parallel(tensor_parallel_size=world)
     hf, ref = _reference(hf_dir, impl)
     ids, am, labels = family_batch()
-    model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend=backend, unpad_input=unpad)
+    model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend=backend, unpad_input=unpad,
+                                                          sequence_parallel=sequence_parallel)
     out = model(ids, attention_mask=am, labels=labels)
     assert out.logits.shape == (3, ids.size(1), hf.config.vocab_size)
-    layout = f"TP{world} {impl}"
+    layout = f"TP{world}" + (" SP" if sequence_parallel else "") + f" {impl}"
     if rank == 0:
         _parity(model, layout, "logits", out.logits[am.bool()], ref.logits[am.bool()])
         _parity(model, layout, "loss", out.loss, ref.loss)
@@ -112,6 +113,12 @@ def test_equals_transformers(hf_dir, world, impl, backend, unpad):
 
 def test_replicated_kv_heads_and_biases_equal_transformers(mqa_dir):
     run_distributed(_check, 2, mqa_dir, "eager", "torch", False)
+
+
+def test_grouped_kv_heads_with_sequence_parallelism_equal_transformers(family_dirs):
+    """EuroBERT's two key/value heads split over TP 2 with sequence parallelism: logits, loss and
+    every gradient equal transformers' (so TP 1's, which equals it within 1e-5 above)."""
+    run_distributed(_check, 2, family_dirs["eurobert"], "eager", "torch", False, True)
 
 
 def _check_pp(rank, world, hf_dirs, tp):
