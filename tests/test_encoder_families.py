@@ -39,11 +39,11 @@ def hf_dir(request, family_dirs):
     return family_dirs[request.param]
 
 
-def _parity(model, layout: str, what: str, out, ref) -> None:
-    """close(out, ref), printing the max-abs-diff for the parity table (docs/model-families.md;
-    pytest -s shows it)."""
-    diff = (out - ref).abs().max().item()
-    print(f"PARITY {model.config.model_family} {layout} {what} {diff:.1e}", flush=True)
+def _parity(model, layout: str, what: str, out, ref, show: bool = True) -> None:
+    """close(out, ref), printing (`show`) the max-abs-diff for the parity table
+    (docs/model-families.md; pytest -s shows it)."""
+    if show:
+        print(f"PARITY {model.config.model_family} {layout} {what} {(out - ref).abs().max().item():.1e}", flush=True)
     close(out, ref, what)
 
 
@@ -78,25 +78,37 @@ def _reference(hf_dir, impl):
     return hf, ref
 
 
-def _check(rank, world, hf_dir, impl, backend, unpad, sequence_parallel=False):
-    ps = megabert.init_parallel(tensor_parallel_size=world)
-    hf, ref = _reference(hf_dir, impl)
+def _outputs(model, ps) -> tuple:
+    """(logits, loss, every gradient under transformers' names, gathered over TP) on the batch."""
     ids, am, labels = family_batch()
-    model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend=backend, unpad_input=unpad,
-                                                          sequence_parallel=sequence_parallel)
     out = model(ids, attention_mask=am, labels=labels)
-    assert out.logits.shape == (3, ids.size(1), hf.config.vocab_size)
-    layout = f"TP{world}" + (" SP" if sequence_parallel else "") + f" {impl}"
-    if rank == 0:
-        _parity(model, layout, "logits", out.logits[am.bool()], ref.logits[am.bool()])
-        _parity(model, layout, "loss", out.loss, ref.loss)
-    close(out.logits[am.bool()], ref.logits[am.bool()], "logits")
-    close(out.loss, ref.loss, "loss")
     out.loss.backward()
     sync_sequence_parallel_grads(list(model.parameters()), ps)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     table = spec_table(model)
-    hf_grads = megabert_to_hf(gather_full(grads, ps, table), table)
+    return out.logits.detach(), out.loss.detach(), megabert_to_hf(gather_full(grads, ps, table), table)
+
+
+def _check(rank, world, hf_dir, impl, backend, unpad, sequence_parallel=False, tp1=None):
+    """At TP `world`: logits, loss and gradients equal transformers' (and `tp1`'s outputs, given)."""
+    ps = megabert.init_parallel(tensor_parallel_size=world)
+    hf, ref = _reference(hf_dir, impl)
+    _, am, _ = family_batch()
+    model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend=backend, unpad_input=unpad,
+                                                          sequence_parallel=sequence_parallel)
+    logits, loss, hf_grads = _outputs(model, ps)
+    assert logits.shape == (3, am.size(1), hf.config.vocab_size)
+    layout = f"TP{world}" + (" SP" if sequence_parallel else "") + f" {impl}"
+    _parity(model, layout, "logits", logits[am.bool()], ref.logits[am.bool()], show=rank == 0)
+    _parity(model, layout, "loss", loss, ref.loss, show=rank == 0)
+    if tp1 is not None:
+        assert hf_grads.keys() == tp1[2].keys()
+        worst = max(hf_grads, key=lambda n: (hf_grads[n] - tp1[2][n]).abs().max().item())
+        for what, a, b in (("logits vs TP1", logits[am.bool()], tp1[0][am.bool()]), ("loss vs TP1", loss, tp1[1]),
+                           (f"grad {worst} vs TP1", hf_grads[worst], tp1[2][worst])):
+            _parity(model, layout, what, a, b, show=rank == 0)
+        for name, g in hf_grads.items():
+            close(g, tp1[2][name], f"grad {name} vs TP1")
     if ps.rank != 0:
         return  # transformers' save_pretrained writes on rank 0 alone; the grads are gathered everywhere
     ref_grads = _disk_grads(hf)
@@ -115,10 +127,13 @@ def test_replicated_kv_heads_and_biases_equal_transformers(mqa_dir):
     run_distributed(_check, 2, mqa_dir, "eager", "torch", False)
 
 
-def test_grouped_kv_heads_with_sequence_parallelism_equal_transformers(family_dirs):
+def test_grouped_kv_heads_with_sequence_parallelism_equal_tp1(family_dirs):
     """EuroBERT's two key/value heads split over TP 2 with sequence parallelism: logits, loss and
-    every gradient equal transformers' (so TP 1's, which equals it within 1e-5 above)."""
-    run_distributed(_check, 2, family_dirs["eurobert"], "eager", "torch", False, True)
+    every gradient equal TP 1's (this process's) and transformers'."""
+    ps = megabert.init_parallel()
+    tp1 = _outputs(megabert.AutoModelForMaskedLM.from_pretrained(family_dirs["eurobert"], ps,
+                                                                 attention_backend="torch"), ps)
+    run_distributed(_check, 2, family_dirs["eurobert"], "eager", "torch", False, True, tp1)
 
 
 def _check_pp(rank, world, hf_dirs, tp):
@@ -145,11 +160,8 @@ def _check_pp(rank, world, hf_dirs, tp):
         if ps.is_last_stage:
             logits, loss = outs[0]
             layout = f"TP{tp}xPP{world // tp}" if tp > 1 else f"PP{world}"
-            if ps.tp_rank == 0:
-                _parity(model, layout, "logits", logits[am.bool()], ref.logits[am.bool()])
-                _parity(model, layout, "loss", loss, ref.loss)
-            close(logits[am.bool()], ref.logits[am.bool()], "logits")
-            close(loss, ref.loss, "loss")
+            _parity(model, layout, "logits", logits[am.bool()], ref.logits[am.bool()], show=ps.tp_rank == 0)
+            _parity(model, layout, "loss", loss, ref.loss, show=ps.tp_rank == 0)
 
 
 def test_pipeline_equals_transformers(hf_dir):
