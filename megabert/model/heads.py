@@ -14,7 +14,7 @@ from megabert.model.packed import gather_cls
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
 from megabert.tensor_parallel import copy_to_tp, vocab_parallel_cross_entropy
-from megabert.tensor_parallel.layers import gemm_weight
+from megabert.tensor_parallel.gemm_copies import GemmCopies, gemm_weight
 
 
 def head_linear(ctx: BuildContext, out_features: int, hf_prefix: str) -> nn.Linear:
@@ -45,6 +45,10 @@ class VocabParallelDecoder(nn.Module):
     subclass sets tp_group, tp_size, bias and local_pad_start (the local index of the first
     padding column, None when this rank holds none)."""
 
+    # The decoder weight's 16-bit copy's keeper (training.precision.MasterWeights hands it
+    # over); None: none is kept, autocast casts the weight at each use.
+    gemm_copies: Optional[GemmCopies] = None
+
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -70,7 +74,7 @@ class VocabParallelDecoder(nn.Module):
 
     def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         # The word embeddings' 16-bit copy under --bf16 (training.precision.MasterWeights).
-        weight = gemm_weight(word_embeddings)
+        weight = gemm_weight(word_embeddings, self.gemm_copies)
         if self.tp_size == 1 and self.local_pad_start is not None:
             # One rank holds the whole vocab: leave the padding rows out of the GEMM
             # instead of computing and then masking their logits.
