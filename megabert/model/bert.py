@@ -220,6 +220,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
                  num_layers_per_virtual_stage: Optional[int] = None, first_stage_layers: Optional[int] = None,
                  last_stage_layers: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
         super().__init__()
+        # No state given: the last init_parallel()'s (an error when none was made; nothing is
+        # initialised here, below the Python API's doors).
         ps = parallel_state or get_parallel_state()
         check_task_class(config, type(self).__name__)
         # The model's own door (the Python API builds it without a resolved run): its shape
