@@ -29,7 +29,6 @@ from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
 from megabert.model.packed import block_diagonal_mask, fixed_shape_packing, sample_positions, sample_segments
 from megabert.model.pretrained import PretrainedMixin
-from megabert.model.registry import register_model
 from megabert.model.rope import RotaryTables, padded_positions, unpadded_positions
 from megabert.model.transformer import TransformerBlock
 from megabert.model.unpad import TokenLayout
@@ -304,7 +303,6 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         return self.forward_chunk(0, None, batch)
 
 
-@register_model
 class BertModel(BertPreTrainedModel):
     """The encoder alone: forward -> (sequence [s, b, h], pooled [b, h] or None)."""
 

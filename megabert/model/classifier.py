@@ -19,7 +19,6 @@ from megabert.model.heads import head_linear
 from megabert.model.mlp import ACTIVATIONS
 from megabert.model.outputs import ModelOutput
 from megabert.model.packed import cls_positions_mask, gather_cls
-from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 
@@ -146,7 +145,6 @@ class PredictionHeadTaskModel(BertPreTrainedModel):
             self.classifier = classifier_linear(self.ctx, self.outputs(config))
 
 
-@register_model
 class EncoderForSequenceClassification(PredictionHeadTaskModel):
     """Sequence classification / regression on the pooled output ([CLS] or the mean, as
     ClassifierSpec.pooling), as transformers' ModernBERT's and UltraBERT's."""
@@ -195,6 +193,5 @@ class EncoderForSequenceClassification(PredictionHeadTaskModel):
         return ClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
 
 
-@register_model
 class ModernBertForSequenceClassification(EncoderForSequenceClassification):
     """EncoderForSequenceClassification under the class name ModernBERT checkpoints record."""

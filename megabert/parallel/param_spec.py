@@ -132,22 +132,3 @@ def table_to_dict(table: dict[str, ParamSpec]) -> dict[str, dict]:
 
 def table_from_dict(d: dict[str, dict]) -> dict[str, ParamSpec]:
     return {name: ParamSpec.from_dict(s) for name, s in d.items()}
-
-
-# Model class name -> a function (ModelConfig -> the spec table of a whole model of that
-# class). Filled where task models are defined (megabert.model.registry.register_model), so
-# checkpoint code can read a checkpoint written before tables were stored without importing
-# any model (checkpoint/ sits below model/ and tasks/).
-_REFERENCE_TABLES: dict = {}
-
-
-def register_reference_table(model_class: str, build) -> None:
-    _REFERENCE_TABLES[model_class] = build
-
-
-def reference_table(cfg, model_class: str = "BertForPreTraining") -> dict[str, ParamSpec]:
-    """The spec table of a whole model of `model_class` (see register_reference_table)."""
-    if model_class not in _REFERENCE_TABLES:
-        known = ", ".join(sorted(_REFERENCE_TABLES)) or "none registered: import megabert.tasks"
-        raise ConfigError(f"unknown model class {model_class!r} (known: {known})")
-    return _REFERENCE_TABLES[model_class](cfg)
