@@ -17,6 +17,7 @@ from megabert.model.bert import BertPreTrainedModel
 from megabert.model.context import BuildContext
 from megabert.model.heads import head_linear
 from megabert.model.mlp import ACTIVATIONS
+from megabert.model.norm import norm_hf_names
 from megabert.model.outputs import ModelOutput
 from megabert.model.packed import cls_positions_mask, gather_cls
 from megabert.parallel import ParallelState
@@ -97,8 +98,7 @@ class PredictionHead(nn.Module):
         self.act = ACTIVATIONS[spec.activation]
         self.norm = ctx.norm(sequence_parallel=False)
         set_hf_names(self, {f"dense.{k}": v for k, v in ctx.spec.hf("classifier_dense").items() if k in names})
-        set_hf_names(self, {f"norm.{k}": v for k, v in ctx.spec.hf("classifier_norm").items()
-                            if getattr(self.norm, k, None) is not None})
+        set_hf_names(self, norm_hf_names("norm", self.norm, ctx.spec.hf("classifier_norm")))
         describe_module(self, placement="last")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
 from megabert.model.mlp import ACTIVATIONS
+from megabert.model.norm import norm_hf_names
 from megabert.model.packed import gather_cls
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
@@ -113,8 +114,7 @@ class MLMHead(VocabParallelDecoder):
             norm = ctx.norm(sequence_parallel=False) if head.norm else None
         self.add_module(self.norm_name, norm)
         if norm is not None:
-            set_hf_names(self, {f"{self.norm_name}.{k}": v for k, v in spec.hf("head_norm").items()
-                                if getattr(norm, k, None) is not None})
+            set_hf_names(self, norm_hf_names(self.norm_name, norm, spec.hf("head_norm")))
         per_rank = padded_vocab_size // ctx.tp_size
         self.decoder = None
         if not head.tied:

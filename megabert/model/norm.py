@@ -72,6 +72,13 @@ class LayerNorm(nn.Module):
         return f"{self.weight.numel()}, eps={self.eps}, backend={self.backend}"
 
 
+def norm_hf_names(name: str, norm: nn.Module, table: dict[str, str]) -> dict[str, str]:
+    """`table`'s Hugging Face names ({parameter: HF name}) of the parameters `norm` holds, under
+    its module name `name`: a LayerNorm without bias and an RMSNorm hold no bias."""
+    held = dict(norm.named_parameters(recurse=False))
+    return {f"{name}.{k}": v for k, v in table.items() if k in held}
+
+
 def _bf16_autocast(device: str) -> bool:
     return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
 

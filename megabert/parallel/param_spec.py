@@ -76,7 +76,7 @@ class ParamSpec:
 
 def describe(param: nn.Parameter, **fields) -> nn.Parameter:
     """Attaches (or updates) `param`'s spec; returns the parameter."""
-    current = getattr(param, ATTR, None)
+    current = getattr(param, ATTR, None)  # a torch Parameter: none until it is first described
     spec = dataclasses.replace(current, **fields) if current is not None else _new_spec(**fields)
     setattr(param, ATTR, spec)
     # Derived attributes under Megatron's names, which Megatron-style engines read: their
@@ -95,7 +95,7 @@ def _new_spec(**fields) -> ParamSpec:
 
 
 def spec_of(param: torch.Tensor, name: str = "parameter") -> ParamSpec:
-    spec = getattr(param, ATTR, None)
+    spec = getattr(param, ATTR, None)  # a torch Parameter built outside megabert's layers has none
     if spec is None:
         raise ConfigError(f"{name} has no ParamSpec: build parameters with megabert's layers, or attach one with "
                           f"megabert.parallel.param_spec.describe(param, ...) so sharding, initialisation and "

@@ -170,7 +170,7 @@ class EmbeddingsTask(FinetuneTask):
         inner = build_runner(strategy.model, strategy.ps, self.training_task, seq_length=run.seq_length,
                              micro_batch_size=piece, num_micro_batches=pieces, bf16=t.bf16, fp16=t.fp16)
         strategy.runner = GradientCacheRunner(inner, strategy.model, self.objective, strategy.ps, piece_size=piece,
-                                              reducer=getattr(strategy, "reducer", None))
+                                              reducer=strategy.reducer)  # a LocalStrategy: DeepSpeed refused above
         if strategy.ps.is_logging_rank:
             logger.info("gradient cache: negatives from the global batch of %d, taken through the model %d examples "
                         "at a time (%d pieces per rank per step)", run.batch.global_batch_size, piece, pieces)
