@@ -140,7 +140,7 @@ def configs_from_namespace(ns: argparse.Namespace, sections: Sequence[str] = PRE
                 values[section][name] = value
     out = {}
     for section in sections:
-        if section == "model" and getattr(ns, "preset", None):
+        if section == "model" and ns.preset:  # the model section comes with --preset (default None)
             out[section] = PRESETS[ns.preset](**values[section])
         elif section == "model":  # --model-family NAME: its defaults (MLP width) where a flag is left out
             out[section] = scratch_config(**values[section])
@@ -164,7 +164,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     known = parser.parse_known_args(argv)[0]
     typed = explicit_flags(known)  # before pretrain_bert.py's defaults fill in
     defaults = dict(PRETRAIN_DEFAULTS)
-    if getattr(known, "model.sequence_parallel", False):
+    if getattr(known, "model.sequence_parallel", False):  # SUPPRESS'd: absent unless given
         defaults["model.unpad_input"] = False
     parser.set_defaults(**defaults)
     ns = parser.parse_args(argv)

@@ -146,7 +146,8 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     """The rules that need no process group and no DeepSpeed JSON (run at parsing). A ZeRO
     plan from the flags alone is checked here; one that a --deepspeed_config may change, in
     resolve_run once merged."""
-    train, model = cfg.train, getattr(cfg, "model", None)
+    # Fine-tuning has no model section: its model comes from --load.
+    train, model = cfg.train, cfg.model if isinstance(cfg, Configs) else None
     check_train(train)
     if isinstance(cfg, FinetuneConfigs) and train.save and train.load and \
             os.path.realpath(train.save) == os.path.realpath(train.load):

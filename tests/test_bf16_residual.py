@@ -15,7 +15,6 @@ from megabert.config import OptimConfig
 from megabert.errors import ConfigError
 from megabert.model.norm import LayerNorm
 from megabert.optim import build_optimizer
-from megabert.tensor_parallel.layers import GEMM_COPY
 from megabert.training.precision import MasterWeights, gemm_weights
 
 VOCAB, SEQ, ROWS = 100, 16, 2
@@ -69,7 +68,7 @@ def _output_dtypes(model, family: str = "bert") -> dict:
 def test_the_residual_stream_and_its_layernorms_are_bf16(family):
     ps = megabert.init_parallel()
     model = _model(ps, True, family)
-    MasterWeights(model)
+    copies = MasterWeights(model).gemm_copies
     seen = _output_dtypes(model, family)
     embedding_norm = "bert.embeddings.layernorm" if family == "bert" else "bert.embeddings.norm"
     bf16 = torch.bfloat16
@@ -80,13 +79,13 @@ def test_the_residual_stream_and_its_layernorms_are_bf16(family):
     # The parameters stay fp32 masters; the LayerNorms' and biases' bf16 copies are made once a step.
     assert all(p.dtype == torch.float32 for p in model.parameters())
     names = {id(p): n for n, p in model.named_parameters()}
-    copied = {names[id(w)] for w in gemm_weights(model)}
+    copied = {names[id(w)] for w in copies.masters}
+    assert copied == {names[id(w)] for w in gemm_weights(model)}
     assert any(n.endswith("layernorm.weight") or n.endswith("norm.weight") for n in copied)
     if family == "bert":
         assert {"bert.encoder.layers.0.attention.dense.bias", "bert.encoder.layers.0.mlp.dense_4h_to_h.bias",
                 "bert.encoder.layers.1.mlp_layernorm.bias"} <= copied
-    for w in gemm_weights(model):
-        copy, _ = getattr(w, GEMM_COPY)
+    for w, copy in zip(copies.masters, copies.copies):
         assert copy.dtype == bf16 and torch.equal(copy, w.bfloat16())
         assert w.grad is not None and w.grad.dtype == torch.float32  # the fp32 master's gradient
 

@@ -171,11 +171,12 @@ def test_the_model_forward_and_backward_do_not_import_dynamo():
     import subprocess
     import sys
 
-    code = ("import sys, torch; from megabert.config import ModelConfig; "
+    code = ("import sys, torch, megabert; from megabert.config import ModelConfig; "
             "from megabert.tasks.pretraining import BertForPreTraining\n"
+            "ps = megabert.init_parallel()\n"
             "for unpad in (False, True):\n"
             "  m = BertForPreTraining(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, "
-            "max_position_embeddings=16, unpad_input=unpad)); ids = torch.randint(5, 64, (2, 8)); "
+            "max_position_embeddings=16, unpad_input=unpad), ps); ids = torch.randint(5, 64, (2, 8)); "
             "am = torch.ones(2, 8, dtype=torch.long); am[0, 5:] = 0\n"
             "  m(ids, attention_mask=am, labels=ids, next_sentence_label=torch.tensor([0, 1])).loss.backward()\n"
             "print(sorted(k for k in sys.modules if k.startswith('torch._dynamo'))[:1])")

@@ -252,9 +252,8 @@ def test_task_heads_equal_transformers(family, arch, tmp_path):
     """Each family's fine-tuning model (the registry's task class: the same classes every family
     uses) loads transformers' task model of that family and gives its logits; convert_hf imports
     it as that task model."""
+    from megabert import model_classes
     from megabert.families import task_class_name
-    from megabert.model.registry import MODEL_CLASSES
-    from megabert.tasks import model_classes
     from tests.helpers.cli_utils import run_main
 
     cfg, _ = family_config(family, num_labels=3)
@@ -263,10 +262,9 @@ def test_task_heads_equal_transformers(family, arch, tmp_path):
     hf.save_pretrained(str(tmp_path / "hf"))
     task = {"SequenceClassification": "sequence_classification", "TokenClassification": "token_classification",
             "QuestionAnswering": "question_answering"}[arch.split("For")[-1]]
-    model_classes()
     ids, am, _ = family_batch()
     model = megabert.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"), megabert.init_parallel())
-    cls = MODEL_CLASSES[task_class_name(model.config, task)]
+    cls = model_classes.by_name(task_class_name(model.config, task))
     model = cls.from_pretrained(str(tmp_path / "hf"), megabert.init_parallel()).eval()
     out, ref = model(ids, attention_mask=am), hf(input_ids=ids, attention_mask=am)
     if task == "question_answering":

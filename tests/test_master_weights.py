@@ -17,9 +17,10 @@ from megabert.config import OptimConfig
 from megabert.optim import build_optimizer
 from megabert.optim.clip import clipped_step
 from megabert.tasks.pretraining.task import build_pretraining
-from megabert.tensor_parallel.layers import GEMM_COPY, gemm_weight
+from megabert.tensor_parallel.gemm_copies import GemmCopies, gemm_weight
+from megabert.tensor_parallel.layers import ColumnParallelLinear
 from megabert.training import build, distributed_optimizer_strategy
-from megabert.training.precision import MasterWeights, gemm_weights
+from megabert.training.precision import GEMM_LAYERS, MasterWeights, gemm_weights
 from megabert.training.resolve import resolve_run
 
 from tests.helpers.dist_utils import run_distributed
@@ -54,6 +55,19 @@ def _micro_batches(step, family="bert"):
     return out
 
 
+def _held(model) -> GemmCopies:
+    """The copies MasterWeights handed `model`'s layers, checked to be one object for all."""
+    copies = next(m.gemm_copies for m in model.modules() if isinstance(m, ColumnParallelLinear))
+    assert all(m.gemm_copies is copies for m in model.modules() if isinstance(m, GEMM_LAYERS))
+    return copies
+
+
+def _assert_current(copies: GemmCopies) -> None:
+    """Each copy is its master rounded to bf16, made since the master's last in-place write."""
+    for w, copy, version in zip(copies.masters, copies.copies, copies.versions):
+        assert copy.dtype == torch.bfloat16 and version == w._version and torch.equal(copy, w.bfloat16())
+
+
 def _train(model, steps, master_weights: bool, family="bert"):
     opt = build_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.01))
     if master_weights:
@@ -81,25 +95,54 @@ def test_bf16_step_is_autocasts_over_fp32_masters_to_the_bit(family):
         assert torch.equal(a, b), name
     # Each GEMM weight's copy (the tied decoder's too) is its master rounded to bf16, current
     # after the last step.
-    weights = gemm_weights(ours)
-    assert any(w is ours.bert.word_embeddings for w in weights)
-    for w in weights:
-        copy, version = getattr(w, GEMM_COPY)
-        assert copy.dtype == torch.bfloat16 and version == w._version and torch.equal(copy, w.bfloat16())
+    copies = _held(ours)
+    assert [id(w) for w in copies.masters] == [id(w) for w in gemm_weights(ours)]
+    assert any(w is ours.bert.word_embeddings for w in copies.masters)
+    _assert_current(copies)
 
 
 def test_the_copy_reaches_the_gemm_through_autocasts_cast_backward():
     weight = torch.nn.Parameter(torch.randn(4, 3))
-    copy = weight.detach().bfloat16()  # as MasterWeights.refresh keeps it
-    setattr(weight, GEMM_COPY, (copy, weight._version))
+    copies = GemmCopies([weight], torch.bfloat16)
+    copies.refresh()  # as MasterWeights makes them
+    copy = copies.copies[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        used = gemm_weight(weight)
+        used = gemm_weight(weight, copies)
     # A view of the cached copy that carries the Function's node; the copy stays a plain tensor.
     assert used.data_ptr() == copy.data_ptr() and type(used.grad_fn).__name__ == "_GemmCopyBackward"
     assert copy.grad_fn is None and not copy.requires_grad
     grad = torch.randn(4, 3).bfloat16()
     used.backward(grad)
     assert weight.grad.dtype == torch.float32 and torch.equal(weight.grad, grad.float())
+
+
+def test_a_copy_is_used_only_where_it_was_made_for():
+    weight, other = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4, 3))
+    copies = GemmCopies([weight], torch.bfloat16)
+    copies.refresh()
+    # No copies handed over, or no autocast: the weight itself (autocast casts it at use).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert gemm_weight(weight, None) is weight
+    assert gemm_weight(weight, copies) is weight
+    # A weight written in place since its copy was made: remade at its next use (eager).
+    with torch.no_grad():
+        weight.mul_(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(gemm_weight(weight, copies), weight.bfloat16())
+    # A weight the copies do not hold, or another 16-bit dtype: one-line errors, no silent cast.
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="no bfloat16 GEMM copy"):
+        gemm_weight(other, copies)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="autocast runs in float16"):
+        gemm_weight(weight, copies)
+
+
+def test_closed_master_weights_give_the_layers_their_weights_back():
+    ps = megabert.init_parallel()
+    model = _model(ps)
+    master_weights = MasterWeights(model)
+    assert _held(model) is master_weights.gemm_copies
+    master_weights.close()
+    assert all(m.gemm_copies is None for m in model.modules() if isinstance(m, GEMM_LAYERS))
 
 
 def test_the_tied_word_embeddings_get_one_gradient_per_backward():
@@ -172,9 +215,9 @@ def test_pretraining_with_bf16_uses_master_weights_and_saves_fp32(tmp_path):
                                 lambda consumed: batches(consumed, cfg.train.micro_batch_size, 0, 1))
     try:
         trainer.train()
-        model = trainer.strategy.model
-        weights = gemm_weights(model)
-        assert weights and all(getattr(w, GEMM_COPY)[0].dtype == torch.bfloat16 for w in weights)
+        copies = _held(trainer.strategy.model)
+        assert copies is trainer.strategy.master_weights.gemm_copies and copies.masters
+        assert all(c.dtype == torch.bfloat16 for c in copies.copies)
         saved = trainer.strategy.cpu_state_dict(keep=True)
         assert all(v.dtype == torch.float32 for k, v in saved.items() if v.is_floating_point())
     finally:
@@ -233,11 +276,9 @@ def _layouts_worker(rank, world, runs, tp, out_dir):
                     assert any(w is model.bert.word_embeddings for w in gemm_weights(model))
                 trainer.strategy.settle()  # the last step's all-gathers (--overlap-param-gather) landed
                 if master_weights:
-                    for w in gemm_weights(model):  # current: remade after the last step's update
-                        copy, version = getattr(w, GEMM_COPY)
-                        assert version == w._version and torch.equal(copy, w.bfloat16())
+                    _assert_current(_held(model))  # remade after the last step's update
                 else:
-                    assert not any(hasattr(w, GEMM_COPY) for w in gemm_weights(model))
+                    assert all(m.gemm_copies is None for m in model.modules() if isinstance(m, GEMM_LAYERS))
                 torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
                            f"{out_dir}/{name}-{rank}.pt")
             finally:

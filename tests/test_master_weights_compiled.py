@@ -65,7 +65,7 @@ def test_compiled_bf16_run_trains_to_the_eager_losses():
     def losses(argv):
         _, _, trainer = build_trainer(ARGV + argv)
         try:
-            copies = trainer.strategy.master_weights.copies
+            copies = trainer.strategy.master_weights.gemm_copies.copies
             # Compiled, the copies are graph inputs that CUDA graphs read in place.
             assert "--compile" not in argv or all(hasattr(c, "_dynamo_static_input_type") for c in copies)
             return [step_loss(trainer) for _ in range(4)]
@@ -89,7 +89,8 @@ def test_loaded_weights_reach_the_compiled_layers_copies():
         with torch.no_grad():
             weight.mul_(0.5)  # as a checkpoint load writes the masters in place
         strategy.fresh_gemm_copies()
-        index = strategy.master_weights._index[id(weight)]
-        assert torch.equal(strategy.master_weights.copies[index], weight.detach().to(torch.bfloat16))
+        copies = strategy.master_weights.gemm_copies
+        copy = next(c for w, c in zip(copies.masters, copies.copies) if w is weight)
+        assert torch.equal(copy, weight.detach().to(torch.bfloat16))
     finally:
         trainer.close()

@@ -12,7 +12,7 @@ from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint import reader
 from megabert.checkpoint.layout import save_full_model
 from megabert.checkpoint.sharding import repad_vocab, shard_state, unshard_states
-from megabert.parallel.param_spec import reference_table
+from megabert.model_classes import reference_table
 from megabert.model import transformer
 from megabert.parallel import ParallelState
 from megabert.parallel.layout import StageLayout

@@ -32,7 +32,8 @@ from megabert.families import get_family
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.errors import CheckpointError
 from megabert.parallel.layout import StageLayout
-from megabert.parallel.param_spec import ParamSpec, reference_table, table_to_dict
+from megabert.model_classes import reference_table
+from megabert.parallel.param_spec import ParamSpec, table_to_dict
 from megabert.rules import validate_layout
 
 

@@ -100,6 +100,7 @@ def _from_type_v2(func, new_type, args, state):
     """torch._tensor._rebuild_from_type_v2 (a tensor that had a __dict__, or a subclass), for
     the rebuild helpers and tensor types of this table only."""
     if func not in _REBUILD_FUNCS or new_type not in (torch.Tensor, torch.nn.Parameter):
+        # Whatever the file names: a callable or type, or any other object a pickle can hold.
         raise _Refused(f"torch._tensor._rebuild_from_type_v2 of {getattr(func, '__qualname__', type(func).__name__)}"
                        f" -> {getattr(new_type, '__qualname__', type(new_type).__name__)}")
     t = func(*args)
@@ -153,6 +154,7 @@ def _encode(s: Any, encoding: str) -> bytes:
 VALUES: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
     ("torch.serialization", "_get_layout"): lambda name: _layout(name),
+    # The dtypes this torch has (a newer torch's names may be missing from an older one).
     **{("torch", n): getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)},
     **{("torch", n): getattr(torch, n) for n in ("contiguous_format", "channels_last", "preserve_format")},
     **PLAIN,

@@ -15,7 +15,8 @@ import torch
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
 from megabert.parallel.layout import StageLayout
-from megabert.parallel.param_spec import ParamSpec, reference_table, table_from_dict
+from megabert.model_classes import reference_table
+from megabert.parallel.param_spec import ParamSpec, table_from_dict
 from megabert.tensor_parallel.layers import shard, unshard
 
 

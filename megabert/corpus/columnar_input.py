@@ -59,6 +59,7 @@ def _check_columns(path: str, schema, keys: tuple[str, ...]) -> None:
             raise DataError(f"--json-keys {key}: {path} has no column {key!r} (its columns: "
                             f"{', '.join(schema.names)})")
         kind = schema.field(key).type
+        # pyarrow's string_view type (and its is_string_view) came with pyarrow 16; older ones lack both.
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
                 or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
             raise DataError(f"--json-keys {key}: column {key!r} of {path} holds {kind}, not text")

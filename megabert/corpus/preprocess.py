@@ -77,8 +77,10 @@ class Encoder:
             return None, "empty line"
         try:
             record = json.loads(line)
-        except ValueError as e:
-            return None, f"bad JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})"
+        except json.JSONDecodeError as e:
+            return None, f"bad JSON ({e.msg} at column {e.colno})"
+        except ValueError as e:  # json's own limits (an integer of more than 4300 digits)
+            return None, f"bad JSON ({e})"
         if not isinstance(record, dict):
             return None, f"not a JSON object but {type(record).__name__}"
         for key in self.opts.json_keys:

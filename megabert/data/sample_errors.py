@@ -53,6 +53,8 @@ class SampleFailure:
 
 
 def _explained(dataset, idx, error: Exception) -> Optional[MegabertError]:
+    # The pre-training datasets name the file behind a failed sample; torch's and the
+    # fine-tuning tasks' tensor datasets have no such method.
     explain = getattr(dataset, "sample_error", None)
     if explain is None:
         return None

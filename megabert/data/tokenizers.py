@@ -379,6 +379,8 @@ class HuggingFaceTokenizer(_RustTokenizer):
         for role, names in self._ROLES.items():
             self._special[role] = next((self._vocab[n] for n in names if n in self._vocab), None)
         model = backend.model
+        # The tokenizers library's models differ: WordPiece has a subword prefix, BPE may have
+        # a word-end suffix (and a prefix), Unigram neither.
         self._prefix = getattr(model, "continuing_subword_prefix", None) or None
         self._suffix = getattr(model, "end_of_word_suffix", None) or None
         spec = json.loads(backend.to_str())

@@ -23,7 +23,6 @@ from megabert.model.rope import RotaryTables, padded_positions, rotate_qkv
 from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import describe, set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, copy_to_tp, gather_from_sp
-from megabert.tensor_parallel.layers import gemm_weight
 
 
 def band_mask(s: int, half_window: int, device) -> torch.Tensor:
@@ -159,8 +158,8 @@ class SelfAttention(nn.Module):
             # Every rank's K/V path reads the whole input: its gradient there is partial.
             group = self.ctx.tp_group
             full = gather_from_sp(x, group) if self.ctx.sequence_parallel else copy_to_tp(x, group)
-            bias = None if self.key_value.bias is None else gemm_weight(self.key_value.bias)
-            kv = F.linear(full, gemm_weight(self.key_value.weight), bias)
+            # A replicated nn.Linear: autocast casts its weight at each use (no GEMM copy).
+            kv = F.linear(full, self.key_value.weight, self.key_value.bias)
         kv = kv.view(*kv.shape[:-1], 2, -1, self.head_dim)  # [..., 2, kv heads here, d]
         if self.kv_replicated is not None:
             kv = kv.narrow(-2, self.kv_replicated, 1)

@@ -29,7 +29,6 @@ from megabert.model.heads import Pooler
 from megabert.model.init import initialize_parameters
 from megabert.model.packed import block_diagonal_mask, fixed_shape_packing, sample_positions, sample_segments
 from megabert.model.pretrained import PretrainedMixin
-from megabert.model.registry import register_model
 from megabert.model.rope import RotaryTables, padded_positions, unpadded_positions
 from megabert.model.transformer import TransformerBlock
 from megabert.model.unpad import TokenLayout
@@ -220,6 +219,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
                  num_layers_per_virtual_stage: Optional[int] = None, first_stage_layers: Optional[int] = None,
                  last_stage_layers: Optional[int] = None, add_pooler: bool, output_embeddings: bool):
         super().__init__()
+        # No state given: the last init_parallel()'s (an error when none was made; nothing is
+        # initialised here, below the Python API's doors).
         ps = parallel_state or get_parallel_state()
         check_task_class(config, type(self).__name__)
         # The model's own door (the Python API builds it without a resolved run): its shape
@@ -302,7 +303,6 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         return self.forward_chunk(0, None, batch)
 
 
-@register_model
 class BertModel(BertPreTrainedModel):
     """The encoder alone: forward -> (sequence [s, b, h], pooled [b, h] or None)."""
 

@@ -17,9 +17,9 @@ from megabert.model.bert import BertPreTrainedModel
 from megabert.model.context import BuildContext
 from megabert.model.heads import head_linear
 from megabert.model.mlp import ACTIVATIONS
+from megabert.model.norm import norm_hf_names
 from megabert.model.outputs import ModelOutput
 from megabert.model.packed import cls_positions_mask, gather_cls
-from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 
@@ -98,8 +98,7 @@ class PredictionHead(nn.Module):
         self.act = ACTIVATIONS[spec.activation]
         self.norm = ctx.norm(sequence_parallel=False)
         set_hf_names(self, {f"dense.{k}": v for k, v in ctx.spec.hf("classifier_dense").items() if k in names})
-        set_hf_names(self, {f"norm.{k}": v for k, v in ctx.spec.hf("classifier_norm").items()
-                            if getattr(self.norm, k, None) is not None})
+        set_hf_names(self, norm_hf_names("norm", self.norm, ctx.spec.hf("classifier_norm")))
         describe_module(self, placement="last")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +145,6 @@ class PredictionHeadTaskModel(BertPreTrainedModel):
             self.classifier = classifier_linear(self.ctx, self.outputs(config))
 
 
-@register_model
 class EncoderForSequenceClassification(PredictionHeadTaskModel):
     """Sequence classification / regression on the pooled output ([CLS] or the mean, as
     ClassifierSpec.pooling), as transformers' ModernBERT's and UltraBERT's."""
@@ -195,6 +193,5 @@ class EncoderForSequenceClassification(PredictionHeadTaskModel):
         return ClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
 
 
-@register_model
 class ModernBertForSequenceClassification(EncoderForSequenceClassification):
     """EncoderForSequenceClassification under the class name ModernBERT checkpoints record."""

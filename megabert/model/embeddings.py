@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
-from megabert.model.norm import residual_stream
+from megabert.model.norm import norm_hf_names, residual_stream
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.tensor_parallel import VocabParallelEmbedding, scatter_to_sp
 
@@ -59,8 +59,7 @@ class Embeddings(nn.Module):
         self.add_module(self.norm_name, norm)
         if norm is not None:
             describe_module(norm, placement="first")
-            set_hf_names(self, {f"{self.norm_name}.{k}": v for k, v in spec.hf("embedding_norm").items()
-                                if getattr(norm, k, None) is not None})
+            set_hf_names(self, norm_hf_names(self.norm_name, norm, spec.hf("embedding_norm")))
         self.dropout_p = emb.dropout
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 
 from megabert.model.context import BuildContext
 from megabert.model.mlp import ACTIVATIONS
+from megabert.model.norm import norm_hf_names
 from megabert.model.packed import gather_cls
 from megabert.parallel.param_spec import describe, describe_module, set_hf_names
 from megabert.ops.linear_cross_entropy import linear_cross_entropy, supports_linear_cross_entropy
 from megabert.tensor_parallel import copy_to_tp, vocab_parallel_cross_entropy
-from megabert.tensor_parallel.layers import gemm_weight
+from megabert.tensor_parallel.gemm_copies import GemmCopies, gemm_weight
 
 
 def head_linear(ctx: BuildContext, out_features: int, hf_prefix: str) -> nn.Linear:
@@ -45,6 +46,10 @@ class VocabParallelDecoder(nn.Module):
     subclass sets tp_group, tp_size, bias and local_pad_start (the local index of the first
     padding column, None when this rank holds none)."""
 
+    # The decoder weight's 16-bit copy's keeper (training.precision.MasterWeights hands it
+    # over); None: none is kept, autocast casts the weight at each use.
+    gemm_copies: Optional[GemmCopies] = None
+
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -70,7 +75,7 @@ class VocabParallelDecoder(nn.Module):
 
     def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         # The word embeddings' 16-bit copy under --bf16 (training.precision.MasterWeights).
-        weight = gemm_weight(word_embeddings)
+        weight = gemm_weight(word_embeddings, self.gemm_copies)
         if self.tp_size == 1 and self.local_pad_start is not None:
             # One rank holds the whole vocab: leave the padding rows out of the GEMM
             # instead of computing and then masking their logits.
@@ -109,8 +114,7 @@ class MLMHead(VocabParallelDecoder):
             norm = ctx.norm(sequence_parallel=False) if head.norm else None
         self.add_module(self.norm_name, norm)
         if norm is not None:
-            set_hf_names(self, {f"{self.norm_name}.{k}": v for k, v in spec.hf("head_norm").items()
-                                if getattr(norm, k, None) is not None})
+            set_hf_names(self, norm_hf_names(self.norm_name, norm, spec.hf("head_norm")))
         per_rank = padded_vocab_size // ctx.tp_size
         self.decoder = None
         if not head.tied:

@@ -13,7 +13,6 @@ from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead
 from megabert.model.outputs import ModelOutput
 from megabert.model.packed import gather_flat
-from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
 from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax
@@ -67,7 +66,6 @@ class MaskedLMOutput(ModelOutput):
     nsp_labels = None
 
 
-@register_model
 class EncoderForMaskedLM(BertPreTrainedModel):
     """Any family's encoder with its masked-LM head, as transformers' *ForMaskedLM.
 
@@ -133,6 +131,5 @@ class EncoderForMaskedLM(BertPreTrainedModel):
 AutoModelForMaskedLM = EncoderForMaskedLM
 
 
-@register_model
 class ModernBertForMaskedLM(EncoderForMaskedLM):
     """EncoderForMaskedLM under the class name ModernBERT checkpoints record."""

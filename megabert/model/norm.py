@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from megabert import ops
 from megabert.parallel.param_spec import describe
-from megabert.tensor_parallel.layers import gemm_weight
+from megabert.tensor_parallel.gemm_copies import GemmCopies, gemm_weight
 
 
 class LayerNorm(nn.Module):
@@ -24,6 +24,7 @@ class LayerNorm(nn.Module):
         (--bf16-residual): a bf16 input under bf16 autocast is normalised in bf16 (affine)."""
         super().__init__()
         self.eps, self.backend, self.bf16_residual = eps, backend, bf16_residual
+        self.gemm_copies: Optional[GemmCopies] = None  # the parameters' bf16 copies (MasterWeights')
         common = dict(weight_decay=False, sequence_parallel=sequence_parallel)
         self.weight = describe(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)),
                                init="ones", **common)
@@ -60,12 +61,22 @@ class LayerNorm(nn.Module):
         device = x.device.type
         if not (self.bf16_residual and x.dtype == torch.bfloat16 and _bf16_autocast(device)):
             return self.weight, bias, contextlib.nullcontext()
-        weight = gemm_weight(self.weight).to(x.dtype)
-        bias = None if bias is None else gemm_weight(bias).to(x.dtype)
+        weight = gemm_weight(self.weight, self.gemm_copies).to(x.dtype)
+        if self.bias is not None:
+            bias = gemm_weight(self.bias, self.gemm_copies).to(x.dtype)
+        elif bias is not None:  # the fused kernel's zeros, a buffer with no copy
+            bias = bias.to(x.dtype)
         return weight, bias, torch.autocast(device, enabled=False)
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, backend={self.backend}"
+
+
+def norm_hf_names(name: str, norm: nn.Module, table: dict[str, str]) -> dict[str, str]:
+    """`table`'s Hugging Face names ({parameter: HF name}) of the parameters `norm` holds, under
+    its module name `name`: a LayerNorm without bias and an RMSNorm hold no bias."""
+    held = dict(norm.named_parameters(recurse=False))
+    return {f"{name}.{k}": v for k, v in table.items() if k in held}
 
 
 def _bf16_autocast(device: str) -> bool:
@@ -98,7 +109,9 @@ class RMSNorm(nn.Module):
             x = residual + torch.nn.functional.dropout(x, dropout_p, dropout_p > 0.0)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return gemm_weight(self.weight).to(x.dtype) * xf.to(x.dtype) if self.bf16_residual and \
+        # NOTE: MasterWeights keeps no copy of an RMSNorm's weight: with --bf16-residual it is
+        # cast here at each use (a vector of the hidden size).
+        return self.weight.to(x.dtype) * xf.to(x.dtype) if self.bf16_residual and \
             x.dtype == torch.bfloat16 else self.weight * xf.to(x.dtype)
 
     def extra_repr(self) -> str:

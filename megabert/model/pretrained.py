@@ -14,7 +14,7 @@ from megabert.checkpoint.reader import RankCheckpoint, as_source, read_model_con
 from megabert.checkpoint.start import Source
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError, ConfigError
-from megabert.parallel import ParallelState, comm, get_parallel_state
+from megabert.parallel import ParallelState, comm, parallel_state_at_entry
 from megabert.parallel.param_spec import ParamSpec, spec_table
 from megabert.tensor_parallel.layers import unshard
 
@@ -45,8 +45,9 @@ class PretrainedMixin:
         checkpoint of any TP x PP layout; each rank reads and keeps only its own shard. `config_overrides` replace ModelConfig fields (e.g.
         hidden_dropout=0.0). pretrain_bert.py's speed choices saved in a checkpoint
         (RUN_TIME_CHOICES) go back to the library's defaults unless overridden. `path` may be
-        a Source a run has detected already (megabert.checkpoint.start)."""
-        ps = parallel_state or get_parallel_state()
+        a Source a run has detected already (megabert.checkpoint.start). With no
+        `parallel_state`: the last init_parallel()'s, or one process's, set up here."""
+        ps = parallel_state or parallel_state_at_entry()
         source = as_source(path)
         model = cls(_library_config(read_model_config(source, config_overrides), config_overrides), ps, seed=seed,
                     device=device, params_dtype=params_dtype, num_layers_per_virtual_stage=num_layers_per_virtual_stage,

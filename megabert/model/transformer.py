@@ -11,6 +11,7 @@ from megabert import ops
 from megabert.model.attention import AttentionInputs, SelfAttention
 from megabert.model.context import BuildContext
 from megabert.model.mlp import MLP
+from megabert.model.norm import norm_hf_names
 from megabert.parallel.param_spec import describe_module, set_hf_names
 from megabert.tensor_parallel import checkpoint
 
@@ -95,8 +96,7 @@ class TransformerBlock(nn.Module):
         self.add_module(self.final_norm_name, final)
         if final is not None:
             describe_module(final, placement="last")
-            set_hf_names(self, {f"{self.final_norm_name}.{k}": v for k, v in spec.hf("final_norm").items()
-                                if getattr(final, k, None) is not None})
+            set_hf_names(self, norm_hf_names(self.final_norm_name, final, spec.hf("final_norm")))
         self.full_recompute = ctx.config.recompute_granularity == "full"
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, layer_ids: Optional[Sequence[int]] = None,

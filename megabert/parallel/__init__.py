@@ -15,14 +15,14 @@ from megabert.launch import LaunchInfo, discover_launch, mpi_rendezvous, rendezv
 from megabert.parallel.failures import guarded, rendezvous_failure
 from megabert.parallel.state import ParallelState, rank_of
 
-__all__ = ["ParallelState", "LaunchInfo", "init_parallel", "get_parallel_state", "destroy_parallel",
-           "discover_launch", "rank_of"]
+__all__ = ["ParallelState", "LaunchInfo", "init_parallel", "get_parallel_state", "parallel_state_at_entry",
+           "destroy_parallel", "discover_launch", "rank_of"]
 
 logger = logging.getLogger(__name__)
 
-# The state made by the last init_parallel(). Only the top-level convenience API
-# (`BertForPreTraining.from_pretrained(path)` with no `parallel_state=`) reads it;
-# layers always receive their groups explicitly.
+# The state made by the last init_parallel(). Only the Python API's doors read it (a model's
+# `from_pretrained(path)` or constructor with no `parallel_state`); layers always receive
+# their groups explicitly.
 _current: Optional[ParallelState] = None
 
 
@@ -80,13 +80,24 @@ def init_parallel(tensor_parallel_size: int = 1, pipeline_model_parallel_size: i
 
 
 def get_parallel_state() -> ParallelState:
-    """The state of the last init_parallel(); a single process is initialised on demand."""
+    """The state of the last init_parallel(); an error when none was made (nothing is
+    initialised on first use)."""
     if _current is None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ConfigError("torch.distributed is initialised but megabert.init_parallel() was not called; "
-                              "call it with your tensor/pipeline parallel sizes first")
-        return init_parallel()
+        raise ConfigError("megabert.init_parallel() was not called: call it first (no arguments for one process, "
+                          "or your tensor/pipeline parallel sizes) or pass parallel_state=")
     return _current
+
+
+def parallel_state_at_entry() -> ParallelState:
+    """Where a user enters the Python API with no state (`from_pretrained(path)`): the last
+    init_parallel()'s state, else a single process's, initialised here (DESIGN's Python API:
+    a plain Python process needs no set-up). Several processes must say their layout."""
+    if _current is not None:
+        return _current
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError("torch.distributed is initialised but megabert.init_parallel() was not called; "
+                          "call it with your tensor/pipeline parallel sizes first")
+    return init_parallel()
 
 
 def destroy_parallel() -> None:

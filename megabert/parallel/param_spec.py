@@ -76,7 +76,7 @@ class ParamSpec:
 
 def describe(param: nn.Parameter, **fields) -> nn.Parameter:
     """Attaches (or updates) `param`'s spec; returns the parameter."""
-    current = getattr(param, ATTR, None)
+    current = getattr(param, ATTR, None)  # a torch Parameter: none until it is first described
     spec = dataclasses.replace(current, **fields) if current is not None else _new_spec(**fields)
     setattr(param, ATTR, spec)
     # Derived attributes under Megatron's names, which Megatron-style engines read: their
@@ -95,7 +95,7 @@ def _new_spec(**fields) -> ParamSpec:
 
 
 def spec_of(param: torch.Tensor, name: str = "parameter") -> ParamSpec:
-    spec = getattr(param, ATTR, None)
+    spec = getattr(param, ATTR, None)  # a torch Parameter built outside megabert's layers has none
     if spec is None:
         raise ConfigError(f"{name} has no ParamSpec: build parameters with megabert's layers, or attach one with "
                           f"megabert.parallel.param_spec.describe(param, ...) so sharding, initialisation and "
@@ -132,22 +132,3 @@ def table_to_dict(table: dict[str, ParamSpec]) -> dict[str, dict]:
 
 def table_from_dict(d: dict[str, dict]) -> dict[str, ParamSpec]:
     return {name: ParamSpec.from_dict(s) for name, s in d.items()}
-
-
-# Model class name -> a function (ModelConfig -> the spec table of a whole model of that
-# class). Filled where task models are defined (megabert.model.registry.register_model), so
-# checkpoint code can read a checkpoint written before tables were stored without importing
-# any model (checkpoint/ sits below model/ and tasks/).
-_REFERENCE_TABLES: dict = {}
-
-
-def register_reference_table(model_class: str, build) -> None:
-    _REFERENCE_TABLES[model_class] = build
-
-
-def reference_table(cfg, model_class: str = "BertForPreTraining") -> dict[str, ParamSpec]:
-    """The spec table of a whole model of `model_class` (see register_reference_table)."""
-    if model_class not in _REFERENCE_TABLES:
-        known = ", ".join(sorted(_REFERENCE_TABLES)) or "none registered: import megabert.tasks"
-        raise ConfigError(f"unknown model class {model_class!r} (known: {known})")
-    return _REFERENCE_TABLES[model_class](cfg)

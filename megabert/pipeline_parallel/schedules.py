@@ -64,6 +64,8 @@ def check_interleaving(num_micro: int, ps: ParallelState, num_chunks: int) -> No
 class PipelineSchedule:
     """Runs one global batch through this rank's stage(s). Collective over the pipeline."""
 
+    keeps_grads = False  # a runner's flag (training.strategy): the strategy sets .grad to None before a step
+
     def __init__(self, model, ps: ParallelState, comm: PipeComm, num_micro: int, task,
                  autocast: Callable[[], AbstractContextManager] = nullcontext):
         """`task.train_loss(last chunk's output, batch) -> (loss, {name: scalar})` (a

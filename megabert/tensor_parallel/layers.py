@@ -16,67 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megabert.parallel.param_spec import describe
+from megabert.tensor_parallel.gemm_copies import GemmCopies, gemm_weight
 from megabert.tensor_parallel.mappings import (Group, copy_to_tp, gather_from_sp, gather_from_tp, group_rank,
                                                group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp)
 
 InitMethod = Callable[[torch.Tensor], None]
 LinearFn = Callable[..., torch.Tensor]
 """F.linear's signature: (input, weight, bias=None) -> input @ weight.T + bias."""
-
-# A weight's 16-bit copy for its GEMM, kept by megabert.training.precision.MasterWeights
-# under --bf16 (the parameter stays the fp32 master): (copy, the parameter's _version when
-# the copy was made).
-GEMM_COPY = "_megabert_gemm_copy"
-
-
-class _GemmCopy(torch.autograd.Function):
-    """(master [fp32], copy [its 16-bit copy]) -> copy, as autocast's cast of the master would
-    give it, without casting.
-
-    Forward: the cached copy as it is (autograd hands out a view of it that carries this
-    node, so the cached tensor itself stays a plain tensor with no grad_fn and no
-    requires_grad). Backward: grad.to(master.dtype) for the master and nothing for the copy,
-    exactly the backward of autocast's cast (aten._to_copy's). The master's gradient then
-    reaches it through autograd's own AccumulateGrad: summed first with its other uses in
-    the same backward (the tied word embeddings' lookup), accumulated in its fp32 `.grad`,
-    and every hook on the parameter (the DP reducers' post-accumulate hooks) fires once,
-    as for any parameter."""
-
-    @staticmethod
-    def forward(ctx, master: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-        ctx.master_dtype = master.dtype
-        return copy
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.to(ctx.master_dtype), None
-
-
-def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """What the GEMM multiplies by: `weight`'s 16-bit copy when MasterWeights keeps one and
-    autocast runs in its dtype (outside autocast the fp32 weight, so fp32 maths stays fp32),
-    else the weight itself. In eager mode a stale copy is remade first (an in-place write to
-    the parameter, as a checkpoint load, bumps its version; writes through another view of
-    its storage, as the distributed optimizer's, do not: MasterWeights remakes those copies
-    when the writes land). Traced by torch.compile without that check (a compiled graph
-    cannot read a version counter): the compiled layers read the copies as graph inputs, kept
-    current by MasterWeights (after each optimizer step and, through the strategy, before
-    each step: MasterWeights.refresh_stale). The copy's gradient goes to the weight as
-    autocast's cast's would (_GemmCopy)."""
-    entry = getattr(weight, GEMM_COPY, None)
-    if entry is None:
-        return weight
-    copy, version = entry
-    device = weight.device.type
-    if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == copy.dtype):
-        return weight
-    if not torch.compiler.is_compiling() and version != weight._version:
-        with torch.no_grad():
-            copy.copy_(weight)
-        setattr(weight, GEMM_COPY, (copy, weight._version))
-    if not (weight.requires_grad and torch.is_grad_enabled()):
-        return copy
-    return _GemmCopy.apply(weight, copy)
 
 
 def default_init(tensor: torch.Tensor) -> None:
@@ -141,6 +87,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
         self.linear: LinearFn = F.linear  # the GEMM; use_linear swaps it (ZeRO-3's)
+        self.gemm_copies: Optional[GemmCopies] = None  # --bf16's weight copies (training.precision.MasterWeights)
         self.weight = _sharded_param((out_features, in_features), 0, stride, init_method, tp_group,
                                      params_dtype, device)
         if bias:
@@ -159,11 +106,11 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
         else:
             x = copy_to_tp(x, self.tp_group)
-        bias = None if self.bias is None else gemm_weight(self.bias)
+        bias = None if self.bias is None else gemm_weight(self.bias, self.gemm_copies)
         if epilogue is not None:
-            y = epilogue(self.linear(x, gemm_weight(self.weight)), bias)
+            y = epilogue(self.linear(x, gemm_weight(self.weight, self.gemm_copies)), bias)
         else:
-            y = self.linear(x, gemm_weight(self.weight), bias)
+            y = self.linear(x, gemm_weight(self.weight, self.gemm_copies), bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -191,6 +138,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
         self.linear: LinearFn = F.linear  # the GEMM; use_linear swaps it (ZeRO-3's)
+        self.gemm_copies: Optional[GemmCopies] = None  # --bf16's weight copies (training.precision.MasterWeights)
         self.weight = _sharded_param((out_features, in_features), 1, 1, init_method, tp_group, params_dtype, device)
         if bias:
             # With sequence parallelism each rank sees only its slice of the sequence, so
@@ -202,13 +150,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = self.linear(x, gemm_weight(self.weight))
+        y = self.linear(x, gemm_weight(self.weight, self.gemm_copies))
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         if self.bias is None:
             return y
         # Under autocast the bf16 output plus the fp32 bias is fp32 (type promotion): the
         # residual stream after it is fp32 unless the bias joins the output's dtype.
-        return y + (gemm_weight(self.bias).to(y.dtype) if self.bias_in_output_dtype else self.bias)
+        if self.bias_in_output_dtype:
+            return y + gemm_weight(self.bias, self.gemm_copies).to(y.dtype)
+        return y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={group_size(self.tp_group)}"

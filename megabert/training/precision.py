@@ -18,7 +18,8 @@ import torch
 from megabert.model.heads import VocabParallelDecoder
 from megabert.model.norm import LayerNorm
 from megabert.ops.compile_hints import mark_static_address
-from megabert.tensor_parallel.layers import GEMM_COPY, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megabert.tensor_parallel.gemm_copies import GemmCopies
+from megabert.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from megabert.data_parallel.sharded_buffers import ShardedBuffers
@@ -31,7 +32,7 @@ def autocast(device: torch.device, bf16: bool, fp16: bool):
 
 
 def gemm_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The trainable parameters `model` reads in bf16 through tensor_parallel.layers.gemm_weight:
+    """The parameters `model` reads in bf16 through tensor_parallel.gemm_copies.gemm_weight:
     the column- and row-parallel linear layers' weights, the column-parallel layers' biases
     (autocast would cast them for the GEMM's epilogue), the word embeddings where an MLM
     decoder multiplies by them (VocabParallelDecoder: tied to the word embeddings in every
@@ -50,8 +51,13 @@ def gemm_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
         weights += [m.weight for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
         weights += [m.decoder for m in model.modules() if isinstance(m, VocabParallelDecoder)
                     and m.decoder is not None]  # an untied decoder (EuroBERT's)
-    unique = {id(w): w for w in weights if w is not None and w.requires_grad}
+    # Frozen weights too: a layer given copies finds one for each weight it multiplies by.
+    unique = {id(w): w for w in weights if w is not None}
     return list(unique.values())
+
+
+# The modules that multiply by a weight gemm_weights lists: MasterWeights hands them its copies.
+GEMM_LAYERS = (ColumnParallelLinear, RowParallelLinear, LayerNorm, VocabParallelDecoder)
 
 
 class MasterWeights:
@@ -61,8 +67,9 @@ class MasterWeights:
     Design (issue 41). The registered parameters stay the fp32 masters: the optimizer, its
     state, the gradient reductions, the clipping and the checkpoints see exactly what they
     saw before (checkpoints keep their format, fp32 weights, and resume bitwise). Each
-    weight gets a bf16 tensor, its GEMM copy (no requires_grad), which the layer multiplies
-    by through tensor_parallel.layers.gemm_weight: a tiny autograd Function (_GemmCopy) that
+    weight gets a bf16 tensor, its GEMM copy (no requires_grad), kept in one GemmCopies that
+    this object owns and hands to the layers (their `gemm_copies`); a layer multiplies by its
+    copy through tensor_parallel.gemm_copies.gemm_weight: a tiny autograd Function (_GemmCopy) that
     hands the copy to the GEMM and, in backward, converts the GEMM's bf16 weight gradient
     to fp32 for the master. The master's gradient then takes autograd's ordinary path
     (summed with its other uses, as the word embeddings' lookup, then AccumulateGrad into
@@ -98,32 +105,24 @@ class MasterWeights:
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
-        self.masters = gemm_weights(model)
-        self.copies = [torch.empty_like(w, dtype=dtype) for w in self.masters]
-        for c in self.copies:
+        self.gemm_copies = GemmCopies(gemm_weights(model), dtype)
+        for c in self.gemm_copies.copies:
             mark_static_address(c)
-        self._index = {id(w): i for i, w in enumerate(self.masters)}
+        # Handed to the layers once: each reads its weights' copies through its `gemm_copies`.
+        self._layers = [m for m in model.modules() if isinstance(m, GEMM_LAYERS)]
+        for m in self._layers:
+            m.gemm_copies = self.gemm_copies
         self._handles: list = []
         self.refresh()
 
-    @torch.no_grad()
     def refresh(self, params: Optional[Iterable[torch.nn.Parameter]] = None) -> None:
         """Rounds the masters (those among `params`; None: all) into their GEMM copies: one
         multi-tensor copy (the step's cast)."""
-        index = range(len(self.masters)) if params is None else \
-            [self._index[id(p)] for p in params if id(p) in self._index]
-        masters, copies = [self.masters[i] for i in index], [self.copies[i] for i in index]
-        if masters:
-            torch._foreach_copy_(copies, masters)
-        for w, c in zip(masters, copies):
-            setattr(w, GEMM_COPY, (c, w._version))
+        self.gemm_copies.refresh(params)
 
-    @torch.no_grad()
     def refresh_stale(self) -> None:
         """Remakes the copies of masters written in place since their copy was made."""
-        stale = [w for w in self.masters if getattr(w, GEMM_COPY)[1] != w._version]
-        if stale:
-            self.refresh(stale)
+        self.gemm_copies.refresh_stale()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "MasterWeights":
         """Refresh after each step of `optimizer`."""
@@ -137,9 +136,10 @@ class MasterWeights:
         return self
 
     def close(self) -> None:
+        """Detaches from the optimizer and takes the copies back from the layers: the model
+        multiplies by its fp32 parameters again (autocast casts them at use)."""
         for h in self._handles:
             h.remove()
         self._handles = []
-        for w in self.masters:
-            if hasattr(w, GEMM_COPY):
-                delattr(w, GEMM_COPY)
+        for m in self._layers:
+            m.gemm_copies = None

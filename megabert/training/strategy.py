@@ -115,6 +115,8 @@ class SequentialRunner:
     loss goes through autograd and .grad accumulates; a strategy whose update happens per
     micro-batch hands its own `backward` (megabert.training.deepspeed's)."""
 
+    keeps_grads = False  # the strategy sets .grad to None before a step (CUDA graphs' runner keeps them)
+
     def __init__(self, module, task: TrainingTask, autocast: Callable[[], AbstractContextManager] = nullcontext,
                  backward: Optional[Backward] = None):
         self.module, self.task, self.autocast, self.backward = module, task, autocast, backward
@@ -270,7 +272,7 @@ class LocalStrategy(Strategy):
             metrics = self.runner.forward_backward(batches, scale)
             self.reducer.finish()  # the DP average, issued during the last micro-batch's backward
         else:
-            if getattr(self.runner, "keeps_grads", False):
+            if self.runner.keeps_grads:
                 self.runner.zero_grads()  # CUDA graphs write into the run's .grad buffers
             else:
                 self.optimizer.zero_grad(set_to_none=True)

@@ -27,9 +27,7 @@ from megabert.checkpoint import tf as tf_io
 from megabert.checkpoint.hf_tokenizer import TOKENIZER_FILES, WORDPIECE_TYPES, export_tokenizer
 from megabert.checkpoint.layout import save_full_model
 from megabert.checkpoint.reader import read_full
-from megabert.model.registry import meta_model
-from megabert.parallel.param_spec import reference_table
-from megabert.tasks import model_classes
+from megabert.model_classes import by_name, meta_model, reference_table
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.rules import validate_layout
 from megabert.errors import CheckpointError, cli_main
@@ -63,7 +61,6 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
                                      bert_binary_head=has_binary_head)
     family = get_family(cfg.model_family)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
-    model_classes()  # registers every task model class by name
     # transformers' architecture (or ours) -> the task model that holds its head
     heads = {name: c for t, c in family.task_classes.items() if t not in ("pretraining", "masked_lm", "embeddings")
              for name in (c, family.architectures.get(t))}
@@ -86,7 +83,7 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
 def check_shapes(full: dict, table: dict, cfg: ModelConfig, model_class: str, source_dir: str) -> None:
     """Every tensor has the shape the model of `cfg` gives it, as --load checks (vocab rows as
     config.json counts them: loading pads them), so no checkpoint is written that --load refuses."""
-    expected = dict(meta_model(model_classes()[model_class], cfg).state_dict())
+    expected = dict(meta_model(by_name(model_class), cfg).state_dict())
     for name, tensor in full.items():
         want = tuple(expected[name].shape)
         if table[name].valid_rows is not None:

@@ -31,11 +31,10 @@ from megabert.checkpoint.reader import read_full, read_rank
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.data import build_tokenizer
 from megabert.errors import CheckpointError, ConfigError, cli_main
+from megabert.model_classes import reference_table
 from megabert.parallel.layout import StageLayout
 from megabert.paths import DIR, FILE, OUT_DIR, check_paths
-from megabert.parallel.param_spec import reference_table
 from megabert.rules import validate_layout
-from megabert.tasks import model_classes
 
 
 def import_megatron(megatron_dir: str, output: str, tp: int, pp: int, *, vocab_file: Optional[str] = None,
@@ -49,7 +48,6 @@ def import_megatron(megatron_dir: str, output: str, tp: int, pp: int, *, vocab_f
         overrides["vocab_size"] = build_tokenizer("BertWordPieceLowerCase", vocab_file).vocab_size
     cfg = megatron.read_config(megatron_dir, overrides)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
-    model_classes()  # registers every task model class by name
     table = reference_table(cfg, "BertForPreTraining")
     full = {k: v for k, v in megatron.read_state(megatron_dir, cfg).items() if k in table}
     path = save_full_model(output, full, cfg, table, tp_size=tp, pp_size=pp, model_class="BertForPreTraining")
@@ -61,7 +59,6 @@ def import_megatron(megatron_dir: str, output: str, tp: int, pp: int, *, vocab_f
 
 def export_megatron(load: str, megatron_dir: str, fmt: str, tp: int, pp: int, *, legacy: bool = False,
                     iteration: Optional[int] = None) -> str:
-    model_classes()  # registers every task model class by name (a Megatron --load is read as BertForPreTraining)
     full, meta, _ = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)

@@ -20,7 +20,6 @@ from megabert.checkpoint.start import Format, require_source
 from megabert.errors import ConfigError, cli_main
 from megabert.parallel.layout import StageLayout
 from megabert.paths import DIR, OUT_DIR, check_paths
-from megabert.tasks import model_classes
 
 
 @cli_main
@@ -40,7 +39,6 @@ def main(argv=None) -> None:
     if os.path.abspath(args.load) == os.path.abspath(args.save):
         raise ConfigError("--save must differ from --load: resharding writes a new checkpoint")
     check_paths([(args.load, "--load", DIR), (args.save, "--save", OUT_DIR)])
-    model_classes()  # a checkpoint saved before spec tables is read with its class's reference table
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     source = require_source(args.load)  # what --load holds, detected once
     num_layers = read_model_config(source)["num_layers"]

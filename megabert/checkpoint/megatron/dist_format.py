@@ -51,7 +51,7 @@ def _safe_reader(iter_dir: str):
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             metadata = load_dcp_metadata(os.path.join(self.path, METADATA))
-            if getattr(metadata, "storage_meta", None) is None:
+            if getattr(metadata, "storage_meta", None) is None:  # torch's Metadata: missing in older files
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -61,6 +61,7 @@ def _safe_reader(iter_dir: str):
                 info = self.storage_data[req.storage_index]  # checked by load_dcp_metadata
                 path = os.path.join(iter_dir, info.relative_path)
                 what = f"{path} (item '{req.storage_index.fqn}')"
+                # transform_descriptors: torch's _StorageInfo has it from 2.6 on
                 if req.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
                     raise CheckpointError(f"{what}: a byte or transformed item, which megabert never reads")
                 with open(path, "rb") as f:

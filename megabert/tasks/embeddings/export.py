@@ -33,7 +33,8 @@ from megabert.errors import CheckpointError
 from megabert.families import get_family
 from megabert.model.pretrained import gather_full
 from megabert.parallel import ParallelState, comm
-from megabert.parallel.param_spec import reference_table, spec_table
+from megabert.model_classes import reference_table
+from megabert.parallel.param_spec import spec_table
 from megabert.tasks.embeddings.model import BertForSentenceEmbedding
 
 

@@ -15,7 +15,7 @@ from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
 from megabert.families import recipe
-from megabert.model.registry import MODEL_CLASSES
+from megabert import model_classes
 from megabert.model_family import checkpoint_model_config, task_model_class_name
 from megabert.parallel import ParallelState
 from megabert.tasks.embeddings.config import number_list
@@ -43,7 +43,7 @@ def load_embedding_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelS
                          texts_per_example: int) -> BertForSentenceEmbedding:
     """The bi-encoder from --load with the run's pooling and normalisation, as the loaded
     family's embedding model (megabert.families)."""
-    model_class = MODEL_CLASSES[task_model_class_name(pretrained, "embeddings")]
+    model_class = model_classes.by_name(task_model_class_name(pretrained, "embeddings"))
     # Unpadded encoder: the pooling reads real tokens alone and retrieval texts leave much
     # of max_seq_length to padding.
     model = load_task_model(model_class, cfg, pretrained, ps, vocab_size, unpad_input=True)
@@ -170,7 +170,7 @@ class EmbeddingsTask(FinetuneTask):
         inner = build_runner(strategy.model, strategy.ps, self.training_task, seq_length=run.seq_length,
                              micro_batch_size=piece, num_micro_batches=pieces, bf16=t.bf16, fp16=t.fp16)
         strategy.runner = GradientCacheRunner(inner, strategy.model, self.objective, strategy.ps, piece_size=piece,
-                                              reducer=getattr(strategy, "reducer", None))
+                                              reducer=strategy.reducer)  # a LocalStrategy: DeepSpeed refused above
         if strategy.ps.is_logging_rank:
             logger.info("gradient cache: negatives from the global batch of %d, taken through the model %d examples "
                         "at a time (%d pieces per rank per step)", run.batch.global_batch_size, piece, pieces)

@@ -128,6 +128,8 @@ class GradientCacheRunner:
     `reducer`: the strategy's overlapped DP reduction, whose count of backward passes per
     step is the number of pieces, not of micro-batches."""
 
+    keeps_grads = False  # a runner's flag (training.strategy): the strategy sets .grad to None before a step
+
     def __init__(self, inner, model, objective: ContrastiveObjective, ps: ParallelState, *, piece_size: int,
                  reducer=None):
         self.inner, self.model, self.objective, self.ps = inner, model, objective, ps

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.outputs import ModelOutput
-from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 
 TEXT_FIELDS = ("input_ids", "token_type_ids", "attention_mask")
@@ -38,7 +37,6 @@ class EmbeddingOptions:
     texts_per_example: int = 1
 
 
-@register_model
 class BertForSentenceEmbedding(BertPreTrainedModel):
     """BERT -> pooled, optionally normalised text embeddings. No parameters beyond the
     encoder's, so any BERT checkpoint loads into it as it stands."""
@@ -89,7 +87,6 @@ class BertForSentenceEmbedding(BertPreTrainedModel):
         return EmbeddingOutput(embeddings=e.view(b, t, -1), text_mask=batch.get("text_mask"))
 
 
-@register_model
 class ModernBertForSentenceEmbedding(BertForSentenceEmbedding):
     """BertForSentenceEmbedding under the class name ModernBERT bi-encoder checkpoints record
     (every family's encoder is one class; the spec says what it is)."""

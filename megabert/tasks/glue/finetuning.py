@@ -19,7 +19,7 @@ from megabert.parallel import ParallelState
 from megabert.tasks.glue.data import GlueExample, read_examples, warn_unseen_labels
 from megabert.tasks.glue.features import examples_to_tensors
 from megabert.tasks.glue.metrics import glue_metrics
-from megabert.model.registry import MODEL_CLASSES
+from megabert import model_classes
 from megabert.model_family import task_model_class_name
 from megabert.tasks.glue.model import BertForSequenceClassification
 from megabert.tasks.glue.tasks import TASKS, GlueTaskSpec
@@ -82,7 +82,7 @@ def load_glue_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState,
     task = TASKS[cfg.finetune.task_name]
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     # The --load's family says the classifier (its pooling, a prediction head) from its config.
-    model_class = MODEL_CLASSES[task_model_class_name(pretrained, "sequence_classification")]
+    model_class = model_classes.by_name(task_model_class_name(pretrained, "sequence_classification"))
     try:
         return load_task_model(model_class, cfg, pretrained, ps, vocab_size, num_labels=task.num_labels,
                                id2label=id2label, unpad_input=True)

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from megabert.model.classifier import BertClassifier, ClassifierOutput, sequence_loss
-from megabert.model.registry import register_model
 
 
 class SequenceClassifierOutput(ClassifierOutput):
@@ -16,7 +15,6 @@ class SequenceClassifierOutput(ClassifierOutput):
     ([b * cap, num_labels] for packed rows: one per slot)."""
 
 
-@register_model
 class BertForSequenceClassification(BertClassifier):
     """Sequence classification / regression on the pooled [CLS], as transformers'. Packed rows:
     labels [b, cap], one per slot (empty slots are left out of the loss)."""

@@ -20,7 +20,7 @@ from megabert.parallel import ParallelState
 from megabert.tasks.ner.data import Sentence, label_set, read_sentences, warn_unless_entity_tags
 from megabert.tasks.ner.features import Features, sentences_to_features, word_logits
 from megabert.tasks.ner.metrics import ner_metrics
-from megabert.model.registry import MODEL_CLASSES
+from megabert import model_classes
 from megabert.model_family import task_model_class_name
 from megabert.tasks.ner.model import IGNORE_INDEX
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
@@ -125,7 +125,7 @@ class NerTask(FinetuneTask):
         """The classifier is new unless --load was fine-tuned on these tags. The encoder runs
         unpadded: the padding's outputs are never labelled nor read."""
         # The --load's family says the token classifier (a prediction head before the linear, or not).
-        model_class = MODEL_CLASSES[task_model_class_name(self.pretrained, "token_classification")]
+        model_class = model_classes.by_name(task_model_class_name(self.pretrained, "token_classification"))
         return load_task_model(model_class, self.cfg, self.pretrained, ps, vocab_size, num_labels=len(self.labels),
                                id2label=dict(enumerate(self.labels)), unpad_input=True)
 

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from megabert.model.classifier import BertClassifier, ClassifierOutput, PredictionHeadTaskModel
-from megabert.model.registry import register_model
 
 IGNORE_INDEX = -100
 """A position without a label: padding, [CLS]/[SEP], a word's later sub-words."""
@@ -21,7 +20,6 @@ class TokenClassifierOutput(ClassifierOutput):
     """loss; loss_sum (over the labelled positions, the mean's numerator); logits [b, s, num_labels]."""
 
 
-@register_model
 class BertForTokenClassification(BertClassifier):
     """A tag per token (NER), as transformers' (no pooler). Packed rows: the labels stay per
     token, -100 past a row's samples."""
@@ -51,7 +49,6 @@ def token_output(logits: torch.Tensor, batch: dict, num_labels: int) -> TokenCla
     return TokenClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
 
 
-@register_model
 class ModernBertForTokenClassification(PredictionHeadTaskModel):
     """A tag per token on ModernBERT, as transformers' ModernBertForTokenClassification."""
 

@@ -15,6 +15,7 @@ from megabert.data.shard_sources import HDF5, detect_nvidia_data
 from megabert.config import DataConfig
 from megabert.errors import ConfigError, DataError
 from megabert.parallel import ParallelState
+from megabert.tasks.pretraining.indexed_samples import BertDataset
 from megabert.tasks.pretraining.indexed_splits import build_train_valid_test_datasets
 from megabert.tasks.pretraining.masking import MaskRates, ScheduledMasking
 from megabert.tasks.pretraining.nvidia_samples import build_nvidia_datasets
@@ -47,7 +48,7 @@ def build_batches(run: ResolvedRun, ps: ParallelState, tokenizer
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data, tokenizer, num_samples, t.seed,
                                                                 run.model.bert_binary_head)
     source = " ".join(data.data_path)
-    epochs = (getattr(train_ds, "stats", None) or {}).get("epochs", 0)  # Megatron's indexed data: its mapping's
+    epochs = train_ds.stats.get("epochs", 0) if isinstance(train_ds, BertDataset) else 0  # its mapping's
     if ps.is_logging_rank and epochs > 1 and not data.pack_sequences:
         warn_if_small(len(train_ds) // epochs, global_batch, "samples an epoch")
     if data.mask_prob_schedule is not None:

@@ -14,7 +14,6 @@ from megabert.model.heads import MLMHead, head_linear
 from megabert.model.outputs import ModelOutput
 from megabert.model.packed import (cls_positions_mask, fixed_shape_packing, flat_head_positions, gather_flat,
                                    gather_labelled, head_positions)
-from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
 from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax
@@ -87,7 +86,6 @@ class BertPreTrainingOutput(ModelOutput):
         return self["nsp_logits"]
 
 
-@register_model
 class BertForPreTraining(BertPreTrainedModel):
     """Masked LM + the sentence-pair head (NSP or SOP), as transformers' BertForPreTraining.
 

@@ -17,6 +17,7 @@ rows. Reading a whole row band at once (a "block") and keeping it decoded costs 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -50,6 +51,7 @@ class Hdf5Shard:
 
     def __init__(self, path: str):
         self.path = path
+        self.bin: Optional[int] = None  # LDDL's length bin (ParquetShard's): NVIDIA's HDF5 shards have none
         try:
             import h5py  # imported on use: every megabert process imports this module
 

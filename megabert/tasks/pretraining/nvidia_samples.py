@@ -82,7 +82,7 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
         self.spec, self.tokens, self.words = spec, tokens, words
         for shard in self.shards:
             check_shard(shard, spec)
-        bins = {getattr(s, "bin", None) for s in self.shards}
+        bins = {s.bin for s in self.shards}
         if len(bins) > 1 and None in bins:
             raise DataError(f"{os.path.dirname(files[0]) or '.'} mixes binned (*.parquet_B) and unbinned "
                             f"(*.parquet) shards: give --data-path one LDDL output at a time")
@@ -91,7 +91,7 @@ class NvidiaShardDataset(torch.utils.data.Dataset):
             for b in range(shard.num_blocks):
                 lo, hi = shard.block_range(b)
                 if hi > lo:
-                    blocks.setdefault(getattr(shard, "bin", None), []).append(Block(k, b, lo, hi - lo))
+                    blocks.setdefault(shard.bin, []).append(Block(k, b, lo, hi - lo))
         streams = [blocks[b] for b in sorted(blocks, key=lambda b: -1 if b is None else b)]
         if not streams:
             raise DataError(f"{files[0]} and the other shards of --data-path hold no row")

@@ -12,7 +12,7 @@ import torch
 from megabert.config import DataConfig
 from megabert.data.packing import with_flat_label_positions, with_flat_token_positions, with_label_positions
 from megabert.families import get_family, task_class_name
-from megabert.model.registry import MODEL_CLASSES
+from megabert import model_classes
 from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
 from megabert.tasks.pretraining import BertPreTrainingOutput
@@ -147,7 +147,7 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
     (ours or DeepSpeed's) and checkpoint state -> a ready Trainer, all from the resolved run."""
     model_cfg = dataclasses.replace(run.model, vocab_size=model_vocab_size(run.model, run.explicit, vocab_size))
     seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
-    model_class = MODEL_CLASSES[task_class_name(model_cfg, "pretraining")]
+    model_class = model_classes.by_name(task_class_name(model_cfg, "pretraining"))
     model = model_class(model_cfg, ps, seed=run.train.seed,
                         num_layers_per_virtual_stage=run.parallel.num_layers_per_virtual_pipeline_stage,
                         first_stage_layers=run.parallel.decoder_first_pipeline_num_layers,

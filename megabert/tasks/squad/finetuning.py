@@ -15,7 +15,7 @@ from megabert.parallel import ParallelState
 from megabert.tasks.squad.evaluate import evaluate
 from megabert.tasks.squad.examples import load_squad_json, read_squad_examples
 from megabert.tasks.squad.features import convert_examples_to_features, features_to_tensors
-from megabert.model.registry import MODEL_CLASSES
+from megabert import model_classes
 from megabert.model_family import task_model_class_name
 from megabert.tasks.squad.model import BertForQuestionAnswering
 from megabert.tasks.squad.postprocess import postprocess_predictions
@@ -36,7 +36,7 @@ def load_qa_model(cfg: FinetuneConfigs, pretrained: Source, ps: ParallelState, v
     """BertForQuestionAnswering from --load (megabert checkpoint of any TP layout, or a
     Hugging Face / TF directory); the QA head is new unless the checkpoint already has one."""
     # The --load's family (a transformers dir or a megabert checkpoint of one) says the span head.
-    model_class = MODEL_CLASSES[task_model_class_name(pretrained, "question_answering")]
+    model_class = model_classes.by_name(task_model_class_name(pretrained, "question_answering"))
     return load_task_model(model_class, cfg, pretrained, ps, vocab_size)
 
 

@@ -12,7 +12,6 @@ from megabert.model.bert import BertPreTrainedModel
 from megabert.model.classifier import PredictionHeadTaskModel
 from megabert.model.heads import head_linear
 from megabert.model.outputs import ModelOutput
-from megabert.model.registry import register_model
 from megabert.parallel import ParallelState
 
 
@@ -23,7 +22,6 @@ class QuestionAnsweringOutput(ModelOutput):
         super().__init__(loss=loss, start_logits=start_logits, end_logits=end_logits)
 
 
-@register_model
 class BertForQuestionAnswering(BertPreTrainedModel):
     """Span extraction (SQuAD): start/end logits per token, as transformers'."""
 
@@ -60,7 +58,6 @@ def span_output(logits: torch.Tensor, batch: dict) -> QuestionAnsweringOutput:
     return QuestionAnsweringOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
 
 
-@register_model
 class ModernBertForQuestionAnswering(PredictionHeadTaskModel):
     """Span extraction on ModernBERT, as transformers' ModernBertForQuestionAnswering: the
     final-normed hidden states -> the prediction head (dense, activation, norm) -> dropout ->
