@@ -77,7 +77,13 @@ def hf_architecture(cfg: ModelConfig, model_class: str) -> str:
                                                and not cfg.bert_binary_head):
         return family.architectures["masked_lm"]
     task = next((t for t, c in family.task_classes.items() if c == model_class and t != "pretraining"), None)
-    return family.architectures.get(task, model_class)
+    if task is None:
+        return model_class
+    if task not in family.architectures:
+        raise CheckpointError(f"transformers defines no {task.replace('_', ' ')} model of the {family.name} family: "
+                              f"a fine-tuned {model_class} of it cannot be exported (its head has no transformers "
+                              f"counterpart)")
+    return family.architectures[task]
 
 
 def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:

@@ -19,7 +19,9 @@ LAYER_NAMES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj
           "mlp_in": ("mlp.gate_proj", "mlp.up_proj"), "mlp_out": ("mlp.down_proj",),
           "mlp_norm": ("post_attention_layernorm",)}
 _GLOBAL = {"word_embeddings": ("model.embed_tokens",), "final_norm": ("model.norm",),
-           "decoder": ("lm_head",), "decoder_bias": ("lm_head",)}
+           "decoder": ("lm_head",), "decoder_bias": ("lm_head",), "classifier_dense": ("dense",)}
+# transformers' classifier_pooling -> ours (its "bos" is the first token, our "cls").
+_POOLINGS = {"bos": "cls", "mean": "mean", "late": "late"}
 _SPECIAL_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "mask_token_id")
 _ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
@@ -37,7 +39,9 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
                     out_bias=cfg.mlp_bias),
         mlm_head=MLMHeadSpec(transform=False, tied=not cfg.untie_embeddings_and_output_weights,
                              decoder_bias=cfg.mlp_bias),
-        classifier=ClassifierSpec(pooling="mean"),
+        # dense -> exact GELU (transformers' nn.GELU, whatever hidden_act is) -> classifier.
+        classifier=ClassifierSpec(pooling=cfg.classifier_pooling, prediction_head=True, head_norm=False,
+                                  activation="gelu"),
         init=InitSpec(std=cfg.init_method_std),
         hf_layer_prefix="model.layers.{i}.", hf_layer_names=LAYER_NAMES, hf_names=_GLOBAL)
 
@@ -59,6 +63,10 @@ def config_from_hf(hf: dict) -> dict:
                               f"{', '.join(_ACTIVATIONS)}")
     head_dim = hf.get("head_dim")
     special = {k: hf[k] for k in _SPECIAL_IDS if isinstance(hf.get(k), int)}
+    pooling = hf.get("classifier_pooling", "late")
+    if pooling not in _POOLINGS:
+        raise CheckpointError(f"config.json has classifier_pooling {pooling!r}; EuroBERT's are "
+                              f"{', '.join(_POOLINGS)}")
     return dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
         ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
@@ -70,7 +78,7 @@ def config_from_hf(hf: dict) -> dict:
         bert_binary_head=False, global_rope_theta=_rope_theta(hf), attention_bias=hf.get("attention_bias", False),
         mlp_bias=hf.get("mlp_bias", False), hidden_activation=act,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        special_token_ids=special or None)
+        classifier_pooling=_POOLINGS[pooling], special_token_ids=special or None)
 
 
 def hf_config(cfg: ModelConfig, architecture: str = "EuroBertForMaskedLM") -> dict:
@@ -84,6 +92,7 @@ def hf_config(cfg: ModelConfig, architecture: str = "EuroBertForMaskedLM") -> di
         "attention_dropout": cfg.attention_dropout, "mlp_bias": cfg.mlp_bias,
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.global_rope_theta},
+        "classifier_pooling": {v: k for k, v in _POOLINGS.items()}[cfg.classifier_pooling],
         "torch_dtype": "float32", **(cfg.special_token_ids or {}),
     }
 
@@ -94,12 +103,14 @@ FAMILY = Family(
     scratch_defaults={"layernorm_epsilon": 1e-5, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                       "max_position_embeddings": 8192, "layernorm_position": "pre", "bert_binary_head": False,
                       "hidden_activation": "silu", "global_rope_theta": 250000.0,
-                      "untie_embeddings_and_output_weights": True},
-    # Sequence classification ("late" pooling: the classifier's logits averaged) is not here yet.
+                      "untie_embeddings_and_output_weights": True, "classifier_pooling": "late"},
+    # transformers has no EuroBertForQuestionAnswering: ours fine-tunes but does not export.
     task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
+                  "sequence_classification": "EncoderForSequenceClassification",
                   "token_classification": "BertForTokenClassification",
-                  "embeddings": "BertForSentenceEmbedding"},
+                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="model.",
     architectures={"pretraining": "EuroBertForMaskedLM", "masked_lm": "EuroBertForMaskedLM",
-                   "embeddings": "EuroBertModel", "token_classification": "EuroBertForTokenClassification"},
+                   "embeddings": "EuroBertModel", "sequence_classification": "EuroBertForSequenceClassification",
+                   "token_classification": "EuroBertForTokenClassification"},
 )

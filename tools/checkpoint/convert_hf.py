@@ -33,7 +33,7 @@ from megabert.tasks import model_classes
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.rules import validate_layout
 from megabert.errors import CheckpointError, cli_main
-from megabert.families import get_family
+from megabert.families import get_family, model_class_for_architectures
 from megabert.paths import DIR, FILE_OR_DIR, OUT_DIR, check_paths
 
 
@@ -64,11 +64,8 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     family = get_family(cfg.model_family)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
     model_classes()  # registers every task model class by name
-    # transformers' architecture (or ours) -> the task model that holds its head
-    heads = {name: c for t, c in family.task_classes.items() if t not in ("pretraining", "masked_lm", "embeddings")
-             for name in (c, family.architectures.get(t))}
-    model_class = next((heads[a] for a in (hf_config.get("architectures") or []) if a in heads),
-                       family.task_classes["pretraining"])
+    model_class = model_class_for_architectures(family, hf_config.get("architectures"),
+                                                os.path.join(source_dir, "config.json"))
     table = reference_table(cfg, model_class)
     full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases)
     missing = sorted(set(table) - set(full))
