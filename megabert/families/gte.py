@@ -58,7 +58,9 @@ FAMILY = Family(
                       "bert_binary_head": False, "attention_dropout": 0.0},
     task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
                   "sequence_classification": "BertForSequenceClassification",
-                  "token_classification": "BertForTokenClassification", "embeddings": "BertForSentenceEmbedding"},
+                  "token_classification": "BertForTokenClassification",
+                  # transformers has no question answering model of the family: ours fine-tunes, does not export.
+                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="gte.", hf_prefix_aliases={"new.": "gte."},
     architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel",
                    "sequence_classification": "GteForSequenceClassification",

@@ -60,7 +60,9 @@ FAMILY = Family(
                       "attention_dropout": 0.0, "max_position_embeddings": 2048, "bert_binary_head": False},
     task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
                   "sequence_classification": "BertForSequenceClassification",
-                  "token_classification": "BertForTokenClassification", "embeddings": "BertForSentenceEmbedding"},
+                  "token_classification": "BertForTokenClassification",
+                  # transformers has no question answering model of the family: ours fine-tunes, does not export.
+                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="nomic_bert.",
     architectures={"pretraining": "NomicBertForMaskedLM", "masked_lm": "NomicBertForMaskedLM",
                    "embeddings": "NomicBertModel", "sequence_classification": "NomicBertForSequenceClassification",

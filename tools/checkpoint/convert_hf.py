@@ -108,12 +108,17 @@ def _copy_files(source: str, target: str, names) -> list[str]:
     return copied
 
 
+def _trained_vocab_file(meta: dict) -> str:
+    """The --vocab-file the checkpoint's run read ("" when it names none)."""
+    args = meta.get("args") or {}
+    trained = args.get("data") or args.get("finetune") or {}  # pre-training's flags, or fine-tuning's
+    return trained.get("vocab_file") or ""
+
+
 def _tokenizer_json_dir(load: str, meta: dict, vocab_file: Optional[str]) -> str:
     """Where the export's tokenizer.json comes from: --vocab-file (the file or its
     directory), else the one the run was trained with, else the one beside the checkpoint."""
-    args = meta.get("args") or {}
-    trained = args.get("data") or args.get("finetune") or {}  # pre-training's flags, or fine-tuning's
-    for candidate in (vocab_file, trained.get("vocab_file"), load):
+    for candidate in (vocab_file, _trained_vocab_file(meta), load):
         if not candidate:
             continue
         directory = candidate if os.path.isdir(candidate) else os.path.dirname(candidate)
@@ -129,7 +134,8 @@ def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenize
     full, meta, table = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
     family = get_family(cfg.model_family)
-    if family.recipe.tokenizer == "tokenizer.json":
+    # The run's tokenizer travels: a tokenizer.json (any family's: NomicBERT's may be one) or WordPiece.
+    if family.recipe.tokenizer == "tokenizer.json" or _trained_vocab_file(meta).endswith(".json"):
         arch = hf_io.hf_architecture(cfg, meta.get("model_class", family.task_classes["pretraining"]))
         hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch))
         copied = _copy_files(_tokenizer_json_dir(load, meta, vocab_file), hf_dir, TOKENIZER_JSON_FILES)
