@@ -94,3 +94,37 @@ def test_a_head_megabert_does_not_build_is_one_line(tmp_path):
         hf_io.hf_architecture(cfg, "BertForQuestionAnswering")
     assert "\n" not in str(e.value)
 
+
+# ---------------------------------------------------------------- GTE's Hub names
+
+
+@pytest.mark.parametrize("prefix", ["new.", ""])
+def test_gte_hub_names_load_as_transformers_loads_them(tmp_path, prefix):
+    """Alibaba's GTE checkpoints on the Hub name the base model `new.` (their remote code's
+    NewModel), a bare base model none: transformers' gte conversion mapping strips `new.`
+    (PrefixChange) and adds its `gte.` back, so both load. megabert's from_pretrained and
+    convert_hf.py import read a tiny GteForMaskedLM renamed to either form with transformers'
+    logits; model_type `new` (remote code only, no transformers class) stays a one-line error."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.family_models import make_family_dir
+    from tests.helpers.modernbert_models import modernbert_batch
+
+    hf_dir = make_family_dir(tmp_path / "hf", "gte")
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    renamed = {prefix + k.removeprefix("gte.") if k.startswith("gte.") else k: v for k, v in state.items()}
+    assert not any(k.startswith("gte.") for k in renamed)
+    save_file(renamed, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    ids, am, _ = modernbert_batch()
+    ref = transformers.GteForMaskedLM.from_pretrained(hf_dir).eval()(input_ids=ids, attention_mask=am).logits
+    r = run_main("tools/checkpoint/convert_hf.py", "import", "--hf-dir", hf_dir, "--output", str(tmp_path / "ck"))
+    assert r.returncode == 0, r.stderr
+    for source in (hf_dir, str(tmp_path / "ck")):
+        model = megabert.AutoModelForMaskedLM.from_pretrained(source, megabert.init_parallel()).eval()
+        with torch.no_grad():
+            close(model(ids, attention_mask=am).logits[am.bool()], ref[am.bool()], f"logits from {source}")
+
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    json.dump({**config, "model_type": "new"}, open(tmp_path / "hf" / "config.json", "w"))
+    r = run_main("tools/checkpoint/convert_hf.py", "import", "--hf-dir", hf_dir, "--output", str(tmp_path / "ck2"))
+    assert r.returncode != 0 and "\n" not in r.stderr.strip() and "model_type 'new'" in r.stderr, r.stderr

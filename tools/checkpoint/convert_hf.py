@@ -67,7 +67,7 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
     model_class = model_class_for_architectures(family, hf_config.get("architectures"),
                                                 os.path.join(source_dir, "config.json"))
     table = reference_table(cfg, model_class)
-    full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases)
+    full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases, family.hf_base_prefix)
     missing = sorted(set(table) - set(full))
     if missing and family.architecture_from_checkpoint:
         raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
