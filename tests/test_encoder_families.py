@@ -242,13 +242,20 @@ def test_convert_import_export_round_trip(hf_dir, tp, pp, tmp_path):
             ours[am.bool()])
 
 
-HEADS = [("gte", "GteForSequenceClassification"), ("gte", "GteForTokenClassification"),
-         ("nomic_bert", "NomicBertForSequenceClassification"), ("eurobert", "EuroBertForTokenClassification"),
-         ("ultrabert", "UltrabertForSequenceClassification"), ("ultrabert", "UltrabertForQuestionAnswering")]
+# Every {SequenceClassification,TokenClassification,QuestionAnswering} head transformers 5.x
+# defines for the four families (EuroBERT's sequence classifier in each of its poolings).
+HEADS = [("gte", "GteForSequenceClassification", {}), ("gte", "GteForTokenClassification", {}),
+         ("nomic_bert", "NomicBertForSequenceClassification", {}), ("nomic_bert", "NomicBertForTokenClassification", {}),
+         ("eurobert", "EuroBertForTokenClassification", {}),
+         ("eurobert", "EuroBertForSequenceClassification", {}),  # classifier_pooling "late", its default
+         ("eurobert", "EuroBertForSequenceClassification", {"classifier_pooling": "bos"}),
+         ("eurobert", "EuroBertForSequenceClassification", {"classifier_pooling": "mean"}),
+         ("ultrabert", "UltrabertForSequenceClassification", {}), ("ultrabert", "UltrabertForTokenClassification", {}),
+         ("ultrabert", "UltrabertForQuestionAnswering", {})]
 
 
-@pytest.mark.parametrize("family,arch", HEADS)
-def test_task_heads_equal_transformers(family, arch, tmp_path):
+@pytest.mark.parametrize("family,arch,extra", HEADS)
+def test_task_heads_equal_transformers(family, arch, extra, tmp_path):
     """Each family's fine-tuning model (the registry's task class: the same classes every family
     uses) loads transformers' task model of that family and gives its logits; convert_hf imports
     it as that task model."""
@@ -256,7 +263,7 @@ def test_task_heads_equal_transformers(family, arch, tmp_path):
     from megabert.families import task_class_name
     from tests.helpers.cli_utils import run_main
 
-    cfg, _ = family_config(family, num_labels=3)
+    cfg, _ = family_config(family, num_labels=3, **extra)
     torch.manual_seed(0)
     hf = getattr(transformers, arch)(cfg).eval()
     hf.save_pretrained(str(tmp_path / "hf"))

@@ -77,7 +77,13 @@ def hf_architecture(cfg: ModelConfig, model_class: str) -> str:
                                                and not cfg.bert_binary_head):
         return family.architectures["masked_lm"]
     task = next((t for t, c in family.task_classes.items() if c == model_class and t != "pretraining"), None)
-    return family.architectures.get(task, model_class)
+    if task is None:
+        return model_class
+    if task not in family.architectures:
+        raise CheckpointError(f"transformers defines no {task.replace('_', ' ')} model of the {family.name} family: "
+                              f"a fine-tuned {model_class} of it cannot be exported (its head has no transformers "
+                              f"counterpart)")
+    return family.architectures[task]
 
 
 def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:
@@ -98,28 +104,35 @@ def _classification_fields(cfg: ModelConfig, architecture: str) -> dict:
 def _normalise_hf_keys(state: dict) -> dict:
     out = {}
     for k, v in state.items():
-        k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        if k.startswith(("embeddings.", "encoder.", "pooler.")):  # a bare BertModel
-            k = "bert." + k
-        out[k] = v
+        out[k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")] = v
     # Older exports keep the MLM output bias only under the decoder's name.
     if "cls.predictions.bias" not in out and "cls.predictions.decoder.bias" in out:
         out["cls.predictions.bias"] = out["cls.predictions.decoder.bias"]
     return out
 
 
-def hf_to_megabert(hf_state: dict, table: dict[str, ParamSpec], aliases: Optional[dict] = None) -> dict:
+def hf_to_megabert(hf_state: dict, table: dict[str, ParamSpec], aliases: Optional[dict] = None,
+                   base_prefix: str = "") -> dict:
     """Full HF state dict -> full megabert state dict, for the parameters of `table` (a
     model's spec table) whose Hugging Face names are all present; the rest is left out
     for the loader to report. Vocab rows are as HF has them (unpadded): loading pads.
     `aliases`: prefixes another writer of the family uses -> transformers' (Family.hf_prefix_aliases).
+    `base_prefix`: the base model's prefix (Family.hf_base_prefix), which a bare base model
+    (GteModel, a sentence-transformers export) saves without, as transformers reads either.
     A tensor holding NaN or inf is refused by name."""
     hf_state = _normalise_hf_keys(hf_state)
     for old, new in (aliases or {}).items():
         hf_state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in hf_state.items()}
+
+    def find(name: str) -> Optional[torch.Tensor]:
+        found = hf_state.get(name)
+        if found is None and base_prefix and name.startswith(base_prefix):
+            found = hf_state.get(name[len(base_prefix):])
+        return found
+
     out: dict[str, torch.Tensor] = {}
     for name, spec in table.items():
-        parts = [hf_state.get(n) for n in spec.hf_names]
+        parts = [find(n) for n in spec.hf_names]
         if not parts or any(p is None for p in parts):
             continue
         bad = next((n for n, p in zip(spec.hf_names, parts) if p.is_floating_point() and not torch.isfinite(p).all()),

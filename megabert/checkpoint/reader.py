@@ -115,7 +115,8 @@ def _read_external(source: Source, tp_rank: int, tp_size: int, stage: StageLayou
         raise ValueError(f"{source.path} is a Hugging Face / TF directory: reading it needs the model's spec table")
     hf_config, hf_state = external.read_external(source)
     cfg = hf_io.model_config_from_hf(hf_config)
-    full = hf_io.hf_to_megabert(hf_state, table, get_family(cfg.model_family).hf_prefix_aliases)
+    family = get_family(cfg.model_family)
+    full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases, family.hf_base_prefix)
     full = repad_vocab(full, table, padded_vocab_size or cfg.padded_vocab_size(tp_size))
     model = shard_state(full, table, tp_rank=tp_rank, tp_size=tp_size, stage=stage)
     return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": 0},

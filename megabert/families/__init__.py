@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from megabert.config import ModelConfig
-from megabert.errors import ConfigError
+from megabert.errors import CheckpointError, ConfigError
 from megabert.families import bert, eurobert, gte, modernbert, nomic_bert, ultrabert
 from megabert.families.family import Family, Recipe
 from megabert.families.spec import EncoderSpec
@@ -73,3 +73,25 @@ def check_task_class(config: ModelConfig, class_name: str) -> None:
             if name == class_name:
                 raise ConfigError(f"{class_name} is the {f.name} family's {task.replace('_', ' ')} model but the "
                                   f"config is a {mine.name} one: build {mine.task_classes.get(task, 'another model')}")
+
+
+# transformers' task heads (class name endings) a family may define.
+HEAD_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice",
+                 "ForNextSentencePrediction")
+
+
+def model_class_for_architectures(family: Family, architectures: list, where: str) -> str:
+    """The registered model class holding the head config.json's `architectures` name (a
+    transformers name or ours), else the family's pre-training model. A task head megabert
+    does not build is a one-line error naming `where` (the file), never a model without it."""
+    tasks = [t for t in family.task_classes if t not in ("pretraining", "masked_lm", "embeddings")]
+    heads = {name: family.task_classes[t] for t in tasks for name in (family.task_classes[t],
+                                                                      family.architectures.get(t)) if name}
+    for arch in architectures or []:
+        if arch in heads:
+            return heads[arch]
+        if str(arch).endswith(HEAD_SUFFIXES):
+            known = ", ".join(sorted(family.architectures[t] for t in tasks if t in family.architectures))
+            raise CheckpointError(f"{where} names architecture {arch!r}, a head megabert does not build for the "
+                                  f"{family.name} family (it reads {known})")
+    return family.task_classes["pretraining"]

@@ -80,5 +80,8 @@ FAMILY = Family(
                   "token_classification": "BertForTokenClassification",
                   "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="bert.", architecture_from_checkpoint=False, packed_mlm_slots=True,
-    architectures={"masked_lm": "BertForMaskedLM", "pretraining": "BertForPreTraining", "embeddings": "BertModel"},
+    architectures={"masked_lm": "BertForMaskedLM", "pretraining": "BertForPreTraining", "embeddings": "BertModel",
+                   "sequence_classification": "BertForSequenceClassification",
+                   "token_classification": "BertForTokenClassification",
+                   "question_answering": "BertForQuestionAnswering"},
 )

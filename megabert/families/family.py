@@ -40,7 +40,7 @@ class Family:
     --hidden-size (rounded down)."""
     task_classes: Mapping[str, str] = field(default_factory=dict)
     """Task (pretraining, masked_lm, sequence_classification, token_classification,
-    question_answering, embeddings) -> the registered model class name (megabert.model.registry)
+    question_answering, embeddings) -> the model class name (megabert.model_classes)
     that runs it. masked_lm: megabert.AutoModelForMaskedLM's (EncoderForMaskedLM, every family)."""
     hf_prefix_aliases: Mapping[str, str] = field(default_factory=dict)
     """Tensor-name prefixes other writers of the family use -> transformers' ("new." -> "gte.")."""

@@ -9,10 +9,10 @@ On disk (what transformers writes and the Hub holds): a fused `qkv_proj` [q; k; 
 from __future__ import annotations
 
 from megabert.config import ModelConfig
+from megabert.families.blocks import bert_layout_rope
 from megabert.families.family import Family, Recipe
 from megabert.families.rope_config import bert_layout_fields, bert_layout_hf_config
-from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
-                                    MLPSpec, NormSpec)
+from megabert.families.spec import EncoderSpec, MLPSpec
 
 _LAYER = {"qkv": ("attention.qkv_proj",), "attn_out": ("attention.o_proj",), "attn_norm": ("attn_ln",),
           "mlp_in": ("mlp.up_gate_proj",), "mlp_out": ("mlp.down_proj",), "mlp_norm": ("mlp_ln",)}
@@ -23,23 +23,10 @@ _GLOBAL = {"word_embeddings": ("gte.embeddings.word_embeddings",),
 
 
 def spec(cfg: ModelConfig) -> EncoderSpec:
-    return EncoderSpec(
-        family="gte", hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-        norm=NormSpec(kind="layernorm", eps=cfg.layernorm_epsilon, bias=True), pre_norm=False,
-        embeddings=EmbeddingSpec(max_positions=0, type_vocab_size=cfg.type_vocab_size, norm=True,
-                                 dropout=cfg.hidden_dropout),
-        attention=AttentionSpec(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_attention_heads,
-                                head_dim=cfg.head_dim, qkv_bias=True, out_bias=True, dropout=cfg.attention_dropout,
-                                layer_types=("full_attention",) * cfg.num_layers,
-                                rope_theta={"full_attention": cfg.global_rope_theta}),
-        mlp=MLPSpec(ffn_size=cfg.ffn_hidden_size, kind="glu", activation=cfg.hidden_activation, in_bias=False,
-                    out_bias=True, dropout=cfg.hidden_dropout, gate_first=True),
-        residual_dropout=(cfg.hidden_dropout, cfg.hidden_dropout),
-        mlm_head=MLMHeadSpec(transform=True, activation="gelu", dense_bias=True, norm=True, tied=True,
-                             decoder_bias=True),
-        classifier=ClassifierSpec(pooling="pooler"),
-        init=InitSpec(std=cfg.init_method_std),
-        hf_layer_prefix="gte.encoder.layer.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
+    mlp = MLPSpec(ffn_size=cfg.ffn_hidden_size, kind="glu", activation=cfg.hidden_activation, in_bias=False,
+                  out_bias=True, dropout=cfg.hidden_dropout, gate_first=True)
+    return EncoderSpec(family="gte", **bert_layout_rope(cfg, biases=True, mlp=mlp, head_activation="gelu"),
+                       hf_layer_prefix="gte.encoder.layer.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
 
 def config_from_hf(hf: dict) -> dict:
@@ -58,7 +45,9 @@ FAMILY = Family(
                       "bert_binary_head": False, "attention_dropout": 0.0},
     task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
                   "sequence_classification": "BertForSequenceClassification",
-                  "token_classification": "BertForTokenClassification", "embeddings": "BertForSentenceEmbedding"},
+                  "token_classification": "BertForTokenClassification",
+                  # transformers has no question answering model of the family: ours fine-tunes, does not export.
+                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="gte.", hf_prefix_aliases={"new.": "gte."},
     architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel",
                    "sequence_classification": "GteForSequenceClassification",

@@ -159,5 +159,7 @@ FAMILY = Family(
                   "embeddings": "ModernBertForSentenceEmbedding"},
     hf_base_prefix="model.",
     architectures={"masked_lm": "ModernBertForMaskedLM", "pretraining": "ModernBertForMaskedLM",
-                   "embeddings": "ModernBertModel"},
+                   "embeddings": "ModernBertModel", "sequence_classification": "ModernBertForSequenceClassification",
+                   "token_classification": "ModernBertForTokenClassification",
+                   "question_answering": "ModernBertForQuestionAnswering"},
 )

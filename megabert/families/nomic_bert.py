@@ -9,10 +9,10 @@ does not carry it and no decoder weight is saved."""
 from __future__ import annotations
 
 from megabert.config import ModelConfig
+from megabert.families.blocks import bert_layout_rope
 from megabert.families.family import Family, Recipe
 from megabert.families.rope_config import bert_layout_fields, bert_layout_hf_config
-from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
-                                    MLPSpec, NormSpec)
+from megabert.families.spec import EncoderSpec, MLPSpec
 
 _LAYER = {"qkv": ("attn.Wqkv",), "attn_out": ("attn.out_proj",), "attn_norm": ("norm1",),
           # ours is [input; gate] with act(input): fc12, the activated half, first
@@ -25,23 +25,11 @@ _GLOBAL = {"word_embeddings": ("nomic_bert.embeddings.word_embeddings",),
 
 
 def spec(cfg: ModelConfig) -> EncoderSpec:
-    return EncoderSpec(
-        family="nomic_bert", hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-        norm=NormSpec(kind="layernorm", eps=cfg.layernorm_epsilon, bias=True), pre_norm=False,
-        embeddings=EmbeddingSpec(max_positions=0, type_vocab_size=cfg.type_vocab_size, norm=True,
-                                 dropout=cfg.hidden_dropout),
-        attention=AttentionSpec(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_attention_heads,
-                                head_dim=cfg.head_dim, qkv_bias=False, out_bias=False, dropout=cfg.attention_dropout,
-                                layer_types=("full_attention",) * cfg.num_layers,
-                                rope_theta={"full_attention": cfg.global_rope_theta}),
-        mlp=MLPSpec(ffn_size=cfg.ffn_hidden_size, kind="glu", activation=cfg.hidden_activation, in_bias=False,
-                    out_bias=False),
-        residual_dropout=(cfg.hidden_dropout, cfg.hidden_dropout),
-        mlm_head=MLMHeadSpec(transform=True, activation=cfg.hidden_activation, dense_bias=True, norm=True, tied=True,
-                             decoder_bias=True),
-        classifier=ClassifierSpec(pooling="pooler"),
-        init=InitSpec(std=cfg.init_method_std),
-        hf_layer_prefix="nomic_bert.encoder.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
+    mlp = MLPSpec(ffn_size=cfg.ffn_hidden_size, kind="glu", activation=cfg.hidden_activation, in_bias=False,
+                  out_bias=False)
+    return EncoderSpec(family="nomic_bert",
+                       **bert_layout_rope(cfg, biases=False, mlp=mlp, head_activation=cfg.hidden_activation),
+                       hf_layer_prefix="nomic_bert.encoder.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
 
 def config_from_hf(hf: dict) -> dict:
@@ -60,7 +48,9 @@ FAMILY = Family(
                       "attention_dropout": 0.0, "max_position_embeddings": 2048, "bert_binary_head": False},
     task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
                   "sequence_classification": "BertForSequenceClassification",
-                  "token_classification": "BertForTokenClassification", "embeddings": "BertForSentenceEmbedding"},
+                  "token_classification": "BertForTokenClassification",
+                  # transformers has no question answering model of the family: ours fine-tunes, does not export.
+                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
     hf_base_prefix="nomic_bert.",
     architectures={"pretraining": "NomicBertForMaskedLM", "masked_lm": "NomicBertForMaskedLM",
                    "embeddings": "NomicBertModel", "sequence_classification": "NomicBertForSequenceClassification",

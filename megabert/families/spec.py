@@ -19,7 +19,7 @@ from megabert.errors import ConfigError
 NORM_KINDS = ("layernorm", "rmsnorm")
 MLP_KINDS = ("plain", "glu")  # plain: act(W1 x) -> W2; glu: act(input) * gate
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
-POOLINGS = ("pooler", "cls", "mean")
+POOLINGS = ("pooler", "cls", "mean", "late")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -158,9 +158,12 @@ class ClassifierSpec:
     """How a sequence classifier reads the encoder (its pooling) and what sits before its linear."""
 
     pooling: str = "pooler"
-    """pooler: tanh(dense([CLS])) (BERT's); cls: the [CLS] state; mean: the real tokens' mean."""
+    """pooler: tanh(dense([CLS])) (BERT's); cls: the [CLS] state; mean: the real tokens' mean;
+    late: every token classified, the logits averaged over the real tokens (EuroBERT's)."""
     prediction_head: bool = False
-    """dense -> activation -> norm before the classifier (ModernBERT's)."""
+    """dense -> activation (-> norm) before the classifier (ModernBERT's, EuroBERT's)."""
+    head_norm: bool = True
+    """The prediction head ends in a norm (ModernBERT's); False: dense -> activation (EuroBERT's)."""
     dense_bias: bool = True
     activation: str = "gelu"
     dropout: float = 0.0

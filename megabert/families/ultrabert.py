@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
+from megabert.families.blocks import FULL, llama_block, llama_fields, llama_hf_config
 from megabert.families.eurobert import LAYER_NAMES as EUROBERT_LAYER
 from megabert.families.family import Family, Recipe
 from megabert.families.rope_config import checked_activation, rope_theta
-from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
-                                    MLPSpec, NormSpec)
+from megabert.families.spec import ClassifierSpec, EncoderSpec, MLMHeadSpec
 
 # EuroBERT's block, named as EuroBERT names it under the layer prefix.
 _LAYER = EUROBERT_LAYER
 _GLOBAL = {"word_embeddings": ("ultrabert.embed_tokens",), "final_norm": ("ultrabert.norm",),
            "head_dense": ("head.linear1",), "head_dense2": ("head.linear2",), "decoder": ("cls",)}
-FULL, SLIDING = "full_attention", "sliding_attention"
+SLIDING = "sliding_attention"
 
 
 def layer_types(cfg: ModelConfig) -> tuple[str, ...]:
@@ -34,27 +34,19 @@ def spec(cfg: ModelConfig) -> EncoderSpec:
     types = layer_types(cfg)
     theta = {FULL: cfg.global_rope_theta, SLIDING: cfg.local_rope_theta}
     return EncoderSpec(
-        family="ultrabert", hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-        norm=NormSpec(kind="rmsnorm", eps=cfg.layernorm_epsilon, bias=False), pre_norm=True,
-        embeddings=EmbeddingSpec(max_positions=0, type_vocab_size=0, norm=False, dropout=0.0),
-        attention=AttentionSpec(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, qkv_bias=cfg.attention_bias, out_bias=cfg.attention_bias,
-                                dropout=cfg.attention_dropout, layer_types=types,
-                                rope_theta={t: theta[t] for t in set(types)},
-                                half_window={SLIDING: cfg.local_attention // 2} if SLIDING in types else {}),
-        mlp=MLPSpec(ffn_size=cfg.ffn_hidden_size, kind="glu", activation=cfg.hidden_activation, in_bias=cfg.mlp_bias,
-                    out_bias=cfg.mlp_bias),
+        family="ultrabert",
+        **llama_block(cfg, types, {t: theta[t] for t in set(types)},
+                      {SLIDING: cfg.local_attention // 2} if SLIDING in types else {}),
         mlm_head=MLMHeadSpec(transform=True, width=cfg.prediction_head_size or cfg.hidden_size,
                              activation="gelu_pytorch_tanh", dense_bias=False, norm=False,
                              tied=not cfg.untie_embeddings_and_output_weights, decoder_bias=False),
         classifier=ClassifierSpec(pooling=cfg.classifier_pooling, prediction_head=False,
                                   dropout=cfg.classifier_dropout),
-        init=InitSpec(std=cfg.init_method_std),
         hf_layer_prefix="ultrabert.layers.{i}.", hf_layer_names=_LAYER, hf_names=_GLOBAL)
 
 
 def config_from_hf(hf: dict) -> dict:
-    heads, n = hf["num_attention_heads"], hf["num_hidden_layers"]
+    n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != n or set(types) - {FULL, SLIDING}):
         raise CheckpointError(f"config.json's layer_types {types} is not one of {FULL!r} / {SLIDING!r} per layer "
@@ -62,41 +54,24 @@ def config_from_hf(hf: dict) -> dict:
     window = hf.get("sliding_window", 128)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise CheckpointError(f"config.json's sliding_window {window!r} is not a positive number of tokens")
-    head_dim = hf.get("head_dim")
     return dict(
-        num_layers=n, hidden_size=hf["hidden_size"], num_attention_heads=heads,
-        ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 32768),
-        num_query_groups=hf.get("num_key_value_heads") or None,
-        kv_channels=head_dim if head_dim not in (None, hf["hidden_size"] // heads) else None,
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_method_std=hf.get("initializer_range", 0.02),
-        attention_dropout=hf.get("attention_dropout", 0.0), hidden_dropout=0.0, layernorm_position="pre",
-        bert_binary_head=False, layer_types=types, local_attention=2 * window,
+        llama_fields(hf, positions=32768, eps=1e-6), layer_types=types, local_attention=2 * window,
         global_rope_theta=rope_theta(hf, 2_560_000.0, "UltraBERT", FULL),
         local_rope_theta=rope_theta(hf, 10_000.0, "UltraBERT", SLIDING),
-        attention_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
         hidden_activation=checked_activation(hf, "silu", "UltraBERT"),
         prediction_head_size=hf.get("prediction_head_size", 768),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         classifier_pooling=hf.get("classifier_pooling", "cls"), classifier_dropout=hf.get("classifier_dropout") or 0.0)
 
 
 def hf_config(cfg: ModelConfig, architecture: str = "UltrabertForMaskedLM") -> dict:
     types = list(layer_types(cfg))
     return {
-        "architectures": [architecture], "model_type": "ultrabert", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_activation,
-        "max_position_embeddings": cfg.max_position_embeddings, "initializer_range": cfg.init_method_std,
-        "rms_norm_eps": cfg.layernorm_epsilon, "attention_bias": cfg.attention_bias,
-        "attention_dropout": cfg.attention_dropout, "mlp_bias": cfg.mlp_bias,
-        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "layer_types": types,
+        **llama_hf_config(cfg, "ultrabert", architecture), "layer_types": types,
         "sliding_window": cfg.local_attention // 2, "prediction_head_size": cfg.prediction_head_size or cfg.hidden_size,
         "rope_parameters": {t: {"rope_type": "default", "rope_theta": cfg.global_rope_theta if t == FULL
                                 else cfg.local_rope_theta} for t in sorted(set(types))},
         "classifier_pooling": cfg.classifier_pooling, "classifier_dropout": cfg.classifier_dropout,
-        "use_cache": False, "torch_dtype": "float32",
+        "use_cache": False,
     }
 
 

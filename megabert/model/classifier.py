@@ -84,7 +84,8 @@ class BertClassifier(BertPreTrainedModel):
 
 
 class PredictionHead(nn.Module):
-    """norm(act(dense(x))), replicated on the last stage (transformers' ModernBertPredictionHead)."""
+    """norm(act(dense(x))), replicated on the last stage (transformers' ModernBertPredictionHead);
+    act(dense(x)) where the spec's head has no norm (EuroBERT's)."""
 
     def __init__(self, ctx: BuildContext):
         super().__init__()
@@ -96,7 +97,7 @@ class PredictionHead(nn.Module):
         if spec.dense_bias:
             describe(self.dense.bias, init="zeros", weight_decay=False)
         self.act = ACTIVATIONS[spec.activation]
-        self.norm = ctx.norm(sequence_parallel=False)
+        self.norm = ctx.norm(sequence_parallel=False) if spec.head_norm else nn.Identity()
         set_hf_names(self, {f"dense.{k}": v for k, v in ctx.spec.hf("classifier_dense").items() if k in names})
         set_hf_names(self, norm_hf_names("norm", self.norm, ctx.spec.hf("classifier_norm")))
         describe_module(self, placement="last")
@@ -147,7 +148,8 @@ class PredictionHeadTaskModel(BertPreTrainedModel):
 
 class EncoderForSequenceClassification(PredictionHeadTaskModel):
     """Sequence classification / regression on the pooled output ([CLS] or the mean, as
-    ClassifierSpec.pooling), as transformers' ModernBERT's and UltraBERT's."""
+    ClassifierSpec.pooling), as transformers' ModernBERT's, UltraBERT's and EuroBERT's; or, with
+    "late" pooling (EuroBERT's default), every token classified and the logits averaged."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
@@ -173,7 +175,8 @@ class EncoderForSequenceClassification(PredictionHeadTaskModel):
 
     def _pool(self, sequence: torch.Tensor, batch: dict) -> torch.Tensor:
         """sequence [s, b, h] -> [b, h] (or [b * cap, h] for packed rows): the [CLS] token, or
-        the mean over the sample's real tokens, as config.classifier_pooling says."""
+        the mean over the sample's real tokens, as ClassifierSpec.pooling says (any width h:
+        late pooling averages logits)."""
         packed = batch.get("packed_seqlens")
         if self.ctx.spec.classifier.pooling == "cls":
             return sequence[0] if packed is None else gather_cls(sequence, packed)
@@ -184,11 +187,15 @@ class EncoderForSequenceClassification(PredictionHeadTaskModel):
         am = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if am is None else am.to(x.dtype)
         return (x * am.unsqueeze(-1)).sum(dim=1) / am.sum(dim=1, keepdim=True)
 
-    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> ClassifierOutput:
+    def _classify(self, x: torch.Tensor) -> torch.Tensor:
         # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
-        x = F.dropout(self.prediction_head(self._pool(sequence, batch)), self.ctx.spec.classifier.dropout,
-                      self.training)
-        logits = self.classifier(x)  # [b (* cap), num_labels]
+        return self.classifier(F.dropout(self.prediction_head(x), self.ctx.spec.classifier.dropout, self.training))
+
+    def head(self, sequence: torch.Tensor, pooled, batch: dict) -> ClassifierOutput:
+        if self.ctx.spec.classifier.pooling == "late":
+            logits = self._pool(self._classify(sequence), batch)  # [s, b, num_labels] -> [b (* cap), num_labels]
+        else:
+            logits = self._classify(self._pool(sequence, batch))  # [b (* cap), num_labels]
         loss, loss_sum = sequence_loss(logits, batch, self.config.num_labels)
         return ClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
 

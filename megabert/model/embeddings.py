@@ -75,8 +75,10 @@ class Embeddings(nn.Module):
             positions = torch.arange(seq_len, device=input_ids.device) if position_ids is None else position_ids
             x = x + self.position_embeddings(positions)
         if self.tokentype_embeddings is not None:
-            x = x + self.tokentype_embeddings(token_type_ids if token_type_ids is not None
-                                              else torch.zeros_like(input_ids))
+            # NOTE: a one-row table (GTE's type_vocab_size 1) is added to every token: its
+            # tokenizer types both segments of a pair 0, where the tasks' features write BERT's 1.
+            one_type = token_type_ids is None or self.tokentype_embeddings.num_embeddings == 1
+            x = x + self.tokentype_embeddings(torch.zeros_like(input_ids) if one_type else token_type_ids)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]: Megatron's layout
         norm = getattr(self, self.norm_name)
         if norm is not None:

@@ -31,7 +31,7 @@ from megabert.model_classes import by_name, meta_model, reference_table
 from megabert.config import ModelConfig, ParallelConfig
 from megabert.rules import validate_layout
 from megabert.errors import CheckpointError, cli_main
-from megabert.families import get_family
+from megabert.families import get_family, model_class_for_architectures
 from megabert.paths import DIR, FILE_OR_DIR, OUT_DIR, check_paths
 
 
@@ -61,13 +61,10 @@ def import_checkpoint(output: str, tp: int, pp: int, *, hf_dir: Optional[str] = 
                                      bert_binary_head=has_binary_head)
     family = get_family(cfg.model_family)
     validate_layout(cfg, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), tp * pp)
-    # transformers' architecture (or ours) -> the task model that holds its head
-    heads = {name: c for t, c in family.task_classes.items() if t not in ("pretraining", "masked_lm", "embeddings")
-             for name in (c, family.architectures.get(t))}
-    model_class = next((heads[a] for a in (hf_config.get("architectures") or []) if a in heads),
-                       family.task_classes["pretraining"])
+    model_class = model_class_for_architectures(family, hf_config.get("architectures"),
+                                                os.path.join(source_dir, "config.json"))
     table = reference_table(cfg, model_class)
-    full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases)
+    full = hf_io.hf_to_megabert(hf_state, table, family.hf_prefix_aliases, family.hf_base_prefix)
     missing = sorted(set(table) - set(full))
     if missing and family.architecture_from_checkpoint:
         raise CheckpointError(f"{source_dir} lacks tensors a {model_class} needs (first: "
@@ -108,12 +105,17 @@ def _copy_files(source: str, target: str, names) -> list[str]:
     return copied
 
 
+def _trained_vocab_file(meta: dict) -> str:
+    """The --vocab-file the checkpoint's run read ("" when it names none)."""
+    args = meta.get("args") or {}
+    trained = args.get("data") or args.get("finetune") or {}  # pre-training's flags, or fine-tuning's
+    return trained.get("vocab_file") or ""
+
+
 def _tokenizer_json_dir(load: str, meta: dict, vocab_file: Optional[str]) -> str:
     """Where the export's tokenizer.json comes from: --vocab-file (the file or its
     directory), else the one the run was trained with, else the one beside the checkpoint."""
-    args = meta.get("args") or {}
-    trained = args.get("data") or args.get("finetune") or {}  # pre-training's flags, or fine-tuning's
-    for candidate in (vocab_file, trained.get("vocab_file"), load):
+    for candidate in (vocab_file, _trained_vocab_file(meta), load):
         if not candidate:
             continue
         directory = candidate if os.path.isdir(candidate) else os.path.dirname(candidate)
@@ -129,7 +131,8 @@ def export_hf(load: str, hf_dir: str, vocab_file: Optional[str] = None, tokenize
     full, meta, table = read_full(load)
     cfg = ModelConfig(**meta["model_config"])
     family = get_family(cfg.model_family)
-    if family.recipe.tokenizer == "tokenizer.json":
+    # The run's tokenizer travels: a tokenizer.json (any family's: NomicBERT's may be one) or WordPiece.
+    if family.recipe.tokenizer == "tokenizer.json" or _trained_vocab_file(meta).endswith(".json"):
         arch = hf_io.hf_architecture(cfg, meta.get("model_class", family.task_classes["pretraining"]))
         hf_io.write_hf_dir(hf_dir, hf_io.megabert_to_hf(full, table), hf_io.hf_config_from_model(cfg, arch))
         copied = _copy_files(_tokenizer_json_dir(load, meta, vocab_file), hf_dir, TOKENIZER_JSON_FILES)

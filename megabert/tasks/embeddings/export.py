@@ -10,9 +10,9 @@
       config_sentence_transformers.json   the similarity: cosine, or dot without normalisation; the
                                           prompts `query` and `document` (--query-prompt, --document-prompt)
 
-A ModernBERT bi-encoder writes transformers' ModernBertModel (config.json, model.safetensors)
-and copies tokenizer.json, tokenizer_config.json and special_tokens_map.json from the
-directory of the run's tokenizer.json in place of the WordPiece files.
+Another family's bi-encoder writes its transformers base model (ModernBertModel, GteModel, ...)
+and, when the run's tokenizer is a tokenizer.json, copies tokenizer.json, tokenizer_config.json
+and special_tokens_map.json from its directory in place of the WordPiece files.
 
 `SentenceTransformer(dir).encode(texts)` then computes megabert's embeddings (documents';
 `encode(queries, prompt_name="query")` or `encode_query` the queries'; max_seq_length is the
@@ -62,7 +62,8 @@ def write_sentence_transformers(path: str, model: BertForSentenceEmbedding, full
     # transformers' base model (BertModel, ModernBertModel) is the masked LM's without the prefix.
     hf_state = {k.removeprefix(family.hf_base_prefix): v for k, v in hf_io.megabert_to_hf(full, table).items()}
     config = hf_io.hf_config_from_model(model.config, family.architectures["embeddings"])
-    if family.recipe.tokenizer == "tokenizer.json":
+    # The run's tokenizer travels: a tokenizer.json (any family's: NomicBERT's may be one) or WordPiece.
+    if family.recipe.tokenizer == "tokenizer.json" or vocab_file.endswith(".json"):
         hf_io.write_hf_dir(path, hf_state, config)
         copy_tokenizer_json(vocab_file, path)
     else:

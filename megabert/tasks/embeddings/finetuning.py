@@ -87,9 +87,10 @@ class EmbeddingsTask(FinetuneTask):
                               f"model with a tokenizer.json (ModernBERT, EuroBERT, ...) copies it; use "
                               f"HuggingFaceTokenizer with --vocab-file PATH/tokenizer.json (the default for such a "
                               f"--load)")
-        if self.config.output_dir and not self.tokenizer_json and self.config.tokenizer_type not in WORDPIECE:
+        if self.config.output_dir and self.config.tokenizer_type not in (*WORDPIECE, "HuggingFaceTokenizer"):
             raise ConfigError(f"--tokenizer-type {self.config.tokenizer_type}: the sentence-transformers export "
-                              f"writes a BERT WordPiece tokenizer; use {' or '.join(WORDPIECE)} with a vocab.txt")
+                              f"writes a BERT WordPiece tokenizer or copies a tokenizer.json; use "
+                              f"{' or '.join(WORDPIECE)} with a vocab.txt, or HuggingFaceTokenizer")
         check_chunk_size(self.cfg.train.micro_batch_size, self.config.embedding_chunk_size)
         paths = self.config.train_file or []
         start = 0
