@@ -175,7 +175,7 @@ def test_pretraining_with_bf16_uses_master_weights_and_saves_fp32(tmp_path):
         model = trainer.strategy.model
         weights = gemm_weights(model)
         assert weights and all(getattr(w, GEMM_COPY)[0].dtype == torch.bfloat16 for w in weights)
-        saved = trainer.strategy.cpu_state_dict(keep=True)
+        saved = trainer.checkpoint.parts.model.state_dict()
         assert all(v.dtype == torch.float32 for k, v in saved.items() if v.is_floating_point())
     finally:
         trainer.close()
