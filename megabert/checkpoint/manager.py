@@ -62,15 +62,15 @@ class ModelPart(Protocol):
 class OptimizerPart(Stateful, Protocol):
     """The optimizer state by parameter name (megabert.checkpoint.optimizer_state)."""
 
-    param_groups: list
-    """The live groups: their hyperparameters continue a Megatron-LM run's moments."""
+    param_groups: list  # live: their hyperparameters continue a Megatron-LM run's moments
 
 
 class EngineFiles(Protocol):
     """An outside engine's state, in files of its own beside the rank files."""
 
+    name: str
     flag: str
-    """The flag that runs the engine, for log lines."""
+    """The engine's name and the flag that runs it, for log lines."""
 
     def save_files(self, root: str, state: TrainingState) -> None:
         """Collective, after the rank files."""
@@ -248,7 +248,7 @@ class CheckpointManager:
         elif source.format is Format.MEGATRON:
             args = source.megatron_args
             engine = self.parts.engine
-            reason = (f"{engine.flag}: the optimizer is the engine's" if engine is not None
+            reason = (f"{engine.flag}: the optimizer is {engine.name}'s" if engine is not None
                       else adam_state.mismatch(args, optim))
             note = adam_state.hyperparameter_note(args, optim)
         if self.ps.is_logging_rank:

@@ -41,7 +41,7 @@ class PartitionedWeights(ModelWeights):
 class DeepSpeedFiles:
     """The engine's optimizer (its ZeRO partitions, its fp32 masters) in DeepSpeed's own files."""
 
-    flag = "--deepspeed"
+    name, flag = "DeepSpeed", "--deepspeed"
 
     def __init__(self, strategy: DeepSpeedStrategy):
         self.strategy = strategy
