@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
+    """torch's convention: what state_dict() gives, load_state_dict() takes back."""
+
     def state_dict(self): ...
 
     def load_state_dict(self, state) -> None: ...
@@ -68,9 +70,8 @@ class OptimizerPart(Stateful, Protocol):
 class EngineFiles(Protocol):
     """An outside engine's state, in files of its own beside the rank files."""
 
-    name: str
+    name: str  # the engine's name and the flag that runs it, for log lines
     flag: str
-    """The engine's name and the flag that runs it, for log lines."""
 
     def save_files(self, root: str, state: TrainingState) -> None:
         """Collective, after the rank files."""
@@ -92,8 +93,7 @@ class CheckpointParts:
 
     model: ModelPart
     rng: RNGStreams
-    optimizer: Optional[OptimizerPart] = None
-    """None where there is none or the engine keeps it (`engine`)."""
+    optimizer: Optional[OptimizerPart] = None  # None where there is none or the engine keeps it
     scaler: Optional[Stateful] = None
     engine: Optional[EngineFiles] = None
 
