@@ -218,7 +218,7 @@ def test_pretraining_with_bf16_uses_master_weights_and_saves_fp32(tmp_path):
         copies = _held(trainer.strategy.model)
         assert copies is trainer.strategy.master_weights.gemm_copies and copies.masters
         assert all(c.dtype == torch.bfloat16 for c in copies.copies)
-        saved = trainer.strategy.cpu_state_dict(keep=True)
+        saved = trainer.checkpoint.parts.model.state_dict()
         assert all(v.dtype == torch.float32 for k, v in saved.items() if v.is_floating_point())
     finally:
         trainer.close()

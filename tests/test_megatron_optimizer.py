@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import megabert
+from megabert.checkpoint.manager import CheckpointManager
 from megabert.checkpoint.megatron import adam_state
 from megabert.checkpoint.optimizer_state import shard_optimizer_state
 from megabert.checkpoint.reader import read_rank
@@ -27,7 +28,7 @@ from megabert.config import OptimConfig
 from megabert.optim import build_optimizer
 from megabert.parallel.layout import StageLayout
 from megabert.parallel.param_spec import spec_table
-from megabert.training.restore import restore
+from megabert.training.checkpoint_state import local_parts
 from megabert.training.strategy import LocalStrategy
 from tests.helpers import cli_utils
 from tests.helpers.dist_utils import run_distributed
@@ -49,7 +50,8 @@ def _next_step(fmt: str, ps=None, load_moments: bool = True) -> tuple[float, flo
     model = megabert.BertForPreTraining.from_pretrained(path, ps, attention_backend="torch")
     optimizer = build_optimizer(model, _optim_config(), model.parallel_state.tp_group)
     strategy = LocalStrategy(model, optimizer, model.parallel_state, None, scaler=None, clip_grad=0.0)
-    loaded = restore(require_source(path), model, model.parallel_state, strategy=strategy, load_optimizer=load_moments)
+    loaded = CheckpointManager(local_parts(strategy), model.parallel_state).restore(require_source(path),
+                                                                                    load_optimizer=load_moments)
     assert loaded.state.iteration == OPTIM_STEPS
     batch = train_batch(OPTIM_STEPS + 1)
     model.train()

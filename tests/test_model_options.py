@@ -217,13 +217,14 @@ def _qa_from_unpadded_pretraining(rank, world, root):
     from megabert.config import FinetuneConfigs, OptimConfig, ParallelConfig, TrainConfig
     from megabert.tasks.squad.config import SquadConfig
     from megabert.tasks.squad.finetuning import load_qa_model
+    from megabert.checkpoint.manager import CheckpointManager
     from megabert.checkpoint.run_state import TrainingState
     from megabert.checkpoint.start import require_source
-    from megabert.training.strategy import Strategy
+    from megabert.training.checkpoint_state import model_parts
 
     ps = megabert.init_parallel()
     model = megabert.BertForPreTraining(_cfg(unpad_input=True), ps)
-    Strategy(model, None, ps, runner=None).save(root, TrainingState(), extra={}, keep_last=None)  # no optimizer
+    CheckpointManager(model_parts(model, ps), ps).save(root, TrainingState(), extra={}, keep_last=None)  # no optimizer
     cfg = FinetuneConfigs(parallel=ParallelConfig(), optim=OptimConfig(), train=TrainConfig(load=root),
                           finetune=SquadConfig(train_file="t.json", max_seq_length=32,
                                                                    max_query_length=8, doc_stride=8))

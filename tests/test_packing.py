@@ -182,7 +182,7 @@ def _step_worker(rank, world, argv, packed, tp, pp, out):
         trainer.train_step()
         metrics = trainer.flush_metrics()
         grads = {n: p.grad.clone() for n, p in trainer.strategy.model.named_parameters() if p.grad is not None}
-        params = trainer.strategy.cpu_state_dict(keep=True)  # whole (TP-local) weights, ZeRO-3's gathered
+        params = trainer.checkpoint.parts.model.state_dict()  # whole (TP-local) weights, ZeRO-3's gathered
         consumed = int(trainer.step_packing[0]) if trainer.step_packing is not None else N
     finally:
         trainer.close()

@@ -36,6 +36,23 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+class OptimizerByName:
+    """A torch optimizer as a checkpoint's stateful part: its state by parameter name."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module):
+        self.optimizer, self.model = optimizer, model
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict:
+        return optimizer_state_by_name(self.optimizer, self.model)
+
+    def load_state_dict(self, saved: dict) -> None:
+        load_optimizer_state_by_name(self.optimizer, self.model, saved)
+
+
 def _copied(v):
     """Counters and unsplit moments leave the file they were read from (it may be mapped)."""
     return v.clone() if torch.is_tensor(v) else v

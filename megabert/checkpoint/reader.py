@@ -153,7 +153,7 @@ def _read_megatron(path: str, tp_rank: int, tp_size: int, stage: StageLayout, pa
     moments = None
     if read.moments is not None:
         full_optim = {"state": repad_vocab({k: v for k, v in read.moments.items() if k in held}, table, padded),
-                      "param_groups": []}  # the run's own groups and flags: training.restore
+                      "param_groups": []}  # the run's own groups and flags: checkpoint.manager
         moments = shard_optimizer_state(full_optim, table, set(model), tp_rank, tp_size)
     return RankCheckpoint({"model": model, "model_config": dataclasses.asdict(cfg), "iteration": header["iteration"],
                            "megatron_args": header["args"], "optimizer": moments, "optimizer_note": read.note},

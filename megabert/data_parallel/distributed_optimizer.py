@@ -60,8 +60,13 @@ class DistributedOptimizer:
         self.optimizer = build_optimizer(model, cfg, ps.tp_group, groups=groups, lamb=lamb)
 
     # ------------------------------------------------------------ checkpoints
+    # A checkpoint's stateful part (megabert.checkpoint.manager): the states by parameter name.
 
-    def state_by_name(self) -> Optional[dict]:
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> Optional[dict]:
         """Collective over DP. On DP rank 0, which writes it, the states as a run without
         this flag saves them (megabert.checkpoint.optimizer_state): {"state": {name: {"step",
         "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}, whole
@@ -115,7 +120,7 @@ class DistributedOptimizer:
                   for live, mg in zip(self.optimizer.param_groups, self.model_groups)]
         return {"state": by_name, "param_groups": groups}
 
-    def load_state_by_name(self, saved: dict) -> None:
+    def load_state_dict(self, saved: dict) -> None:
         """This rank's pieces of a by-name state (saved with or without this flag, at any
         DP size; TP/PP resharding is the checkpoint reader's)."""
         names = {id(p): n for n, p in self.model.named_parameters()}

@@ -16,7 +16,8 @@ from megabert.parallel import ParallelState
 from megabert.pipeline_parallel import PipeComm, PipelineSchedule, pipeline_dtype
 from megabert.data_parallel.overlap import OverlappedGradReducer
 from megabert.training.precision import MasterWeights, autocast
-from megabert.training.restore import continue_run, preload_weights
+from megabert.checkpoint.manager import CheckpointManager
+from megabert.training.checkpoint_state import local_parts, preload_weights
 from megabert.training.cuda_graphs import CudaGraphs, GraphedRunner
 from megabert.training.strategy import LocalStrategy, SequentialRunner, Strategy, TrainingTask
 from megabert.training.trainer import Batches, Trainer
@@ -146,13 +147,31 @@ def build_trainer(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun",
                   valid_batches: Optional[Callable[[], Iterator[dict]]] = None, *,
                   flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None) -> Trainer:
     """`run` trains `model` on `task` (its loss and metrics) at `run.seq_length`, from
-    `run.start` (megabert.training.restore). `train_batches(consumed_samples)` gives the
+    `run.start` (megabert.checkpoint.manager). `train_batches(consumed_samples)` gives the
     training batches from that point on, so a resumed run sees exactly the samples the
     interrupted one would have."""
     preloaded = preload_weights(run, model, ps)
     strategy = build_strategy(model, ps, run, task)
-    state = continue_run(run, model, ps, strategy, preloaded)
+    checkpoint = build_checkpoint(strategy, run)
+    state = checkpoint.resume(run.start, optim=run.optim, load_optim=run.train.load_optim, seq_length=run.seq_length,
+                              preloaded=preloaded)
     return Trainer(strategy, Batches(train_batches(state.consumed_samples), valid_batches), run.train, run.batch,
-                   LRSchedule(run.optim, run.train.train_iters), state=state, flops_per_sample=flops_per_sample,
-                   checkpoint_extra=checkpoint_extra)
+                   LRSchedule(run.optim, run.train.train_iters), checkpoint=checkpoint, state=state,
+                   flops_per_sample=flops_per_sample, checkpoint_extra=checkpoint_extra)
+
+
+def build_checkpoint(strategy: Strategy, run: "ResolvedRun") -> CheckpointManager:
+    """The checkpoint manager of what `build_strategy` made of `run`: its parts are the
+    strategy's model and optimizer, as each kind of strategy keeps them."""
+    if run.deepspeed_config is not None:
+        from megabert.training.deepspeed.checkpoint import deepspeed_parts
+
+        parts = deepspeed_parts(strategy)
+    elif run.parallel.use_distributed_optimizer:
+        from megabert.training.distributed_optimizer_strategy import distributed_optimizer_parts
+
+        parts = distributed_optimizer_parts(strategy)
+    else:
+        parts = local_parts(strategy)
+    return CheckpointManager(parts, strategy.ps)
 

@@ -10,15 +10,16 @@ from typing import Optional
 
 import torch
 
-from megabert.checkpoint.start import Source
+from megabert.checkpoint.manager import CheckpointParts
+from megabert.checkpoint.run_state import RNGStreams
 from megabert.config import OptimConfig
 from megabert.data_parallel.distributed_optimizer import DistributedOptimizer
 from megabert.data_parallel.sharded_buffers import ShardedBuffers
-from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import spec_of
 from megabert.optim.grad_scaler import DynamicLossScaler
 from megabert.training.grads import sync_sequence_parallel_grads, sync_tied_embedding_grads
+from megabert.training.checkpoint_state import ModelWeights
 from megabert.training.precision import MasterWeights
 from megabert.training.strategy import LocalStrategy, StepResult
 
@@ -62,18 +63,13 @@ class DistributedOptimizerStrategy(LocalStrategy):
         # them: a rank with no batch to predict would leave the others waiting.
         self.buffers.wait_params()
 
-    def cpu_state_dict(self, keep: bool) -> dict:
-        self.buffers.wait_params()
-        return super().cpu_state_dict(keep)
 
-    def optimizer_state(self) -> dict:
-        return self.dist_opt.state_by_name()  # collective: save_checkpoint calls it on every rank
-
-    def load_optimizer_state(self, source: Source, payload: dict, state) -> None:
-        if payload.get("optimizer") is None:
-            raise CheckpointError(f"{source.path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
-                                  f"or start the optimizer fresh with --finetune")
-        self.dist_opt.load_state_by_name(payload["optimizer"])
+def distributed_optimizer_parts(strategy: DistributedOptimizerStrategy) -> CheckpointParts:
+    """What its checkpoints hold: the weights once the last step's all-gathers landed, and the
+    distributed optimizer's states by name (gathered over DP at save time, on every rank)."""
+    model = strategy.model
+    return CheckpointParts(model=ModelWeights(model, strategy.ps, before_read=strategy.buffers.wait_params),
+                           rng=RNGStreams(model.rng), optimizer=strategy.dist_opt, scaler=strategy.scaler)
 
 
 def build_distributed_optimizer_strategy(model: torch.nn.Module, ps: ParallelState, cfg: OptimConfig, runner, *,

@@ -5,8 +5,8 @@ another (`SequentialRunner`, PP=1) or through pipeline stages (`PipelineSchedule
 interleaved). A *strategy* turns the accumulated gradients into an update: ours
 (`LocalStrategy`: explicit reductions, fp16 loss scaling, global-norm clipping, the
 optimizer) or DeepSpeed's (megabert.training.deepspeed: ZeRO partitions). The Trainer only
-calls `train_step`, `forward_only` and `save`; a run's start is restored by
-megabert.training.restore.
+calls `train_step` and `forward_only`; checkpoints are megabert.checkpoint.manager's, whose
+parts megabert.training.checkpoint_state makes of a strategy's model and optimizer.
 """
 from __future__ import annotations
 
@@ -18,15 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 import torch
 
 from megabert.parallel import ParallelState
-from megabert.checkpoint.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
-from megabert.errors import CheckpointError
-from megabert.checkpoint.start import Source
-from megabert.checkpoint.run_state import RankContents, TrainingState, capture_rng, save_checkpoint
 from megabert.data_parallel.averaging import average_data_parallel_grads
 from megabert.data_parallel.grad_buckets import GradReducer
 from megabert.optim.clip import guarded_step
 from megabert.optim.grad_scaler import DynamicLossScaler
-from megabert.parallel.param_spec import spec_table, table_to_dict
 from megabert.training.grads import grad_norm, sync_sequence_parallel_grads, sync_tied_embedding_grads
 
 if TYPE_CHECKING:
@@ -162,10 +157,9 @@ class StepResult:
 
 
 class Strategy:
-    """Shared by every strategy: the model, its optimizer, the runner, checkpoints. `save` and
-    megabert.training.restore call the hooks below; a strategy that keeps its own state
-    (DeepSpeed's ZeRO partitions: megabert.training.deepspeed) overrides them. `save_own_files`
-    and `discard_own_files` are megabert.checkpoint's OwnFiles protocol."""
+    """Shared by every strategy: the model, its optimizer, the runner; stepping and precision
+    (--bf16's GEMM copies) only. What a checkpoint holds of them is
+    megabert.training.checkpoint_state's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ps: ParallelState, runner, *,
                  scaler: Optional[DynamicLossScaler] = None, master_weights: Optional["MasterWeights"] = None):
@@ -200,48 +194,6 @@ class Strategy:
             return self.runner.forward_only(batches, output_fn)
         finally:
             self.module.train()
-
-    def save(self, root: str, state: TrainingState, *, extra: dict, keep_last: Optional[int]) -> None:
-        """Collective: what the rank files hold, gathered here, then megabert.checkpoint writes it."""
-        model, ps = self.model, self.ps
-        weights = self.cpu_state_dict(keep=ps.dp_rank == 0)  # collective when parameters are partitioned
-        optimizer = self.optimizer_state()  # collective when the states are sharded over DP
-        contents = RankContents(
-            weights, model.config, type(model).__name__, table_to_dict(spec_table(model)), model.virtual_stage_layers,
-            capture_rng(model.rng.get_states()), optimizer,
-            self.scaler.state_dict() if self.scaler is not None else None)
-        save_checkpoint(root, state, ps, contents, own_files=self, extra=extra, keep_last=keep_last)
-
-    # ------------------------------------------------------------ checkpoint hooks
-
-    def cpu_state_dict(self, keep: bool) -> dict:
-        """The model's whole (TP-local) weights on the CPU where `keep`, else {}. Every rank
-        calls it (a strategy that partitions parameters gathers them here)."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if keep else {}
-
-    def optimizer_state(self) -> Optional[dict]:
-        """The optimizer state for our rank files (by parameter name), or None when the
-        strategy saves it in files of its own (save_own_files). Every rank calls it (the
-        distributed optimizer gathers its shards here); DP rank 0 writes it."""
-        return optimizer_state_by_name(self.optimizer, self.model) if self.optimizer is not None else None
-
-    def save_own_files(self, root: str, state: TrainingState) -> None:
-        """Collective, after the rank files: state our rank files do not hold."""
-
-    def discard_own_files(self, root: str, state: TrainingState) -> None:
-        """A save failed (rank 0 calls this): take back what save_own_files wrote for it."""
-
-    def load_optimizer_state(self, source: Source, payload: dict, state: TrainingState) -> None:
-        """Restores the optimizer of a resumed run from what save wrote (`payload`: its rank
-        file's view for this rank; `source`: the checkpoint, for what lies beside it)."""
-        if payload.get("optimizer") is None:
-            raise CheckpointError(f"{source.path} holds no optimizer state (saved with DeepSpeed?); add --deepspeed "
-                                  f"or start the optimizer fresh with --finetune")
-        load_optimizer_state_by_name(self.optimizer, self.model, payload["optimizer"])
-
-    def weights_loaded(self) -> None:
-        """New weights went into the model (a weights-only start): copies of them that the
-        strategy keeps elsewhere must follow."""
 
     def settle(self) -> None:
         """Collective, when training ends: completes what the last step left in flight, so

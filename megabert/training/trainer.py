@@ -21,6 +21,7 @@ from megabert.optim import LRSchedule
 from megabert.parallel import comm
 from megabert.parallel.comm import LABELS, CommLedger
 from megabert.parallel.layout import BatchLayout
+from megabert.checkpoint.manager import CheckpointManager
 from megabert.checkpoint.run_state import TrainingState
 from megabert.training.metrics import MetricsLogger, device_peak_tflops, peak_memory_gb
 from megabert.training.step_metrics import IntervalMetrics
@@ -40,10 +41,11 @@ class Batches:
 
 class Trainer:
     def __init__(self, strategy: Strategy, data: Batches, cfg: TrainConfig, batch: BatchLayout,
-                 schedule: LRSchedule, *, state: Optional[TrainingState] = None,
+                 schedule: LRSchedule, *, checkpoint: CheckpointManager, state: Optional[TrainingState] = None,
                  flops_per_sample: Optional[float] = None, checkpoint_extra: Optional[dict] = None):
         self.strategy, self.data, self.cfg, self.batch, self.schedule = strategy, data, cfg, batch, schedule
         self.ps = strategy.ps
+        self.checkpoint = checkpoint  # saves what the run's checkpoints hold (--save)
         self.state = state or TrainingState()
         self.flops_per_sample, self.peak = flops_per_sample, device_peak_tflops(self.ps.device)
         self.checkpoint_extra = checkpoint_extra or {}
@@ -204,8 +206,8 @@ class Trainer:
 
     def save(self) -> None:
         if self.cfg.save:
-            self.strategy.save(self.cfg.save, self.state, extra=self.checkpoint_extra,
-                               keep_last=self.cfg.keep_last_checkpoints)
+            self.checkpoint.save(self.cfg.save, self.state, extra=self.checkpoint_extra,
+                                 keep_last=self.cfg.keep_last_checkpoints)
 
     def _on_sigterm(self, signum, frame) -> None:
         # SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.

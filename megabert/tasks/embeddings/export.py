@@ -40,7 +40,7 @@ from megabert.tasks.embeddings.model import BertForSentenceEmbedding
 
 def gather_whole_model(model: BertForSentenceEmbedding, local: Optional[dict] = None) -> Optional[dict]:
     """The full (TP-merged, every pipeline stage's) state dict on rank 0, None elsewhere.
-    `local`: this rank's weights as the training strategy holds them (Strategy.cpu_state_dict:
+    `local`: this rank's weights as the training run holds them (its checkpoint's model part:
     ZeRO-3 gathers its partitions there), else the model's own parameters. Collective over
     the world."""
     ps: ParallelState = model.parallel_state

@@ -220,7 +220,7 @@ class EmbeddingsTask(FinetuneTask):
         """The whole model's weights on rank 0 (collective). Taken as the strategy holds them
         (a ZeRO-3 engine's partitions gathered) and before an evaluation's forward passes, as
         a save takes them: ZeRO-3 may leave parameters prefetched (in flight) after a forward."""
-        local = self.trainer.strategy.cpu_state_dict(keep=True) if self.trainer is not None else None
+        local = self.trainer.checkpoint.parts.model.state_dict() if self.trainer is not None else None
         return gather_whole_model(self.model, local)
 
     def _write(self, full: Optional[dict], results: Optional[dict], step: Optional[int]) -> None:

@@ -1,17 +1,11 @@
 """DeepSpeed's strategy: the engine applies the update (ZeRO partitions over the
-data-parallel group) and keeps its own checkpoint files beside our rank files."""
+data-parallel group). Its checkpoints: megabert.training.deepspeed.checkpoint."""
 from __future__ import annotations
 
-import os
-import shutil
 from typing import Optional
 
 import torch
 
-from megabert.checkpoint.layout import tag_dir_name
-from megabert.checkpoint.run_state import TrainingState
-from megabert.checkpoint.start import Source
-from megabert.errors import CheckpointError
 from megabert.config import OptimConfig, TrainConfig
 from megabert.optim import build_optimizer
 from megabert.tensor_parallel.layers import use_linear
@@ -19,8 +13,6 @@ from megabert.training.deepspeed.ds_config import takes_memory_efficient_linear
 from megabert.training.deepspeed.engine import initialize, reduce_gradients
 from megabert.training.grads import grad_norm, sync_tied_embedding_grads
 from megabert.training.strategy import SequentialRunner, StepResult, Strategy, TrainingTask
-
-DEEPSPEED_SUBDIR = "deepspeed"  # DeepSpeed's ZeRO files, beside our rank files: SAVE/deepspeed/iter_NNNNNNN/
 
 
 class DeepSpeedStrategy(Strategy):
@@ -76,65 +68,6 @@ class DeepSpeedStrategy(Strategy):
         scale = float(engine.optimizer.loss_scale) if self.fp16 else None
         return StepResult(metrics, torch.tensor(norm), overflow=engine.skipped_steps > skipped_before,
                           loss_scale=scale)
-
-    # ------------------------------------------------------------ checkpoint hooks
-
-    def cpu_state_dict(self, keep: bool) -> dict:
-        """ZeRO-3 leaves each rank a partition of every parameter (an empty tensor in
-        state_dict()), so our rank files, and with them export, resharding and weights-only
-        starts, need them gathered: one parameter at a time over the data-parallel group
-        (every rank takes part), kept where `keep`."""
-        if self.zero_stage != 3:
-            return super().cpu_state_dict(keep)
-        import deepspeed
-
-        params = dict(self.model.named_parameters())
-        out = {}
-        for name, value in self.model.state_dict(keep_vars=True).items():
-            if name in params:
-                with deepspeed.zero.GatheredParameters([params[name]]):
-                    if keep:
-                        out[name] = params[name].detach().cpu().clone()
-            elif keep:
-                out[name] = value.detach().cpu()
-        return out
-
-    def optimizer_state(self) -> Optional[dict]:
-        return None  # ZeRO-partitioned: DeepSpeed's own files (save_own_files)
-
-    def save_own_files(self, root: str, state: TrainingState) -> None:
-        self.engine.save_checkpoint(os.path.join(root, DEEPSPEED_SUBDIR), tag=f"iter_{state.iteration:07d}",
-                                    client_state={"iteration": state.iteration,
-                                                  "consumed_samples": state.consumed_samples})
-
-    def discard_own_files(self, root: str, state: TrainingState) -> None:
-        # Kept when a committed checkpoint of this iteration uses them (a failed re-save).
-        if not os.path.isdir(os.path.join(root, tag_dir_name(state.iteration))):
-            shutil.rmtree(os.path.join(root, DEEPSPEED_SUBDIR, tag_dir_name(state.iteration)), ignore_errors=True)
-
-    def load_optimizer_state(self, source: Source, payload: dict, state: TrainingState) -> None:
-        # NOTE: DeepSpeed reads its ZeRO files with torch.load(weights_only=False), which
-        # unpickles: resume only checkpoints you trust (README, "Checkpoints").
-        ds_dir = os.path.join(source.root, DEEPSPEED_SUBDIR)  # beside the rank files (a megabert checkpoint)
-        if not os.path.isdir(ds_dir):
-            raise CheckpointError(f"{source.path} has no {DEEPSPEED_SUBDIR}/ directory: it was not saved with --deepspeed; "
-                                  f"drop --deepspeed or load the weights only with --finetune")
-        _, client = self.engine.load_checkpoint(ds_dir, tag=f"iter_{state.iteration:07d}",
-                                                load_optimizer_states=True, load_lr_scheduler_states=False)
-        if client is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint for iteration {state.iteration} in {ds_dir}")
-
-    def weights_loaded(self) -> None:
-        """New weights in the engine's module do not reach its fp32 master copies (ZeRO
-        partitions, fp16/bf16 wrappers): its first step would write the old weights back.
-        DeepSpeed's own module-only load refreshes them the same way. Every optimizer DeepSpeed
-        wraps ours in (ZeRO 1/2/3, its fp16 and bf16 ones: DeepSpeedOptimizer, 0.19) keeps masters
-        and refreshes them; unwrapped (fp32 without ZeRO) ours steps the module's own
-        parameters and there is nothing to refresh."""
-        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-
-        if isinstance(self.engine.optimizer, DeepSpeedOptimizer):
-            self.engine.optimizer.refresh_fp32_params()
 
     def close(self) -> None:
         """Releases the engine (its hooks, ZeRO-3 partition state and comm buffers) before
