@@ -32,13 +32,13 @@ from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
 from megabert.tasks.embeddings.config import EMBEDDINGS_DEFAULTS, EmbeddingsConfig
 from megabert.tasks.embeddings.finetuning import EmbeddingsTask
-from megabert.training.finetune import finetune
+from megabert.training.driver import run_task
 
 
 @cli_main
-def main(argv=None) -> None:
-    cfg = parse_finetune_args(argv, description=__doc__, task_config=EmbeddingsConfig, defaults=EMBEDDINGS_DEFAULTS)
-    finetune(cfg, EmbeddingsTask)  # load -> resolve -> train (resuming --save) -> evaluate and export
+def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> evaluate and export
+    run_task(parse_finetune_args(argv, __doc__, task_config=EmbeddingsConfig, defaults=EMBEDDINGS_DEFAULTS),
+             EmbeddingsTask)
 
 
 if __name__ == "__main__":

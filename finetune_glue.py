@@ -25,13 +25,12 @@ from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
 from megabert.tasks.glue.config import GLUE_DEFAULTS, GlueConfig
 from megabert.tasks.glue.finetuning import GlueTask
-from megabert.training.finetune import finetune
+from megabert.training.driver import run_task
 
 
 @cli_main
-def main(argv=None) -> None:
-    cfg = parse_finetune_args(argv, description=__doc__, task_config=GlueConfig, defaults=GLUE_DEFAULTS)
-    finetune(cfg, GlueTask)  # load -> resolve -> train (resuming --save) -> evaluate and predict
+def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> evaluate and predict
+    run_task(parse_finetune_args(argv, __doc__, task_config=GlueConfig, defaults=GLUE_DEFAULTS), GlueTask)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,12 @@ from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
 from megabert.tasks.ner.config import NER_DEFAULTS, NerConfig
 from megabert.tasks.ner.finetuning import NerTask
-from megabert.training.finetune import finetune
+from megabert.training.driver import run_task
 
 
 @cli_main
-def main(argv=None) -> None:
-    cfg = parse_finetune_args(argv, description=__doc__, task_config=NerConfig, defaults=NER_DEFAULTS)
-    finetune(cfg, NerTask)  # load -> resolve -> train (resuming --save) -> evaluate and predict
+def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> evaluate and predict
+    run_task(parse_finetune_args(argv, __doc__, task_config=NerConfig, defaults=NER_DEFAULTS), NerTask)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
 from megabert.tasks.squad.config import SquadConfig
 from megabert.tasks.squad.finetuning import SquadTask
-from megabert.training.finetune import finetune
+from megabert.training.driver import run_task
 
 
 @cli_main
-def main(argv=None) -> None:
-    cfg = parse_finetune_args(argv, description=__doc__, task_config=SquadConfig)
-    finetune(cfg, SquadTask)  # load -> resolve -> train (resuming --save) -> predict and score
+def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> predict and score
+    run_task(parse_finetune_args(argv, __doc__, task_config=SquadConfig), SquadTask)
 
 
 if __name__ == "__main__":

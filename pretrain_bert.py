@@ -11,43 +11,16 @@ from __future__ import annotations
 
 import sys
 
-import megabert
-import megabert.planning
 from megabert.arguments import parse_args
 from megabert.errors import cli_main
-from megabert.paths import check_config_paths
-from megabert.training.metrics import configure_process_logging
-from megabert.data import build_tokenizer
-from megabert.tasks.pretraining.batches import build_batches
-from megabert.tasks.pretraining.task import build_pretraining
-from megabert.training.resolve import check_pretraining_tokenizer, resolve_run
+from megabert.tasks.pretraining.task import PretrainingTask
+from megabert.training.driver import run_task
 
 
 @cli_main
 def main(argv=None) -> None:
     cfg = parse_args(argv, description=__doc__)
-    check_config_paths(cfg)  # every file read and every directory written, before any process group or model
-    ps = megabert.init_parallel(cfg.parallel.tensor_model_parallel_size,
-                                cfg.parallel.pipeline_model_parallel_size,
-                                backend=cfg.parallel.distributed_backend,
-                                timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    configure_process_logging(ps.is_logging_rank)
-    run = resolve_run(cfg, ps)  # flags + DeepSpeed JSON, checked once; everything below reads it
-    if not cfg.data.data_path:
-        raise megabert.ConfigError("--data-path is required: a dataset prefix made by tools/preprocess_data.py")
-    check_pretraining_tokenizer(run)
-    tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.vocab_file)
-    if ps.is_logging_rank:  # the planner's predicted peak against --memory-budget-gb
-        megabert.planning.log_preflight(run, ps.device, vocab_size=tokenizer.vocab_size)
-    train_batches, valid_batches = build_batches(run, ps, tokenizer)
-    trainer = build_pretraining(run, ps, tokenizer.vocab_size, train_batches, valid_batches)
-    try:
-        state = trainer.train()
-    finally:
-        trainer.close()
-    if ps.is_logging_rank:
-        print(f"done: iteration {state.iteration}, {state.consumed_samples} samples", flush=True)
-    megabert.destroy_parallel()
+    run_task(cfg, PretrainingTask)  # resolve -> data -> model -> train (resuming --save) -> close
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ import sys
 from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
 from megabert.tasks.embeddings.mining import MiningConfig, MiningTask, with_export_defaults
-from megabert.training.finetune import finetune
+from megabert.training.driver import run_task
 
 
 @cli_main
 def main(argv=None) -> None:
     cfg = with_export_defaults(parse_finetune_args(argv, description=__doc__, task_config=MiningConfig))
-    finetune(cfg, MiningTask)  # load the model -> embed -> search -> write --output
+    run_task(cfg, MiningTask)  # load the model -> embed -> search -> write --output
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""The one fine-tuning driver: every task (SQuAD, GLUE, the next one) runs the same steps,
+"""Fine-tuning as a task of the driver (megabert.training.driver): every fine-tuning task
+(SQuAD, GLUE, NER, embeddings, the next one) is a `FinetuneTask`, and runs
 
-    parallel state -> the run resolved (its start: the pre-trained --load, and --save once
-    it holds a checkpoint) -> tokenizer -> the task's inputs checked -> the task model from
-    --load -> train (resuming --save) -> the task's predictions, scores, outputs
+    the task's inputs checked -> the task model from --load -> its training features,
+    shuffled per epoch or packed into rows (resuming --save) -> its predictions, scores, outputs
 
-and plugs in what is its own through `FinetuneTask`: its training features, its model and
-head, and how it predicts, scores and writes its outputs. The task's config section is a
-megabert.config.TaskConfig. The driver knows no task; the tasks live in megabert.tasks.
+plugging in what is its own: its training features, its model and head, and how it
+predicts, scores and writes its outputs. The task's config section is a
+megabert.config.TaskConfig; the tasks live in megabert.tasks.
 
 Every task resumes exactly from --save: once --save holds a checkpoint of the run, the
 same command again restores its weights, optimizer, loss scale, RNG streams and data
@@ -26,22 +26,20 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from megabert.checkpoint.run_state import TrainingState
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs, TaskConfig
-from megabert.data import build_tokenizer
 from megabert.data.packing import (PackingSpec, packed_feature_batches, rows_per_epoch, warn_if_packing_wasted,
                                    with_flat_token_positions)
 from megabert.data.samplers import warn_if_small
 from megabert.errors import ConfigError, DataError
-from megabert.parallel import ParallelState, comm, destroy_parallel, init_parallel
-from megabert.paths import check_config_paths
+from megabert.parallel import ParallelState, comm
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import apply_compile, build_predictor, build_trainer
 from megabert.planning.flops import bert_flops_per_sample
-from megabert.training.metrics import configure_process_logging
-from megabert.training.resolve import ResolvedRun, resolve_run
+from megabert.training.build import apply_compile, build_predictor
+from megabert.training.driver import Task, Training
+from megabert.training.resolve import ResolvedRun
 from megabert.training.strategy import TrainingTask
-from megabert.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +70,19 @@ class Predictor:
         return self.ps.rank == 0
 
 
-class FinetuneTask(abc.ABC):
-    """What a fine-tuning task plugs into the driver. Built from the run's configs (its own
-    section, `self.config`, a TaskConfig, has the vocab already resolved) and the run's
-    pre-trained model, `self.pretrained` (--load, detected once: megabert.checkpoint.start)."""
-
-    name: str = "task"
-    """For log lines."""
+class FinetuneTask(Task):
+    """What a fine-tuning task plugs into the driver (megabert.training.driver), which it runs
+    as any task: its features, the task model from --load, its predictions. Built from the
+    run's configs (its own section, `self.config`, a TaskConfig, has the vocab already
+    resolved) and the run's pre-trained model, `self.pretrained` (--load, detected once:
+    megabert.checkpoint.start)."""
 
     def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
         self.cfg, self.config, self.pretrained = cfg, cfg.finetune, pretrained
+
+    @classmethod
+    def for_run(cls, cfg: FinetuneConfigs, run: ResolvedRun) -> "FinetuneTask":
+        return cls(dataclasses.replace(cfg, finetune=run.finetune), run.start.pretrained)
 
     @property
     @abc.abstractmethod
@@ -119,54 +120,40 @@ class FinetuneTask(abc.ABC):
         driver's shuffle."""
         return None
 
-    def prepare_trainer(self, trainer: Trainer, run: ResolvedRun) -> None:
-        """Before training: where a task's step runs differently from a mean of independent
-        micro-batch losses (the embedding task's gradient cache replaces
-        `trainer.strategy.runner`; its features hold several texts each). Nothing by default."""
+    def prepare(self, run: ResolvedRun, ps: ParallelState, tokenizer) -> None:
+        self.check_inputs()
 
+    def build_model(self, run: ResolvedRun, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
+        return self.load_model(ps, vocab_size)
 
-def finetune(cfg: FinetuneConfigs, task_class: type[FinetuneTask]) -> None:
-    """Runs a fine-tuning entry script's configs end to end with `task_class`'s pieces."""
-    check_config_paths(cfg)  # every file read and every directory written, before any process group or model
-    par = cfg.parallel
-    ps = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                       backend=par.distributed_backend, timeout_minutes=par.distributed_timeout_minutes)
-    configure_process_logging(ps.is_logging_rank)
-    # The start, the layout, the batch and the DeepSpeed JSON, checked once; the vocab in use
-    # (recorded with the checkpoint in --save, where convert_hf.py export finds it) resolved.
-    run = resolve_run(cfg, ps)
-    cfg = dataclasses.replace(cfg, finetune=run.finetune)
-    task = task_class(cfg, run.start.pretrained)
-    tokenizer = build_tokenizer(cfg.finetune.tokenizer_type, cfg.finetune.vocab_file)
-    task.check_inputs()
-    model = task.load_model(ps, tokenizer.vocab_size)
-    trainer = train(run, ps, model, task, tokenizer)
-    try:
-        t = cfg.train
-        task.predict(tokenizer, Predictor(model, ps, task.training_task, cfg.finetune.predict_batch_size or
+    def training(self, run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, tokenizer
+                 ) -> Optional[Training]:
+        """The training features, shuffled per epoch (or packed into rows: --pack-sequences),
+        for --train-iters steps or --epochs passes."""
+        tensors = self.train_tensors(tokenizer)
+        if tensors is None:
+            return None
+        return feature_training(self, tensors, run, ps, model)
+
+    def finish(self, run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, tokenizer,
+               state: Optional[TrainingState]) -> None:
+        t = self.cfg.train
+        self.predict(tokenizer, Predictor(model, ps, self.training_task, self.config.predict_batch_size or
                                           t.micro_batch_size, t.bf16, t.fp16))
-    finally:
-        if trainer is not None:  # after predicting: a ZeRO-3 engine holds the partitioned weights until then
-            trainer.close()
-    destroy_parallel()
 
 
-def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: FinetuneTask, tokenizer
-          ) -> Optional[Trainer]:
-    """Fine-tunes `model` in place; returns the Trainer (None: nothing to train)."""
-    tensors = task.train_tensors(tokenizer)
-    if tensors is None:
-        return None
+def feature_training(task: FinetuneTask, tensors: dict[str, torch.Tensor], run: ResolvedRun, ps: ParallelState,
+                     model: torch.nn.Module) -> Training:
+    """`task`'s training on its features `tensors`."""
     ft, t, batch = run.finetune, run.train, run.batch
     n = len(tensors["input_ids"])
     packing = task.packing(t.seed)
     rows = n if packing is None else rows_per_epoch(tensors, packing)  # what a global batch counts
     warn_if_small(rows, batch.global_batch_size, "features" if packing is None else "packed rows")
     if packing is None:
-        train_cfg = dataclasses.replace(t, train_iters=num_train_steps(n, ft, batch.global_batch_size))
-        logger.info("fine-tuning %s for %d steps of %d features (%.2f epochs of %d)", task.name,
-                    train_cfg.train_iters, batch.global_batch_size, train_cfg.train_iters * batch.global_batch_size / n,
-                    n)
+        train_iters = num_train_steps(n, ft, batch.global_batch_size)
+        logger.info("fine-tuning %s for %d steps of %d features (%.2f epochs of %d)", task.name, train_iters,
+                    batch.global_batch_size, train_iters * batch.global_batch_size / n, n)
 
         def batches(consumed):
             out = feature_batches(tensors, global_batch=batch.global_batch_size, micro_batch=t.micro_batch_size,
@@ -180,21 +167,15 @@ def train(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, task: Fin
     else:
         # --epochs counts passes over the features; a step holds global batch rows of several each.
         warn_if_packing_wasted(packing, n, int(tensors["attention_mask"].sum()), rows, what="features")
-        train_cfg = dataclasses.replace(t, train_iters=num_train_steps(rows, ft, batch.global_batch_size))
+        train_iters = num_train_steps(rows, ft, batch.global_batch_size)
         logger.info("fine-tuning %s for %d steps of %d packed rows (%d features in %d rows an epoch, %.2f a row)",
-                    task.name, train_cfg.train_iters, batch.global_batch_size, n, rows, n / rows)
+                    task.name, train_iters, batch.global_batch_size, n, rows, n / rows)
 
         def batches(consumed):
             return packed_feature_batches(tensors, packing, micro_batch=t.micro_batch_size, dp_rank=ps.dp_rank,
                                           dp_size=ps.dp_size, seed=t.seed, consumed=consumed)
-    trainer = build_trainer(
-        model, ps, dataclasses.replace(run, train=train_cfg), task.training_task, batches,
-        flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0),
-        checkpoint_extra={"train": dataclasses.asdict(train_cfg), "optim": dataclasses.asdict(run.optim),
-                          "finetune": dataclasses.asdict(ft)})
-    task.prepare_trainer(trainer, run)
-    trainer.train()
-    return trainer
+    return Training(task.training_task, train_iters, batches,
+                    flops_per_sample=bert_flops_per_sample(model.config, ft.max_seq_length, masked_tokens=0))
 
 
 def write_json(path: str, value) -> None:

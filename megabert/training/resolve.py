@@ -84,21 +84,18 @@ class ResolvedRun:
         return self.data.seq_length if self.data is not None else self.finetune.max_seq_length
 
     @property
+    def tokenizer_files(self) -> tuple[str, Optional[str]]:
+        """(--tokenizer-type, --vocab-file or --tokenizer-model): build_tokenizer's arguments.
+        Fine-tuning's vocab is resolved already (beside --load when the flag is left out)."""
+        section = self.data if self.data is not None else self.finetune
+        return section.tokenizer_type, section.vocab_file
+
+    @property
     def binary_head_task(self) -> Optional[str]:
         """"sop" or "nsp" when pre-training trains the sentence-pair head, else None."""
         if self.data is None or self.model is None or not self.model.bert_binary_head:
             return None
         return self.data.binary_head_task
-
-
-def check_pretraining_tokenizer(run: ResolvedRun) -> None:
-    """pretrain_bert.py's tokenizer: a run that starts from a checkpoint without a tokenizer.json
-    beside it (resolve_model_family adopts one) needs --vocab-file, which a missing-vocab error
-    of the WordPiece reader would not say."""
-    if run.data.vocab_file is None and run.start.source is not None:
-        raise ConfigError(f"--vocab-file (or --tokenizer-model) is required: pre-training takes only a "
-                          f"tokenizer.json from beside --load, and {run.start.source.directory} has none; "
-                          f"pass the tokenizer the model was trained with")
 
 
 def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig] = None) -> ResolvedRun:

@@ -1,6 +1,6 @@
 """BERT pre-training (masked LM + SOP/NSP): samples built from Megatron's indexed dataset or
 read from NVIDIA's HDF5 / LDDL parquet shards, the BertForPreTraining model, its loss and
-evaluation counts, and the assembly that pretrain_bert.py runs."""
+evaluation counts, and the task that pretrain_bert.py runs on the driver (task.py)."""
 from megabert.tasks.pretraining.model import BertForPreTraining, BertPreTrainingOutput
 from megabert.tasks.pretraining.nvidia_samples import pretraining_samples
 

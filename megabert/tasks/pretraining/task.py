@@ -1,5 +1,6 @@
-"""BERT pre-training pieces handed to the generic Trainer: the TrainingTask (inputs, loss,
-evaluation counts) and the assembly of model, optimizer and strategy used by pretrain_bert.py."""
+"""BERT pre-training as a task of the driver (megabert.training.driver), as pretrain_bert.py
+runs it: the TrainingTask (inputs, loss, evaluation counts), the host-side positions its
+batches carry, the model built from the flags, and PretrainingTask, which hands them over."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,17 +10,22 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from megabert.config import DataConfig
+from megabert.checkpoint.run_state import TrainingState
+from megabert.config import Configs, DataConfig
+from megabert.errors import ConfigError
 from megabert.data.packing import with_flat_label_positions, with_flat_token_positions, with_label_positions
 from megabert.families import get_family, task_class_name
 from megabert import model_classes
 from megabert.model.packed import fixed_shape_packing
 from megabert.model_family import model_vocab_size
+from megabert.planning import log_preflight
 from megabert.tasks.pretraining import BertPreTrainingOutput
+from megabert.tasks.pretraining.batches import build_batches
 from megabert.tasks.pretraining.masking import MaskRates
 from megabert.parallel import ParallelState
 from megabert.tensor_parallel.random import seed_default_stream
-from megabert.training.build import apply_compile, build_trainer
+from megabert.training.build import apply_compile
+from megabert.training.driver import Task, Training, trainer_for
 from megabert.planning.flops import bert_flops_per_sample
 from megabert.training.resolve import ResolvedRun
 from megabert.training.strategy import Counts, TrainingTask
@@ -140,11 +146,50 @@ def sentence_pair_counts(out: BertPreTrainingOutput) -> torch.Tensor:
     return torch.stack([correct.sum(), (labels != -100).sum()])
 
 
-def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
-                      train_batches: Callable[[int], Iterator[dict]],
-                      valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
-    """This rank's BertForPreTraining or ModernBertForMaskedLM (its pipeline stage), optimizer, update strategy
-    (ours or DeepSpeed's) and checkpoint state -> a ready Trainer, all from the resolved run."""
+class PretrainingTask(Task):
+    """pretrain_bert.py's task for the driver (megabert.training.driver): BERT samples of
+    --data-path (Megatron's indexed dataset, NVIDIA's HDF5 or LDDL parquet shards), a model
+    built from the flags or continued from --load, masked LM + SOP/NSP."""
+
+    name = "pre-training"
+
+    def __init__(self, run: ResolvedRun):
+        if not run.data.data_path:
+            raise ConfigError("--data-path is required: a dataset prefix made by tools/preprocess_data.py")
+        # A run that starts from a checkpoint without a tokenizer.json beside it (the model's
+        # family adopts one) needs --vocab-file, which a missing-vocab error of the WordPiece
+        # reader would not say.
+        if run.data.vocab_file is None and run.start.source is not None:
+            raise ConfigError(f"--vocab-file (or --tokenizer-model) is required: pre-training takes only a "
+                              f"tokenizer.json from beside --load, and {run.start.source.directory} has none; "
+                              f"pass the tokenizer the model was trained with")
+        self.batches: Optional[tuple] = None
+
+    @classmethod
+    def for_run(cls, cfg: Configs, run: ResolvedRun) -> "PretrainingTask":
+        return cls(run)
+
+    def prepare(self, run: ResolvedRun, ps: ParallelState, tokenizer) -> None:
+        """The planner's predicted peak against --memory-budget-gb, then this rank's loaders."""
+        if ps.is_logging_rank:
+            log_preflight(run, ps.device, vocab_size=tokenizer.vocab_size)
+        self.batches = build_batches(run, ps, tokenizer)
+
+    def build_model(self, run: ResolvedRun, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
+        return pretraining_model(run, ps, vocab_size)
+
+    def training(self, run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, tokenizer) -> Training:
+        return pretraining_training(run, ps, model, *self.batches)
+
+    def finish(self, run: ResolvedRun, ps: ParallelState, model: torch.nn.Module, tokenizer,
+               state: Optional[TrainingState]) -> None:
+        if ps.is_logging_rank:
+            print(f"done: iteration {state.iteration}, {state.consumed_samples} samples", flush=True)
+
+
+def pretraining_model(run: ResolvedRun, ps: ParallelState, vocab_size: int) -> torch.nn.Module:
+    """This rank's BertForPreTraining or ModernBertForMaskedLM (its pipeline stage), as the
+    resolved run describes it, its vocab at least the tokenizer's `vocab_size`."""
     model_cfg = dataclasses.replace(run.model, vocab_size=model_vocab_size(run.model, run.explicit, vocab_size))
     seed_default_stream(run.train.seed, ps.pp_rank, ps.device)
     model_class = model_classes.by_name(task_class_name(model_cfg, "pretraining"))
@@ -153,11 +198,25 @@ def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
                         first_stage_layers=run.parallel.decoder_first_pipeline_num_layers,
                         last_stage_layers=run.parallel.decoder_last_pipeline_num_layers)
     apply_compile(model, ps, run.train, fixed_shapes=run.data.pack_sequences)
-    masked = int(round(run.data.mask_prob * run.seq_length)) if model_cfg.mlm_logits_at_masked_only else None
+    return model
+
+
+def pretraining_training(run: ResolvedRun, ps: ParallelState, model: torch.nn.Module,
+                         train_batches: Callable[[int], Iterator[dict]],
+                         valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Training:
+    """`model` trains on these batches with the masked-LM (+ SOP/NSP) loss for --train-iters."""
+    masked = int(round(run.data.mask_prob * run.seq_length)) if model.config.mlm_logits_at_masked_only else None
     train = lambda consumed: pretraining_batches(train_batches(consumed), run, ps.device)  # noqa: E731
     valid = (lambda: pretraining_batches(valid_batches(), run, ps.device)) if valid_batches is not None else None
     task = pretraining_task(run.binary_head_task, MaskRates.of(run.data, run.batch.global_batch_size))
-    return build_trainer(model, ps, run, task, train, valid,
-                         flops_per_sample=bert_flops_per_sample(model_cfg, run.seq_length, masked),
-                         checkpoint_extra={"train": dataclasses.asdict(run.train), "optim": dataclasses.asdict(run.optim),
-                                           "data": dataclasses.asdict(run.data)})
+    return Training(task, run.train.train_iters, train, valid,
+                    flops_per_sample=bert_flops_per_sample(model.config, run.seq_length, masked))
+
+
+def build_pretraining(run: ResolvedRun, ps: ParallelState, vocab_size: int,
+                      train_batches: Callable[[int], Iterator[dict]],
+                      valid_batches: Optional[Callable[[], Iterator[dict]]] = None) -> Trainer:
+    """The model and the ready Trainer (optimizer, update strategy, ours or DeepSpeed's, and
+    checkpoint state) that the driver builds for pretrain_bert.py, on these batches."""
+    model = pretraining_model(run, ps, vocab_size)
+    return trainer_for(run, ps, model, pretraining_training(run, ps, model, train_batches, valid_batches))
