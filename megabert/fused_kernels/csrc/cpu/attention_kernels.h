@@ -301,13 +301,7 @@ void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
 #pragma omp simd reduction(max : mx)
         for (int64_t c = 0; c < kBk; ++c) mx = sr[c] > mx ? sr[c] : mx;
         const A alpha = exp_approx(m[r] - mx);  // 0 on the first tile (m = -inf)
-        A sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t c = 0; c < kBk; ++c) {
-          const A e = exp_approx(sr[c] - mx);
-          sr[c] = e;
-          sum += e;
-        }
+        const A sum = exp_sum(sr, kBk, mx);
         m[r] = mx;
         l[r] = l[r] * alpha + sum;  // the softmax sum counts every key, dropped or not
         A* orow = ob + r * dp;
