@@ -208,7 +208,7 @@ class _InitAfterConstruction(type):
 
 class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstruction):
     """This rank's slice of a BERT task model and the interface the pipeline schedule
-    drives (`num_chunks`, `is_first_chunk`, `is_last_chunk`, `forward_chunk`). Subclasses
+    drives (`stage`, its StageLayout, and `forward_chunk`). Subclasses
     add their heads and `head(sequence, pooled, batch)`; a model family sets `backbone_class`
     (a class with BertBackbone's constructor and `forward_chunk`)."""
 
@@ -256,18 +256,8 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module, metaclass=_InitAfterConstr
         return self.ctx.rng
 
     @property
-    def num_chunks(self) -> int:
-        return self.stage.num_chunks
-
-    @property
     def virtual_stage_layers(self) -> Optional[int]:
         return self.stage.virtual_stage_layers
-
-    def is_first_chunk(self, v: int) -> bool:
-        return self.stage.is_first_chunk(v)
-
-    def is_last_chunk(self, v: int) -> bool:
-        return self.stage.is_last_chunk(v)
 
     def activation_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
         """What travels between stages: [s (/tp with sequence parallelism), b, h]."""

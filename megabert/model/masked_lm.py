@@ -11,50 +11,32 @@ from megabert.config import ModelConfig
 from megabert.families import encoder_spec
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead
-from megabert.model.outputs import ModelOutput
+from megabert.model.outputs import MLMLogitsOutput
 from megabert.model.packed import gather_flat
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
-from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax
 
 
-class MaskedLMOutput(ModelOutput):
+class MaskedLMOutput(MLMLogitsOutput):
     """loss; logits [b, s, vocab] (or [n_masked, vocab] with logits at masked positions only):
     the full vocab gathered over TP on first access, padding columns removed;
     logits_parallel [..., padded V / tp]; predictions: the argmax without gathering; labels:
     the targets the loss was computed against."""
 
+    logits_key = "logits_parallel"
+
     def __init__(self, *, loss, logits_parallel, tp_group, vocab_size, labels=None, loss_sum=None):
         # mlm_loss_sum: the numerator the trainer divides by the global batch's masked tokens
         # (pretraining_task); an entry, not an attribute, as BertPreTrainingOutput's.
         super().__init__(loss=loss, mlm_loss=loss, mlm_loss_sum=loss_sum, nsp_loss_sum=None)
-        self._make = logits_parallel if callable(logits_parallel) else None
-        if self._make is None:
-            self["logits_parallel"] = logits_parallel
-        self._tp_group, self._vocab_size, self._labels = tp_group, vocab_size, labels
-        self._logits: Optional[torch.Tensor] = None
+        self._keep_logits(logits_parallel, tp_group, vocab_size)
+        self._labels = labels
 
-    @property
-    def logits_parallel(self) -> torch.Tensor:
-        if "logits_parallel" not in self:
-            self["logits_parallel"] = self._make()
-        return self["logits_parallel"]
-
-    @property
-    def logits(self) -> torch.Tensor:
-        if self._logits is None:
-            self._logits = gather_from_tp(self.logits_parallel, self._tp_group)[..., : self._vocab_size]
-        return self._logits
-
-    # The names BERT's pre-training output has, so the pre-training task reads either model.
-    mlm_logits_parallel = logits_parallel
-    mlm_logits = logits
-
-    @property
-    def predictions(self) -> torch.Tensor:
-        return vocab_parallel_argmax(self.logits_parallel, self._tp_group, self._vocab_size)
-
-    mlm_predictions = predictions
+    # transformers' names; the mlm_* ones are BERT's pre-training output's, so the pre-training
+    # task reads either model.
+    logits_parallel = MLMLogitsOutput.mlm_logits_parallel
+    logits = MLMLogitsOutput.mlm_logits
+    predictions = MLMLogitsOutput.mlm_predictions
 
     @property
     def labels(self) -> Optional[torch.Tensor]:

@@ -3,9 +3,8 @@
 The pybind11 functions of `megabert.fused_kernels` are opaque to torch.compile: dynamo
 cannot trace them and breaks the graph around every call. As custom ops with a fake
 (meta) implementation they stay in the graph as single nodes, so `--compile` and the
-fused backends combine. The autograd Functions in `softmax.py` and `layer_norm.py` call
-the functions at the bottom of this file: the custom op while dynamo traces, the pybind11
-function itself in eager mode.
+fused backends combine. The autograd Functions in `ops/` call the public functions of this
+file: the custom op while dynamo traces, the pybind11 function itself in eager mode.
 
 NOTE: a custom op costs ~20 us of dispatch per call in eager mode against ~3 us for the
 pybind11 call (measured on the CPU), which would show in a GPU step bound by launches;
@@ -16,7 +15,8 @@ have already checked that the kernel applies to the call).
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 
@@ -35,171 +35,124 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("megabert::scaled_masked_softmax_forward", mutates_args=())
-def _scaled_masked_softmax_forward_op(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+def _kernel_op(name: str, kernel_call: Callable, fake: Callable):
+    """`kernel_call` as the custom op `torch.ops.megabert.<name>` (`fake` gives its outputs'
+    shapes to the tracer), and the front end the autograd Functions call: the custom op while
+    dynamo traces, `kernel_call` itself in eager mode (the module docstring says why).
+    -> (op, front end)."""
+    op = torch.library.custom_op(f"megabert::{name}", kernel_call, mutates_args=())
+    op.register_fake(fake)
+
+    @functools.wraps(kernel_call)
+    def front_end(*args):
+        return op(*args) if torch.compiler.is_compiling() else kernel_call(*args)
+
+    return op, front_end
+
+
+def _contiguous_like(arg: int) -> Callable:
+    """A fake whose one output is shaped and typed as argument `arg`, contiguous."""
+    return lambda *args: torch.empty_like(args[arg], memory_format=torch.contiguous_format)
+
+
+def _scaled_masked_softmax_forward(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """scores: [b, heads, sq, sk] contiguous; mask: bool expanded to the scores' shape
     (a view), last dim contiguous. -> probs, contiguous, the scores' dtype."""
     return _kernels(scores).scaled_masked_softmax_forward(scores, mask, scale)
 
 
-@_scaled_masked_softmax_forward_op.register_fake
-def _(scores, mask, scale):
-    return torch.empty_like(scores, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("megabert::scaled_masked_softmax_backward", mutates_args=())
-def _scaled_masked_softmax_backward_op(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+def _scaled_masked_softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
     """-> grad of the scores, contiguous."""
     return _kernels(probs).scaled_masked_softmax_backward(grad_probs.contiguous(), probs, scale)
 
 
-@_scaled_masked_softmax_backward_op.register_fake
-def _(grad_probs, probs, scale):
-    return torch.empty_like(probs, memory_format=torch.contiguous_format)
+_scaled_masked_softmax_forward_op, scaled_masked_softmax_forward = _kernel_op(
+    "scaled_masked_softmax_forward", _scaled_masked_softmax_forward, _contiguous_like(0))
+_scaled_masked_softmax_backward_op, scaled_masked_softmax_backward = _kernel_op(
+    "scaled_masked_softmax_backward", _scaled_masked_softmax_backward, _contiguous_like(1))
 
 
-@torch.library.custom_op("megabert::layer_norm_forward", mutates_args=())
-def _layer_norm_forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dim -> (y, mean [rows], rstd [rows]); statistics in fp32
     (fp64 for fp64 input)."""
-    y, mean, rstd = _kernels(x).layer_norm_forward(x.contiguous(), weight.contiguous(), bias.contiguous(), eps)
-    return y, mean, rstd
+    return tuple(_kernels(x).layer_norm_forward(x.contiguous(), weight.contiguous(), bias.contiguous(), eps))
 
 
-@_layer_norm_forward_op.register_fake
-def _(x, weight, bias, eps):
+def _layer_norm_forward_fake(x, weight, bias, eps):
     rows = x.numel() // x.size(-1) if x.size(-1) else 0
     stats = x.new_empty((rows,), dtype=_stat_dtype(x))
     return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("megabert::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (grad_x, grad_weight, grad_bias)."""
-    grad_x, grad_w, grad_b = _kernels(x).layer_norm_backward(grad_y.contiguous(), x, weight, mean, rstd)
-    return grad_x, grad_w, grad_b
+    return tuple(_kernels(x).layer_norm_backward(grad_y.contiguous(), x, weight, mean, rstd))
 
 
-@_layer_norm_backward_op.register_fake
-def _(grad_y, x, weight, mean, rstd):
+def _layer_norm_backward_fake(grad_y, x, weight, mean, rstd):
     return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
             torch.empty_like(weight))
 
 
-@torch.library.custom_op("megabert::dropout_add_forward", mutates_args=())
-def _dropout_add_forward_op(x: torch.Tensor, residual: torch.Tensor, p: float,
-                            seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+_layer_norm_forward_op, layer_norm_forward = _kernel_op(
+    "layer_norm_forward", _layer_norm_forward, _layer_norm_forward_fake)
+_layer_norm_backward_op, layer_norm_backward = _kernel_op(
+    "layer_norm_backward", _layer_norm_backward, _layer_norm_backward_fake)
+
+
+def _dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, p: float,
+                         seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """residual + keep * x / (1 - p), keep from Philox keyed by `seed` (one int64) -> (out, keep: bool)."""
-    out, mask = _kernels(x).dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed)
-    return out, mask
+    return tuple(_kernels(x).dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed))
 
 
-@_dropout_add_forward_op.register_fake
-def _(x, residual, p, seed):
+def _dropout_add_forward_fake(x, residual, p, seed):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format))
 
 
-@torch.library.custom_op("megabert::dropout_backward", mutates_args=())
-def _dropout_backward_op(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+def _dropout_backward(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     """-> keep * grad / (1 - p)."""
     return _kernels(grad).dropout_backward(grad.contiguous(), mask, p)
 
 
-@_dropout_backward_op.register_fake
-def _(grad, mask, p):
-    return torch.empty_like(grad, memory_format=torch.contiguous_format)
-
-
-# ---------------------------------------------------------------- what the front ends call
-
-def scaled_masked_softmax_forward(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _scaled_masked_softmax_forward_op(scores, mask, scale)
-    return _kernels(scores).scaled_masked_softmax_forward(scores, mask, scale)
-
-
-def scaled_masked_softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _scaled_masked_softmax_backward_op(grad_probs, probs, scale)
-    return _kernels(probs).scaled_masked_softmax_backward(grad_probs.contiguous(), probs, scale)
-
-
-def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if torch.compiler.is_compiling():
-        return _layer_norm_forward_op(x, weight, bias, eps)
-    return tuple(_kernels(x).layer_norm_forward(x.contiguous(), weight.contiguous(), bias.contiguous(), eps))
-
-
-def layer_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if torch.compiler.is_compiling():
-        return _layer_norm_backward_op(grad_y, x, weight, mean, rstd)
-    return tuple(_kernels(x).layer_norm_backward(grad_y.contiguous(), x, weight, mean, rstd))
-
-
-def dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, p: float,
-                        seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.compiler.is_compiling():
-        return _dropout_add_forward_op(x, residual, p, seed)
-    return tuple(_kernels(x).dropout_add_forward(x.contiguous(), residual.contiguous(), p, seed))
-
-
-def dropout_backward(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _dropout_backward_op(grad, mask, p)
-    return _kernels(grad).dropout_backward(grad.contiguous(), mask, p)
+_dropout_add_forward_op, dropout_add_forward = _kernel_op(
+    "dropout_add_forward", _dropout_add_forward, _dropout_add_forward_fake)
+_dropout_backward_op, dropout_backward = _kernel_op("dropout_backward", _dropout_backward, _contiguous_like(0))
 
 
 # ---------------------------------------------------------------- varlen attention (CPU)
 # window_left / window_right: query i sees keys i - left .. i + right of its sequence
 # (FlashAttention's window_size; -1 = unbounded on that side).
 
-@torch.library.custom_op("megabert::varlen_attention_forward", mutates_args=())
-def _varlen_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                 scale: float, p: float, seed: Optional[torch.Tensor], window_left: int = -1,
-                                 window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def _varlen_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              scale: float, p: float, seed: Optional[torch.Tensor], window_left: int = -1,
+                              window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, v: [T, heads, d] (heads adjacent, token stride free) -> (out [T, heads, d], lse [heads, T])."""
-    out, lse = _kernels(q).varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right)
-    return out, lse
+    return tuple(_kernels(q).varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right))
 
 
-@_varlen_attention_forward_op.register_fake
-def _(q, k, v, cu_seqlens, scale, p, seed, window_left=-1, window_right=-1):
+def _varlen_attention_forward_fake(q, k, v, cu_seqlens, scale, p, seed, window_left=-1, window_right=-1):
     return q.new_empty(q.shape), q.new_empty((q.size(1), q.size(0)), dtype=_stat_dtype(q))
 
 
-@torch.library.custom_op("megabert::varlen_attention_backward", mutates_args=())
-def _varlen_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                                  p: float, seed: Optional[torch.Tensor], window_left: int = -1,
-                                  window_right: int = -1) -> torch.Tensor:
+def _varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                               p: float, seed: Optional[torch.Tensor], window_left: int = -1,
+                               window_right: int = -1) -> torch.Tensor:
     """-> grad of the packed [T, 3, heads, d] q, k, v."""
     return _kernels(q).varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, scale, p, seed,
                                                  window_left, window_right)
 
 
-@_varlen_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens, scale, p, seed, window_left=-1, window_right=-1):
+def _varlen_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, scale, p, seed, window_left=-1,
+                                    window_right=-1):
     return q.new_empty((q.size(0), 3, q.size(1), q.size(2)))
 
 
-def varlen_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                             scale: float, p: float, seed: Optional[torch.Tensor], window_left: int = -1,
-                             window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.compiler.is_compiling():
-        return _varlen_attention_forward_op(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right)
-    return tuple(_kernels(q).varlen_attention_forward(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right))
-
-
-def varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, p: float,
-                              seed: Optional[torch.Tensor], window_left: int = -1, window_right: int = -1) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _varlen_attention_backward_op(grad_out, q, k, v, out, lse, cu_seqlens, scale, p, seed, window_left,
-                                             window_right)
-    return _kernels(q).varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, scale, p, seed,
-                                                 window_left, window_right)
+_varlen_attention_forward_op, varlen_attention_forward = _kernel_op(
+    "varlen_attention_forward", _varlen_attention_forward, _varlen_attention_forward_fake)
+_varlen_attention_backward_op, varlen_attention_backward = _kernel_op(
+    "varlen_attention_backward", _varlen_attention_backward, _varlen_attention_backward_fake)

@@ -3,11 +3,12 @@ forward-only pass used for evaluation.
 
 A stage model exposes
 
-    num_chunks                          model chunks on this rank (1 unless interleaved)
+    stage                               its StageLayout (megabert.parallel.layout): num_chunks
+                                        on this rank (1 unless interleaved), global_chunk(v),
+                                        is_first_chunk(v) / is_last_chunk(v)
     forward_chunk(v, hidden, batch)     chunk v: hidden [s, b, h] -> hidden, or, for the
                                         model's very last chunk, the model output that
                                         `output_loss` turns into (loss, metrics)
-    is_first_chunk(v) / is_last_chunk(v)
 
 Global chunk g = v * pp_size + pp_rank: chunk 0 holds the embeddings, the last one the
 heads and the loss. Each micro-batch's loss is scaled by loss_scale / num_micro before
@@ -70,15 +71,12 @@ class PipelineSchedule:
                  autocast: Callable[[], AbstractContextManager] = nullcontext):
         """`task.train_loss(last chunk's output, batch) -> (loss, {name: scalar})` (a
         training.strategy.TrainingTask)."""
-        check_interleaving(num_micro, ps, model.num_chunks)
-        self.model, self.ps, self.comm, self.num_micro = model, ps, comm, num_micro
+        check_interleaving(num_micro, ps, model.stage.num_chunks)
+        self.model, self.stage, self.ps, self.comm, self.num_micro = model, model.stage, ps, comm, num_micro
         self.task, self.autocast = task, autocast
-        self.V, self.P, self.rank = model.num_chunks, ps.pp_size, ps.pp_rank
+        self.V, self.P, self.rank = self.stage.num_chunks, ps.pp_size, ps.pp_rank
 
     # ---------------------------------------------------------------- bookkeeping
-
-    def _global_chunk(self, v: int) -> int:
-        return v * self.P + self.rank
 
     def _chunk_of(self, k: int, forward: bool) -> int:
         """Local chunk of this rank's k-th forward (or backward) step."""
@@ -96,11 +94,11 @@ class PipelineSchedule:
 
     def _forward(self, v: int, micro: int, batches: list[dict], metrics: list[dict], scale: float,
                  output_fn: Optional[Callable] = None) -> _Step:
-        g = self._global_chunk(v)
-        x = None if self.model.is_first_chunk(v) else self.comm.recv_forward(self._tag(g, micro))
+        g = self.stage.global_chunk(v)
+        x = None if self.stage.is_first_chunk(v) else self.comm.recv_forward(self._tag(g, micro))
         with self.autocast():
             out = self.model.forward_chunk(v, x, batches[micro])
-        if self.model.is_last_chunk(v):
+        if self.stage.is_last_chunk(v):
             if output_fn is not None:  # forward only: whatever the caller wants of the output
                 metrics.append(output_fn(out))
                 return _Step(x, out)
@@ -113,8 +111,8 @@ class PipelineSchedule:
         return _Step(x, out)
 
     def _backward(self, v: int, micro: int, step: _Step) -> None:
-        g = self._global_chunk(v)
-        if self.model.is_last_chunk(v):
+        g = self.stage.global_chunk(v)
+        if self.stage.is_last_chunk(v):
             torch.autograd.backward(step.output)
         else:
             grad = self.comm.recv_backward(self._tag(g, micro))

@@ -97,118 +97,74 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
+def _edge_function(name: str, doc: str, forward_op, backward_op, dim: int) -> type[torch.autograd.Function]:
+    """An autograd Function running `forward_op(x, dim, group)` forward and its conjugate
+    `backward_op(grad, dim, group)` backward: the six edges below differ only in those three."""
 
-    @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _split(x, -1, group)
+        return forward_op(x, dim, group)
 
-    @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, -1, ctx.group), None
+        return backward_op(grad, dim, ctx.group), None
+
+    members = {"__doc__": doc, "__module__": __name__,
+               "forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), members)
 
 
-class GatherFromTensorParallelRegion(torch.autograd.Function):
-    """Forward: all-gather the last dim; backward: keep this rank's slice of the gradient."""
+ScatterToTensorParallelRegion = _edge_function(
+    "ScatterToTensorParallelRegion",
+    "Forward: keep this rank's slice of the last dim; backward: all-gather the last dim.",
+    _split, _gather, dim=-1)
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, -1, group)
+GatherFromTensorParallelRegion = _edge_function(
+    "GatherFromTensorParallelRegion",
+    "Forward: all-gather the last dim; backward: keep this rank's slice of the gradient.",
+    _gather, _split, dim=-1)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
+ScatterToSequenceParallelRegion = _edge_function(
+    "ScatterToSequenceParallelRegion",
+    "Forward: keep this rank's slice of the sequence (dim 0); backward: all-gather dim 0.",
+    _split, _gather, dim=0)
 
-
-class ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the sequence (dim 0); backward: all-gather dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, 0, ctx.group), None
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
+GatherFromSequenceParallelRegion = _edge_function(
+    "GatherFromSequenceParallelRegion",
     """Forward: all-gather the sequence (dim 0) before a column-parallel GEMM;
-    backward: reduce-scatter, since each rank's GEMM produced a partial input gradient."""
+    backward: reduce-scatter, since each rank's GEMM produced a partial input gradient.""",
+    _gather, _reduce_scatter, dim=0)
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, 0, ctx.group), None
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+ReduceScatterToSequenceParallelRegion = _edge_function(
+    "ReduceScatterToSequenceParallelRegion",
     """Forward: reduce-scatter the row-parallel GEMM's partial sums along dim 0;
-    backward: all-gather dim 0."""
+    backward: all-gather dim 0.""",
+    _reduce_scatter, _gather, dim=0)
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, 0, ctx.group), None
-
-
-class GatherFromSequenceParallelToReplicated(torch.autograd.Function):
+GatherFromSequenceParallelToReplicated = _edge_function(
+    "GatherFromSequenceParallelToReplicated",
     """Forward: all-gather the sequence (dim 0) into a region every TP rank computes
     identically (pooler, LM-head transform); backward: keep this rank's slice, since the
-    gradient arriving from a replicated region is already the same on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, 0, ctx.group), None
+    gradient arriving from a replicated region is already the same on every rank.""",
+    _gather, _split, dim=0)
 
 
-def copy_to_tp(x, group: Group):
-    return CopyToTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
+def _skipping_one_rank(function: type[torch.autograd.Function]):
+    """`function.apply(x, group)`, or `x` itself on a group of one (the module docstring says why)."""
+
+    def apply(x, group: Group):
+        return function.apply(x, group) if group_size(group) > 1 else x
+
+    return apply
 
 
-def reduce_from_tp(x, group: Group):
-    return ReduceFromTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
-
-
-def scatter_to_tp(x, group: Group):
-    return ScatterToTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
-
-
-def gather_from_tp(x, group: Group):
-    return GatherFromTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
-
-
-def scatter_to_sp(x, group: Group):
-    return ScatterToSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
-
-
-def gather_from_sp(x, group: Group):
-    return GatherFromSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
-
-
-def reduce_scatter_to_sp(x, group: Group):
-    return ReduceScatterToSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
-
-
-def gather_from_sp_to_replicated(x, group: Group):
-    return GatherFromSequenceParallelToReplicated.apply(x, group) if group_size(group) > 1 else x
+copy_to_tp = _skipping_one_rank(CopyToTensorParallelRegion)
+reduce_from_tp = _skipping_one_rank(ReduceFromTensorParallelRegion)
+scatter_to_tp = _skipping_one_rank(ScatterToTensorParallelRegion)
+gather_from_tp = _skipping_one_rank(GatherFromTensorParallelRegion)
+scatter_to_sp = _skipping_one_rank(ScatterToSequenceParallelRegion)
+gather_from_sp = _skipping_one_rank(GatherFromSequenceParallelRegion)
+reduce_scatter_to_sp = _skipping_one_rank(ReduceScatterToSequenceParallelRegion)
+gather_from_sp_to_replicated = _skipping_one_rank(GatherFromSequenceParallelToReplicated)
 
 
 class GatherFromDataParallelRegion(torch.autograd.Function):
@@ -243,5 +199,4 @@ class GatherFromDataParallelRegion(torch.autograd.Function):
         return summed.chunk(n, dim=0)[group_rank(ctx.group)].contiguous(), None
 
 
-def gather_from_dp(x, group: Group):
-    return GatherFromDataParallelRegion.apply(x, group) if group_size(group) > 1 else x
+gather_from_dp = _skipping_one_rank(GatherFromDataParallelRegion)

@@ -11,15 +11,14 @@ import torch.nn.functional as F
 from megabert.config import ModelConfig
 from megabert.model.bert import BertPreTrainedModel
 from megabert.model.heads import MLMHead, head_linear
-from megabert.model.outputs import ModelOutput
+from megabert.model.outputs import MLMLogitsOutput
 from megabert.model.packed import (cls_positions_mask, fixed_shape_packing, flat_head_positions, gather_flat,
                                    gather_labelled, head_positions)
 from megabert.parallel import ParallelState
 from megabert.parallel.param_spec import describe
-from megabert.tensor_parallel import gather_from_tp, vocab_parallel_argmax
 
 
-class BertPreTrainingOutput(ModelOutput):
+class BertPreTrainingOutput(MLMLogitsOutput):
     """loss, mlm_loss, nsp_loss; mlm_loss_sum, nsp_loss_sum: the cross entropy summed over the
     masked tokens and over the samples (the means' numerators: the trainer divides them by the
     whole global batch's counts, pretraining_task); nsp_logits [b, 2]; mlm_logits_parallel [..., padded V / tp];
@@ -31,41 +30,15 @@ class BertPreTrainingOutput(ModelOutput):
                  mlm_logits_parallel: Union[torch.Tensor, Callable[[], torch.Tensor]], nsp_logits, tp_group,
                  vocab_size, mlm_labels: Optional[torch.Tensor] = None, nsp_labels: Optional[torch.Tensor] = None,
                  mlm_loss_sum=None, nsp_loss_sum=None):
-        """`mlm_logits_parallel`: the tensor, or a function that makes it on first access (the
-        fused MLM loss keeps its logits in pieces: a training step never reads them whole)."""
+        """`mlm_logits_parallel`: the tensor, or a function that makes it on first access
+        (MLMLogitsOutput)."""
         # The loss sums are entries (not attributes): DeepSpeed's ZeRO-3 hooks the tensors of a
         # module's output to gather its parameters again for backward.
         super().__init__(loss=loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, nsp_logits=nsp_logits,
                          mlm_loss_sum=mlm_loss_sum, nsp_loss_sum=nsp_loss_sum)
-        if callable(mlm_logits_parallel):
-            self._make_logits: Optional[Callable[[], torch.Tensor]] = mlm_logits_parallel
-        else:
-            self._make_logits = None
-            self["mlm_logits_parallel"] = mlm_logits_parallel
-        self._tp_group, self._vocab_size = tp_group, vocab_size
+        self._keep_logits(mlm_logits_parallel, tp_group, vocab_size)
         # Kept off the dict: they are inputs handed back, not outputs for tools to walk.
         self._mlm_labels, self._nsp_labels = mlm_labels, nsp_labels
-        self._mlm_logits: Optional[torch.Tensor] = None
-
-    @property
-    def mlm_logits_parallel(self) -> torch.Tensor:
-        """[..., padded V / tp]: this TP rank's columns of the logits."""
-        if "mlm_logits_parallel" not in self:
-            self["mlm_logits_parallel"] = self._make_logits()
-        return self["mlm_logits_parallel"]
-
-    @property
-    def mlm_logits(self) -> torch.Tensor:
-        if self._mlm_logits is None:
-            full = gather_from_tp(self.mlm_logits_parallel, self._tp_group)
-            self._mlm_logits = full[..., : self._vocab_size]
-        return self._mlm_logits
-
-    @property
-    def mlm_predictions(self) -> torch.Tensor:
-        """Predicted token ids [b, s] (or [n_masked]): the argmax over the full vocab, reduced
-        over TP ranks instead of gathering [tokens, vocab] logits. Collective over TP."""
-        return vocab_parallel_argmax(self.mlm_logits_parallel, self._tp_group, self._vocab_size)
 
     @property
     def mlm_labels(self) -> Optional[torch.Tensor]:

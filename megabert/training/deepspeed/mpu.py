@@ -6,7 +6,6 @@ adapter is the only place that speaks DeepSpeed's names for its groups."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megabert.parallel import ParallelState
 
@@ -21,8 +20,15 @@ def mark_pipe_replicated(model: torch.nn.Module, table: dict, ps: ParallelState)
         p.ds_pipe_replicated = table[name].placement == "tied"
 
 
+def _reading(field: str):
+    """A getter returning the ParallelState's `field` (DeepSpeed calls each with no argument)."""
+    return lambda self: getattr(self.ps, field)
+
+
 class DeepSpeedMpu:
-    """The adapter DeepSpeed receives as `mpu`: every getter reads the ParallelState."""
+    """The adapter DeepSpeed receives as `mpu`: every getter reads the ParallelState. DeepSpeed's
+    "model parallel" is our tp x pp (one replica, the `mp` group); the rank within it counts
+    tensor ranks fastest."""
 
     def __init__(self, ps: ParallelState):
         self.ps = ps
@@ -33,32 +39,16 @@ class DeepSpeedMpu:
     def get_model_parallel_world_size(self) -> int:
         return self.ps.tp_size * self.ps.pp_size
 
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.ps.mp_group
+    get_model_parallel_group = _reading("mp_group")
 
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self.ps.tp_rank
+    get_tensor_model_parallel_rank = _reading("tp_rank")
+    get_tensor_model_parallel_world_size = _reading("tp_size")
+    get_tensor_model_parallel_group = _reading("tp_group")
 
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.ps.tp_size
+    get_pipeline_model_parallel_rank = _reading("pp_rank")
+    get_pipeline_model_parallel_world_size = _reading("pp_size")
+    get_pipeline_model_parallel_group = _reading("pp_group")
 
-    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.ps.tp_group
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return self.ps.pp_rank
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return self.ps.pp_size
-
-    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.ps.pp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.ps.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.ps.dp_size
-
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.ps.dp_group
+    get_data_parallel_rank = _reading("dp_rank")
+    get_data_parallel_world_size = _reading("dp_size")
+    get_data_parallel_group = _reading("dp_group")

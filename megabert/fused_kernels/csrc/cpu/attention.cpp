@@ -7,7 +7,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <numeric>
 #include <vector>
 
 #include "../kernel_ops.h"
@@ -32,7 +31,7 @@ void check_heads(const at::Tensor& t, const char* what, const at::Tensor& like) 
 }
 
 struct Plan {
-  std::vector<int64_t> order;  // work items, longest sequence first
+  std::vector<int64_t> order;  // work items of the non-empty sequences, longest first
   int64_t max_len = 0;
 };
 
@@ -51,31 +50,14 @@ Plan plan_items(const at::Tensor& cu_seqlens, int64_t total, int64_t heads) {
   }
   // Philox counters hold the item in 32 bits and a row in 32 bits.
   TORCH_CHECK(seqs * heads < (int64_t(1) << 32), "varlen attention: too many (sequence, head) pairs");
-  plan.order.resize(seqs * heads);
-  std::iota(plan.order.begin(), plan.order.end(), int64_t(0));
+  // An empty sequence (a repeated cu_seqlens value) has no work item: the kernels take len >= 1.
+  for (int64_t item = 0; item < seqs * heads; ++item)
+    if (cu[item / heads + 1] > cu[item / heads]) plan.order.push_back(item);
   // Longest first, then dynamic scheduling: the cost of an item grows as len^2.
   std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) {
     return cu[a / heads + 1] - cu[a / heads] > cu[b / heads + 1] - cu[b / heads];
   });
   return plan;
-}
-
-// Runs fn(item, scratch) over the plan's items: dynamic scheduling across threads, one
-// scratch buffer per thread. An item's result does not depend on which thread runs it.
-template <typename F>
-void run_items(const Plan& plan, int64_t scratch_elems, const at::TensorOptions& math, const F& fn) {
-  const int64_t n = static_cast<int64_t>(plan.order.size());
-  if (n == 0) return;
-  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), n);
-  at::Tensor scratch = at::empty({threads, scratch_elems}, math);
-  char* base = static_cast<char*>(scratch.data_ptr());
-  const int64_t bytes = scratch_elems * scratch.element_size();
-  if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(plan.order[i], base);
-    return;
-  }
-#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(dynamic, 1)
-  for (int64_t i = 0; i < n; ++i) fn(plan.order[i], base + omp_get_thread_num() * bytes);
 }
 
 struct DropoutKey {
@@ -108,30 +90,67 @@ void check_window(int64_t left, int64_t right) {
 
 at::ScalarType math_type(Dtype dt) { return dt == kDouble ? at::kDouble : at::kFloat; }
 
+// What both passes check and read of a call: q, k, v alike, the sequences (and the order of
+// their work items), the dropout key and the window.
+struct AttnCall {
+  Dtype dt;
+  Plan plan;
+  AttnArgs args;
+};
+
+AttnCall attn_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                   double scale, double p, const std::optional<at::Tensor>& seed, int64_t window_left,
+                   int64_t window_right) {
+  const Dtype dt = kernel_dtype(q, "varlen attention");
+  check_heads(q, "q", q);
+  check_heads(k, "k", q);
+  check_heads(v, "v", q);
+  const int64_t total = q.size(0), heads = q.size(1);
+  Plan plan = plan_items(cu_seqlens, total, heads);
+  const DropoutKey key = dropout_key(p, seed);
+  check_window(window_left, window_right);
+  const AttnArgs args{q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+                      cu_seqlens.data_ptr<int64_t>(), total, heads, q.size(2), scale, key.dropout, key.seed,
+                      key.threshold, key.keep_scale, window_left, window_right};
+  return {dt, std::move(plan), args};
+}
+
+// Runs fn(args, item, scratch) over the call's work items: dynamic scheduling across threads,
+// one scratch buffer of `scratch`(max_len, d) math-type elements per thread. An item's result
+// does not depend on which thread runs it.
+template <typename Args>
+void run_items(const AttnCall& call, void (*fn)(const Args&, int64_t, void*), AttnScratchFn scratch,
+               const Args& args, const at::TensorOptions& math) {
+  const std::vector<int64_t>& order = call.plan.order;
+  const int64_t n = static_cast<int64_t>(order.size());
+  if (n == 0) return;
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t scratch_elems = scratch(call.plan.max_len, call.args.head_dim);
+  at::Tensor buffers = at::empty({threads, scratch_elems}, math);
+  char* base = static_cast<char*>(buffers.data_ptr());
+  const int64_t bytes = scratch_elems * buffers.element_size();
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(args, order[i], base);
+    return;
+  }
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) fn(args, order[i], base + omp_get_thread_num() * bytes);
+}
+
 }  // namespace
 
 std::vector<at::Tensor> varlen_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& cu_seqlens, double scale, double p,
                                                  const std::optional<at::Tensor>& seed, int64_t window_left,
                                                  int64_t window_right) {
-  const Dtype dt = kernel_dtype(q, "varlen attention");
-  check_heads(q, "q", q);
-  check_heads(k, "k", q);
-  check_heads(v, "v", q);
-  const int64_t total = q.size(0), heads = q.size(1), d = q.size(2);
-  const Plan plan = plan_items(cu_seqlens, total, heads);
-  const DropoutKey key = dropout_key(p, seed);
-  check_window(window_left, window_right);
+  const AttnCall call = attn_call(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right);
+  const int64_t total = call.args.total, heads = call.args.heads, d = call.args.head_dim;
   at::Tensor out = at::empty({total, heads, d}, q.options());
-  const at::TensorOptions math = q.options().dtype(math_type(dt));
+  const at::TensorOptions math = q.options().dtype(math_type(call.dt));
   at::Tensor lse = at::empty({heads, total}, math);
-  const AttnFwdArgs args{q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
-                         out.data_ptr(), lse.data_ptr(), cu_seqlens.data_ptr<int64_t>(), total, heads, d, scale,
-                         key.dropout, key.seed, key.threshold, key.keep_scale, window_left, window_right};
+  const AttnFwdArgs args{call.args, out.data_ptr(), lse.data_ptr()};
   const KernelTable& t = selected_table();
-  const AttnFwdFn fn = t.attn_fwd[dt];
-  run_items(plan, t.attn_fwd_scratch[dt](plan.max_len, d), math,
-            [&](int64_t item, void* scratch) { fn(args, item, scratch); });
+  run_items(call, t.attn_fwd[call.dt], t.attn_fwd_scratch[call.dt], args, math);
   return {out, lse};
 }
 
@@ -140,33 +159,23 @@ at::Tensor varlen_attention_backward(const at::Tensor& grad_out, const at::Tenso
                                      const at::Tensor& cu_seqlens, double scale, double p,
                                      const std::optional<at::Tensor>& seed, int64_t window_left,
                                      int64_t window_right) {
-  const Dtype dt = kernel_dtype(q, "varlen attention");
-  check_heads(q, "q", q);
-  check_heads(k, "k", q);
-  check_heads(v, "v", q);
+  const AttnCall call = attn_call(q, k, v, cu_seqlens, scale, p, seed, window_left, window_right);
   check_heads(out, "out", q);
   check_heads(grad_out, "grad_out", q);
   TORCH_CHECK(out.is_contiguous() && grad_out.is_contiguous(), "varlen attention: out and grad_out must be contiguous");
-  const int64_t total = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(lse.scalar_type() == math_type(dt) && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == heads &&
-                  lse.size(1) == total,
+  const int64_t total = call.args.total, heads = call.args.heads, d = call.args.head_dim;
+  TORCH_CHECK(lse.scalar_type() == math_type(call.dt) && lse.is_contiguous() && lse.dim() == 2 &&
+                  lse.size(0) == heads && lse.size(1) == total,
               "varlen attention: lse must be the forward's [heads, T] statistics");
-  const Plan plan = plan_items(cu_seqlens, total, heads);
-  const DropoutKey key = dropout_key(p, seed);
-  check_window(window_left, window_right);
   // One buffer for the three grads: [T, 3, heads, d] is the grad of the packed QKV as is.
   at::Tensor grad = at::empty({total, 3, heads, d}, q.options());
   char* g = static_cast<char*>(grad.data_ptr());
   const int64_t head_bytes = heads * d * grad.element_size();
   const int64_t gs = 3 * heads * d;
-  const AttnBwdArgs args{q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
-                         out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), g, g + head_bytes, g + 2 * head_bytes,
-                         gs, gs, gs, cu_seqlens.data_ptr<int64_t>(), total, heads, d, scale, key.dropout, key.seed,
-                         key.threshold, key.keep_scale, window_left, window_right};
+  const AttnBwdArgs args{call.args, out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), g, g + head_bytes,
+                         g + 2 * head_bytes, gs, gs, gs};
   const KernelTable& t = selected_table();
-  const AttnBwdFn fn = t.attn_bwd[dt];
-  run_items(plan, t.attn_bwd_scratch[dt](plan.max_len, d), q.options().dtype(math_type(dt)),
-            [&](int64_t item, void* scratch) { fn(args, item, scratch); });
+  run_items(call, t.attn_bwd[call.dt], t.attn_bwd_scratch[call.dt], args, q.options().dtype(math_type(call.dt)));
   return grad;
 }
 
@@ -178,7 +187,7 @@ at::Tensor varlen_attention_dropout_mask(const at::Tensor& cu_seqlens, int64_t h
   TORCH_CHECK(key.dropout, "varlen attention: the dropout mask needs p > 0");
   const int64_t s = plan.max_len;
   at::Tensor mask = at::zeros({seqs, heads, s, s}, cu_seqlens.options().dtype(at::kBool));
-  AttnFwdArgs args{};
+  AttnArgs args{};
   args.cu_seqlens = cu_seqlens.data_ptr<int64_t>();
   args.heads = heads;
   args.seed = key.seed;

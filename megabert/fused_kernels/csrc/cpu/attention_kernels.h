@@ -202,11 +202,26 @@ struct AttnWindow {
   }
 };
 
-template <typename A>
-struct AttnDims {
-  int64_t len, dp, tiles, lp;
-  AttnDims(int64_t len_, int64_t d) : len(len_), dp(round_up(d, kDc)), tiles((len_ + kBk - 1) / kBk),
-                                      lp(round_up(len_, kBk)) {}
+// One work item (item = sequence * heads + head; attention.cpp plans none for an empty
+// sequence): its sequence's tokens t0 .. t0 + len, their sizes in scratch, and this head's
+// rows of q, k, v.
+template <typename T>
+struct AttnItem {
+  int64_t head, t0, len, d;
+  int64_t dp, tiles, lp;  // d padded to kDc; key tiles; len padded to whole tiles
+  const T* q;
+  const T* k;
+  const T* v;
+  AttnItem(const AttnArgs& a, int64_t item)
+      : head(item % a.heads), t0(a.cu_seqlens[item / a.heads]), len(a.cu_seqlens[item / a.heads + 1] - t0),
+        d(a.head_dim), dp(round_up(d, kDc)), tiles((len + kBk - 1) / kBk), lp(round_up(len, kBk)),
+        q(rows(a.q, a.q_stride)), k(rows(a.k, a.k_stride)), v(rows(a.v, a.v_stride)) {}
+  // This head's first row in a [T, heads, d] tensor whose tokens lie `stride` elements apart.
+  const T* rows(const void* base, int64_t stride) const { return static_cast<const T*>(base) + t0 * stride + head * d; }
+  T* rows(void* base, int64_t stride) const { return static_cast<T*>(base) + t0 * stride + head * d; }
+  // This head's first query in a [heads, T] statistic of the math type (lse).
+  template <typename A>
+  A* stat(A* base, int64_t total) const { return base + head * total + t0; }
 };
 
 // Scratch (elements of the math type) one thread needs for a sequence of up to max_len.
@@ -229,30 +244,25 @@ template <typename T>
 void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
   using E = Elem<T>;
   using A = typename E::acc_t;
-  const int64_t seq = item / a.heads, head = item % a.heads;
-  const int64_t t0 = a.cu_seqlens[seq];
-  const AttnDims<A> dims(a.cu_seqlens[seq + 1] - t0, a.head_dim);
-  if (dims.len <= 0) return;
-  const int64_t d = a.head_dim, dp = dims.dp, len = dims.len;
-  const T* q = static_cast<const T*>(a.q) + t0 * a.q_stride + head * d;
-  const T* k = static_cast<const T*>(a.k) + t0 * a.k_stride + head * d;
-  const T* v = static_cast<const T*>(a.v) + t0 * a.v_stride + head * d;
-  T* out = static_cast<T*>(a.out) + (t0 * a.heads + head) * d;
-  A* lse = static_cast<A*>(a.lse) + head * a.total + t0;  // [heads, T]
+  const AttnItem<T> it(a, item);
+  const int64_t d = it.d, dp = it.dp, len = it.len;
+  const T *q = it.q, *k = it.k, *v = it.v;
+  T* out = it.rows(a.out, a.heads * d);
+  A* lse = it.stat(static_cast<A*>(a.lse), a.total);
 
   A* kt_all = static_cast<A*>(scratch_v);
-  A* v_all = kt_all + dims.lp * dp;
-  A* qb = v_all + dims.lp * dp;
+  A* v_all = kt_all + it.lp * dp;
+  A* qb = v_all + it.lp * dp;
   A* ob = qb + kBq * dp;
   A* s = ob + kBq * dp;
   A* m = s + kBq * kBk;
   A* l = m + kBq;
-  for (int64_t kt = 0; kt < dims.tiles; ++kt) {
+  for (int64_t kt = 0; kt < it.tiles; ++kt) {
     const int64_t n = len - kt * kBk < kBk ? len - kt * kBk : kBk;
     load_tile_t<T, A>(k + kt * kBk * a.k_stride, a.k_stride, d, n, kt_all + kt * dp * kBk, dp);
   }
   load_rows<T, A>(v, a.v_stride, d, len, A(1), v_all, dp);
-  for (int64_t i = len * dp; i < dims.lp * dp; ++i) v_all[i] = 0;
+  for (int64_t i = len * dp; i < it.lp * dp; ++i) v_all[i] = 0;
 
   const A scale = static_cast<A>(a.scale), keep_scale = static_cast<A>(a.keep_scale);
   const AttnWindow win(a.window_left, a.window_right, len);
@@ -291,13 +301,7 @@ void attn_fwd(const AttnFwdArgs& a, int64_t item, void* scratch_v) {
 #pragma omp simd reduction(max : mx)
         for (int64_t c = 0; c < kBk; ++c) mx = sr[c] > mx ? sr[c] : mx;
         const A alpha = exp_approx(m[r] - mx);  // 0 on the first tile (m = -inf)
-        A sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t c = 0; c < kBk; ++c) {
-          const A e = exp_approx(sr[c] - mx);
-          sr[c] = e;
-          sum += e;
-        }
+        const A sum = exp_sum(sr, kBk, mx);
         m[r] = mx;
         l[r] = l[r] * alpha + sum;  // the softmax sum counts every key, dropped or not
         A* orow = ob + r * dp;
@@ -324,21 +328,16 @@ template <typename T>
 void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
   using E = Elem<T>;
   using A = typename E::acc_t;
-  const int64_t seq = item / a.heads, head = item % a.heads;
-  const int64_t t0 = a.cu_seqlens[seq];
-  const AttnDims<A> dims(a.cu_seqlens[seq + 1] - t0, a.head_dim);
-  if (dims.len <= 0) return;
-  const int64_t d = a.head_dim, dp = dims.dp, len = dims.len, lp = dims.lp;
-  const T* q = static_cast<const T*>(a.q) + t0 * a.q_stride + head * d;
-  const T* k = static_cast<const T*>(a.k) + t0 * a.k_stride + head * d;
-  const T* v = static_cast<const T*>(a.v) + t0 * a.v_stride + head * d;
-  const T* out = static_cast<const T*>(a.out) + (t0 * a.heads + head) * d;
-  const T* dout = static_cast<const T*>(a.grad_out) + (t0 * a.heads + head) * d;
-  const A* lse_in = static_cast<const A*>(a.lse) + head * a.total + t0;
-  T* dq = static_cast<T*>(a.grad_q) + t0 * a.dq_stride + head * d;
-  T* dk = static_cast<T*>(a.grad_k) + t0 * a.dk_stride + head * d;
-  T* dv = static_cast<T*>(a.grad_v) + t0 * a.dv_stride + head * d;
+  const AttnItem<T> it(a, item);
+  const int64_t d = it.d, dp = it.dp, len = it.len, lp = it.lp;
   const int64_t od = a.heads * d;  // token stride of out / grad_out
+  const T *q = it.q, *k = it.k, *v = it.v;
+  const T* out = it.rows(a.out, od);
+  const T* dout = it.rows(a.grad_out, od);
+  const A* lse_in = it.stat(static_cast<const A*>(a.lse), a.total);
+  T* dq = it.rows(a.grad_q, a.dq_stride);
+  T* dk = it.rows(a.grad_k, a.dk_stride);
+  T* dv = it.rows(a.grad_v, a.dv_stride);
 
   A* qs = static_cast<A*>(scratch_v);
   A* kr = qs + lp * dp;
@@ -359,7 +358,7 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
   load_rows<T, A>(dout, od, d, len, A(1), dob, dp);
   for (int64_t i = len * dp; i < lp * dp; ++i) qs[i] = kr[i] = dob[i] = 0;
   for (int64_t i = 0; i < lp * dp; ++i) dqb[i] = 0;
-  for (int64_t kt = 0; kt < dims.tiles; ++kt) {
+  for (int64_t kt = 0; kt < it.tiles; ++kt) {
     const int64_t n = len - kt * kBk < kBk ? len - kt * kBk : kBk;
     load_tile_t<T, A>(k + kt * kBk * a.k_stride, a.k_stride, d, n, kt_all + kt * dp * kBk, dp);
     load_tile_t<T, A>(v + kt * kBk * a.v_stride, a.v_stride, d, n, vt_all + kt * dp * kBk, dp);
@@ -377,7 +376,7 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
   const uint32_t pair = static_cast<uint32_t>(item);
   uint32_t u[kBk];
   AttnPhiloxTile ptile;
-  for (int64_t kt = 0; kt < dims.tiles; ++kt) {
+  for (int64_t kt = 0; kt < it.tiles; ++kt) {
     const int64_t valid = len - kt * kBk < kBk ? len - kt * kBk : kBk;
     const int64_t k0 = kt * kBk;
     // The queries that see some key of the tile: k0 - right .. k0 + valid - 1 + left.
@@ -448,7 +447,7 @@ void attn_bwd(const AttnBwdArgs& a, int64_t item, void* scratch_v) {
 // The keep mask of one (sequence, head) as uint8 [len][len] at `mask` (tests check the
 // kernel's outputs against a reference that applies this mask).
 template <typename T>
-void attn_mask(const AttnFwdArgs& a, int64_t item, uint8_t* mask) {
+void attn_mask(const AttnArgs& a, int64_t item, uint8_t* mask) {
   const int64_t seq = item / a.heads;
   const int64_t len = a.cu_seqlens[seq + 1] - a.cu_seqlens[seq];
   uint32_t u[kBk];

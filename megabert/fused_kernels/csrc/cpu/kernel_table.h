@@ -87,20 +87,17 @@ struct DropoutBwdArgs {
   double scale;
 };
 
-// Attention over the real tokens of a batch (attention_kernels.h). q, k, v: [T, heads, d]
-// with token strides q_stride.. (a head's d elements contiguous: views of the packed QKV
-// GEMM output); sequence s is tokens cu_seqlens[s] .. cu_seqlens[s + 1]. out: [T, heads, d]
-// contiguous; lse: [heads, T] (the math type), log of each query's softmax sum.
+// Attention over the real tokens of a batch (attention_kernels.h): what both passes read.
+// q, k, v: [T, heads, d] with token strides q_stride.. (a head's d elements contiguous:
+// views of the packed QKV GEMM output); sequence s is tokens cu_seqlens[s] .. cu_seqlens[s + 1].
 // keep = (philox(seed, counter(pair, row, key)) >= threshold), scaled by keep_scale.
 // Query i sees key j of its sequence iff i - window_left <= j <= i + window_right (a
 // sliding window as FlashAttention's window_size; -1 = unbounded on that side).
-struct AttnFwdArgs {
+struct AttnArgs {
   const void* q;
   const void* k;
   const void* v;
   int64_t q_stride, k_stride, v_stride;
-  void* out;
-  void* lse;
   const int64_t* cu_seqlens;
   int64_t total, heads, head_dim;
   double scale;
@@ -111,12 +108,15 @@ struct AttnFwdArgs {
   int64_t window_left, window_right;
 };
 
-// grad_q/k/v: [T, heads, d] with token strides dq_stride.. (views of one packed grad).
-struct AttnBwdArgs {
-  const void* q;
-  const void* k;
-  const void* v;
-  int64_t q_stride, k_stride, v_stride;
+// out: [T, heads, d] contiguous; lse: [heads, T] (the math type), log of each query's softmax sum.
+struct AttnFwdArgs : AttnArgs {
+  void* out;
+  void* lse;
+};
+
+// The forward's out and lse; grad_q/k/v: [T, heads, d] with token strides dq_stride.. (views
+// of one packed grad).
+struct AttnBwdArgs : AttnArgs {
   const void* out;
   const void* grad_out;
   const void* lse;
@@ -124,14 +124,6 @@ struct AttnBwdArgs {
   void* grad_k;
   void* grad_v;
   int64_t dq_stride, dk_stride, dv_stride;
-  const int64_t* cu_seqlens;
-  int64_t total, heads, head_dim;
-  double scale;
-  int dropout;
-  uint64_t seed;
-  uint32_t threshold;
-  double keep_scale;
-  int64_t window_left, window_right;
 };
 
 // Cross entropy over column chunks of logits (megabert/ops/linear_cross_entropy.py).
@@ -166,13 +158,13 @@ using CeGradFn = void (*)(const CeGradArgs&, int64_t row_begin, int64_t row_end)
 using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
 using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
-// One (sequence, head) work item (item = sequence * heads + head) with `scratch` of
-// attn_*_scratch(max_len, head_dim) math-type elements to itself.
+// One (sequence, head) work item (item = sequence * heads + head) of a non-empty sequence,
+// with `scratch` of attn_*_scratch(max_len, head_dim) math-type elements to itself.
 using AttnFwdFn = void (*)(const AttnFwdArgs&, int64_t item, void* scratch);
 using AttnBwdFn = void (*)(const AttnBwdArgs&, int64_t item, void* scratch);
 using AttnScratchFn = int64_t (*)(int64_t max_len, int64_t head_dim);
 // The keep mask of one item as uint8 [len, len] (for tests).
-using AttnMaskFn = void (*)(const AttnFwdArgs&, int64_t item, uint8_t* mask);
+using AttnMaskFn = void (*)(const AttnArgs&, int64_t item, uint8_t* mask);
 
 struct KernelTable {
   const char* isa;

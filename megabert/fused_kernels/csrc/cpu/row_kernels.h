@@ -89,6 +89,20 @@ inline A neg_inf() {
   return -static_cast<A>(__builtin_inf());
 }
 
+// x[j] = exp(x[j] - m) for j < n (m: their max), returning their sum: a softmax's numerators and
+// denominator, in place (the softmax rows and each attention score tile).
+template <typename A>
+inline A exp_sum(A* x, int64_t n, A m) {
+  A sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const A e = exp_approx(x[j] - m);
+    x[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // Per-call scratch (one per thread's range of rows), kept free of std:: templates.
 template <typename A>
 struct Scratch {
@@ -138,14 +152,7 @@ void softmax_fwd(const SoftmaxFwdArgs& a, int64_t row_begin, int64_t row_end) {
       for (int64_t j = 0; j < sk; ++j) E::store(yr, j, A(0));
       continue;
     }
-    A sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < sk; ++j) {
-      const A v = exp_approx(e[j] - m);
-      e[j] = v;
-      sum += v;
-    }
-    const A inv = A(1) / sum;
+    const A inv = A(1) / exp_sum(e, sk, m);
 #pragma omp simd
     for (int64_t j = 0; j < sk; ++j) E::store(yr, j, e[j] * inv);
   }
