@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
-from megabert.families.family import Family, Recipe
+from megabert.families.family import Family, Recipe, encoder_task_classes, hf_architectures
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
                                  MLPSpec, ModuleNames, NormSpec)
 
@@ -75,13 +75,8 @@ def hf_config(cfg: ModelConfig, architecture: str) -> dict:
 FAMILY = Family(
     name="bert", model_type="bert", spec=spec, config_from_hf=config_from_hf, hf_config=hf_config,
     recipe=Recipe(mask_prob=0.15, binary_head=True, tokenizer="wordpiece"),
-    task_classes={"pretraining": "BertForPreTraining", "masked_lm": "EncoderForMaskedLM",
-                  "sequence_classification": "BertForSequenceClassification",
-                  "token_classification": "BertForTokenClassification",
-                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
+    task_classes=encoder_task_classes(pretraining="BertForPreTraining"),
     hf_base_prefix="bert.", architecture_from_checkpoint=False, packed_mlm_slots=True,
-    architectures={"masked_lm": "BertForMaskedLM", "pretraining": "BertForPreTraining", "embeddings": "BertModel",
-                   "sequence_classification": "BertForSequenceClassification",
-                   "token_classification": "BertForTokenClassification",
-                   "question_answering": "BertForQuestionAnswering"},
+    architectures=hf_architectures("Bert", "sequence_classification", "token_classification", "question_answering",
+                                   pretraining="BertForPreTraining"),
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
 from megabert.families.blocks import FULL, llama_block, llama_fields, llama_hf_config
-from megabert.families.family import Family, Recipe
+from megabert.families.family import Family, Recipe, encoder_task_classes, hf_architectures
 from megabert.families.rope_config import checked_activation, rope_theta
 from megabert.families.spec import ClassifierSpec, EncoderSpec, MLMHeadSpec
 
@@ -63,13 +63,7 @@ FAMILY = Family(
                       "max_position_embeddings": 8192, "layernorm_position": "pre", "bert_binary_head": False,
                       "hidden_activation": "silu", "global_rope_theta": 250000.0,
                       "untie_embeddings_and_output_weights": True, "classifier_pooling": "late"},
-    # transformers has no EuroBertForQuestionAnswering: ours fine-tunes but does not export.
-    task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
-                  "sequence_classification": "EncoderForSequenceClassification",
-                  "token_classification": "BertForTokenClassification",
-                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
+    task_classes=encoder_task_classes(sequence_classification="EncoderForSequenceClassification"),
     hf_base_prefix="model.",
-    architectures={"pretraining": "EuroBertForMaskedLM", "masked_lm": "EuroBertForMaskedLM",
-                   "embeddings": "EuroBertModel", "sequence_classification": "EuroBertForSequenceClassification",
-                   "token_classification": "EuroBertForTokenClassification"},
+    architectures=hf_architectures("EuroBert", "sequence_classification", "token_classification"),
 )

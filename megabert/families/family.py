@@ -60,3 +60,25 @@ class Family:
     def ffn_size(self, hidden_size: int) -> int:
         """The MLP width a model of this family and `hidden_size` gets by default."""
         return int(self.ffn_per_hidden * hidden_size)
+
+
+# transformers names a family's classes <Prefix><suffix>; its masked LM serves pre-training too.
+_HF_SUFFIXES = {"pretraining": "ForMaskedLM", "masked_lm": "ForMaskedLM", "embeddings": "Model",
+                "sequence_classification": "ForSequenceClassification",
+                "token_classification": "ForTokenClassification", "question_answering": "ForQuestionAnswering"}
+
+
+def hf_architectures(prefix: str, *heads: str, **named: str) -> dict[str, str]:
+    """Family.architectures: transformers' masked LM and bare model of `prefix` ("EuroBert"), the
+    task `heads` transformers defines for the family, and `named` ones that break the pattern."""
+    return {**{t: prefix + _HF_SUFFIXES[t] for t in ("pretraining", "masked_lm", "embeddings", *heads)}, **named}
+
+
+def encoder_task_classes(**own: str) -> dict[str, str]:
+    """Family.task_classes of a family built on the spec's encoder: the shared task models, with the
+    family's `own` where its head differs (EuroBERT's pooled classifier). A task transformers lacks
+    (question answering for most families) still fine-tunes here; its export is refused."""
+    return {"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
+            "sequence_classification": "BertForSequenceClassification",
+            "token_classification": "BertForTokenClassification",
+            "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding", **own}

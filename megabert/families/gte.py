@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.families.blocks import bert_layout_rope
-from megabert.families.family import Family, Recipe
+from megabert.families.family import Family, Recipe, encoder_task_classes, hf_architectures
 from megabert.families.rope_config import bert_layout_fields, bert_layout_hf_config
 from megabert.families.spec import EncoderSpec, MLPSpec
 
@@ -43,13 +43,7 @@ FAMILY = Family(
     recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="tokenizer.json"),
     scratch_defaults={"type_vocab_size": 1, "global_rope_theta": 160000.0, "max_position_embeddings": 8192,
                       "bert_binary_head": False, "attention_dropout": 0.0},
-    task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
-                  "sequence_classification": "BertForSequenceClassification",
-                  "token_classification": "BertForTokenClassification",
-                  # transformers has no question answering model of the family: ours fine-tunes, does not export.
-                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
+    task_classes=encoder_task_classes(),
     hf_base_prefix="gte.", hf_prefix_aliases={"new.": "gte."},
-    architectures={"pretraining": "GteForMaskedLM", "masked_lm": "GteForMaskedLM", "embeddings": "GteModel",
-                   "sequence_classification": "GteForSequenceClassification",
-                   "token_classification": "GteForTokenClassification"},
+    architectures=hf_architectures("Gte", "sequence_classification", "token_classification"),
 )

@@ -14,7 +14,7 @@ from fractions import Fraction
 
 from megabert.config import MODERNBERT_ACTIVATIONS, ModelConfig
 from megabert.errors import CheckpointError
-from megabert.families.family import Family, Recipe
+from megabert.families.family import Family, Recipe, hf_architectures
 from megabert.families.spec import (AttentionSpec, ClassifierSpec, EmbeddingSpec, EncoderSpec, InitSpec, MLMHeadSpec,
                                  MLPSpec, ModuleNames, NormSpec)
 
@@ -158,8 +158,6 @@ FAMILY = Family(
                   "question_answering": "ModernBertForQuestionAnswering",
                   "embeddings": "ModernBertForSentenceEmbedding"},
     hf_base_prefix="model.",
-    architectures={"masked_lm": "ModernBertForMaskedLM", "pretraining": "ModernBertForMaskedLM",
-                   "embeddings": "ModernBertModel", "sequence_classification": "ModernBertForSequenceClassification",
-                   "token_classification": "ModernBertForTokenClassification",
-                   "question_answering": "ModernBertForQuestionAnswering"},
+    architectures=hf_architectures("ModernBert", "sequence_classification", "token_classification",
+                                   "question_answering"),
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megabert.config import ModelConfig
 from megabert.families.blocks import bert_layout_rope
-from megabert.families.family import Family, Recipe
+from megabert.families.family import Family, Recipe, encoder_task_classes, hf_architectures
 from megabert.families.rope_config import bert_layout_fields, bert_layout_hf_config
 from megabert.families.spec import EncoderSpec, MLPSpec
 
@@ -46,13 +46,7 @@ FAMILY = Family(
     recipe=Recipe(mask_prob=0.3, binary_head=False, tokenizer="wordpiece"),
     scratch_defaults={"global_rope_theta": 1000.0, "hidden_activation": "silu", "hidden_dropout": 0.0,
                       "attention_dropout": 0.0, "max_position_embeddings": 2048, "bert_binary_head": False},
-    task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
-                  "sequence_classification": "BertForSequenceClassification",
-                  "token_classification": "BertForTokenClassification",
-                  # transformers has no question answering model of the family: ours fine-tunes, does not export.
-                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
+    task_classes=encoder_task_classes(),
     hf_base_prefix="nomic_bert.",
-    architectures={"pretraining": "NomicBertForMaskedLM", "masked_lm": "NomicBertForMaskedLM",
-                   "embeddings": "NomicBertModel", "sequence_classification": "NomicBertForSequenceClassification",
-                   "token_classification": "NomicBertForTokenClassification"},
+    architectures=hf_architectures("NomicBert", "sequence_classification", "token_classification"),
 )

@@ -13,7 +13,7 @@ from megabert.config import ModelConfig
 from megabert.errors import CheckpointError
 from megabert.families.blocks import FULL, llama_block, llama_fields, llama_hf_config
 from megabert.families.eurobert import LAYER_NAMES as EUROBERT_LAYER
-from megabert.families.family import Family, Recipe
+from megabert.families.family import Family, Recipe, encoder_task_classes, hf_architectures
 from megabert.families.rope_config import checked_activation, rope_theta
 from megabert.families.spec import ClassifierSpec, EncoderSpec, MLMHeadSpec
 
@@ -82,13 +82,8 @@ FAMILY = Family(
                       "max_position_embeddings": 32768, "layernorm_position": "pre", "bert_binary_head": False,
                       "hidden_activation": "silu", "global_rope_theta": 2_560_000.0, "local_rope_theta": 10_000.0,
                       "local_attention": 256, "untie_embeddings_and_output_weights": True},
-    task_classes={"pretraining": "EncoderForMaskedLM", "masked_lm": "EncoderForMaskedLM",
-                  "sequence_classification": "EncoderForSequenceClassification",
-                  "token_classification": "BertForTokenClassification",
-                  "question_answering": "BertForQuestionAnswering", "embeddings": "BertForSentenceEmbedding"},
+    task_classes=encoder_task_classes(sequence_classification="EncoderForSequenceClassification"),
     hf_base_prefix="ultrabert.",
-    architectures={"pretraining": "UltrabertForMaskedLM", "masked_lm": "UltrabertForMaskedLM",
-                   "embeddings": "UltrabertModel", "sequence_classification": "UltrabertForSequenceClassification",
-                   "token_classification": "UltrabertForTokenClassification",
-                   "question_answering": "UltrabertForQuestionAnswering"},
+    architectures=hf_architectures("Ultrabert", "sequence_classification", "token_classification",
+                                   "question_answering"),
 )
