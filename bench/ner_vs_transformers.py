@@ -408,8 +408,8 @@ def main() -> None:
             part = {k: statistics.fmean(100 * curve[-1][k] for curve in sides[name])
                     for k in ("f1_run_ner", "f1_short", "f1_long")}
             print(f"final dev F1 {name}: {statistics.fmean(f1):.2f}{spread}; seeds {', '.join(f'{x:.2f}' for x in f1)}"
-                  f"; over the words run_ner.py keeps (the first window's) {part['f1_run_ner']:.2f}; sentences within one window "
-                  f"{part['f1_short']:.2f}, longer ones {part['f1_long']:.2f}")
+                  f"; over the words run_ner.py keeps (the first window's) {part['f1_run_ner']:.2f}; sentences "
+                  f"within one window {part['f1_short']:.2f}, longer ones {part['f1_long']:.2f}")
         for k in args.position_shifts if "transformers" in sides else ():
             f1 = [100 * curve[-1][f"f1_shift_{k}"] for curve in sides["transformers"]]
             print(f"transformers' model, dev sentences within one window, positions moved on by {k}: F1 "
