@@ -15,8 +15,8 @@ at the sentence's end. Every sub-word lies in some window, so every word's first
 does, most in several.
 
 A model's tag for a word moves with where the word sits in its window (a model fine-tuned
-mostly on short sentences keys on the absolute position: issue 52 measured a short sentence
-shifted by 2 positions falling from F1 93 to 54), so one window's reading is a noisy one.
+mostly on short sentences keys on the absolute position: issue 52 measured short sentences
+moved on by 2 positions falling from F1 96 to 63), so one window's reading is a noisy one.
 Prediction therefore averages a word's tag probabilities over every window that holds it
 (`predict_windows="mean"`); "max-context" reads it in the window where it sits most central
 alone (the most context on its shorter side; ties to the longer, then the earlier window:
