@@ -31,8 +31,9 @@ class NerConfig(PackedTaskConfig):
     train_windows: str = arg("weighted", "Sentences longer than --max-seq-length - 2 sub-words, in training: each word "
                              "labelled in every window that holds it, weighted so that it counts once in the loss "
                              "(weighted); in the window where it sits most central alone (owned); in every window at "
-                             "full weight (all: the overlaps count twice); or in the first window alone (first: "
-                             "run_ner.py's truncation; later words are still predicted).", choices=TRAIN_WINDOWS)
+                             "full weight (all: the overlaps count several times); or in the first window alone "
+                             "(first: run_ner.py's truncation; later words are still predicted).",
+                             choices=TRAIN_WINDOWS)
     predict_windows: str = arg("mean", "Sentences longer than --max-seq-length - 2 sub-words, in prediction: each "
                                "word's tag probabilities averaged over every window that holds it (mean), or read in "
                                "the window where it sits most central (max-context, SQuAD's rule).",

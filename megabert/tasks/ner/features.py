@@ -25,12 +25,13 @@ window that holds it, each label weighted by one over the number of those window
 (`train_windows="weighted"`): the model learns each word at every place prediction reads
 it, and the word still counts once in the loss, as a word of a short sentence does. The
 other ways: "owned" labels each word in its most-central window alone; "all" in every
-window at full weight (the overlaps count twice, which pulled the loss towards long
+window at full weight (the overlaps count several times, which pulled the loss towards long
 sentences); "first" keeps a sentence's first window alone, as run_ner.py's truncation
 trains (the words past it are still predicted).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -120,8 +121,8 @@ def sentences_to_features(sentences: Sequence[Sentence], tokenizer, max_seq_leng
     """Features of every window of every sentence. `label2id`: label the words (sentences
     with tags; a tag outside it is left unlabelled); `overlap`: sub-words each window shares
     with the one before (default: default_overlap); `drop_unlabelled`: leave out windows with
-    no label (training: a window inside one very long word teaches nothing); `train_windows`: where a
-    word is labelled, None or "all" in every window it starts in, "weighted" there too with
+    no label (training: a window inside one very long word teaches nothing); `train_windows`:
+    where a word is labelled, None or "all" in every window it starts in, "weighted" there too with
     the `label_windows` tensor (how many windows hold each labelled sub-word, 0 elsewhere),
     "owned" in its most central window, "first" in the first window only (see the module's
     docstring)."""
@@ -148,7 +149,11 @@ def sentences_to_features(sentences: Sequence[Sentence], tokenizer, max_seq_leng
         starts = window_starts(len(ids), length, overlap)
         lengths = [min(length, len(ids) - s) for s in starts]
         owner = [best_window(f, starts, lengths) for f in firsts]
-        cover = [sum(s <= j < s + n for s, n in zip(starts, lengths)) for j in range(len(ids))]
+        edges = [0] * (len(ids) + 1)  # how many windows hold each sub-word: +1 where one starts, -1 past its end
+        for s, n in zip(starts, lengths):
+            edges[s] += 1
+            edges[s + n] -= 1
+        cover = list(itertools.accumulate(edges[:-1]))
         for k, (s, n) in enumerate(zip(starts, lengths)):
             if train_windows == "first" and k > 0:
                 break
