@@ -29,7 +29,11 @@ epoch with --save: each run resumes the last one exactly (--lr-decay-iters fixes
 schedule) and scores the dev file (--final-only: one run, scored at its end). The
 transformers side is run_ner.py's model and tokenization (is_split_into_words, the first
 sub-word labelled, truncation) in a plain loop with its get_linear_schedule_with_warmup.
---megabert-flag passes a flag to finetune_ner.py (ablations). Each run on --threads.
+--megabert-flag passes a flag to finetune_ner.py (ablations). --position-shifts 0,2,5,10 also
+scores the transformers model on the dev sentences within one window with their position ids
+moved on by k: how much its tags hang on where a word sits in the window (issue 52's cause:
+the reason finetune_ner.py averages a word over every window that holds it). Each run on
+--threads.
 
     python bench/ner_vs_transformers.py [--train 1000 --dev 300 --epochs 5 --lr 1e-3 --batch 32
                                          --seq 64 --layers 2 --hidden 128 --heads 2 --seeds 1]
@@ -205,11 +209,12 @@ def kept_words(sentences, vocab, seq):
 
 
 def by_length(args, dev, predicted):
-    """Dev F1 over the sentences that fit in one window and over the longer ones."""
+    """Dev F1 over the sentences that fit in one window and over the longer ones (nan where
+    there are none: the default set)."""
     fits = [wordpieces(s.words) <= args.seq - 2 for s in dev]
     return {f"f1_{name}": ner_metrics([s.tags for s, f in zip(dev, fits) if f == keep],
                                       [p for p, f in zip(predicted, fits) if f == keep])["f1"]
-            for name, keep in (("short", True), ("long", False))}
+            if keep in fits else math.nan for name, keep in (("short", True), ("long", False))}
 
 
 def hf_features(tok, sentences, label2id, seq):
@@ -292,8 +297,27 @@ def transformers_curve(args, work, seed, steps_per_epoch, train, dev, labels):
         row = {**ner_metrics(gold, predicted), **by_length(args, dev, predicted)}
         row["f1_run_ner"] = ner_metrics([g[:len(p)] for g, p in zip(gold, kept)], kept)["f1"]
         row["train_loss"] = statistics.fmean(losses)
+        row.update(shifted_f1(args, model, dev_tensors, dev_firsts, dev, labels))
         curve.append(row)
     return curve
+
+
+def shifted_f1(args, model, tensors, firsts, dev, labels):
+    """--position-shifts: the model's F1 over the dev sentences that fit one window with their
+    position ids moved on by k (the [CLS] kept at 0): how much its tags hang on where a word
+    sits in the window rather than on its neighbours (issue 52)."""
+    fits = [i for i, s in enumerate(dev) if wordpieces(s.words) <= args.seq - 2]
+    seq, top = tensors["input_ids"].shape[1], model.config.max_position_embeddings - 1
+    out = {}
+    for k in args.position_shifts:
+        positions = torch.arange(seq).expand(len(fits), seq).clone()
+        positions[:, 1:] = (positions[:, 1:] + k).clamp(max=top)  # padding past the end: masked
+        with torch.no_grad():
+            logits = model(**{key: v[fits] for key, v in tensors.items() if key != "labels"},
+                           position_ids=positions).logits
+        predicted = [[labels[int(logits[j, p].argmax())] for p in firsts[i]] for j, i in enumerate(fits)]
+        out[f"f1_shift_{k}"] = ner_metrics([list(dev[i].tags) for i in fits], predicted)["f1"]
+    return out
 
 
 def main() -> None:
@@ -316,11 +340,15 @@ def main() -> None:
                    help="an extra finetune_ner.py flag (repeat; --megabert-flag=--clip-grad=0)")
     p.add_argument("--sides", default="megabert,transformers")
     p.add_argument("--final-only", action="store_true", help="score the dev set after the last epoch only")
+    p.add_argument("--position-shifts", default="",
+                   help="k,k,...: also score the transformers model on the dev sentences within one window with "
+                        "their position ids moved on by k (how much its tags hang on absolute positions)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seeds", type=int, default=1, help="runs per side (seeds S..S+N-1: init, shuffle, dropout)")
     p.add_argument("--first-seed", type=int, default=1, help="S")
     args = p.parse_args()
     args.megabert_flag = [x for f in args.megabert_flag for x in f.split("=", 1)]
+    args.position_shifts = [int(k) for k in args.position_shifts.split(",") if k]
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -380,8 +408,12 @@ def main() -> None:
             part = {k: statistics.fmean(100 * curve[-1][k] for curve in sides[name])
                     for k in ("f1_run_ner", "f1_short", "f1_long")}
             print(f"final dev F1 {name}: {statistics.fmean(f1):.2f}{spread}; seeds {', '.join(f'{x:.2f}' for x in f1)}"
-                  f"; over the words run_ner.py keeps (the first window's) {part['f1_run_ner']:.2f}; sentences within one window "
-                  f"{part['f1_short']:.2f}, longer ones {part['f1_long']:.2f}")
+                  f"; over the words run_ner.py keeps (the first window's) {part['f1_run_ner']:.2f}; sentences "
+                  f"within one window {part['f1_short']:.2f}, longer ones {part['f1_long']:.2f}")
+        for k in args.position_shifts if "transformers" in sides else ():
+            f1 = [100 * curve[-1][f"f1_shift_{k}"] for curve in sides["transformers"]]
+            print(f"transformers' model, dev sentences within one window, positions moved on by {k}: F1 "
+                  f"{statistics.fmean(f1):.2f} (seeds {', '.join(f'{x:.2f}' for x in f1)})")
         print(json.dumps({name: [round(100 * curve[-1]["f1"], 2) for curve in sides[name]] for name in sides}))
     finally:
         shutil.rmtree(work, ignore_errors=True)

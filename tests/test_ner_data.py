@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from megabert.data import build_tokenizer
 from megabert.errors import DataError
@@ -89,7 +90,8 @@ def test_windows_reassemble_every_word(vocab):
     """Sentences up to 12 windows long, with words of up to 40 sub-words (longer than a
     window): each window is [CLS] + a slice of the sentence's sub-words + [SEP]; every word
     is owned by exactly one window, at its first sub-word, the window where it has the most
-    context on its shorter side; and reading the logits back gives each word its own."""
+    context on its shorter side; and reading the logits back gives each word its own (or,
+    by default, the mean of its probabilities over every window that holds it)."""
     tok = build_tokenizer("BertWordPieceLowerCase", vocab)
     rng = random.Random(2)
     sentences = []
@@ -116,7 +118,7 @@ def test_windows_reassemble_every_word(vocab):
             mine = [f for f, w in enumerate(features.windows) if w.sentence == i]
             spans = [(features.windows[f].start, features.windows[f].length) for f in mine]
             starts = [s for s, _ in spans]
-            assert starts == window_starts(n, length, length // 2 if overlap is None else overlap)
+            assert starts == window_starts(n, length, 3 * length // 4 if overlap is None else overlap)
             assert starts[0] == 0 and starts[-1] + spans[-1][1] == n  # the whole sentence, in order
             first = 0
             for w, word_pieces in enumerate(p):
@@ -132,10 +134,40 @@ def test_windows_reassemble_every_word(vocab):
         logits = np.zeros((n, max_seq, 2), np.float32)
         logits[..., 0] = np.arange(n)[:, None]
         logits[..., 1] = np.arange(max_seq)[None, :]
-        back = word_logits(features, logits, [len(s.words) for s in sentences])
+        back = word_logits(features, logits, [len(s.words) for s in sentences], "max-context")
         for (i, w), (f, position) in owners.items():
             assert back[i][w].tolist() == [f, position]
         assert sum(len(x) for x in back) == len(owners)
+        # --predict-windows mean: the log of the tag probabilities averaged over every window
+        # whose span holds the word's first sub-word (found here from the spans alone).
+        logits = np.random.default_rng(max_seq).normal(size=(n, max_seq, 3)).astype(np.float32) * 3
+        mean = word_logits(features, logits, [len(s.words) for s in sentences], "mean")
+        for i, p in enumerate(pieces):
+            first = 0
+            for w, word_pieces in enumerate(p):
+                held = [(f, first - x.start + 1) for f, x in enumerate(features.windows)
+                        if x.sentence == i and x.start <= first < x.start + x.length]
+                probs = [torch.softmax(torch.from_numpy(logits[f, position]).double(), -1) for f, position in held]
+                assert mean[i][w] == pytest.approx(torch.stack(probs).mean(0).log().numpy(), abs=1e-5)
+                first += len(word_pieces)
+
+
+def test_mean_prediction_outvotes_the_most_central_window(vocab):
+    """A word in three windows: the window where it sits most central leans to tag 0, the
+    two others are sure of tag 1. "mean" (the default) predicts 1, "max-context" 0."""
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab)
+    sentence = Sentence(tuple([FILLER[1]] * 12), ("O",) * 12)
+    features = sentences_to_features([sentence], tok, 8, overlap=4)  # windows of 6 at 0, 2, 4, 6
+    word, first = 5, 5
+    held = [(f, first - x.start + 1) for f, x in enumerate(features.windows) if x.start <= first < x.start + x.length]
+    assert len(held) == 3
+    logits = np.zeros((len(features.windows), 8, 2), np.float32)
+    (owner, at), = [(f, p) for f, x in enumerate(features.windows) for p, w in x.owned if w == word]
+    for f, position in held:
+        logits[f, position] = [0.5, 0.0] if f == owner else [0.0, 4.0]
+    assert (owner, at) in held
+    assert word_logits(features, logits, [12])[0][word].argmax() == 1
+    assert word_logits(features, logits, [12], "max-context")[0][word].argmax() == 0
 
 
 # ---------------------------------------------------------------- metrics

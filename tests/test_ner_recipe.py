@@ -7,6 +7,7 @@ numbers of labelled sub-words (megabert divides by the global batch's count, so 
 loss is the mean over its labelled sub-words however they are grouped)."""
 import json
 import random
+import types
 
 import pytest
 import torch
@@ -64,23 +65,42 @@ def run_ner_features(run, max_length, sentences=None):
             "attention_mask": enc["attention_mask"], "labels": labels}
 
 
-def megabert_losses(tmp_path, run, flags, micro_batch=BATCH, name="run"):
+def megabert_losses(tmp_path, run, flags, micro_batch=BATCH, name="run", train=None, seq=SEQ):
     metrics = tmp_path / f"{name}_{micro_batch}.jsonl"
-    argv = ["--load", run["dir"], "--train-file", run["train"], "--max-seq-length", SEQ, "--micro-batch-size",
+    argv = ["--load", run["dir"], "--train-file", train or run["train"], "--max-seq-length", seq, "--micro-batch-size",
             micro_batch, "--global-batch-size", BATCH, "--train-iters", STEPS, "--lr", LR, "--seed", 7,
             "--log-interval", 1, "--metrics-file", str(metrics), *flags]
     run_distributed(main_worker, 1, "finetune_ner.py", argv)
     return [json.loads(line)["ner_loss"] for line in open(metrics)]
 
 
-def transformers_losses(run, tensors, *, eps, weight_decay, clip):
+def transformers_losses(run, tensors, *, eps, weight_decay, clip, weighted=False):
     """The plain loop: Trainer's parameter groups (no weight decay on biases and LayerNorm
     weights), finetune_ner.py's batches (its shuffle of these features) and learning rates
     (warm-up over 10%, then linear decay; megabert's schedule, which another change may move,
     so that the loop follows it)."""
     model = transformers.BertForTokenClassification.from_pretrained(run["dir"], attn_implementation="eager").train()
+    if weighted:
+        model = WeightedLoss(model)
     batches = feature_batches(tensors, global_batch=BATCH, micro_batch=BATCH, dp_rank=0, dp_size=1, seed=7)
     return plain_loop_losses(model, batches, steps=STEPS, lr=LR, eps=eps, weight_decay=weight_decay, clip=clip)
+
+
+class WeightedLoss(torch.nn.Module):
+    """The loop's model with each labelled sub-word's cross entropy weighted by one over the
+    number of windows that label it (`label_windows`), over the batch's summed weights: a
+    word counts once however many windows hold it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, labels, label_windows, **inputs):
+        logits = self.model(**inputs).logits
+        losses = torch.nn.functional.cross_entropy(logits.reshape(labels.numel(), -1), labels.reshape(-1),
+                                                   reduction="none")  # 0 at -100
+        weights = (labels != -100).double() / label_windows.clamp(min=1)
+        return types.SimpleNamespace(loss=(losses * weights.reshape(-1)).sum() / weights.sum())
 
 
 def test_features_are_run_ners(ner_run):
@@ -130,6 +150,7 @@ def test_long_sentences_train_each_word_once(ner_run, label_all_tokens):
     one_window = training_features(ner_run, sentences, 64, "all", label_all_tokens)  # every sentence fits
     owned = training_features(ner_run, sentences, 12, "owned", label_all_tokens)
     every = training_features(ner_run, sentences, 12, "all", label_all_tokens)
+    weighted = training_features(ner_run, sentences, 12, "weighted", label_all_tokens)
     assert len(owned.windows) > len(sentences) + 4
 
     def labelled(features):
@@ -142,6 +163,17 @@ def test_long_sentences_train_each_word_once(ner_run, label_all_tokens):
     assert labelled(owned) == labelled(one_window)
     twice = len(labelled(every)) - len(labelled(one_window))
     assert twice > 0 and set(labelled(every)) == set(labelled(one_window))
+    # weighted (the default): labelled as in all, each label weighing one over the windows
+    # that label it, so every labelled sub-word weighs 1 in all.
+    assert labelled(weighted) == labelled(every)
+    weight = {}
+    for window, labels, count in zip(weighted.windows, weighted.tensors["labels"], weighted.tensors["label_windows"]):
+        assert torch.equal(count > 0, labels != -100)
+        for p in (labels != -100).nonzero().flatten().tolist():
+            key = (window.sentence, window.start + p - 1)
+            weight[key] = weight.get(key, 0) + 1 / int(count[p])
+    assert len(weight) == len(labelled(one_window)) and all(abs(w - 1) < 1e-9 for w in weight.values())
+    assert max(int(x) for x in weighted.tensors["label_windows"].flatten()) > 2  # words in three windows and more
     for window, labels in zip(owned.windows, owned.tensors["labels"]):  # where prediction reads its words
         at = {p for p, x in enumerate(labels.tolist()) if x != -100}
         firsts = {p for p, _ in window.owned}
@@ -157,3 +189,25 @@ def test_first_window_is_run_ners_truncation(ner_run):
     assert (ref["attention_mask"].sum(1) == 12).sum() > 4  # truncated sentences
     for key in ("input_ids", "token_type_ids", "attention_mask", "labels"):
         assert torch.equal(ours[key], ref[key]), key
+
+
+def test_long_sentences_steps_equal_a_loop_that_counts_each_word_once(tmp_path, ner_run):
+    """Sentences longer than a window (--max-seq-length 12: windows of 10 sub-words, three
+    quarters shared), at finetune_ner.py's defaults: every window labels every word it holds,
+    each label weighted by one over the windows that label it (issue 52: a model's tag moves
+    with where the word sits in its window, so training reads each word at every place
+    prediction reads it, the word still counting once). The losses equal, step for step, a
+    transformers loop with that weighted loss on the same windows, with the global batch in
+    one micro-batch and in two (different summed weights each). Before, with the words
+    labelled in their most central window alone (--train-windows owned), they differed."""
+    sentences = tagged_sentences(random.Random(8), 48, longest=20)
+    train = write(tmp_path / "long.txt", conll(sentences))
+    features = training_features(ner_run, read_sentences(train), 12, "weighted")
+    assert len(features.windows) > len(sentences) + 16
+    ref = transformers_losses(ner_run, features.tensors, eps=1e-6, weight_decay=0.01, clip=1.0, weighted=True)
+    ours = megabert_losses(tmp_path, ner_run, [], train=train, seq=12, name="long")
+    assert len(ours) == STEPS and ours == pytest.approx(ref, abs=2e-5)
+    assert megabert_losses(tmp_path, ner_run, [], micro_batch=BATCH // 2, train=train, seq=12,
+                           name="long") == pytest.approx(ref, abs=2e-5)
+    owned = megabert_losses(tmp_path, ner_run, ["--train-windows", "owned"], train=train, seq=12, name="owned")
+    assert owned != pytest.approx(ref, abs=2e-5)

@@ -9,7 +9,7 @@ from typing import Optional
 from megabert.arguments import FINETUNE_DEFAULTS
 from megabert.config import PackedTaskConfig, arg
 from megabert.errors import ConfigError
-from megabert.tasks.ner.features import TRAIN_WINDOWS
+from megabert.tasks.ner.features import PREDICT_WINDOWS, TRAIN_WINDOWS
 
 # BERT's fine-tuning recipe (warmup, linear decay, weight decay) at run_ner.py's learning
 # rate (TrainingArguments' 5e-5; BERT's paper tunes NER within 2e-5..5e-5).
@@ -28,13 +28,19 @@ class NerConfig(PackedTaskConfig):
     output_dir: Optional[str] = arg(None, "Where eval_results.json and predictions.txt go.")
     label_all_tokens: bool = arg(False, "Label every sub-word of a word with its tag (B-X as I-X after the first), "
                                  "not the first alone; predictions still read each word's first sub-word.")
-    train_windows: str = arg("owned", "Sentences longer than --max-seq-length - 2 sub-words, in training: each word "
-                             "labelled in the window that predicts it (owned: every word counts once in the loss), "
-                             "in every window it starts in (all: the overlaps twice), or the first window alone "
+    train_windows: str = arg("weighted", "Sentences longer than --max-seq-length - 2 sub-words, in training: each word "
+                             "labelled in every window that holds it, weighted so that it counts once in the loss "
+                             "(weighted); in the window where it sits most central alone (owned); in every window at "
+                             "full weight (all: the overlaps count several times); or in the first window alone "
                              "(first: run_ner.py's truncation; later words are still predicted).",
                              choices=TRAIN_WINDOWS)
+    predict_windows: str = arg("mean", "Sentences longer than --max-seq-length - 2 sub-words, in prediction: each "
+                               "word's tag probabilities averaged over every window that holds it (mean), or read in "
+                               "the window where it sits most central (max-context, SQuAD's rule).",
+                               choices=PREDICT_WINDOWS)
     stride: Optional[int] = arg(None, "Sub-words each window of a sentence longer than --max-seq-length - 2 shares "
-                                "with the window before (transformers' stride); default half a window.")
+                                "with the window before (transformers' stride); default three quarters of a window, so "
+                                "that a word is read in about four windows (--predict-windows mean).")
 
     def __post_init__(self):
         super().__post_init__()

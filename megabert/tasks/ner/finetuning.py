@@ -4,8 +4,10 @@ label set (the training file's tags, saved with the model as its id2label), the 
 predictions.txt in CoNLL form)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -24,20 +26,47 @@ from megabert import model_classes
 from megabert.model_family import task_model_class_name
 from megabert.tasks.ner.model import IGNORE_INDEX
 from megabert.training.finetune import FinetuneTask, Predictor, load_task_model, write_json
-from megabert.training.strategy import TrainingTask, mean_loss_task
+from megabert.training.strategy import LOSS_SHARES, Metrics, TrainingTask, mean_loss_task
 
 logger = logging.getLogger(__name__)
 
 
+def label_weights(batch: dict) -> torch.Tensor:
+    """Each position's weight in the training loss: 0 unlabelled, else 1, or with
+    --train-windows weighted one over the number of windows that label it (`label_windows`),
+    so that a word counts once however many windows label it."""
+    labelled = (batch["labels"] != IGNORE_INDEX).float()
+    windows = batch.get("label_windows")
+    return labelled if windows is None else labelled / windows.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class NerTrainingTask(TrainingTask):
+    """mean_loss_task's, the training loss a weighted mean when the batch carries
+    `label_windows`: sum(weight x cross entropy) over the global batch's summed weights."""
+
+    def train_loss(self, output, batch: dict) -> tuple[torch.Tensor, Metrics]:
+        if "label_windows" not in batch:
+            return super().train_loss(output, batch)
+        flat = batch["labels"].reshape(-1)
+        losses = torch.nn.functional.cross_entropy(output.logits.float().reshape(flat.numel(), -1), flat,
+                                                   ignore_index=IGNORE_INDEX, reduction="none")
+        weights = label_weights(batch).reshape(-1)
+        total = batch[LOSS_SHARES][0] if LOSS_SHARES in batch else weights.sum().clamp(min=1e-6)
+        loss = (losses * weights).sum() / total
+        return loss, {"ner_loss": loss}
+
+
 def ner_task() -> TrainingTask:
     """TokenClassifierOutput -> (cross entropy over the labelled sub-words; {"ner_loss"}); in
-    training the mean over the global batch's labelled sub-words (micro-batches and packed rows
-    hold different numbers), so a step's loss and gradients do not depend on how its features
-    are grouped."""
+    training the (weighted: label_weights) mean over the global batch's labelled sub-words
+    (micro-batches and packed rows hold different numbers), so a step's loss and gradients do
+    not depend on how its features are grouped."""
 
-    return mean_loss_task("ner_loss", ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
+    base = mean_loss_task("ner_loss", ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
                                        "packed_seqlens", "token_positions"),
-                          lambda batch: (batch["labels"] != IGNORE_INDEX).sum())
+                          lambda batch: label_weights(batch).sum())
+    return NerTrainingTask(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
 
 
 def resolve_labels(pretrained: Source, train: Optional[list[Sentence]]) -> tuple[str, ...]:
@@ -155,7 +184,7 @@ class NerTask(FinetuneTask):
     def word_logits(self, sentences: list[Sentence], tokenizer, predictor: Predictor) -> list[np.ndarray]:
         features = self.features(sentences, tokenizer)
         arrays = predictor.outputs(features.tensors, lambda out: (out.logits,))
-        return word_logits(features, arrays[0], [len(s.words) for s in sentences])
+        return word_logits(features, arrays[0], [len(s.words) for s in sentences], self.config.predict_windows)
 
     def predict(self, tokenizer, predictor: Predictor) -> None:
         """eval_results.json over the validation file, predictions.txt of the test file (and
