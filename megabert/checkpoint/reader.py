@@ -24,8 +24,8 @@ from megabert.checkpoint import external
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint import megatron
 from megabert.checkpoint.start import Format, Source, require_source
-from megabert.checkpoint.layout import load_file, parallel_meta, resolve_checkpoint_dir, saved_layout, \
-    saved_virtual_stage_layers
+from megabert.checkpoint.layout import (load_file, parallel_meta, resolve_checkpoint_dir, saved_layout,
+    saved_virtual_stage_layers)
 from megabert.checkpoint.optimizer_state import shard_optimizer_state, unshard_optimizer_states
 from megabert.checkpoint.sharding import checkpoint_table, repad_vocab, shard_state, unshard_states
 from megabert.families import get_family
