@@ -149,8 +149,8 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     # Fine-tuning has no model section: its model comes from --load.
     train, model = cfg.train, cfg.model if isinstance(cfg, Configs) else None
     check_train(train)
-    if isinstance(cfg, FinetuneConfigs) and train.save and train.load and \
-            os.path.realpath(train.save) == os.path.realpath(train.load):
+    if (isinstance(cfg, FinetuneConfigs) and train.save and train.load and
+            os.path.realpath(train.save) == os.path.realpath(train.load)):
         # Fine-tuning resumes what --save holds: the pre-trained checkpoint would be taken for
         # the run's own, and the fine-tuned model saved over it.
         raise ConfigError(f"--save {train.save} is also --load: fine-tuning reads the pre-trained model from --load "

@@ -20,8 +20,8 @@ from typing import Any, Optional
 from megabert.checkpoint.external import external_vocab_file
 from megabert.checkpoint.reader import read_model_config
 from megabert.checkpoint.start import RunStart, Source, decide_start
-from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
-    TaskConfig, TrainConfig
+from megabert.config import (Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig,
+    TaskConfig, TrainConfig)
 from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.model_family import resolve_model_family
 from megabert.data.shard_sources import detect_nvidia_data
