@@ -25,14 +25,19 @@ line that names the flags (or the JSON key) and what to do.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from typing import Optional
 
-from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megabert.data.shard_sources import detect_nvidia_data
 from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
 from megabert.families import get_family
 from megabert.parallel.layout import UNEVEN_FLAGS, BatchLayout, data_parallel_size, stage_layer_counts
+
+logger = logging.getLogger(__name__)
 
 # Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
 # submodule, so what compiles is a dozen fragments per layer and recompilations past
@@ -227,6 +232,21 @@ def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) ->
                           f"next-sentence pairs (B is random or the next segment), not sentence order; drop the "
                           f"flag (they train NSP) or pass --bert-no-binary-head")
     return "nsp"
+
+
+def sentence_pairs(data: DataConfig, model: Optional[ModelConfig], explicit: frozenset) -> DataConfig:
+    """--binary-head-task as the data decides it: NSP on NVIDIA's shards (`sentence_pair_task`),
+    with one info line when the data, not a flag, chose it."""
+    if model is None or not model.bert_binary_head:
+        return data
+    source = detect_nvidia_data(data.data_path)
+    fmt = source.format if source is not None else None
+    task = sentence_pair_task(fmt, data.binary_head_task, given="data.binary_head_task" in explicit)
+    if task == data.binary_head_task:
+        return data
+    logger.info("--data-path holds %s shards, whose sentence pairs are next-sentence pairs: the binary head "
+                "trains NSP (--bert-no-binary-head trains none)", fmt)
+    return dataclasses.replace(data, binary_head_task=task)
 
 
 def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None,
