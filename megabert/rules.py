@@ -14,7 +14,7 @@ runs at one point of the one resolution:
   ranks (megabert.parallel.layout.BatchLayout), the ZeRO plan that runs
   (`check_zero`) when the engine's JSON chose its stage or an offload (a plan from the
   flags alone was checked with the flags), the binary head's objective on the data
-  that --data-path names (`sentence_pair_task`), and --seq-length against the model's
+  that --data-path names (`sentence_pairs`, by `sentence_pair_task`), and --seq-length against the model's
   positions (`check_seq_length`) once the run's start has given the model its shape (a
   loaded ModernBERT brings its own).
 
