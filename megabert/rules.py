@@ -14,7 +14,8 @@ runs at one point of the one resolution:
   ranks (megabert.parallel.layout.BatchLayout), the ZeRO plan that runs
   (`check_zero`) when the engine's JSON chose its stage or an offload (a plan from the
   flags alone was checked with the flags), the binary head's objective on the data
-  that --data-path names (`sentence_pairs`, by `sentence_pair_task`), and --seq-length against the model's
+  that --data-path names (`sentence_pairs`; the shards' own rule is
+  megabert.data.shard_sources.sentence_pair_task), and --seq-length against the model's
   positions (`check_seq_length`) once the run's start has given the model its shape (a
   loaded ModernBERT brings its own).
 
@@ -31,7 +32,7 @@ import os
 from typing import Optional
 
 from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from megabert.data.shard_sources import detect_nvidia_data
+from megabert.data.shard_sources import detect_nvidia_data, sentence_pair_task
 from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
 from megabert.families import get_family
@@ -220,23 +221,10 @@ def check_seq_length(seq_length: int, model: ModelConfig) -> None:
                           f"{model.max_position_embeddings}")
 
 
-def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) -> str:
-    """The binary head's objective on this data. NVIDIA's shards (`data_format`, None for
-    Megatron's indexed data) hold next-sentence pairs, B random or the next segment and labelled
-    so, not sentence order: on them the objective is NSP, and SOP asked for by name (`given`) is
-    an error. Megatron's data makes either from its sentences: the flag's value."""
-    if data_format is None:
-        return task
-    if given and task != "nsp":
-        raise ConfigError(f"--binary-head-task {task} cannot train on --data-path's {data_format} shards: they hold "
-                          f"next-sentence pairs (B is random or the next segment), not sentence order; drop the "
-                          f"flag (they train NSP) or pass --bert-no-binary-head")
-    return "nsp"
-
-
 def sentence_pairs(data: DataConfig, model: Optional[ModelConfig], explicit: frozenset) -> DataConfig:
-    """--binary-head-task as the data decides it: NSP on NVIDIA's shards (`sentence_pair_task`),
-    with one info line when the data, not a flag, chose it."""
+    """--binary-head-task as the data decides it: NSP on NVIDIA's shards
+    (megabert.data.shard_sources.sentence_pair_task), with one info line when the data, not a
+    flag, chose it."""
     if model is None or not model.bert_binary_head:
         return data
     source = detect_nvidia_data(data.data_path)

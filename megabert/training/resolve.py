@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from megabert.checkpoint.external import pretrained_vocab
 from megabert.checkpoint.reader import checkpoint_model_config, read_model_config
-from megabert.checkpoint.start import RunStart, Source, decide_start
+from megabert.checkpoint.start import RunStart, decide_start
 from megabert.config import (Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig,
     TrainConfig)
 from megabert.data_parallel.zero_plan import ZeroPlan
