@@ -110,8 +110,9 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
                                                     overlap_param_gather=run.parallel.overlap_param_gather,
                                                     fp16=t.fp16, clip_grad=run.optim.clip_grad,
                                                     master_weights=t.bf16)
-    # Ours, built from the top down: the runner, then the gradients' reducer, then the
-    # optimizer over the parameters and the loss scaler (none of them reads another).
+    # Ours, from the top down: the runner (replayed with --cuda-graphs) and the gradients'
+    # reducer read no optimizer, so they come first; then the optimizer, its bf16 weight
+    # copies and the loss scaler.
     params = [p for p in model.parameters() if p.requires_grad]
     step_runner = runner()
     if t.cuda_graphs:

@@ -117,7 +117,7 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
     elif model is None:
         cfg = dataclasses.replace(cfg, finetune=pretrained_vocab(cfg.finetune, cfg.explicit, start.pretrained))
         model = ModelConfig(**read_model_config(start.pretrained))
-    if not finetuning:
+    if not finetuning:  # --seq-length against the positions of the model as the start shaped it
         check_seq_length(cfg.data.seq_length, model)
     check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                       cfg.parallel.num_layers_per_virtual_pipeline_stage, cfg.parallel.decoder_first_pipeline_num_layers,
