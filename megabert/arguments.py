@@ -14,7 +14,7 @@ from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, O
 from megabert.presets import PRESETS
 from megabert.errors import ConfigError
 from megabert.families import FAMILIES, scratch_config
-from megabert.model_family import resolve_model_family
+from megabert.families.run_family import resolve_model_family
 from megabert.rules import check_flags
 
 

@@ -14,7 +14,8 @@ runs at one point of the one resolution:
   ranks (megabert.parallel.layout.BatchLayout), the ZeRO plan that runs
   (`check_zero`) when the engine's JSON chose its stage or an offload (a plan from the
   flags alone was checked with the flags), the binary head's objective on the data
-  that --data-path names (`sentence_pair_task`), and --seq-length against the model's
+  that --data-path names (`sentence_pairs`; the shards' own rule is
+  megabert.data.shard_sources.sentence_pair_task), and --seq-length against the model's
   positions (`check_seq_length`) once the run's start has given the model its shape (a
   loaded ModernBERT brings its own).
 
@@ -25,14 +26,19 @@ line that names the flags (or the JSON key) and what to do.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from typing import Optional
 
-from megabert.config import Configs, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megabert.data.shard_sources import detect_nvidia_data, sentence_pair_task
 from megabert.data_parallel.zero_plan import ZeroPlan
 from megabert.errors import ConfigError
 from megabert.families import get_family
 from megabert.parallel.layout import UNEVEN_FLAGS, BatchLayout, data_parallel_size, stage_layer_counts
+
+logger = logging.getLogger(__name__)
 
 # Tried (CPU, gloo): the losses are eager's, but dynamo stops at DeepSpeed's hooks in every
 # submodule, so what compiles is a dozen fragments per layer and recompilations past
@@ -149,8 +155,8 @@ def check_flags(cfg: Configs | FinetuneConfigs) -> None:
     # Fine-tuning has no model section: its model comes from --load.
     train, model = cfg.train, cfg.model if isinstance(cfg, Configs) else None
     check_train(train)
-    if isinstance(cfg, FinetuneConfigs) and train.save and train.load and \
-            os.path.realpath(train.save) == os.path.realpath(train.load):
+    if (isinstance(cfg, FinetuneConfigs) and train.save and train.load and
+            os.path.realpath(train.save) == os.path.realpath(train.load)):
         # Fine-tuning resumes what --save holds: the pre-trained checkpoint would be taken for
         # the run's own, and the fine-tuned model saved over it.
         raise ConfigError(f"--save {train.save} is also --load: fine-tuning reads the pre-trained model from --load "
@@ -215,18 +221,20 @@ def check_seq_length(seq_length: int, model: ModelConfig) -> None:
                           f"{model.max_position_embeddings}")
 
 
-def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) -> str:
-    """The binary head's objective on this data. NVIDIA's shards (`data_format`, None for
-    Megatron's indexed data) hold next-sentence pairs, B random or the next segment and labelled
-    so, not sentence order: on them the objective is NSP, and SOP asked for by name (`given`) is
-    an error. Megatron's data makes either from its sentences: the flag's value."""
-    if data_format is None:
-        return task
-    if given and task != "nsp":
-        raise ConfigError(f"--binary-head-task {task} cannot train on --data-path's {data_format} shards: they hold "
-                          f"next-sentence pairs (B is random or the next segment), not sentence order; drop the "
-                          f"flag (they train NSP) or pass --bert-no-binary-head")
-    return "nsp"
+def sentence_pairs(data: DataConfig, model: Optional[ModelConfig], explicit: frozenset) -> DataConfig:
+    """--binary-head-task as the data decides it: NSP on NVIDIA's shards
+    (megabert.data.shard_sources.sentence_pair_task), with one info line when the data, not a
+    flag, chose it."""
+    if model is None or not model.bert_binary_head:
+        return data
+    source = detect_nvidia_data(data.data_path)
+    fmt = source.format if source is not None else None
+    task = sentence_pair_task(fmt, data.binary_head_task, given="data.binary_head_task" in explicit)
+    if task == data.binary_head_task:
+        return data
+    logger.info("--data-path holds %s shards, whose sentence pairs are next-sentence pairs: the binary head "
+                "trains NSP (--bert-no-binary-head trains none)", fmt)
+    return dataclasses.replace(data, binary_head_task=task)
 
 
 def check_model_split(model: ModelConfig, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None,

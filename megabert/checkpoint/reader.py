@@ -24,13 +24,13 @@ from megabert.checkpoint import external
 from megabert.checkpoint import hf as hf_io
 from megabert.checkpoint import megatron
 from megabert.checkpoint.start import Format, Source, require_source
-from megabert.checkpoint.layout import load_file, parallel_meta, resolve_checkpoint_dir, saved_layout, \
-    saved_virtual_stage_layers
+from megabert.checkpoint.layout import (load_file, parallel_meta, resolve_checkpoint_dir, saved_layout,
+    saved_virtual_stage_layers)
 from megabert.checkpoint.optimizer_state import shard_optimizer_state, unshard_optimizer_states
 from megabert.checkpoint.sharding import checkpoint_table, repad_vocab, shard_state, unshard_states
 from megabert.families import get_family
 from megabert.config import ModelConfig, ParallelConfig
-from megabert.errors import CheckpointError
+from megabert.errors import CheckpointError, MegabertError
 from megabert.parallel.layout import StageLayout
 from megabert.model_classes import reference_table
 from megabert.parallel.param_spec import ParamSpec, table_to_dict
@@ -64,10 +64,27 @@ def read_model_config(source: Union[Source, str], overrides: Optional[dict] = No
     path = source.path
     if source.format is Format.MEGATRON:
         return dataclasses.asdict(megatron.read_config(path, overrides))
-    if source.external:
-        return dataclasses.asdict(hf_io.model_config_from_hf(external.read_external_config(source)))
-    layout = saved_layout(resolve_checkpoint_dir(path))
-    return load_file(layout.files[(0, 0)], mmap=True)["model_config"]
+    if not source.external:
+        layout = saved_layout(resolve_checkpoint_dir(path))
+        return load_file(layout.files[(0, 0)], mmap=True)["model_config"]
+    # A Hugging Face or TF directory: its config read, then translated by its family.
+    hf = external.read_external_config(source)
+    return dataclasses.asdict(hf_io.model_config_from_hf(hf))
+
+
+def checkpoint_model_config(source: Optional[Source]) -> Optional[ModelConfig]:
+    """The config of the checkpoint `source` when its family takes the architecture from it
+    (Family.architecture_from_checkpoint: a transformers dir of such a family or a megabert
+    checkpoint of one), or None (no checkpoint, or a family whose flags say the architecture)."""
+    if source is None or source.format is Format.MEGATRON:  # Megatron-LM checkpoints are BERTs of the flags
+        return None
+    try:
+        saved = read_model_config(source)
+    except MegabertError:
+        return None  # unreadable: reported where the run loads it, as for any family
+    if not get_family(saved.get("model_family", "bert")).architecture_from_checkpoint:
+        return None
+    return ModelConfig(**saved)
 
 
 def read_rank(source: Union[Source, str], *, tp_rank: int, tp_size: int, stage: StageLayout, padded_vocab_size: Optional[int] = None,

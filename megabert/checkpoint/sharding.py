@@ -45,8 +45,8 @@ def shard_state(full: dict, table: dict[str, ParamSpec], *, tp_rank: int, tp_siz
         spec = _spec(table, name)
         if stage is not None and not stage.holds(spec):
             continue
-        out[name] = shard(t, spec.partition_dim, tp_rank, tp_size, spec.partition_stride) \
-            if spec.is_tensor_parallel else t.clone()
+        out[name] = (shard(t, spec.partition_dim, tp_rank, tp_size, spec.partition_stride)
+                     if spec.is_tensor_parallel else t.clone())
     return out
 
 
@@ -59,8 +59,8 @@ def unshard_states(local: list[list[dict]], table: dict[str, ParamSpec], names: 
                 continue  # the tied word embeddings come from the first stage
             spec = _spec(table, name)
             parts = [shard_dict[name] for shard_dict in stage]
-            full[name] = unshard(parts, spec.partition_dim, spec.partition_stride) if spec.is_tensor_parallel \
-                else parts[0].clone()
+            full[name] = (unshard(parts, spec.partition_dim, spec.partition_stride) if spec.is_tensor_parallel
+                          else parts[0].clone())
     return full
 
 
@@ -79,6 +79,6 @@ def repad_vocab(full: dict, table: dict[str, ParamSpec], padded_vocab_size: int)
         spec = table.get(name)
         if spec is None or spec.valid_rows is None:
             continue
-        out[name] = {k: repad(v, spec.valid_rows) for k, v in value.items()} if isinstance(value, dict) \
-            else repad(value, spec.valid_rows)
+        out[name] = ({k: repad(v, spec.valid_rows) for k, v in value.items()} if isinstance(value, dict)
+                     else repad(value, spec.valid_rows))
     return out

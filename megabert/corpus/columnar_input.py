@@ -91,8 +91,8 @@ def _ipc_batches(path: str, keys: tuple[str, ...], rows_per_block: int):
             except pa.ArrowInvalid as e:
                 raise DataError(f"cannot read --input {path} as Arrow IPC: {e}") from None
         _check_columns(path, reader.schema, keys)
-        batches = reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else \
-            (reader.get_batch(i) for i in range(reader.num_record_batches))
+        batches = (reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else
+                   (reader.get_batch(i) for i in range(reader.num_record_batches)))
         for batch in batches:
             batch = batch.select(list(keys))
             for start in range(0, batch.num_rows, rows_per_block):

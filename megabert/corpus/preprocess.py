@@ -29,8 +29,8 @@ import numpy as np
 from megabert.data.indexed_dataset import IndexedDatasetWriter, best_dtype
 from megabert.corpus.sentence_splitter import split_sentences
 from megabert.corpus.columnar_input import COLUMNAR_FORMATS, column_blocks
-from megabert.corpus.text_input import describe_skipped, expand_inputs, input_format, jsonl_records, read_blocks, \
-    record_unit, text_records
+from megabert.corpus.text_input import (describe_skipped, expand_inputs, input_format, jsonl_records, read_blocks,
+    record_unit, text_records)
 from megabert.data.tokenizers import build_tokenizer
 from megabert.errors import DataError
 

@@ -55,8 +55,8 @@ def split_sentences(text: str) -> list[str]:
                 pass
             elif not (following.isupper() or following.isdigit()):
                 continue
-            elif m.group(0)[0] == "." and len(m.group(0).rstrip("\"'\u201d\u2019)]")) == 1 \
-                    and _is_abbreviation(line, m.start(), following):
+            elif (m.group(0)[0] == "." and len(m.group(0).rstrip("\"'\u201d\u2019)]")) == 1
+                    and _is_abbreviation(line, m.start(), following)):
                 continue
             sentence = line[start:m.end()].strip()
             if sentence:

@@ -15,8 +15,8 @@ import lzma
 import os
 from typing import BinaryIO, Iterator
 
-from megabert.corpus.columnar_input import ARROW_SUFFIXES, COLUMNAR_FORMATS, PARQUET_SUFFIXES, column_blocks, \
-    is_arrow_dataset_dir
+from megabert.corpus.columnar_input import (ARROW_SUFFIXES, COLUMNAR_FORMATS, PARQUET_SUFFIXES, column_blocks,
+    is_arrow_dataset_dir)
 from megabert.errors import DataError
 
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd")

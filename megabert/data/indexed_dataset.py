@@ -173,8 +173,8 @@ class IndexedDataset(torch.utils.data.Dataset):
         if stop <= start:
             return np.zeros(0, self.dtype)
         count = int(self.sequence_lengths[start:stop].sum(dtype=np.int64))
-        return np.frombuffer(self._bin_mmap, self.dtype, count, int(self.sequence_pointers[start])) if count \
-            else np.zeros(0, self.dtype)
+        return (np.frombuffer(self._bin_mmap, self.dtype, count, int(self.sequence_pointers[start])) if count
+                else np.zeros(0, self.dtype))
 
     def document(self, d: int) -> list[np.ndarray]:
         """The sequences (sentences) of document d."""

@@ -92,3 +92,17 @@ def detect_nvidia_data(data_path: Sequence[str]) -> Optional[NvidiaSource]:
         if not train[-1]:
             raise DataError(f"--data-path {path} holds only held-out files (named *test*), no training file")
     return NvidiaSource(formats.pop(), [w / sum(weights) for w in weights], train, test)
+
+
+def sentence_pair_task(data_format: Optional[str], task: str, *, given: bool) -> str:
+    """The binary head's objective on this data. NVIDIA's shards (`data_format`, None for
+    Megatron's indexed data) hold next-sentence pairs, B random or the next segment and labelled
+    so, not sentence order: on them the objective is NSP, and SOP asked for by name (`given`) is
+    an error. Megatron's data makes either from its sentences: the flag's value."""
+    if data_format is None:
+        return task
+    if given and task != "nsp":
+        raise ConfigError(f"--binary-head-task {task} cannot train on --data-path's {data_format} shards: they hold "
+                          f"next-sentence pairs (B is random or the next segment), not sentence order; drop the "
+                          f"flag (they train NSP) or pass --bert-no-binary-head")
+    return "nsp"

@@ -477,8 +477,8 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str]) -> Tokenizer
         raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported; "
                           f"choose one of {', '.join(TOKENIZER_TYPES)}")
     if not vocab_file:
-        flag = "--tokenizer-model (a tokenizer.json or its directory)" if tokenizer_type == "HuggingFaceTokenizer" \
-            else "--vocab-file"
+        flag = ("--tokenizer-model (a tokenizer.json or its directory)" if tokenizer_type == "HuggingFaceTokenizer"
+                else "--vocab-file")
         raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {flag} (tools/train_tokenizer.py makes one from "
                           f"your corpus)")
     if tokenizer_type == "BertWordPieceLowerCase":

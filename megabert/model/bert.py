@@ -100,12 +100,12 @@ class EncoderBackbone(nn.Module):
         for the padded [s, b] one."""
         seq_length = input_ids.size(1) if input_ids is not None else attention_mask.size(1)
         unpad = self.unpad and attention_mask is not None and attention_mask.dim() == 2
-        if packed_seqlens is not None and not self.layout_positions \
-                and fixed_shape_packing(packed_seqlens.device, self.unpad):
+        if (packed_seqlens is not None and not self.layout_positions
+                and fixed_shape_packing(packed_seqlens.device, self.unpad)):
             # Packed rows: every position, fixed shapes (megabert.model.packed; the varlen kernels
             # take each sample as a sequence, the other backends a block-diagonal mask).
-            return TokenLayout.packed_rows(packed_seqlens, seq_length) \
-                if self.ctx.attention_backend == "varlen" and not self.ctx.sequence_parallel else None
+            return (TokenLayout.packed_rows(packed_seqlens, seq_length)
+                    if self.ctx.attention_backend == "varlen" and not self.ctx.sequence_parallel else None)
         if unpad:
             return TokenLayout(attention_mask, packed_seqlens, token_positions)
         if packed_seqlens is None or not self.layout_positions or self.ctx.sequence_parallel:
@@ -140,8 +140,8 @@ class EncoderBackbone(nn.Module):
             mask = None
         else:
             mask = block_diagonal_mask(packed_seqlens, s)
-        segments = sample_segments(packed_seqlens, s) if packed_seqlens is not None and tokens is None \
-            and self.layout_positions else None
+        segments = (sample_segments(packed_seqlens, s) if packed_seqlens is not None and tokens is None
+                    and self.layout_positions else None)
         return AttentionInputs(mask, tokens, rope, s, hidden.device, padded_segments=segments)
 
     def forward_chunk(self, v: int, hidden: Optional[torch.Tensor], input_ids: Optional[torch.Tensor],

@@ -67,8 +67,8 @@ class BertClassifier(BertPreTrainedModel):
 
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, **kwargs):
         super().__init__(config, parallel_state, add_pooler=self.reads_pooler, output_embeddings=False, **kwargs)
-        self.classifier = head_linear(self.ctx, config.num_labels, "classifier.") if self.stage.is_last_stage \
-            else None
+        self.classifier = (head_linear(self.ctx, config.num_labels, "classifier.") if self.stage.is_last_stage
+                           else None)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -141,8 +141,8 @@ class PredictionHeadTaskModel(BertPreTrainedModel):
         super().__init__(config, parallel_state, add_pooler=False, output_embeddings=False, **kwargs)
         self.prediction_head = self.classifier = None
         if self.stage.is_last_stage:
-            self.prediction_head = PredictionHead(self.ctx) if self.ctx.spec.classifier.prediction_head \
-                else nn.Identity()
+            self.prediction_head = (PredictionHead(self.ctx) if self.ctx.spec.classifier.prediction_head
+                                    else nn.Identity())
             self.classifier = classifier_linear(self.ctx, self.outputs(config))
 
 

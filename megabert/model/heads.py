@@ -65,8 +65,8 @@ class VocabParallelDecoder(nn.Module):
         torch.compile (the whole packed step compiled for CUDA graphs) the GEMM and the loss stay
         two ops for Inductor to fuse: the chunked op's CPU kernels are opaque to dynamo."""
         x = self.transform(hidden)
-        if self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings) \
-                and not torch.compiler.is_compiling():
+        if (self.tp_size == 1 and supports_linear_cross_entropy(x, word_embeddings)
+                and not torch.compiler.is_compiling()):
             vocab = self.local_pad_start if self.local_pad_start is not None else word_embeddings.size(0)
             loss, logits = linear_cross_entropy(x, word_embeddings, self.bias, target, vocab)
             return logits.full, loss

@@ -61,8 +61,8 @@ class EncoderForMaskedLM(BertPreTrainedModel):
         super().__init__(config, parallel_state, add_pooler=False, output_embeddings=tied, **kwargs)
         if self.bert.embeddings is not None and tied:
             describe(self.bert.word_embeddings, placement="tied")  # the decoder's weight too
-        self.lm_head = MLMHead(self.ctx, self.padded_vocab_size, self.parallel_state.tp_rank) \
-            if self.stage.is_last_stage else None
+        self.lm_head = (MLMHead(self.ctx, self.padded_vocab_size, self.parallel_state.tp_rank)
+                        if self.stage.is_last_stage else None)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,

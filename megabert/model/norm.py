@@ -111,8 +111,8 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # NOTE: MasterWeights keeps no copy of an RMSNorm's weight: with --bf16-residual it is
         # cast here at each use (a vector of the hidden size).
-        return self.weight.to(x.dtype) * xf.to(x.dtype) if self.bf16_residual and \
-            x.dtype == torch.bfloat16 else self.weight * xf.to(x.dtype)
+        return (self.weight.to(x.dtype) * xf.to(x.dtype) if self.bf16_residual and
+                x.dtype == torch.bfloat16 else self.weight * xf.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, rms"

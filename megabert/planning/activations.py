@@ -68,8 +68,8 @@ def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, re
     docstring). `rows`: tokens the layer computes past its attention core (the model's last
     layer, on pretrain_bert.py's fast path, only the masked ones); None: all."""
     spec = encoder_spec(model)
-    s, b, h, f, n = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
-        model.num_attention_heads
+    s, b, h, f, n = (run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size,
+                     model.num_attention_heads)
     e, t = run.activation_bytes, layout.tp
     tokens = s * b
     rows = tokens if rows is None else rows
@@ -118,8 +118,8 @@ def stage_layers_bytes(model: ModelConfig, run: Workload, layout: Layout, stage:
     # The model's last layer goes on past its core at the predicted rows only (the unpadded
     # encoder's head_positions, pretrain_bert.py's default).
     last = model.num_layers - 1
-    rows = math.ceil(run.mask_prob * run.seq_length) * run.micro_batch_size \
-        if run.mlm_logits_at_masked_only and not layout.sequence_parallel else None
+    rows = (math.ceil(run.mask_prob * run.seq_length) * run.micro_batch_size
+            if run.mlm_logits_at_masked_only and not layout.sequence_parallel else None)
     attention = encoder_spec(model).attention
     return sum(modernbert_layer_bytes(model, run, layout, recompute, attention.window(i) is None,
                                       rows if i == last else None) for i in layers)
@@ -132,8 +132,8 @@ def layer_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, re
         attention = encoder_spec(model).attention
         kinds = {attention.window(i) is None for i in range(model.num_layers)}
         return max(modernbert_layer_bytes(model, run, layout, recompute, g) for g in kinds)
-    s, b, h, f, a = run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size, \
-        model.num_attention_heads
+    s, b, h, f, a = (run.seq_length, run.micro_batch_size, model.hidden_size, model.ffn_hidden_size,
+                     model.num_attention_heads)
     e, t = run.activation_bytes, layout.tp
     sbh = s * b * h
     replicated_div = t if layout.sequence_parallel else 1
@@ -192,8 +192,8 @@ def stage_activation_bytes(model: ModelConfig, run: Workload, layout: Layout, st
     if bases:
         # Each chunk's RoPE tables (cos and sin of each base, [s, b, head_dim]) live while its
         # micro-batch's activations do.
-        total += flight * layout.virtual_stages * 2 * bases * run.seq_length * run.micro_batch_size \
-            * model.head_dim * run.activation_bytes
+        total += (flight * layout.virtual_stages * 2 * bases * run.seq_length * run.micro_batch_size
+                  * model.head_dim * run.activation_bytes)
     if run.recompute == "full":
         # Backward rebuilds one layer at a time: that layer's whole activations live again.
         total += layer_activation_bytes(model, run, layout, "none")

@@ -55,8 +55,8 @@ class GemmCopies:
     def refresh(self, params: Optional[Iterable[torch.nn.Parameter]] = None) -> None:
         """Rounds the masters (those among `params`; None: all) into their copies: one
         multi-tensor copy."""
-        index = range(len(self.masters)) if params is None else \
-            [self._index[id(p)] for p in params if id(p) in self._index]
+        index = (range(len(self.masters)) if params is None else
+                 [self._index[id(p)] for p in params if id(p) in self._index])
         masters, copies = [self.masters[i] for i in index], [self.copies[i] for i in index]
         if masters:
             torch._foreach_copy_(copies, masters)

@@ -110,6 +110,21 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
                                                     overlap_param_gather=run.parallel.overlap_param_gather,
                                                     fp16=t.fp16, clip_grad=run.optim.clip_grad,
                                                     master_weights=t.bf16)
+    # Ours, from the top down: the runner (replayed with --cuda-graphs) and the gradients'
+    # reducer read no optimizer, so they come first; then the optimizer, its bf16 weight
+    # copies and the loss scaler.
+    params = [p for p in model.parameters() if p.requires_grad]
+    step_runner = runner()
+    if t.cuda_graphs:
+        step_runner = graphed(model, ps, step_runner, params)
+    reducer = None
+    if ps.dp_size > 1 and run.parallel.overlap_grad_reduce:
+        if t.cuda_graphs:
+            if ps.is_logging_rank:
+                logger.info("--cuda-graphs: the data-parallel gradient average runs after the replayed backward "
+                            "(the overlapped reduction's hooks would not run in a replay)")
+        else:
+            reducer = OverlappedGradReducer(params, ps, run.parallel.ddp_bucket_size)
     optimizer = build_optimizer(model, run.optim, ps.tp_group)
     if t.bf16:
         # The linear layers' and the tied decoder's GEMMs take bf16 weights made once per
@@ -118,18 +133,6 @@ def build_strategy(model: torch.nn.Module, ps: ParallelState, run: "ResolvedRun"
     else:
         master_weights = None
     scaler = DynamicLossScaler(run.optim) if t.fp16 else None
-    reducer = None
-    params = [p for p in model.parameters() if p.requires_grad]
-    if ps.dp_size > 1 and run.parallel.overlap_grad_reduce:
-        if t.cuda_graphs:
-            if ps.is_logging_rank:
-                logger.info("--cuda-graphs: the data-parallel gradient average runs after the replayed backward "
-                            "(the overlapped reduction's hooks would not run in a replay)")
-        else:
-            reducer = OverlappedGradReducer(params, ps, run.parallel.ddp_bucket_size)
-    step_runner = runner()
-    if t.cuda_graphs:
-        step_runner = graphed(model, ps, step_runner, params)
     return LocalStrategy(model, optimizer, ps, step_runner, scaler=scaler, clip_grad=run.optim.clip_grad,
                          reducer=reducer, master_weights=master_weights)
 

@@ -79,4 +79,5 @@ def preload_weights(run: "ResolvedRun", model: torch.nn.Module, ps: ParallelStat
     start = run.start
     if start.source is None or not (start.weights_only or run.deepspeed_config is not None):
         return None
-    return CheckpointManager(model_parts(model, ps), ps).restore(start.source, load_optimizer=False)
+    parts = model_parts(model, ps)
+    return CheckpointManager(parts, ps).restore(start.source, load_optimizer=False)

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megabert.checkpoint.external import external_vocab_file
-from megabert.checkpoint.reader import read_model_config
-from megabert.checkpoint.start import RunStart, Source, decide_start
-from megabert.config import Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig, \
-    TaskConfig, TrainConfig
+from megabert.checkpoint.external import pretrained_vocab
+from megabert.checkpoint.reader import checkpoint_model_config, read_model_config
+from megabert.checkpoint.start import RunStart, decide_start
+from megabert.config import (Configs, DataConfig, FinetuneConfigs, ModelConfig, OptimConfig, ParallelConfig,
+    TrainConfig)
 from megabert.data_parallel.zero_plan import ZeroPlan
-from megabert.model_family import resolve_model_family
-from megabert.data.shard_sources import detect_nvidia_data
-from megabert.errors import ConfigError
+from megabert.families.run_family import resolve_model_family
 from megabert.parallel.layout import BatchLayout
-from megabert.rules import check_model_split, check_seq_length, check_zero, sentence_pair_task
+from megabert.rules import check_model_split, check_seq_length, check_zero, sentence_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +108,16 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
     else:
         start = decide_start(cfg.train, finetuning=finetuning)
         (logger.warning if start.warn else logger.info)(start.describe())
-    if finetuning and model is None:
-        model = ModelConfig(**read_model_config(start.pretrained))
-        cfg = dataclasses.replace(cfg, finetune=_task_vocab(cfg.finetune, cfg.explicit, start.pretrained))
-    elif not finetuning:
+    if not finetuning:
         # A --load / --pretrained-checkpoint that holds nothing stopped the run above, before
         # index mappings are built.
-        cfg = resolve_model_family(cfg, start.source)
+        loaded = checkpoint_model_config(start.source)
+        cfg = resolve_model_family(cfg, loaded, start.source.directory if start.source is not None else None)
         model = cfg.model
+    elif model is None:
+        cfg = dataclasses.replace(cfg, finetune=pretrained_vocab(cfg.finetune, cfg.explicit, start.pretrained))
+        model = ModelConfig(**read_model_config(start.pretrained))
+    if not finetuning:  # --seq-length against the positions of the model as the start shaped it
         check_seq_length(cfg.data.seq_length, model)
     check_model_split(model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                       cfg.parallel.num_layers_per_virtual_pipeline_stage, cfg.parallel.decoder_first_pipeline_num_layers,
@@ -133,42 +132,8 @@ def resolve_run(cfg: Configs | FinetuneConfigs, ps, model: Optional[ModelConfig]
             check_zero(zero, pp=ps.pp_size, compile=cfg.train.compile)
         train = dataclasses.replace(train, zero_stage=zero.stage)
     # Pre-training's Configs has a data section; FinetuneConfigs a task config instead.
-    data = None if finetuning else _sentence_pairs(cfg.data, model, cfg.explicit)
+    data = None if finetuning else sentence_pairs(cfg.data, model, cfg.explicit)
     return ResolvedRun(model=model, parallel=cfg.parallel, optim=optim, train=train, batch=batch,
                        world_size=ps.world_size, data=data,
                        finetune=cfg.finetune if finetuning else None, zero=zero, deepspeed_config=ds_config,
                        explicit=cfg.explicit, start=start)
-
-
-def _task_vocab(task: TaskConfig, explicit: frozenset, pretrained: Source) -> TaskConfig:
-    """--vocab-file, else the vocab.txt that came with the pre-trained model: a Hugging Face
-    or Google TF directory's own, or the one convert_hf.py import put beside a megabert
-    checkpoint; a ModernBERT's tokenizer.json, read as HuggingFaceTokenizer unless
-    --tokenizer-type says otherwise."""
-    vocab = task.vocab_file
-    if not vocab:
-        candidates = [external_vocab_file(pretrained), os.path.join(pretrained.directory, "vocab.txt"),
-                      os.path.join(pretrained.directory, "tokenizer.json")]
-        vocab = next((c for c in candidates if c and os.path.isfile(c)), None)
-        if vocab is None:
-            raise ConfigError(f"--vocab-file (or --tokenizer-model) is required: {pretrained.path} has neither a "
-                              f"vocab.txt nor a tokenizer.json; pass the tokenizer the model was pre-trained with")
-    kind = task.tokenizer_type
-    if vocab.endswith(".json") and "finetune.tokenizer_type" not in explicit:
-        kind = "HuggingFaceTokenizer"
-    return dataclasses.replace(task, vocab_file=vocab, tokenizer_type=kind)
-
-
-def _sentence_pairs(data: DataConfig, model: Optional[ModelConfig], explicit: frozenset) -> DataConfig:
-    """--binary-head-task as the data decides it: NSP on NVIDIA's shards (megabert.rules
-    `sentence_pair_task`), with one info line when the data, not a flag, chose it."""
-    if model is None or not model.bert_binary_head:
-        return data
-    source = detect_nvidia_data(data.data_path)
-    fmt = source.format if source is not None else None
-    task = sentence_pair_task(fmt, data.binary_head_task, given="data.binary_head_task" in explicit)
-    if task == data.binary_head_task:
-        return data
-    logger.info("--data-path holds %s shards, whose sentence pairs are next-sentence pairs: the binary head "
-                "trains NSP (--bert-no-binary-head trains none)", fmt)
-    return dataclasses.replace(data, binary_head_task=task)

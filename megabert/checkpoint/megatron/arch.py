@@ -62,8 +62,8 @@ def model_config(path: str, args: dict, shapes: dict[str, tuple], overrides: dic
                                   f"{value}; the checkpoint is inconsistent")
         fields[field] = value
     for field in _ARCH_ARGS:
-        if field in overrides and overrides[field] is not None and field in fields \
-                and overrides[field] != fields[field]:
+        if (field in overrides and overrides[field] is not None and field in fields
+                and overrides[field] != fields[field]):
             raise CheckpointError(f"{_flag(field)} {overrides[field]} disagrees with {path}, which has "
                                   f"{field}={fields[field]}: drop the flag or load a checkpoint of that size")
     if "num_attention_heads" not in fields:

@@ -21,8 +21,8 @@ import torch
 
 from megabert.checkpoint.megatron import adam_state, names
 from megabert.checkpoint.megatron.torch_format import FullRead
-from megabert.checkpoint.megatron.safe_load import DIST_KIND, foreign_to_plain, load_dcp_metadata, load_dict, number, \
-    plain_args
+from megabert.checkpoint.megatron.safe_load import (DIST_KIND, foreign_to_plain, load_dcp_metadata, load_dict, number,
+    plain_args)
 from megabert.checkpoint.safe_pickle import TENSORS, Allowed, describe, load_bytes, wrong_type
 from megabert.errors import CheckpointError, MegabertError
 

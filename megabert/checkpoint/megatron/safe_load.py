@@ -172,12 +172,12 @@ def _checked_metadata(metadata: Any, path: str):
     """The Metadata, each entry the type DCP's reader relies on (a wrong one would surface as
     an AttributeError deep inside it); storage files inside the checkpoint's directory."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, \
-        MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+        MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
     import torch
 
-    if isinstance(metadata, ForeignObject) and isinstance(metadata.state, dict) \
-            and "state_dict_metadata" in metadata.state:
+    if (isinstance(metadata, ForeignObject) and isinstance(metadata.state, dict)
+            and "state_dict_metadata" in metadata.state):
         # megatron-core 0.15 pickled a subclass of DCP's Metadata (MCoreMetadata): its fields are DCP's.
         state = metadata.state
         metadata = Metadata(state_dict_metadata=state["state_dict_metadata"],
@@ -200,8 +200,8 @@ def _checked_metadata(metadata: Any, path: str):
             continue
         if not isinstance(md, TensorStorageMetadata):
             raise bad(md, f"the metadata of '{key}'")
-        if not isinstance(md.size, torch.Size) or not isinstance(md.properties, TensorProperties) \
-                or not isinstance(md.properties.dtype, torch.dtype):
+        if (not isinstance(md.size, torch.Size) or not isinstance(md.properties, TensorProperties)
+                or not isinstance(md.properties.dtype, torch.dtype)):
             raise bad(md.properties if isinstance(md.size, torch.Size) else md.size, f"the size or dtype of '{key}'")
         if not isinstance(md.chunks, list) or not all(
                 isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)

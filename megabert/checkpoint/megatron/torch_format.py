@@ -125,8 +125,8 @@ def stage_layer_counts(files: dict, args: dict) -> list[int]:
     (no rank file opened), else counted from the TP-rank-0 file of each stage (pickle only)."""
     _, pp_size = grid_size(files)
     num_layers = args.get("num_layers")
-    if num_layers and args.get("pipeline_model_parallel_size") == pp_size and num_layers % pp_size == 0 \
-            and not any(args.get(a) for a in _UNEVEN_ARGS):
+    if (num_layers and args.get("pipeline_model_parallel_size") == pp_size and num_layers % pp_size == 0
+            and not any(args.get(a) for a in _UNEVEN_ARGS)):
         return [num_layers // pp_size] * pp_size
     counts = []
     for pp in range(pp_size):

@@ -16,7 +16,8 @@ from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
 from megabert.families import recipe
 from megabert import model_classes
-from megabert.model_family import checkpoint_model_config, task_model_class_name
+from megabert.checkpoint.reader import checkpoint_model_config
+from megabert.model_family import task_model_class_name
 from megabert.parallel import ParallelState
 from megabert.tasks.embeddings.config import number_list
 from megabert.tasks.embeddings.data import BeirSet, Pair, read_beir, read_pairs

@@ -37,8 +37,8 @@ def glue_task() -> TrainingTask:
         packed = batch.get("packed_seqlens")
         # A fill on the device, not torch.tensor(n, device=...): that copies from pageable host
         # memory, which waits for the device to drain first.
-        return (packed > 0).sum() if packed is not None \
-            else torch.full((), batch["labels"].numel(), dtype=torch.int64, device=batch["labels"].device)
+        return ((packed > 0).sum() if packed is not None
+                else torch.full((), batch["labels"].numel(), dtype=torch.int64, device=batch["labels"].device))
 
     return mean_loss_task("glue_loss", ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
                                         "packed_seqlens", "token_positions"), samples)
@@ -63,8 +63,8 @@ def glue_files(cfg: FinetuneConfigs) -> GlueFiles:
         return os.path.join(ft.data_dir, name)
 
     train = (ft.train_file or in_dir("train.tsv")) if ft.do_train else None
-    dev = ([(ft.validation_file, "")] if ft.validation_file else [(in_dir(f), s) for f, s in task.dev_files]) \
-        if ft.do_eval else []
+    dev = (([(ft.validation_file, "")] if ft.validation_file else [(in_dir(f), s) for f, s in task.dev_files])
+           if ft.do_eval else [])
     test = []
     if ft.do_predict:
         if ft.test_file:

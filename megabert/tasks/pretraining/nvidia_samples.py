@@ -21,10 +21,9 @@ import torch
 
 from megabert.config import DataConfig
 from megabert.data.sample_errors import cause
-from megabert.data.shard_sources import HDF5, PARQUET, NvidiaSource, shard_format
+from megabert.data.shard_sources import HDF5, PARQUET, NvidiaSource, sentence_pair_task, shard_format
 from megabert.data.tokenizers import read_wordpiece_vocab
 from megabert.errors import ConfigError, DataError, MegabertError
-from megabert.rules import sentence_pair_task
 from megabert.tasks.pretraining.blending import BlendedDataset
 from megabert.tasks.pretraining.lddl_parquet import ParquetShard, WordPieceIds, non_special
 from megabert.tasks.pretraining.masking import IGNORE_INDEX, TokenTable, mask_tokens

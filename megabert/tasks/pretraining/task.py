@@ -123,8 +123,8 @@ def pretraining_task(binary_head_task: Optional[str], mask_rates: Optional[MaskR
         return lm, metrics
 
     inputs = PRETRAINING_INPUTS if binary_head_task else PRETRAINING_INPUTS[:-1]
-    log_fields = None if mask_rates is None else \
-        (lambda consumed: {"mask_prob": mask_rates.for_sample(max(consumed - 1, 0))})
+    log_fields = (None if mask_rates is None else
+                  (lambda consumed: {"mask_prob": mask_rates.for_sample(max(consumed - 1, 0))}))
     return TrainingTask(inputs=inputs + PACKED_INPUTS, output_loss=output_loss, output_counts=output_counts,
                         loss_counts=loss_counts, global_loss=global_loss, log_fields=log_fields)
 

@@ -62,8 +62,8 @@ def _questions(dataset: list) -> Iterable[dict]:
 
 def is_v2(data: dict) -> bool:
     """A SQuAD 2.0 file: its version says so, or a question carries is_impossible."""
-    return str(data.get("version", "")).lstrip("v").startswith("2") or \
-        any("is_impossible" in qa for qa in _questions(data["data"]))
+    return (str(data.get("version", "")).lstrip("v").startswith("2") or
+            any("is_impossible" in qa for qa in _questions(data["data"])))
 
 
 def evaluate_v1(dataset: list, predictions: dict, warn=sys.stderr) -> dict:

@@ -51,10 +51,20 @@ def build_config(train: TrainConfig, optim: OptimConfig, ps: ParallelState, hidd
     (`hidden_size`; DeepSpeed's defaults without it), offload, clipping. The optimizer stays
     ours (a client optimizer: AdamW or TP-aware LAMB), and so does the LR schedule, so
     DeepSpeed and plain runs follow the same curve."""
+    return _config_of_flags(train, optim, ps, _buckets(hidden_size))
+
+
+def _buckets(hidden_size: Optional[int]) -> Optional[ZeroBuckets]:
+    return ZeroBuckets.for_hidden_size(hidden_size) if hidden_size is not None else None
+
+
+def _config_of_flags(train: TrainConfig, optim: OptimConfig, ps: ParallelState, buckets: Optional[ZeroBuckets]
+                     ) -> dict:
+    """build_config's JSON, ZeRO's buffers sized as `buckets` say (DeepSpeed's defaults: None)."""
     batch = BatchLayout.of(train.micro_batch_size, train.global_batch_size, ps.dp_size)
     zero: dict = {"stage": train.zero_stage}
-    if hidden_size is not None:
-        sizing = bucket_keys(ZeroBuckets.for_hidden_size(hidden_size))
+    if buckets is not None:
+        sizing = bucket_keys(buckets)
         zero.update({key: sizing[key] for key in ZERO_STAGE_KEYS[train.zero_stage]})
     if train.zero_stage in (1, 2):
         zero.update(ring_volume_settings())
@@ -219,7 +229,7 @@ def keep_our_cpu_optimizer(config: dict, path: Optional[str]) -> None:
     config["zero_force_ds_cpu_optimizer"] = False
 
 
-def zero_plan(config: dict, path: Optional[str], user: dict, hidden_size: Optional[int]) -> ZeroPlan:
+def zero_plan(config: dict, path: Optional[str], user: dict, buckets: Optional[ZeroBuckets]) -> ZeroPlan:
     """The ZeRO that `config` (built, or merged with the user's JSON `user` read from `path`)
     runs, typed: source "json" when the JSON chose the stage or an offload."""
     zero = config["zero_optimization"]
@@ -229,7 +239,7 @@ def zero_plan(config: dict, path: Optional[str], user: dict, hidden_size: Option
                                                  for section in OFFLOAD_KEYS)
     return ZeroPlan(stage=stage, offload_optimizer=offloads_optimizer(config),
                     offload_params=_get(zero, "offload_param.device") == "cpu",
-                    buckets=ZeroBuckets.for_hidden_size(hidden_size) if hidden_size is not None else None,
+                    buckets=buckets,
                     source="json" if stage_from_json or offload_from_json else "flag",
                     origin=f"--deepspeed_config {path} sets zero_optimization.stage={stage}" if stage_from_json else None,
                     offload_origin=f" (--deepspeed_config {path})" if path else "")
@@ -263,6 +273,7 @@ def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int]
     gradient_clipping become OptimConfig values (flags the user typed must agree with
     them); its other keys are checked against the flags and merged. Raises ConfigError
     with one line naming the key and what to do."""
+    buckets = _buckets(hidden_size)  # sizes the built JSON and the plan alike
     path = cfg.train.deepspeed_config
     user = load_user_config(path) if path else {}
     optim = translate_sections(user, cfg.optim, cfg.explicit, path) if user else cfg.optim
@@ -278,8 +289,8 @@ def resolve_deepspeed_config(cfg, ps: ParallelState, hidden_size: Optional[int]
         raise ConfigError(f"--deepspeed_config {path} sets zero_optimization.stage={user_stage}; use 0, 1, 2 or 3")
     if user_stage is not None and not train.zero_stage:
         train = dataclasses.replace(train, zero_stage=user_stage)  # the JSON chose the stage: size for it
-    built = build_config(train, optim, ps, hidden_size)
+    built = _config_of_flags(train, optim, ps, buckets)
     config = merge_user_config(path, built, cfg.train, cfg.explicit, user) if path else built
     check_offload(config, path)
     keep_our_cpu_optimizer(config, path)
-    return config, optim, zero_plan(config, path, user, hidden_size)
+    return config, optim, zero_plan(config, path, user, buckets)
