@@ -24,10 +24,11 @@ take places in megabert's batches) and train with each side's defaults: megabert
 they stand (AdamW eps 1e-6, weight decay 0.01 but on biases and LayerNorm, warmup then
 linear decay, clipping at 1.0); for transformers Trainer's (eps 1e-8, no weight decay,
 clipping at 1.0) with 10% warm-up and linear decay (--peer-recipe megabert: megabert's
-settings on both sides). megabert's curve comes from finetune_ner.py itself, run once per
-epoch with --save: each run resumes the last one exactly (--lr-decay-iters fixes the
-schedule) and scores the dev file (--final-only: one run, scored at its end). The
-transformers side is run_ner.py's model and tokenization (is_split_into_words, the first
+settings on both sides; --peer-schedule megabert: finetune_ner.py's learning rates, one step
+ahead of get_linear_schedule_with_warmup's, whose first step is at lr 0). megabert's curve
+comes from finetune_ner.py itself, run once per epoch with --save: each run resumes the last
+one exactly (--lr-decay-iters fixes the schedule) and scores the dev file (--final-only: one
+run, scored at its end). The transformers side is run_ner.py's model and tokenization (is_split_into_words, the first
 sub-word labelled, truncation) in a plain loop with its get_linear_schedule_with_warmup.
 --megabert-flag passes a flag to finetune_ner.py (ablations). --position-shifts 0,2,5,10 also
 scores the transformers model on the dev sentences within one window with their position ids
@@ -254,6 +255,11 @@ def peer_optimizer(args, model, total):
               {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
                "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+    if args.peer_schedule == "megabert":  # its step k (0-based) at megabert's iteration k + 1
+        from megabert.optim import LRSchedule
+
+        lr_at = LRSchedule(optim, total)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_at(k + 1) / optim.lr), optim.clip_grad
     schedule = transformers.get_linear_schedule_with_warmup(opt, int(optim.lr_warmup_fraction * total), total)
     return opt, schedule, optim.clip_grad
 
@@ -336,6 +342,9 @@ def main() -> None:
                    help="share of sentences of 130-260 WordPieces (the hard set: 0.05 at --seq 128)")
     p.add_argument("--peer-recipe", choices=("transformers", "megabert"), default="transformers",
                    help="the transformers loop's optimizer: Trainer's defaults, or finetune_ner.py's flags")
+    p.add_argument("--peer-schedule", choices=("transformers", "megabert"), default="transformers",
+                   help="the transformers loop's learning rates: get_linear_schedule_with_warmup's (lr 0 at its first "
+                        "step) or finetune_ner.py's (one step ahead: lr/warm-up at the first)")
     p.add_argument("--megabert-flag", action="append", default=[],
                    help="an extra finetune_ner.py flag (repeat; --megabert-flag=--clip-grad=0)")
     p.add_argument("--sides", default="megabert,transformers")
@@ -366,7 +375,8 @@ def main() -> None:
         print(f"data: {len(train)} train / {len(dev)} dev sentences ({long[0]} / {long[1]} longer than {args.seq - 2} "
               f"WordPieces), labels {' '.join(labels)}; model: {args.layers} layers, hidden {args.hidden}, "
               f"{args.heads} heads, dropout {args.dropout}; lr {args.lr}, batch {args.batch}, {args.epochs} epochs of "
-              f"{steps_per_epoch} steps, seq {args.seq}; peer recipe {args.peer_recipe}; megabert flags "
+              f"{steps_per_epoch} steps, seq {args.seq}; peer recipe {args.peer_recipe}, schedule "
+              f"{args.peer_schedule}; megabert flags "
               f"{' '.join(args.megabert_flag) or 'default'}; torch {torch.__version__}, transformers "
               f"{transformers.__version__}, {torch.get_num_threads()} threads", flush=True)
         sides = {name: [] for name in args.sides.split(",")}
