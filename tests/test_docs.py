@@ -75,21 +75,18 @@ def test_every_documented_flag_is_in_its_scripts_help():
     assert not unknown, "documented flags that the scripts do not have:\n" + "\n".join(unknown)
 
 
-@pytest.fixture(scope="module")
-def readme_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("readme")
-
-
-@pytest.mark.parametrize("script", README_RUNS)
-def test_readme_command_runs_as_written(script, readme_dir, monkeypatch):
-    """In the README's order, in one directory: the corpus, its vocab, its dataset; the planner."""
-    monkeypatch.chdir(readme_dir)
-    (command,) = [c for c in commands("README.md") if c.script == script]
-    argv = shlex.split(command.text)
-    assert argv[:2] == ["python", script], command.text
-    r = run_main(script, *argv[2:])
-    assert r.returncode == 0, f"{command.where}: {command.text}\n{r.stderr[-2000:]}"
-    if script == "tools/preprocess_data.py":
-        assert os.path.getsize(readme_dir / "corpus_text_sentence.bin") > 0
-    if script == "tools/plan_layout.py":
-        assert "layouts fit" in r.stdout
+def test_readme_commands_run_as_written(tmp_path, monkeypatch):
+    """In the README's order, in one directory: the corpus, its vocab, its dataset; the planner.
+    One test, not one per command: each command reads what the one before it wrote, so they
+    must not be spread over test workers."""
+    monkeypatch.chdir(tmp_path)
+    for script in README_RUNS:
+        (command,) = [c for c in commands("README.md") if c.script == script]
+        argv = shlex.split(command.text)
+        assert argv[:2] == ["python", script], command.text
+        r = run_main(script, *argv[2:])
+        assert r.returncode == 0, f"{command.where}: {command.text}\n{r.stderr[-2000:]}"
+        if script == "tools/preprocess_data.py":
+            assert os.path.getsize(tmp_path / "corpus_text_sentence.bin") > 0
+        if script == "tools/plan_layout.py":
+            assert "layouts fit" in r.stdout
