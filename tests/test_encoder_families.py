@@ -19,7 +19,7 @@ from megabert.training.grads import sync_sequence_parallel_grads
 
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.family_models import family_config, make_family_dir
-from tests.helpers.modernbert_models import modernbert_batch as family_batch
+from tests.helpers.modernbert_models import masked_lm_reference, modernbert_batch as family_batch
 from tests.helpers.hf_models import close
 
 transformers = pytest.importorskip("transformers")
@@ -70,14 +70,6 @@ def _disk_grads(hf) -> dict:
         return _on_disk(d)
 
 
-def _reference(hf_dir, impl):
-    hf = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, attn_implementation=impl)
-    ids, am, labels = family_batch()
-    ref = hf(input_ids=ids, attention_mask=am, labels=labels)
-    ref.loss.backward()
-    return hf, ref
-
-
 def _outputs(model, ps) -> tuple:
     """(logits, loss, every gradient under transformers' names, gathered over TP) on the batch."""
     ids, am, labels = family_batch()
@@ -92,7 +84,7 @@ def _outputs(model, ps) -> tuple:
 def _check(rank, world, hf_dir, impl, backend, unpad, sequence_parallel=False, tp1=None):
     """At TP `world`: logits, loss and gradients equal transformers' (and `tp1`'s outputs, given)."""
     ps = megabert.init_parallel(tensor_parallel_size=world)
-    hf, ref = _reference(hf_dir, impl)
+    hf, ref = masked_lm_reference(hf_dir, impl)
     _, am, _ = family_batch()
     model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend=backend, unpad_input=unpad,
                                                           sequence_parallel=sequence_parallel)
@@ -145,7 +137,7 @@ def _check_pp(rank, world, hf_dirs, tp):
 
     ps = megabert.init_parallel(tensor_parallel_size=tp, pipeline_model_parallel_size=world // tp)
     for hf_dir in hf_dirs:
-        _, ref = _reference(hf_dir, "eager")
+        _, ref = masked_lm_reference(hf_dir, "eager")
         ids, am, labels = family_batch()
         model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, ps, attention_backend="torch")
         cfg = model.config
@@ -176,7 +168,7 @@ def test_tp2_pp2_equals_transformers(family_dirs):
 
 def _logits_diff(hf_dir, tamper) -> float:
     """Largest logit difference to transformers after `tamper(state)` edits the weights megabert loads."""
-    _, ref = _reference(hf_dir, "eager")
+    _, ref = masked_lm_reference(hf_dir, "eager")
     ids, am, _ = family_batch()
     model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, megabert.init_parallel(), attention_backend="torch")
     with torch.no_grad():

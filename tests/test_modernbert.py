@@ -15,7 +15,7 @@ from megabert.training.grads import sync_sequence_parallel_grads, sync_tied_embe
 
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.hf_models import close
-from tests.helpers.modernbert_models import make_modernbert_dir, modernbert_batch
+from tests.helpers.modernbert_models import make_modernbert_dir, masked_lm_reference, modernbert_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,14 +23,6 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     return make_modernbert_dir(tmp_path_factory.mktemp("modernbert") / "hf")
-
-
-def _reference(hf_dir, impl):
-    hf = transformers.ModernBertForMaskedLM.from_pretrained(hf_dir, attn_implementation=impl)
-    ids, am, labels = modernbert_batch()
-    ref = hf(input_ids=ids, attention_mask=am, labels=labels)
-    ref.loss.backward()
-    return hf, ref
 
 
 def _close_logits(logits, ref_logits, am, what="logits"):
@@ -54,7 +46,7 @@ def _close_grads(model, ps, hf):
 
 def _check_tp(rank, world, hf_dir, impl, backend, unpad, sequence_parallel):
     ps = megabert.init_parallel(tensor_parallel_size=world)
-    hf, ref = _reference(hf_dir, impl)
+    hf, ref = masked_lm_reference(hf_dir, impl)
     ids, am, labels = modernbert_batch()
     model = megabert.ModernBertForMaskedLM.from_pretrained(hf_dir, ps, attention_backend=backend, unpad_input=unpad,
                                                            sequence_parallel=sequence_parallel)
@@ -92,7 +84,7 @@ def _check_pp(rank, world, hf_dir, unpad):
     from megabert.pipeline_parallel.schedules import PipelineSchedule
 
     ps = megabert.init_parallel(pipeline_model_parallel_size=world)
-    hf, ref = _reference(hf_dir, "eager")
+    hf, ref = masked_lm_reference(hf_dir, "eager")
     ids, am, labels = modernbert_batch()
     model = megabert.ModernBertForMaskedLM.from_pretrained(hf_dir, ps, attention_backend="varlen" if unpad else "torch",
                                                            unpad_input=unpad)
@@ -126,7 +118,7 @@ def _wrongly_split(full: torch.Tensor, which: str, rank: int, world: int) -> tor
 
 def _check_wrong_split(rank, world, hf_dir, which):
     ps = megabert.init_parallel(tensor_parallel_size=world)
-    _, ref = _reference(hf_dir, "eager")
+    _, ref = masked_lm_reference(hf_dir, "eager")
     ids, am, _ = modernbert_batch()
     model = megabert.ModernBertForMaskedLM.from_pretrained(hf_dir, ps, attention_backend="torch")
     table = spec_table(model)

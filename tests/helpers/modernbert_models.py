@@ -68,3 +68,15 @@ def save_tokenizer(path, texts, vocab_size=VOCAB):
                                                 sep_token="[SEP]", mask_token="[MASK]", unk_token="[UNK]")
     fast.save_pretrained(str(path))
     return str(path)
+
+
+def masked_lm_reference(hf_dir, impl):
+    """transformers' masked LM of `hf_dir` (any family: AutoModelForMaskedLM) with attention `impl`,
+    its output on modernbert_batch() with labels, and the gradients of its loss on the parameters."""
+    import transformers
+
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, attn_implementation=impl)
+    ids, am, labels = modernbert_batch()
+    ref = hf(input_ids=ids, attention_mask=am, labels=labels)
+    ref.loss.backward()
+    return hf, ref
