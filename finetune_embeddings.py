@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import sys
 
-from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
-from megabert.tasks.embeddings.config import EMBEDDINGS_DEFAULTS, EmbeddingsConfig
 from megabert.tasks.embeddings.finetuning import EmbeddingsTask
 from megabert.training.driver import run_task
 
 
 @cli_main
 def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> evaluate and export
-    run_task(parse_finetune_args(argv, __doc__, task_config=EmbeddingsConfig, defaults=EMBEDDINGS_DEFAULTS),
-             EmbeddingsTask)
+    run_task(EmbeddingsTask, argv, description=__doc__)
 
 
 if __name__ == "__main__":

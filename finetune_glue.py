@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import sys
 
-from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
-from megabert.tasks.glue.config import GLUE_DEFAULTS, GlueConfig
 from megabert.tasks.glue.finetuning import GlueTask
 from megabert.training.driver import run_task
 
 
 @cli_main
 def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> evaluate and predict
-    run_task(parse_finetune_args(argv, __doc__, task_config=GlueConfig, defaults=GLUE_DEFAULTS), GlueTask)
+    run_task(GlueTask, argv, description=__doc__)
 
 
 if __name__ == "__main__":

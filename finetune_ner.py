@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import sys
 
-from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
-from megabert.tasks.ner.config import NER_DEFAULTS, NerConfig
 from megabert.tasks.ner.finetuning import NerTask
 from megabert.training.driver import run_task
 
 
 @cli_main
 def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> evaluate and predict
-    run_task(parse_finetune_args(argv, __doc__, task_config=NerConfig, defaults=NER_DEFAULTS), NerTask)
+    run_task(NerTask, argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import sys
 
-from megabert.arguments import parse_finetune_args
 from megabert.errors import cli_main
-from megabert.tasks.squad.config import SquadConfig
 from megabert.tasks.squad.finetuning import SquadTask
 from megabert.training.driver import run_task
 
 
 @cli_main
 def main(argv=None) -> None:  # resolve -> load -> train (resuming --save) -> predict and score
-    run_task(parse_finetune_args(argv, __doc__, task_config=SquadConfig), SquadTask)
+    run_task(SquadTask, argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from megabert.arguments import parse_args
 from megabert.errors import cli_main
 from megabert.tasks.pretraining.task import PretrainingTask
 from megabert.training.driver import run_task
@@ -19,8 +18,7 @@ from megabert.training.driver import run_task
 
 @cli_main
 def main(argv=None) -> None:
-    cfg = parse_args(argv, description=__doc__)
-    run_task(cfg, PretrainingTask)  # resolve -> data -> model -> train (resuming --save) -> close
+    run_task(PretrainingTask, argv, description=__doc__)  # resolve -> data -> model -> train (resuming --save) -> close
 
 
 if __name__ == "__main__":

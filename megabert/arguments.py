@@ -175,6 +175,24 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> C
     return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class Cli:
+    """An entry script's command line, as its task declares it (megabert.training.driver.Task.cli):
+    pre-training's flags, or the fine-tuning flags plus a task's own section."""
+
+    task_config: Optional[type] = None
+    """The fine-tuning task's config dataclass (the "finetune" section); None: pre-training."""
+    defaults: Optional[dict] = None
+    """A fine-tuning task's recipe where it differs from the dataclasses' (FINETUNE_DEFAULTS when None)."""
+
+
+def parse_cli(argv: Optional[Sequence[str]], description: str, cli: Cli) -> Configs | FinetuneConfigs:
+    """`argv` read as `cli` says: parse_args for pre-training, else parse_finetune_args."""
+    if cli.task_config is None:
+        return parse_args(argv, description)
+    return parse_finetune_args(argv, description, task_config=cli.task_config, defaults=cli.defaults)
+
+
 def parse_finetune_args(argv: Optional[Sequence[str]] = None, description: str = "", *, task_config: type,
                         defaults: Optional[dict] = None) -> FinetuneConfigs:
     """A fine-tuning entry script's CLI: the parallel, optimizer and training flags shared

@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import sys
 
-from megabert.arguments import parse_finetune_args
+from megabert.arguments import parse_cli
 from megabert.errors import cli_main
-from megabert.tasks.embeddings.mining import MiningConfig, MiningTask, with_export_defaults
+from megabert.tasks.embeddings.mining import MiningTask, with_export_defaults
 from megabert.training.driver import run_task
 
 
 @cli_main
 def main(argv=None) -> None:
-    cfg = with_export_defaults(parse_finetune_args(argv, description=__doc__, task_config=MiningConfig))
-    run_task(cfg, MiningTask)  # load the model -> embed -> search -> write --output
+    # An export's pooling, prompts and lengths are the defaults: the configs are made here, then run.
+    cfg = with_export_defaults(parse_cli(argv, __doc__, MiningTask.cli))
+    run_task(MiningTask, cfg=cfg)  # load the model -> embed -> search -> write --output
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The one driver of the entry scripts: pre-training and every fine-tuning task take the same
 steps,
 
-    the configs' files checked -> parallel state -> logging -> the run resolved (its start:
+    the command line parsed (the task's `cli`) -> the configs' files checked -> parallel state -> logging -> the run resolved (its start:
     --load, or --save once it holds a checkpoint) -> the task -> the run's tokenizer -> the
     task's inputs -> its model -> the trainer (resuming --save) -> train -> the task's outputs
 
@@ -15,10 +15,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
+from megabert.arguments import Cli, parse_cli
 from megabert.checkpoint.run_state import TrainingState
 from megabert.config import Configs, FinetuneConfigs
 from megabert.data import build_tokenizer
@@ -50,6 +51,9 @@ class Task(abc.ABC):
 
     name: str = "task"
     """For log lines."""
+    cli: ClassVar[Cli]
+    """Its entry script's command line: pre-training's flags, or the fine-tuning flags with the
+    task's own section and recipe."""
 
     @classmethod
     @abc.abstractmethod
@@ -82,8 +86,13 @@ class Task(abc.ABC):
         calls it. Nothing by default."""
 
 
-def run_task(cfg: Configs | FinetuneConfigs, task_class: type[Task]) -> None:
-    """Runs an entry script's configs end to end with `task_class`'s pieces."""
+def run_task(task_class: type[Task], argv: Optional[Sequence[str]] = None, *, description: str = "",
+             cfg: Configs | FinetuneConfigs | None = None) -> None:
+    """Runs an entry script end to end with `task_class`'s pieces: its command line `argv`
+    (sys.argv when None; `description`: the --help text), read as `task_class.cli` says, or
+    `cfg`, configs made in code (then no flag is read)."""
+    if cfg is None:
+        cfg = parse_cli(argv, description, task_class.cli)  # a broken flag rule stops here, before any process group
     check_config_paths(cfg)  # every file read and every directory written, before any process group or model
     par = cfg.parallel
     ps = init_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,

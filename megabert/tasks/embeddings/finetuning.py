@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megabert.arguments import Cli
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.errors import ConfigError
@@ -19,7 +20,7 @@ from megabert import model_classes
 from megabert.checkpoint.reader import checkpoint_model_config
 from megabert.model_family import task_model_class_name
 from megabert.parallel import ParallelState
-from megabert.tasks.embeddings.config import number_list
+from megabert.tasks.embeddings.config import EMBEDDINGS_DEFAULTS, EmbeddingsConfig, number_list
 from megabert.tasks.embeddings.data import BeirSet, Pair, read_beir, read_pairs
 from megabert.tasks.embeddings.evaluation import BeirEvaluator
 from megabert.tasks.embeddings.export import gather_whole_model, write_sentence_transformers
@@ -58,6 +59,7 @@ class EmbeddingsTask(FinetuneTask):
     model goes to --output-dir/sentence-transformers/."""
 
     name = "embeddings"
+    cli = Cli(EmbeddingsConfig, EMBEDDINGS_DEFAULTS)
 
     def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
         super().__init__(cfg, pretrained)

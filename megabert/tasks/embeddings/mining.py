@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megabert.arguments import Cli
 from megabert.config import FinetuneConfigs
 from megabert.config_fields import arg, check_at_least
 from megabert.errors import ConfigError
@@ -173,6 +174,7 @@ class MiningTask(FinetuneTask):
     """Nothing to train: predict() embeds, searches and writes --output."""
 
     name = "mining"
+    cli = Cli(MiningConfig)
 
     def __init__(self, cfg, pretrained):
         super().__init__(cfg, pretrained)

@@ -11,11 +11,13 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megabert.arguments import Cli
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError
 from megabert.parallel import ParallelState
+from megabert.tasks.glue.config import GLUE_DEFAULTS, GlueConfig
 from megabert.tasks.glue.data import GlueExample, read_examples, warn_unseen_labels
 from megabert.tasks.glue.features import examples_to_tensors
 from megabert.tasks.glue.metrics import glue_metrics
@@ -140,6 +142,7 @@ class GlueTask(FinetuneTask):
     scored into eval_results.json, the test set(s) written as submission files."""
 
     name = "glue"
+    cli = Cli(GlueConfig, GLUE_DEFAULTS)
 
     def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
         super().__init__(cfg, pretrained)

@@ -13,12 +13,14 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megabert.arguments import Cli
 from megabert.checkpoint.reader import read_model_config
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.data.packing import PackingSpec
 from megabert.errors import CheckpointError, ConfigError
 from megabert.parallel import ParallelState
+from megabert.tasks.ner.config import NER_DEFAULTS, NerConfig
 from megabert.tasks.ner.data import Sentence, label_set, read_sentences, warn_unless_entity_tags
 from megabert.tasks.ner.features import Features, sentences_to_features, word_logits
 from megabert.tasks.ner.metrics import ner_metrics
@@ -125,6 +127,7 @@ class NerTask(FinetuneTask):
     eval_results.json, --test-file tagged into predictions.txt."""
 
     name = "ner"
+    cli = Cli(NerConfig, NER_DEFAULTS)
 
     def __init__(self, cfg: FinetuneConfigs, pretrained: Source):
         super().__init__(cfg, pretrained)

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from megabert.arguments import Cli
 from megabert.checkpoint.run_state import TrainingState
 from megabert.config import Configs, DataConfig
 from megabert.errors import ConfigError
@@ -152,6 +153,7 @@ class PretrainingTask(Task):
     built from the flags or continued from --load, masked LM + SOP/NSP."""
 
     name = "pre-training"
+    cli = Cli()
 
     def __init__(self, run: ResolvedRun):
         if not run.data.data_path:

@@ -9,9 +9,11 @@ import os
 import numpy as np
 import torch
 
+from megabert.arguments import Cli
 from megabert.checkpoint.start import Source
 from megabert.config import FinetuneConfigs
 from megabert.parallel import ParallelState
+from megabert.tasks.squad.config import SquadConfig
 from megabert.tasks.squad.evaluate import evaluate
 from megabert.tasks.squad.examples import load_squad_json, read_squad_examples
 from megabert.tasks.squad.features import convert_examples_to_features, features_to_tensors
@@ -45,6 +47,7 @@ class SquadTask(FinetuneTask):
     (predictions.json, nbest_predictions.json, v2.0's null_odds.json, eval_results.json)."""
 
     name = "squad"
+    cli = Cli(SquadConfig)
 
     @property
     def training_task(self) -> TrainingTask:
