@@ -145,6 +145,11 @@ class PredictionHeadTaskModel(BertPreTrainedModel):
                                     else nn.Identity())
             self.classifier = classifier_linear(self.ctx, self.outputs(config))
 
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., h] -> the prediction head, dropout, the classifier -> [..., outputs]."""
+        # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
+        return self.classifier(F.dropout(self.prediction_head(x), self.ctx.spec.classifier.dropout, self.training))
+
 
 class EncoderForSequenceClassification(PredictionHeadTaskModel):
     """Sequence classification / regression on the pooled output ([CLS] or the mean, as
@@ -187,15 +192,11 @@ class EncoderForSequenceClassification(PredictionHeadTaskModel):
         am = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if am is None else am.to(x.dtype)
         return (x * am.unsqueeze(-1)).sum(dim=1) / am.sum(dim=1, keepdim=True)
 
-    def _classify(self, x: torch.Tensor) -> torch.Tensor:
-        # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
-        return self.classifier(F.dropout(self.prediction_head(x), self.ctx.spec.classifier.dropout, self.training))
-
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> ClassifierOutput:
         if self.ctx.spec.classifier.pooling == "late":
-            logits = self._pool(self._classify(sequence), batch)  # [s, b, num_labels] -> [b (* cap), num_labels]
+            logits = self._pool(self.classify(sequence), batch)  # [s, b, num_labels] -> [b (* cap), num_labels]
         else:
-            logits = self._classify(self._pool(sequence, batch))  # [b (* cap), num_labels]
+            logits = self.classify(self._pool(sequence, batch))  # [b (* cap), num_labels]
         loss, loss_sum = sequence_loss(logits, batch, self.config.num_labels)
         return ClassifierOutput(loss=loss, logits=logits, loss_sum=loss_sum)
 

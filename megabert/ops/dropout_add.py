@@ -18,11 +18,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from megabert.errors import ConfigError
 from megabert.ops import epilogues, kernel_ops
 from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, resolve_backend, use_fused_kernel
+from megabert.ops.kept_tensor import kept_tensor_function
 
 _DTYPES = {"cpu": CPU_KERNEL_DTYPES}  # CPU only: there is no CUDA dropout-add kernel
 # Philox keys: any 63-bit value (the kernel takes an int64).
@@ -66,26 +66,24 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> torch.Tensor:
     return torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, generator=generator)
 
 
-class FusedDropoutAdd(torch.autograd.Function):
+def _dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor):
+    out, mask = kernel_ops.dropout_add_forward(x, residual, p, seed)
+    return out, mask, p
+
+
+def _dropout_add_backward(grad_out: torch.Tensor, mask: torch.Tensor, p: float, needs_input_grad):
+    grad_x = kernel_ops.dropout_backward(grad_out, mask, p) if needs_input_grad[0] else None
+    return grad_x, grad_out, None, None
+
+
+FusedDropoutAdd = kept_tensor_function(
+    "FusedDropoutAdd",
     """out = residual + mask * x / (1 - p), mask ~ Bernoulli(1 - p) from Philox keyed by `seed`
     (a one-element int64 tensor).
 
-    Forward saves the 1-byte mask; backward: grad_x = mask * grad / (1 - p), grad_residual = grad.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
-        out, mask = kernel_ops.dropout_add_forward(x, residual, p, seed)
-        ctx.save_for_backward(mask)
-        ctx.p = p
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        (mask,) = ctx.saved_tensors
-        grad_x = kernel_ops.dropout_backward(grad_out, mask, ctx.p) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_out, None, None
+    Forward keeps the 1-byte mask; backward: grad_x = mask * grad / (1 - p), grad_residual = grad.
+    """,
+    _dropout_add_forward, _dropout_add_backward)
 
 
 def _outside_limits(x: torch.Tensor, residual: torch.Tensor) -> Optional[str]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from megabert.ops import kernel_ops
 from megabert.ops.dispatch import CPU_KERNEL_DTYPES, CUDA_KERNEL_DTYPES, dtype_outside, use_fused_kernel
+from megabert.ops.kept_tensor import kept_tensor_function
 from megabert.ops.reference import scaled_masked_softmax_reference
 
 # What the kernels take. CUDA: one warp per row holds the row in registers, hence the key limit.
@@ -15,26 +15,23 @@ _DTYPES = {"cpu": CPU_KERNEL_DTYPES, "cuda": CUDA_KERNEL_DTYPES}
 _MAX_KEYS = {"cuda": 4096}
 
 
-class FusedScaledMaskedSoftmax(torch.autograd.Function):
+def _softmax_forward(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float):
+    probs = kernel_ops.scaled_masked_softmax_forward(scores, mask, scale)
+    return probs, probs, scale
+
+
+def _softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float, needs_input_grad):
+    return kernel_ops.scaled_masked_softmax_backward(grad_probs, probs, scale), None, None
+
+
+FusedScaledMaskedSoftmax = kept_tensor_function(
+    "FusedScaledMaskedSoftmax",
     """probs = softmax(scale * scores) with masked keys excluded (a fully masked row is 0).
 
-    Forward saves only the probabilities (in the input dtype, as Megatron's kernel):
+    Forward keeps only the probabilities (in the input dtype, as Megatron's kernel):
     grad_scores = scale * probs * (grad_probs - sum(grad_probs * probs)).
-    """
-
-    @staticmethod
-    def forward(ctx, scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        probs = kernel_ops.scaled_masked_softmax_forward(scores, mask, scale)
-        ctx.save_for_backward(probs)
-        ctx.scale = scale
-        return probs
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_probs: torch.Tensor):
-        (probs,) = ctx.saved_tensors
-        grad_scores = kernel_ops.scaled_masked_softmax_backward(grad_probs, probs, ctx.scale)
-        return grad_scores, None, None
+    """,
+    _softmax_forward, _softmax_backward)
 
 
 def _outside_limits(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> Optional[str]:

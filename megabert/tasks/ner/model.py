@@ -63,8 +63,5 @@ class ModernBertForTokenClassification(PredictionHeadTaskModel):
                                               packed_seqlens=packed_seqlens, token_positions=token_positions))
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> TokenClassifierOutput:
-        # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
-        hidden = F.dropout(self.prediction_head(sequence.transpose(0, 1)), self.ctx.spec.classifier.dropout,
-                           self.training)  # [b, s, h]
-        return token_output(self.classifier(hidden), batch, self.config.num_labels)
+        return token_output(self.classify(sequence.transpose(0, 1)), batch, self.config.num_labels)
 

@@ -76,8 +76,5 @@ class ModernBertForQuestionAnswering(PredictionHeadTaskModel):
                                               token_type_ids=token_type_ids, token_positions=token_positions))
 
     def head(self, sequence: torch.Tensor, pooled, batch: dict) -> QuestionAnsweringOutput:
-        # Replicated over TP ranks, the dropout mask from the default generator: the ranks agree.
-        hidden = F.dropout(self.prediction_head(sequence.transpose(0, 1)), self.ctx.spec.classifier.dropout,
-                           self.training)  # [b, s, h]
-        return span_output(self.classifier(hidden), batch)
+        return span_output(self.classify(sequence.transpose(0, 1)), batch)  # logits [b, s, 2]
 
