@@ -1,5 +1,5 @@
 // The interface between the torch-facing CPU ops (ops.cpp) and the row kernels
-// (row_kernels.h), which are compiled once per instruction set (isa_*.cpp).
+// (row_kernels.h and the headers it includes), which are compiled once per instruction set (isa_*.cpp).
 //
 // NOTE: nothing here includes a torch header. The row kernels are compiled under
 // `#pragma GCC target("avx512f,...")`; had they included torch's inline functions,
@@ -146,6 +146,52 @@ struct CeGradArgs {
   int64_t c, ld_p;
 };
 
+// RMSNorm as transformers' Llama-family RMSNorm computes it: rstd = 1 / sqrt(mean(x^2) + eps)
+// over rows of length h in the math type, y = w * round(x * rstd), where round() is the
+// element type's rounding (for bf16, the normalised value is cast to bf16 before the weight
+// multiplies it, as PyTorch's chain does). rstd [rows] (math type) is saved for the backward.
+struct RmsNormFwdArgs {
+  const void* x;
+  const void* w;
+  void* y;
+  void* rstd;
+  int64_t h;
+  double eps;
+};
+
+// grad_x for rows [begin, end) and this chunk's partial sums of grad_w (length h, the math
+// type), reduced over chunks by layer_norm_bwd_reduce.
+struct RmsNormBwdArgs {
+  const void* grad_y;
+  const void* x;
+  const void* w;
+  const void* rstd;
+  void* grad_x;
+  int64_t h;
+};
+
+// The gated MLP's activation (megabert/model/mlp.py): u [rows, 2f] contiguous holds the
+// halves [input; gate] ([gate; input] with gate_first), y [rows, f] = act(input) * gate.
+enum GluAct : int { kSilu = 0, kGeluErf = 1, kGeluTanh = 2 };
+
+struct GluFwdArgs {
+  const void* u;
+  void* y;
+  int64_t f;
+  int gate_first;
+  int act;  // GluAct
+};
+
+// grad_u [rows, 2f] (the halves as in u) from grad_y [rows, f] and u, in one pass.
+struct GluBwdArgs {
+  const void* grad_y;
+  const void* u;
+  void* grad_u;
+  int64_t f;
+  int gate_first;
+  int act;
+};
+
 using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
 using SoftmaxBwdFn = void (*)(const SoftmaxBwdArgs&, int64_t row_begin, int64_t row_end);
 using LayerNormFwdFn = void (*)(const LayerNormFwdArgs&, int64_t row_begin, int64_t row_end);
@@ -155,6 +201,10 @@ using LayerNormBwdFn = void (*)(const LayerNormBwdArgs&, int64_t row_begin, int6
 using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_t h, void* out);
 using CeLseFn = void (*)(const CeLseArgs&, int64_t row_begin, int64_t row_end);
 using CeGradFn = void (*)(const CeGradArgs&, int64_t row_begin, int64_t row_end);
+using RmsNormFwdFn = void (*)(const RmsNormFwdArgs&, int64_t row_begin, int64_t row_end);
+using RmsNormBwdFn = void (*)(const RmsNormBwdArgs&, int64_t row_begin, int64_t row_end, void* partial_grad_w);
+using GluFwdFn = void (*)(const GluFwdArgs&, int64_t row_begin, int64_t row_end);
+using GluBwdFn = void (*)(const GluBwdArgs&, int64_t row_begin, int64_t row_end);
 using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
 using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
@@ -182,6 +232,10 @@ struct KernelTable {
   AttnMaskFn attn_mask[kNumDtypes];
   CeLseFn ce_lse[kNumDtypes];
   CeGradFn ce_grad[kNumDtypes];
+  RmsNormFwdFn rms_norm_fwd[kNumDtypes];
+  RmsNormBwdFn rms_norm_bwd[kNumDtypes];
+  GluFwdFn glu_fwd[kNumDtypes];
+  GluBwdFn glu_bwd[kNumDtypes];
 };
 
 // One table per instruction set; nullptr where this compiler or architecture did not build it.
