@@ -15,7 +15,8 @@ import megabert.say_once
 from megabert.ops import gated_activation, rms_norm
 from megabert.ops.reference import gated_activation_reference, rms_norm_reference
 
-from tests.helpers.kernel_checks import check_gated_activation, check_rms_norm, fused, glu_case, rms_case
+from tests.helpers.kernel_checks import (check_gated_activation, check_rms_norm, fused, glu_case, graph_functions,
+                                         rms_case)
 
 pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not built: {fk.load_error()}")
 
@@ -187,19 +188,6 @@ def test_gated_activation_outside_the_kernel_runs_pytorch_and_says_so_once(fresh
 
 # ---- the families choose them ------------------------------------------------------------
 
-def _graph_functions(t: torch.Tensor) -> set:
-    """The names of the autograd nodes that produced t."""
-    seen, stack, names = set(), [t.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("family", ["eurobert", "gte"])
 def test_families_run_the_kernels_by_default_and_pytorch_when_asked(family, tmp_path):
     """The CPU defaults (--layernorm-backend and --dropout-add-backend auto: fused) put an
@@ -216,7 +204,7 @@ def test_families_run_the_kernels_by_default_and_pytorch_when_asked(family, tmp_
     for backends in ({}, {"layernorm_backend": "torch", "dropout_add_backend": "torch"}):
         model = megabert.AutoModelForMaskedLM.from_pretrained(hf_dir, megabert.init_parallel(), **backends)
         out = model(ids, attention_mask=am).logits
-        names = _graph_functions(out)
+        names = graph_functions(out)
         assert ("FusedGatedActivationBackward" in names) == (not backends)
         assert ("FusedRMSNormBackward" in names) == (not backends and family == "eurobert")
         logits[bool(backends)] = out.detach()

@@ -19,6 +19,19 @@ def fused(t: torch.Tensor, name: str) -> bool:
     return type(t.grad_fn).__name__.startswith(name)
 
 
+def graph_functions(t: torch.Tensor) -> set:
+    """The names of the autograd nodes that produced t (which ops, fused or not, ran)."""
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
 def softmax_case(shape, mask_shape, dtype, device="cpu", scale=0.37, fully_masked_rows=True, seed=0):
     gen = torch.Generator().manual_seed(seed)
     scores = (torch.randn(shape, generator=gen) * 4).to(dtype)

@@ -44,6 +44,10 @@ struct SoftmaxBwdArgs {
 
 // y = (x - mean) * rstd * w + b over rows of length h; mean and rstd ([rows], the
 // math type) are saved for the backward.
+// RMSNorm takes the same arguments (b and mean unused), as transformers' Llama-family RMSNorm
+// computes it: rstd = 1 / sqrt(mean(x^2) + eps) in the math type, y = w * round(x * rstd),
+// where round() is the element type's rounding (for bf16, the normalised value is cast to
+// bf16 before the weight multiplies it, as PyTorch's chain does).
 struct LayerNormFwdArgs {
   const void* x;
   const void* w;
@@ -57,6 +61,7 @@ struct LayerNormFwdArgs {
 
 // grad_x for rows [begin, end) and this chunk's partial sums of grad_w and grad_b
 // (length h each, the math type), reduced over chunks by layer_norm_bwd_reduce.
+// RMSNorm's backward takes the same (mean and grad_b unused).
 struct LayerNormBwdArgs {
   const void* grad_y;
   const void* x;
@@ -146,50 +151,19 @@ struct CeGradArgs {
   int64_t c, ld_p;
 };
 
-// RMSNorm as transformers' Llama-family RMSNorm computes it: rstd = 1 / sqrt(mean(x^2) + eps)
-// over rows of length h in the math type, y = w * round(x * rstd), where round() is the
-// element type's rounding (for bf16, the normalised value is cast to bf16 before the weight
-// multiplies it, as PyTorch's chain does). rstd [rows] (math type) is saved for the backward.
-struct RmsNormFwdArgs {
-  const void* x;
-  const void* w;
-  void* y;
-  void* rstd;
-  int64_t h;
-  double eps;
-};
-
-// grad_x for rows [begin, end) and this chunk's partial sums of grad_w (length h, the math
-// type), reduced over chunks by layer_norm_bwd_reduce.
-struct RmsNormBwdArgs {
-  const void* grad_y;
-  const void* x;
-  const void* w;
-  const void* rstd;
-  void* grad_x;
-  int64_t h;
-};
-
 // The gated MLP's activation (megabert/model/mlp.py): u [rows, 2f] contiguous holds the
-// halves [input; gate] ([gate; input] with gate_first), y [rows, f] = act(input) * gate.
+// halves [input; gate] ([gate; input] with gate_first). Forward: out = y [rows, f] =
+// act(input) * gate (grad_y unused). Backward: out = grad_u [rows, 2f] (the halves as in u)
+// from grad_y [rows, f] and u, in one pass.
 enum GluAct : int { kSilu = 0, kGeluErf = 1, kGeluTanh = 2 };
 
-struct GluFwdArgs {
+struct GluArgs {
   const void* u;
-  void* y;
+  const void* grad_y;
+  void* out;
   int64_t f;
   int gate_first;
   int act;  // GluAct
-};
-
-// grad_u [rows, 2f] (the halves as in u) from grad_y [rows, f] and u, in one pass.
-struct GluBwdArgs {
-  const void* grad_y;
-  const void* u;
-  void* grad_u;
-  int64_t f;
-  int gate_first;
-  int act;
 };
 
 using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
@@ -201,10 +175,7 @@ using LayerNormBwdFn = void (*)(const LayerNormBwdArgs&, int64_t row_begin, int6
 using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_t h, void* out);
 using CeLseFn = void (*)(const CeLseArgs&, int64_t row_begin, int64_t row_end);
 using CeGradFn = void (*)(const CeGradArgs&, int64_t row_begin, int64_t row_end);
-using RmsNormFwdFn = void (*)(const RmsNormFwdArgs&, int64_t row_begin, int64_t row_end);
-using RmsNormBwdFn = void (*)(const RmsNormBwdArgs&, int64_t row_begin, int64_t row_end, void* partial_grad_w);
-using GluFwdFn = void (*)(const GluFwdArgs&, int64_t row_begin, int64_t row_end);
-using GluBwdFn = void (*)(const GluBwdArgs&, int64_t row_begin, int64_t row_end);
+using GluFn = void (*)(const GluArgs&, int64_t row_begin, int64_t row_end);
 using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
 using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
@@ -232,10 +203,10 @@ struct KernelTable {
   AttnMaskFn attn_mask[kNumDtypes];
   CeLseFn ce_lse[kNumDtypes];
   CeGradFn ce_grad[kNumDtypes];
-  RmsNormFwdFn rms_norm_fwd[kNumDtypes];
-  RmsNormBwdFn rms_norm_bwd[kNumDtypes];
-  GluFwdFn glu_fwd[kNumDtypes];
-  GluBwdFn glu_bwd[kNumDtypes];
+  LayerNormFwdFn rms_norm_fwd[kNumDtypes];
+  LayerNormBwdFn rms_norm_bwd[kNumDtypes];
+  GluFn glu_fwd[kNumDtypes];
+  GluFn glu_bwd[kNumDtypes];
 };
 
 // One table per instruction set; nullptr where this compiler or architecture did not build it.

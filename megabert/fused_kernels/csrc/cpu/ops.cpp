@@ -170,7 +170,8 @@ std::vector<at::Tensor> weight_grad_sums(int64_t rows, const at::Tensor& weight,
   at::Tensor partial = at::zeros({count, parts, h}, weight.options().dtype(math_type(dt)));  // [grad, chunk, h]
   char* base = static_cast<char*>(partial.data_ptr());
   const int64_t part_bytes = h * partial.element_size(), stride = parts * part_bytes;
-  run_chunks(rows, chunks, [&](int64_t c, int64_t begin, int64_t end) { fn(begin, end, base + c * part_bytes, stride); });
+  run_chunks(rows, chunks,
+             [&](int64_t c, int64_t begin, int64_t end) { fn(begin, end, base + c * part_bytes, stride); });
   std::vector<at::Tensor> sums;
   for (int64_t k = 0; k < count; ++k) {
     sums.push_back(at::empty_like(weight));
@@ -333,8 +334,8 @@ std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& 
   const auto [rows, h] = check_norm_input(x, weight, nullptr, "rms_norm");
   at::Tensor y = at::empty_like(x);
   at::Tensor rstd = at::empty({rows}, x.options().dtype(math_type(dt)));
-  const RmsNormFwdArgs args{x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), h, eps};
-  const RmsNormFwdFn fn = table().rms_norm_fwd[dt];
+  const LayerNormFwdArgs args{x.data_ptr(), weight.data_ptr(), nullptr, y.data_ptr(), nullptr, rstd.data_ptr(), h, eps};
+  const LayerNormFwdFn fn = table().rms_norm_fwd[dt];
   parallel_rows(rows, h, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
   return {y, rstd};
 }
@@ -347,10 +348,13 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Te
   TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad shape ", grad_y.sizes(), " != input shape ", x.sizes());
   check_row_stat(rstd, "rstd", rows, dt);
   at::Tensor grad_x = at::empty_like(x);
-  const RmsNormBwdArgs args{grad_y.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_x.data_ptr(), h};
-  const RmsNormBwdFn fn = table().rms_norm_bwd[dt];
-  std::vector<at::Tensor> grads = weight_grad_sums(
-      rows, weight, 1, dt, [&](int64_t begin, int64_t end, char* partial, int64_t) { fn(args, begin, end, partial); });
+  const LayerNormBwdArgs args{grad_y.data_ptr(), x.data_ptr(), weight.data_ptr(), nullptr, rstd.data_ptr(),
+                              grad_x.data_ptr(), h};
+  const LayerNormBwdFn fn = table().rms_norm_bwd[dt];
+  std::vector<at::Tensor> grads =
+      weight_grad_sums(rows, weight, 1, dt, [&](int64_t begin, int64_t end, char* partial, int64_t) {
+        fn(args, begin, end, partial, nullptr);  // no bias
+      });
   return {grad_x, grads[0]};
 }
 
@@ -380,8 +384,8 @@ at::Tensor gated_activation_forward(const at::Tensor& u, const std::string& acti
   shape.back() = f;
   at::Tensor y = at::empty(shape, u.options());
   const int64_t rows = f == 0 ? 0 : y.numel() / f;
-  const GluFwdArgs args{u.data_ptr(), y.data_ptr(), f, gate_first ? 1 : 0, glu_act(activation)};
-  const GluFwdFn fn = table().glu_fwd[dt];
+  const GluArgs args{u.data_ptr(), nullptr, y.data_ptr(), f, gate_first ? 1 : 0, glu_act(activation)};
+  const GluFn fn = table().glu_fwd[dt];
   parallel_rows(rows, 2 * f, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
   return y;
 }
@@ -395,9 +399,9 @@ at::Tensor gated_activation_backward(const at::Tensor& grad_y, const at::Tensor&
               "gated_activation backward: grad ", grad_y.sizes(), " does not match the input ", u.sizes());
   at::Tensor grad_u = at::empty_like(u);
   const int64_t rows = f == 0 ? 0 : grad_y.numel() / f;
-  const GluBwdArgs args{grad_y.data_ptr(), u.data_ptr(), grad_u.data_ptr(), f, gate_first ? 1 : 0,
-                        glu_act(activation)};
-  const GluBwdFn fn = table().glu_bwd[dt];
+  const GluArgs args{u.data_ptr(), grad_y.data_ptr(), grad_u.data_ptr(), f, gate_first ? 1 : 0,
+                     glu_act(activation)};
+  const GluFn fn = table().glu_bwd[dt];
   parallel_rows(rows, 2 * f, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
   return grad_u;
 }

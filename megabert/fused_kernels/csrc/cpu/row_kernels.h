@@ -23,23 +23,13 @@ namespace MEGABERT_ISA {
 
 // ---- element access: storage type -> math type ------------------------------------
 
+// float and double compute in their own type.
 template <typename T>
-struct Elem;
-
-template <>
-struct Elem<float> {
-  using acc_t = float;
-  static inline float load(const float* p, int64_t j) { return p[j]; }
-  static inline void store(float* p, int64_t j, float v) { p[j] = v; }
-  static inline float round(float v) { return v; }
-};
-
-template <>
-struct Elem<double> {
-  using acc_t = double;
-  static inline double load(const double* p, int64_t j) { return p[j]; }
-  static inline void store(double* p, int64_t j, double v) { p[j] = v; }
-  static inline double round(double v) { return v; }
+struct Elem {
+  using acc_t = T;
+  static inline T load(const T* p, int64_t j) { return p[j]; }
+  static inline void store(T* p, int64_t j, T v) { p[j] = v; }
+  static inline T round(T v) { return v; }  // the value as T holds it
 };
 
 template <>
@@ -346,8 +336,8 @@ const KernelTable kTable = {
     {&ce_grad<float>, &ce_grad<bf16_t>, &ce_grad<double>},
     {&rms_norm_fwd<float>, &rms_norm_fwd<bf16_t>, &rms_norm_fwd<double>},
     {&rms_norm_bwd<float>, &rms_norm_bwd<bf16_t>, &rms_norm_bwd<double>},
-    {&glu_fwd<float>, &glu_fwd<bf16_t>, &glu_fwd<double>},
-    {&glu_bwd<float>, &glu_bwd<bf16_t>, &glu_bwd<double>},
+    {&glu<float, false>, &glu<bf16_t, false>, &glu<double, false>},
+    {&glu<float, true>, &glu<bf16_t, true>, &glu<double, true>},
 };
 
 }  // namespace MEGABERT_ISA
