@@ -17,13 +17,14 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from megabert import fused_kernels
 from megabert.ops import kernel_ops
 from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, use_fused_kernel
 from megabert.ops.reference import gated_activation_reference
 
 # The spec's activation names (transformers' ACT2FN) -> the kernel's. GELU's tanh form is
 # computed as x * sigmoid(2u), the same function; ReLU is left to PyTorch (no family gates it).
-_KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                        "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -45,12 +46,16 @@ class FusedGatedActivation(torch.autograd.Function):
 
 
 def _outside_limits(u: torch.Tensor, activation: str) -> Optional[str]:
-    if activation not in _KERNEL_ACTIVATIONS:
-        return f"the activation {activation!r} (the kernel takes {', '.join(sorted(_KERNEL_ACTIVATIONS))})"
+    if activation not in KERNEL_ACTIVATIONS:
+        return f"the activation {activation!r} (the kernel takes {', '.join(sorted(KERNEL_ACTIVATIONS))})"
     if u.dim() == 0 or u.size(-1) % 2:
         return f"an up-projection output of shape {tuple(u.shape)} (the last dim must be 2f)"
     if u.device.type != "cpu":
         return f"a {u.device.type} tensor (the fused gated activation is a CPU kernel)"
+    if fused_kernels.cpu_isa() == "default":
+        # Compute-bound (an exp and a division per element): 4-wide SSE2 loses to PyTorch's
+        # AVX2/AVX-512 chain, 0.31-0.85x (docs/performance.md).
+        return "the kernel's baseline (SSE2) build, slower than PyTorch's chain (it runs on AVX2 and AVX-512)"
     return dtype_outside(u, {"cpu": CPU_KERNEL_DTYPES})
 
 
@@ -61,4 +66,4 @@ def gated_activation(u: torch.Tensor, activation: str, gate_first: bool = False,
     runs PyTorch's chain (which --compile's Inductor fuses). Autograd-capable."""
     if backend != "fused" or not use_fused_kernel("gated_activation", u.device.type, _outside_limits(u, activation)):
         return gated_activation_reference(u, activation, gate_first)
-    return FusedGatedActivation.apply(u, _KERNEL_ACTIVATIONS[activation], gate_first)
+    return FusedGatedActivation.apply(u, KERNEL_ACTIVATIONS[activation], gate_first)

@@ -130,9 +130,17 @@ def glu_case(shape, dtype, seed=0, scale=3.0):
 
 
 def check_gated_activation(u, grad, activation, gate_first):
-    """The fused gated activation (it must run) against the float64 oracle, output and grad of u."""
+    """The fused gated activation (it must run) against the float64 oracle, output and grad of u.
+    On the baseline ISA, where the front end keeps PyTorch's chain, the kernel is called itself."""
+    import megabert.fused_kernels as fk
+    from megabert.ops.gated_activation import KERNEL_ACTIVATIONS, FusedGatedActivation
+
     leaf = u.clone().requires_grad_()
-    y = gated_activation(leaf, activation, gate_first)
+    if fk.cpu_isa() == "default":
+        assert not fused(gated_activation(leaf, activation, gate_first), "FusedGatedActivation")
+        y = FusedGatedActivation.apply(leaf, KERNEL_ACTIVATIONS[activation], gate_first)
+    else:
+        y = gated_activation(leaf, activation, gate_first)
     assert fused(y, "FusedGatedActivation")
     leaf64 = u.double().requires_grad_()
     _check_grads(y, gated_activation_reference(leaf64, activation, gate_first), [leaf], [leaf64], grad)
