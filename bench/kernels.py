@@ -1,4 +1,4 @@
-"""Forward + backward time of megabert's fused softmax, LayerNorm, RMSNorm, gated activation, dropout + add and varlen attention against PyTorch.
+"""Forward + backward time of megabert's fused kernels (softmax, norms, GLU, dropout + add, attention) against PyTorch.
 
 Prints figures and never asserts on them. For each BERT-like shape: our kernel through
 `megabert.ops` (autograd included), the unfused reference (`megabert.ops.reference`,

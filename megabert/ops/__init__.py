@@ -16,7 +16,7 @@ from megabert.ops.rms_norm import rms_norm
 from megabert.ops.softmax import scaled_masked_softmax
 from megabert.ops.varlen_attention import varlen_attention
 
-__all__ = ["scaled_masked_softmax", "layer_norm", "rms_norm", "gated_activation", "dropout_add", "core_attention", "varlen_attention",
-           "bias_gelu", "bias_dropout_add_layer_norm",
+__all__ = ["scaled_masked_softmax", "layer_norm", "rms_norm", "gated_activation", "dropout_add", "core_attention",
+           "varlen_attention", "bias_gelu", "bias_dropout_add_layer_norm",
            "resolve_attention_backend",
            "resolve_layernorm_backend", "resolve_dropout_add_backend"]

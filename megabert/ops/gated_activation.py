@@ -59,7 +59,8 @@ def _outside_limits(u: torch.Tensor, activation: str) -> Optional[str]:
     return dtype_outside(u, {"cpu": CPU_KERNEL_DTYPES})
 
 
-def gated_activation(u: torch.Tensor, activation: str, gate_first: bool = False, backend: str = "fused") -> torch.Tensor:
+def gated_activation(u: torch.Tensor, activation: str, gate_first: bool = False,
+                     backend: str = "fused") -> torch.Tensor:
     """act(input) * gate over the last dim of u = [input; gate] ([gate; input] with `gate_first`)
     -> [..., f]. `activation`: a name of `megabert.ops.reference.ACTIVATIONS`. With `backend`
     'fused' the CPU kernel runs where it applies (else PyTorch, said once); any other backend
