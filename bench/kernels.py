@@ -1,4 +1,4 @@
-"""Forward + backward time of megabert's fused softmax, LayerNorm, dropout + add and varlen attention against PyTorch.
+"""Forward + backward time of megabert's fused kernels (softmax, norms, GLU, dropout + add, attention) against PyTorch.
 
 Prints figures and never asserts on them. For each BERT-like shape: our kernel through
 `megabert.ops` (autograd included), the unfused reference (`megabert.ops.reference`,
@@ -7,7 +7,9 @@ softmax, plain `torch.softmax` on `masked_fill`; for dropout + residual add (CPU
 what `--dropout-add-backend fused` / `torch` run) `residual + F.dropout(x, p)`; for attention
 (CPU only, dropout 0.1) the varlen kernel on the real tokens against the padded reference
 (`--attention-backend torch`) and the padded fused softmax (`--attention-backend fused`) on
-[b, heads, s, s]. "x" is their time over ours: above 1,
+[b, heads, s, s]; for RMSNorm and the gated MLP's act(input) * gate (CPU only: SwiGLU,
+GeGLU) PyTorch's op chains (`megabert.ops.reference`, what `--layernorm-backend torch` /
+`--dropout-add-backend torch` run). "x" is their time over ours: above 1,
 the fused kernel is faster. On a GPU it also prints the achieved bandwidth of our
 forward and backward kernels against the device's peak DRAM bandwidth.
 
@@ -15,6 +17,7 @@ forward and backward kernels against the device's peak DRAM bandwidth.
     python bench/kernels.py --device cuda --dtype bfloat16 float16
     python bench/kernels.py --ops dropadd --dtype float32
     MEGABERT_CPU_ISA=default python bench/kernels.py --ops attention   # another ISA's kernels
+    python bench/kernels.py --ops rmsnorm swiglu geglu --threads 2
 """
 from __future__ import annotations
 
@@ -29,12 +32,19 @@ import torch.nn.functional as F
 
 import megabert.fused_kernels as fk
 from megabert import ops
-from megabert.ops.reference import layer_norm_reference, scaled_masked_softmax_reference
+from megabert.ops.reference import (gated_activation_reference, layer_norm_reference, rms_norm_reference,
+                                    scaled_masked_softmax_reference)
 
 # [b, heads, sq, sk]: BERT-base at seq 128 and BERT-large at seq 512, micro-batch 8.
 SOFTMAX_SHAPES = [(8, 12, 128, 128), (8, 16, 512, 512)]
 # [s * b, h]: the same two models' LayerNorm inputs.
 LAYER_NORM_SHAPES = [(128 * 8, 768), (512 * 8, 1024)]
+# [s * b, h] of RMSNorm: the LayerNorm shapes, then bench/families.py's (4 layers, hidden 256, seq 512,
+# ~764 real tokens a micro-batch unpadded).
+RMS_NORM_SHAPES = LAYER_NORM_SHAPES + [(764, 256)]
+# [tokens, 2f] of the gated MLP's up-projection output: bench/families.py's (ffn 1024), then
+# BERT-base's width (f 3072) at seq 128, micro-batch 8.
+GLU_SHAPES = [(764, 2048), (128 * 8, 2 * 3072)]
 # [tokens, h] of the layers' hidden dropout + residual add: bench/pretrain.py's default
 # model (seq 128, batch 16, ~60% real tokens unpadded, h 256), then the two above.
 DROPOUT_ADD_SHAPES = [(1237, 256), (128 * 8, 768), (512 * 8, 1024)]
@@ -117,6 +127,27 @@ def layer_norm_case(shape, dtype, device):
     return fns, (x, weight, bias, grad)
 
 
+def rms_norm_case(shape, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device, dtype).requires_grad_()
+    grad = torch.randn(shape, generator=gen).to(device, dtype)
+    fns = {"ours": fwd_bwd(ops.rms_norm, (x, weight), grad, 1e-6),
+           "reference": fwd_bwd(rms_norm_reference, (x, weight), grad, 1e-6)}
+    return fns, (x, weight, grad)
+
+
+def gated_case(activation: str):
+    def case(shape, dtype, device):
+        gen = torch.Generator().manual_seed(0)
+        u = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+        grad = torch.randn(shape[0], shape[1] // 2, generator=gen).to(device, dtype)
+        fns = {"ours": fwd_bwd(ops.gated_activation, (u,), grad, activation, False),
+               "reference": fwd_bwd(gated_activation_reference, (u,), grad, activation, False)}
+        return fns, (u, grad)
+    return case
+
+
 def dropout_add_case(shape, dtype, device):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
@@ -182,8 +213,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--ops", nargs="+", default=["softmax", "layernorm", "dropadd", "attention"],
-                        choices=["softmax", "layernorm", "dropadd", "attention"],
+    parser.add_argument("--ops", nargs="+", default=["softmax", "layernorm", "rmsnorm", "swiglu", "geglu", "dropadd",
+                                                     "attention"],
+                        choices=["softmax", "layernorm", "rmsnorm", "swiglu", "geglu", "dropadd", "attention"],
                         help="which ops to time (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: 15 CPU, 100 GPU)")
@@ -207,7 +239,9 @@ def main(argv=None) -> None:
     if device.type == "cpu":
         # No CUDA kernels for these: PyTorch's dropout is one fused kernel there, and our CUDA
         # LayerNorm lost to PyTorch's (0.70-0.73x) and was deleted (docs/performance.md).
-        cases += [("layernorm", LAYER_NORM_SHAPES, layer_norm_case), ("dropadd", DROPOUT_ADD_SHAPES, dropout_add_case)]
+        cases += [("layernorm", LAYER_NORM_SHAPES, layer_norm_case), ("rmsnorm", RMS_NORM_SHAPES, rms_norm_case),
+                  ("swiglu", GLU_SHAPES, gated_case("silu")), ("geglu", GLU_SHAPES, gated_case("gelu")),
+                  ("dropadd", DROPOUT_ADD_SHAPES, dropout_add_case)]
         cases.append(("attention", ATTENTION_SHAPES, attention_case))
     for op, shapes, build in (c for c in cases if c[0] in args.ops):
         for shape in shapes:

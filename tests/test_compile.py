@@ -14,7 +14,7 @@ import torch._dynamo
 import megabert.fused_kernels as fk
 from megabert.arguments import parse_args
 from megabert.errors import ConfigError
-from megabert.ops import dropout_add, kernel_ops, layer_norm, scaled_masked_softmax
+from megabert.ops import dropout_add, gated_activation, kernel_ops, layer_norm, rms_norm, scaled_masked_softmax
 from megabert.training.resolve import resolve_run
 
 from tests.helpers.dist_utils import run_distributed
@@ -35,14 +35,16 @@ def _fresh_dynamo():
 
 def _fused_ops(scores, mask, x, weight, bias):
     y = layer_norm(x, weight, bias, 1e-5)
-    return scaled_masked_softmax(scores, mask, 0.5), dropout_add(y, x, 0.3, True, backend="fused")
+    u = rms_norm(x, weight, 1e-6).repeat(1, 1, 2)  # [..., 2f]
+    return (scaled_masked_softmax(scores, mask, 0.5), dropout_add(y, x, 0.3, True, backend="fused"),
+            gated_activation(u, "silu", True))
 
 
 @needs_kernels
 def test_fused_kernels_compile_in_one_graph():
     """fullgraph=True fails on any graph break: the pybind11 kernels are opaque to dynamo,
     the custom ops are not. Forward and gradients (softmax, LayerNorm, dropout + residual
-    add) equal eager's."""
+    add, RMSNorm, gated activation) equal eager's."""
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(2, 3, 8, 8, generator=g).requires_grad_()
     mask = (torch.rand(2, 1, 1, 8, generator=g) < 0.3).expand(2, 1, 8, 8)
@@ -50,7 +52,8 @@ def test_fused_kernels_compile_in_one_graph():
     weight = (1 + 0.1 * torch.randn(16, generator=g)).requires_grad_()
     bias = torch.randn(16, generator=g).requires_grad_()
     leaves = (scores, x, weight, bias)
-    grads_out = (torch.randn(scores.shape, generator=g), torch.randn(x.shape, generator=g))
+    grads_out = (torch.randn(scores.shape, generator=g), torch.randn(x.shape, generator=g),
+                 torch.randn(x.shape, generator=g))
 
     def run(fn):
         torch.manual_seed(0)  # the dropout's Philox key is drawn from the default generator
@@ -70,6 +73,10 @@ def test_fused_kernels_compile_in_one_graph():
     ("layer_norm_backward", lambda: (torch.randn(6, 8), torch.randn(6, 8), torch.rand(8), torch.randn(6),
                                      torch.rand(6) + 0.5)),
     ("scaled_masked_softmax_backward", lambda: (torch.randn(2, 2, 3, 5), torch.rand(2, 2, 3, 5), 0.5)),
+    ("rms_norm_forward", lambda: (torch.randn(3, 2, 9), torch.rand(9), 1e-5)),
+    ("rms_norm_backward", lambda: (torch.randn(6, 9), torch.randn(6, 9), torch.rand(9), torch.rand(6) + 0.5)),
+    ("gated_activation_forward", lambda: (torch.randn(3, 2, 14), "gelu", True)),
+    ("gated_activation_backward", lambda: (torch.randn(3, 7), torch.randn(3, 14), "silu", False)),
     ("dropout_add_forward", lambda: (torch.randn(3, 8), torch.randn(3, 8), 0.3, torch.tensor([7]))),
     ("dropout_backward", lambda: (torch.randn(3, 8), torch.rand(3, 8) < 0.7, 0.3)),
     ("varlen_attention_forward", lambda: (*torch.randn(5, 3, 2, 4).unbind(1), torch.tensor([0, 2, 5]), 0.5, 0.2,

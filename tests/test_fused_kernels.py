@@ -113,12 +113,16 @@ def test_layer_norm_gradcheck_float64():
 _ISA_CHECK = """
 import torch
 from megabert.fused_kernels import _cpu
-from tests.helpers.kernel_checks import (check_cross_entropy_kernels, check_layer_norm, check_softmax,
-                                         check_varlen_attention, ln_case, philox_mask_digest, softmax_case)
+from tests.helpers.kernel_checks import (check_cross_entropy_kernels, check_gated_activation, check_layer_norm,
+                                         check_rms_norm, check_softmax, check_varlen_attention, glu_case, ln_case,
+                                         philox_mask_digest, rms_case, softmax_case)
 check_cross_entropy_kernels()
 for dtype in (torch.float32, torch.bfloat16):
     check_softmax(*softmax_case((2, 3, 4, 200), (2, 1, 4, 200), dtype))
     check_layer_norm(*ln_case((5, 2, 776), dtype))
+    check_rms_norm(*rms_case((5, 2, 779), dtype))
+    for activation in ("silu", "gelu", "gelu_new"):
+        check_gated_activation(*glu_case((3, 2, 2 * 77), dtype), activation, dtype == torch.float32)
 for p in (0.0, 0.3):
     check_varlen_attention(torch.float32, p)
 print(philox_mask_digest())
@@ -129,8 +133,8 @@ print(_cpu.isa())
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_narrower_instruction_sets_agree(isa, tmp_path):
     """MEGABERT_CPU_ISA caps the row kernels' instruction set; each path meets the oracle
-    (softmax, LayerNorm, varlen attention with and without dropout, the MLM loss's
-    log-sum-exp and softmax gradient) and draws the same
+    (softmax, LayerNorm, RMSNorm, the gated activations, varlen attention with and without
+    dropout, the MLM loss's log-sum-exp and softmax gradient) and draws the same
     dropout masks as the widest path this CPU runs."""
     import os
     import subprocess

@@ -8,6 +8,7 @@ from megabert.model.pretrained import gather_full
 from megabert.parallel.param_spec import spec_table
 
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.kernel_checks import graph_functions
 from tests.helpers.train_utils import batches
 
 
@@ -157,18 +158,6 @@ def test_unpadding_and_sequence_parallel_do_not_combine():
         check_model(_cfg(unpad_input=True, sequence_parallel=True))
 
 
-def _graph_names(t: torch.Tensor) -> set:
-    names, todo, seen = set(), [t.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
-
-
 def _dropout_add_layers(rank, world, backend, sequence_parallel):
     ps = megabert.init_parallel(tensor_parallel_size=world)
     cfg = _cfg(layernorm_position="pre", sequence_parallel=sequence_parallel, dropout_add_backend=backend)
@@ -183,7 +172,7 @@ def _dropout_add_layers(rank, world, backend, sequence_parallel):
     torch.manual_seed(11)
     tp_stream = model.ctx.rng.get_states()
     y = layer(x, None)
-    fused = any(n.startswith("FusedDropoutAdd") for n in _graph_names(y))
+    fused = any(n.startswith("FusedDropoutAdd") for n in graph_functions(y))
     assert fused == (model.ctx.dropout_add_backend == "fused")
     # The same generator states replay the same masks; the next call draws new ones.
     torch.manual_seed(11)

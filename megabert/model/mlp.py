@@ -6,6 +6,10 @@ Tensor parallelism: the up-projection is column-parallel, the down-projection ro
 one all-reduce in total. A gated up-projection [input; gate] (2f x h) is split with stride 2,
 so rank r holds [input_r; gate_r], matching columns of both halves, and the product is
 rank-local.
+
+The activation after the up-projection is a GEMM epilogue, so --dropout-add-backend (the
+layers' epilogue backend) picks how it runs: bias + GELU fused by torch.compile ('compiled'),
+the gated act(input) * gate as one CPU kernel each way ('fused', the CPU's auto).
 """
 from __future__ import annotations
 
@@ -17,17 +21,9 @@ import torch.nn.functional as F
 
 from megabert import ops
 from megabert.model.context import BuildContext
+from megabert.ops.reference import ACTIVATIONS
 from megabert.parallel.param_spec import set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-ACTIVATIONS = {
-    "gelu": F.gelu,  # exact (erf), transformers' "gelu"
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
 
 
 class MLP(nn.Module):
@@ -48,6 +44,7 @@ class MLP(nn.Module):
                             if k == "weight" or mlp.in_bias})
         set_hf_names(self, {f"{self.out_name}.{k}": v for k, v in spec.hf_layer("mlp_out", hf_prefix).items()
                             if k == "weight" or mlp.out_bias})
+        self.activation = mlp.activation
         self.act = ACTIVATIONS[mlp.activation]
         # Exact GELU on a plain MLP: the bias-GELU epilogue (fused when 'compiled').
         self.bias_gelu = not self.gated and mlp.activation == "gelu"
@@ -65,10 +62,9 @@ class MLP(nn.Module):
             else:
                 h = ops.bias_gelu(up(x), None)
         elif self.gated:
-            inp, gate = up(x).chunk(2, dim=-1)  # this rank's matching columns of both halves
-            if self.gate_first:
-                inp, gate = gate, inp
-            h = self.act(inp) * gate
+            # u holds this rank's matching columns of both halves; one fused kernel each way on
+            # the CPU with the 'fused' epilogue backend, else PyTorch's chunk, act and product.
+            h = ops.gated_activation(up(x), self.activation, self.gate_first, backend=self.epilogue_backend)
         else:
             h = self.act(up(x))
         if self.dropout_p > 0.0 and self.training:

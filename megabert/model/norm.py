@@ -1,4 +1,5 @@
-"""The norms: LayerNorm over `megabert.ops.layer_norm` (fused kernel or PyTorch), and RMSNorm."""
+"""The norms: LayerNorm over `megabert.ops.layer_norm` and RMSNorm over `megabert.ops.rms_norm`
+(each the fused kernel or PyTorch, as the resolved --layernorm-backend says)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from megabert import ops
+from megabert.ops.reference import rms_norm_reference
 from megabert.parallel.param_spec import describe
 from megabert.tensor_parallel.gemm_copies import GemmCopies, gemm_weight
 
@@ -104,15 +106,16 @@ class RMSNorm(nn.Module):
                                init="ones", weight_decay=False, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> torch.Tensor:
-        """With `residual`: rms_norm(residual + dropout(x, dropout_p)) (a post-LN epilogue)."""
+        """With `residual`: rms_norm(residual + dropout(x, dropout_p)) (a post-LN epilogue; the
+        add stays in PyTorch, the norm is the kernel's with backend 'fused')."""
         if residual is not None:
             x = residual + torch.nn.functional.dropout(x, dropout_p, dropout_p > 0.0)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # NOTE: MasterWeights keeps no copy of an RMSNorm's weight: with --bf16-residual it is
         # cast here at each use (a vector of the hidden size).
-        return (self.weight.to(x.dtype) * xf.to(x.dtype) if self.bf16_residual and
-                x.dtype == torch.bfloat16 else self.weight * xf.to(x.dtype))
+        weight = self.weight.to(x.dtype) if self.bf16_residual and x.dtype == torch.bfloat16 else self.weight
+        if self.backend == "fused":
+            return ops.rms_norm(x, weight, self.eps)
+        return rms_norm_reference(x, weight, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.numel()}, eps={self.eps}, rms"
+        return f"{self.weight.numel()}, eps={self.eps}, rms, backend={self.backend}"

@@ -102,6 +102,53 @@ _layer_norm_backward_op, layer_norm_backward = _kernel_op(
     "layer_norm_backward", _layer_norm_backward, _layer_norm_backward_fake)
 
 
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim -> (y, rstd [rows]); rstd in fp32 (fp64 for fp64 input)."""
+    return tuple(_kernels(x).rms_norm_forward(x.contiguous(), weight.contiguous(), eps))
+
+
+def _rms_norm_forward_fake(x, weight, eps):
+    rows = x.numel() // x.size(-1) if x.size(-1) else 0
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((rows,), dtype=_stat_dtype(x))
+
+
+def _rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                       rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (grad_x, grad_weight)."""
+    return tuple(_kernels(x).rms_norm_backward(grad_y.contiguous(), x, weight, rstd))
+
+
+def _rms_norm_backward_fake(grad_y, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+_rms_norm_forward_op, rms_norm_forward = _kernel_op("rms_norm_forward", _rms_norm_forward, _rms_norm_forward_fake)
+_rms_norm_backward_op, rms_norm_backward = _kernel_op("rms_norm_backward", _rms_norm_backward,
+                                                      _rms_norm_backward_fake)
+
+
+def _gated_activation_forward(u: torch.Tensor, activation: str, gate_first: bool) -> torch.Tensor:
+    """act(input) * gate from u [..., 2f] = [input; gate] ([gate; input] with gate_first) -> [..., f];
+    activation: silu, gelu (erf) or gelu_tanh."""
+    return _kernels(u).gated_activation_forward(u.contiguous(), activation, gate_first)
+
+
+def _gated_activation_forward_fake(u, activation, gate_first):
+    return u.new_empty((*u.shape[:-1], u.size(-1) // 2))
+
+
+def _gated_activation_backward(grad_y: torch.Tensor, u: torch.Tensor, activation: str,
+                               gate_first: bool) -> torch.Tensor:
+    """-> grad_u [..., 2f], both halves."""
+    return _kernels(u).gated_activation_backward(grad_y.contiguous(), u, activation, gate_first)
+
+
+_gated_activation_forward_op, gated_activation_forward = _kernel_op(
+    "gated_activation_forward", _gated_activation_forward, _gated_activation_forward_fake)
+_gated_activation_backward_op, gated_activation_backward = _kernel_op(
+    "gated_activation_backward", _gated_activation_backward, _contiguous_like(1))
+
+
 def _dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, p: float,
                          seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """residual + keep * x / (1 - p), keep from Philox keyed by `seed` (one int64) -> (out, keep: bool)."""

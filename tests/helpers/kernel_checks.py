@@ -5,8 +5,9 @@ import math
 
 import torch
 
-from megabert.ops import layer_norm, scaled_masked_softmax
-from megabert.ops.reference import layer_norm_reference, scaled_masked_softmax_reference
+from megabert.ops import gated_activation, layer_norm, rms_norm, scaled_masked_softmax
+from megabert.ops.reference import (gated_activation_reference, layer_norm_reference, rms_norm_reference,
+                                    scaled_masked_softmax_reference)
 
 # fp32 kernels against the fp64 oracle: a few ulp of fp32 (the polynomial exp is ~2 ulp).
 # bf16: the output is rounded to 8 bits of mantissa.
@@ -16,6 +17,19 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2
 
 def fused(t: torch.Tensor, name: str) -> bool:
     return type(t.grad_fn).__name__.startswith(name)
+
+
+def graph_functions(t: torch.Tensor) -> set:
+    """The names of the autograd nodes that produced t (which ops, fused or not, ran)."""
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
 
 
 def softmax_case(shape, mask_shape, dtype, device="cpu", scale=0.37, fully_masked_rows=True, seed=0):
@@ -72,6 +86,64 @@ def check_layer_norm(x, weight, bias, grad, eps=1e-5):
     torch.testing.assert_close(y.double(), ref, **TOL[x.dtype])
     for ours, theirs in zip(leaves, leaves64):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, **tol)
+
+
+def _check_grads(out, want, leaves, leaves64, grad, sum_rows=0):
+    """out (fused) against want (the float64 oracle): values, and the grads of `leaves` against
+    those of `leaves64` after one backward of `grad` each. `sum_rows`: the rows a weight's grad
+    (leaves after the first) sums over: rounding grows with their square root (in bf16 that of
+    the bf16 terms the kernel sums as the chain does, which the fp64 oracle does not round)."""
+    dtype = leaves[0].dtype
+    out.backward(grad)
+    want.backward(grad.double())
+    assert out.dtype == dtype and out.shape == want.shape
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+    for i, (ours, theirs) in enumerate(zip(leaves, leaves64)):
+        tol = dict(TOL[dtype])
+        if i > 0 and dtype != torch.float64:
+            tol["atol"] *= math.sqrt(max(sum_rows, 1)) * (4 if dtype == torch.float32 else 1)
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, **tol)
+
+
+def rms_case(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 2).to(dtype)
+    weight = (1 + 0.5 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    return x, weight, torch.randn(shape, generator=gen).to(dtype)
+
+
+def check_rms_norm(x, weight, grad, eps=1e-5):
+    """The fused RMSNorm (it must run) against the float64 oracle, output and both grads."""
+    leaves = [t.clone().requires_grad_() for t in (x, weight)]
+    y = rms_norm(*leaves, eps)
+    assert fused(y, "FusedRMSNorm")
+    leaves64 = [t.double().requires_grad_() for t in (x, weight)]
+    rows = x.numel() // max(x.size(-1), 1)
+    _check_grads(y, rms_norm_reference(*leaves64, eps), leaves, leaves64, grad, sum_rows=rows)
+
+
+def glu_case(shape, dtype, seed=0, scale=3.0):
+    """u [..., 2f] spread over the activations' curved range, and a grad [..., f]."""
+    gen = torch.Generator().manual_seed(seed)
+    u = (torch.randn(shape, generator=gen) * scale).to(dtype)
+    return u, torch.randn(*shape[:-1], shape[-1] // 2, generator=gen).to(dtype)
+
+
+def check_gated_activation(u, grad, activation, gate_first):
+    """The fused gated activation (it must run) against the float64 oracle, output and grad of u.
+    On the baseline ISA, where the front end keeps PyTorch's chain, the kernel is called itself."""
+    import megabert.fused_kernels as fk
+    from megabert.ops.gated_activation import KERNEL_ACTIVATIONS, FusedGatedActivation
+
+    leaf = u.clone().requires_grad_()
+    if fk.cpu_isa() == "default":
+        assert not fused(gated_activation(leaf, activation, gate_first), "FusedGatedActivation")
+        y = FusedGatedActivation.apply(leaf, KERNEL_ACTIVATIONS[activation], gate_first)
+    else:
+        y = gated_activation(leaf, activation, gate_first)
+    assert fused(y, "FusedGatedActivation")
+    leaf64 = u.double().requires_grad_()
+    _check_grads(y, gated_activation_reference(leaf64, activation, gate_first), [leaf], [leaf64], grad)
 
 
 # ---- attention over real tokens (varlen) and the Philox masks --------------------------

@@ -67,6 +67,20 @@ at::Tensor cross_entropy_lse(const std::vector<at::Tensor>& chunks);
 // out = exp(logits - lse) * g for one chunk (lse, g [rows] as cross_entropy_lse returns;
 // out [rows, c] with contiguous rows, e.g. a column slice of a wider scratch).
 void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& g, at::Tensor& out);
+// RMSNorm over the last dim of x [..., h] (contiguous), weight [h] of x's dtype, as
+// transformers' Llama-family RMSNorm: fp32 math (fp64 for fp64), the normalised value rounded
+// to x's dtype before the weight multiplies it -> {y, rstd [rows] in the math type}.
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
+// -> {grad_x, grad_weight}
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& rstd);
+// The gated MLP's act(input) * gate from the up-projection's output u [..., 2f] (contiguous),
+// whose halves are [input; gate] ([gate; input] with gate_first) -> y [..., f]; activation:
+// silu, gelu (exact, erf) or gelu_tanh.
+at::Tensor gated_activation_forward(const at::Tensor& u, const std::string& activation, bool gate_first);
+// -> grad_u [..., 2f], both halves written in one pass.
+at::Tensor gated_activation_backward(const at::Tensor& grad_y, const at::Tensor& u, const std::string& activation,
+                                     bool gate_first);
 }  // namespace cpu
 
 namespace cuda {

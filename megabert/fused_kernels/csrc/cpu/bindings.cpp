@@ -3,7 +3,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
-      "megabert fused softmax, LayerNorm, dropout + residual add, varlen attention and MLM cross entropy kernels for CPU (OpenMP across rows, "
+      "megabert fused softmax, LayerNorm, RMSNorm, gated activation, dropout + residual add, varlen attention and MLM cross "
+      "entropy kernels for CPU (OpenMP across rows, "
       "vectorised rows)";
   megabert::def_kernel_ops(m, megabert::cpu::kernel_ops());
   m.def("dropout_add_forward", &megabert::cpu::dropout_add_forward,
@@ -29,5 +30,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_grad", &megabert::cpu::cross_entropy_grad,
         "out = exp(logits - lse) * g for one chunk of logits (softmax times each row's loss grad)",
         pybind11::arg("logits"), pybind11::arg("lse"), pybind11::arg("g"), pybind11::arg("out"));
+  m.def("rms_norm_forward", &megabert::cpu::rms_norm_forward,
+        "RMSNorm over the last dim (Llama's: fp32 math, cast before the weight) -> (y, rstd)", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("rms_norm_backward", &megabert::cpu::rms_norm_backward, "-> (grad_x, grad_weight)", pybind11::arg("grad_y"),
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"));
+  m.def("gated_activation_forward", &megabert::cpu::gated_activation_forward,
+        "act(input) * gate from u = [input; gate] ([gate; input] with gate_first) over the last dim",
+        pybind11::arg("u"), pybind11::arg("activation"), pybind11::arg("gate_first"));
+  m.def("gated_activation_backward", &megabert::cpu::gated_activation_backward, "-> grad_u, both halves in one pass",
+        pybind11::arg("grad_y"), pybind11::arg("u"), pybind11::arg("activation"), pybind11::arg("gate_first"));
   m.def("isa", &megabert::cpu::isa, "Instruction set the kernels run with: avx512, avx2 or default.");
 }

@@ -1,5 +1,5 @@
 // The interface between the torch-facing CPU ops (ops.cpp) and the row kernels
-// (row_kernels.h), which are compiled once per instruction set (isa_*.cpp).
+// (row_kernels.h and the headers it includes), which are compiled once per instruction set (isa_*.cpp).
 //
 // NOTE: nothing here includes a torch header. The row kernels are compiled under
 // `#pragma GCC target("avx512f,...")`; had they included torch's inline functions,
@@ -44,6 +44,10 @@ struct SoftmaxBwdArgs {
 
 // y = (x - mean) * rstd * w + b over rows of length h; mean and rstd ([rows], the
 // math type) are saved for the backward.
+// RMSNorm takes the same arguments (b and mean unused), as transformers' Llama-family RMSNorm
+// computes it: rstd = 1 / sqrt(mean(x^2) + eps) in the math type, y = w * round(x * rstd),
+// where round() is the element type's rounding (for bf16, the normalised value is cast to
+// bf16 before the weight multiplies it, as PyTorch's chain does).
 struct LayerNormFwdArgs {
   const void* x;
   const void* w;
@@ -57,6 +61,7 @@ struct LayerNormFwdArgs {
 
 // grad_x for rows [begin, end) and this chunk's partial sums of grad_w and grad_b
 // (length h each, the math type), reduced over chunks by layer_norm_bwd_reduce.
+// RMSNorm's backward takes the same (mean and grad_b unused).
 struct LayerNormBwdArgs {
   const void* grad_y;
   const void* x;
@@ -146,6 +151,21 @@ struct CeGradArgs {
   int64_t c, ld_p;
 };
 
+// The gated MLP's activation (megabert/model/mlp.py): u [rows, 2f] contiguous holds the
+// halves [input; gate] ([gate; input] with gate_first). Forward: out = y [rows, f] =
+// act(input) * gate (grad_y unused). Backward: out = grad_u [rows, 2f] (the halves as in u)
+// from grad_y [rows, f] and u, in one pass.
+enum GluAct : int { kSilu = 0, kGeluErf = 1, kGeluTanh = 2 };
+
+struct GluArgs {
+  const void* u;
+  const void* grad_y;
+  void* out;
+  int64_t f;
+  int gate_first;
+  int act;  // GluAct
+};
+
 using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
 using SoftmaxBwdFn = void (*)(const SoftmaxBwdArgs&, int64_t row_begin, int64_t row_end);
 using LayerNormFwdFn = void (*)(const LayerNormFwdArgs&, int64_t row_begin, int64_t row_end);
@@ -155,6 +175,7 @@ using LayerNormBwdFn = void (*)(const LayerNormBwdArgs&, int64_t row_begin, int6
 using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_t h, void* out);
 using CeLseFn = void (*)(const CeLseArgs&, int64_t row_begin, int64_t row_end);
 using CeGradFn = void (*)(const CeGradArgs&, int64_t row_begin, int64_t row_end);
+using GluFn = void (*)(const GluArgs&, int64_t row_begin, int64_t row_end);
 using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
 using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
@@ -182,6 +203,10 @@ struct KernelTable {
   AttnMaskFn attn_mask[kNumDtypes];
   CeLseFn ce_lse[kNumDtypes];
   CeGradFn ce_grad[kNumDtypes];
+  LayerNormFwdFn rms_norm_fwd[kNumDtypes];
+  LayerNormBwdFn rms_norm_bwd[kNumDtypes];
+  GluFn glu_fwd[kNumDtypes];
+  GluFn glu_bwd[kNumDtypes];
 };
 
 // One table per instruction set; nullptr where this compiler or architecture did not build it.

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../kernel_ops.h"
 #include "kernel_table.h"
@@ -138,21 +140,53 @@ at::Tensor scaled_masked_softmax_backward(const at::Tensor& grad_y, const at::Te
   return grad_x;
 }
 
+// The math type of the kernels: fp32 for fp32/bf16 input, fp64 for fp64 (row statistics, partial sums).
+at::ScalarType math_type(Dtype dt) { return dt == kDouble ? at::kDouble : at::kFloat; }
+
+// x [..., h] (contiguous) with weight [h] (and bias [h] when given), one dtype -> (rows, h).
+std::pair<int64_t, int64_t> check_norm_input(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
+                                             const char* what) {
+  check_input(x, "input", x.scalar_type());
+  check_input(weight, "weight", x.scalar_type());
+  if (bias != nullptr) check_input(*bias, "bias", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, what, " input must have a last dim");
+  const int64_t h = x.size(-1), rows = h == 0 ? 0 : x.numel() / h;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && (bias == nullptr || bias->sizes() == weight.sizes()),
+              what, ": weight (and bias) must be [", h, "], got ", weight.sizes());
+  return {rows, h};
+}
+
+// Runs fn(begin, end, partial, stride) over chunks of the rows, where `partial` points at this
+// chunk's row of h partial sums of the first weight-shaped gradient (math type, zeroed) and
+// `stride` bytes further on lie the next gradient's, `count` in all; returns their sums over
+// the chunks, shaped and typed as `weight`. One row of partial sums per chunk, summed after:
+// no atomics, and the result does not depend on thread timing (the chunking depends only on
+// the shape and the thread count).
+template <typename F>
+std::vector<at::Tensor> weight_grad_sums(int64_t rows, const at::Tensor& weight, int64_t count, Dtype dt,
+                                         const F& fn) {
+  const int64_t h = weight.numel();
+  const int64_t chunks = num_chunks(rows, row_grain(h)), parts = chunks > 0 ? chunks : 1;
+  at::Tensor partial = at::zeros({count, parts, h}, weight.options().dtype(math_type(dt)));  // [grad, chunk, h]
+  char* base = static_cast<char*>(partial.data_ptr());
+  const int64_t part_bytes = h * partial.element_size(), stride = parts * part_bytes;
+  run_chunks(rows, chunks,
+             [&](int64_t c, int64_t begin, int64_t end) { fn(begin, end, base + c * part_bytes, stride); });
+  std::vector<at::Tensor> sums;
+  for (int64_t k = 0; k < count; ++k) {
+    sums.push_back(at::empty_like(weight));
+    table().layer_norm_bwd_reduce[dt](base + k * stride, parts, h, sums.back().data_ptr());
+  }
+  return sums;
+}
+
 std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                            double eps) {
   const Dtype dt = kernel_dtype(x, "layer_norm");
-  check_input(x, "input", x.scalar_type());
-  check_input(weight, "weight", x.scalar_type());
-  check_input(bias, "bias", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, "layer_norm input must have a last dim");
-  const int64_t h = x.size(-1), rows = h == 0 ? 0 : x.numel() / h;
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && bias.dim() == 1 && bias.size(0) == h,
-              "weight and bias must be [", h, "], got ", weight.sizes(), " and ", bias.sizes());
-  // Statistics in the math type: fp32 for fp32/bf16 input, fp64 for fp64.
-  const auto stat_type = dt == kDouble ? at::kDouble : at::kFloat;
+  const auto [rows, h] = check_norm_input(x, weight, &bias, "layer_norm");
   at::Tensor y = at::empty_like(x);
-  at::Tensor mean = at::empty({rows}, x.options().dtype(stat_type));
-  at::Tensor rstd = at::empty({rows}, x.options().dtype(stat_type));
+  at::Tensor mean = at::empty({rows}, x.options().dtype(math_type(dt)));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(math_type(dt)));
   const LayerNormFwdArgs args{x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(),
                               mean.data_ptr(), rstd.data_ptr(), h, eps};
   const LayerNormFwdFn fn = table().layer_norm_fwd[dt];
@@ -160,38 +194,29 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const at::Tensor
   return {y, mean, rstd};
 }
 
+// The saved row statistics of a norm's backward: `what` [rows] in the math type.
+void check_row_stat(const at::Tensor& stat, const char* what, int64_t rows, Dtype dt) {
+  check_input(stat, what, math_type(dt));
+  TORCH_CHECK(stat.numel() == rows, what, " must have ", rows, " elements (one per row), got ", stat.numel());
+}
+
 std::vector<at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
                                             const at::Tensor& mean, const at::Tensor& rstd) {
   const Dtype dt = kernel_dtype(x, "layer_norm backward");
-  const auto stat_type = dt == kDouble ? at::kDouble : at::kFloat;
-  check_input(x, "input", x.scalar_type());
+  const auto [rows, h] = check_norm_input(x, weight, nullptr, "layer_norm backward");
   check_input(grad_y, "output grad", x.scalar_type());
-  check_input(weight, "weight", x.scalar_type());
-  check_input(mean, "mean", stat_type);
-  check_input(rstd, "rstd", stat_type);
   TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad shape ", grad_y.sizes(), " != input shape ", x.sizes());
-  const int64_t h = x.size(-1), rows = h == 0 ? 0 : x.numel() / h;
-  TORCH_CHECK(weight.numel() == h && mean.numel() == rows && rstd.numel() == rows,
-              "layer_norm backward: weight, mean or rstd do not match the input ", x.sizes());
+  check_row_stat(mean, "mean", rows, dt);
+  check_row_stat(rstd, "rstd", rows, dt);
   at::Tensor grad_x = at::empty_like(x);
-  // One row of partial grad_w / grad_b sums per chunk, summed after: no atomics, and
-  // the result does not depend on thread timing (the chunking depends only on the
-  // shape and the thread count).
-  const int64_t chunks = num_chunks(rows, row_grain(h)), parts = chunks > 0 ? chunks : 1;
-  at::Tensor partial = at::zeros({2, parts, h}, x.options().dtype(stat_type));  // [grad_w | grad_b, chunk, h]
-  char* partial_w = static_cast<char*>(partial.data_ptr());
-  const int64_t part_bytes = h * partial.element_size();
-  char* partial_b = partial_w + parts * part_bytes;
   const LayerNormBwdArgs args{grad_y.data_ptr(), x.data_ptr(),    weight.data_ptr(), mean.data_ptr(),
                               rstd.data_ptr(),   grad_x.data_ptr(), h};
-  const KernelTable& t = table();
-  run_chunks(rows, chunks, [&](int64_t c, int64_t begin, int64_t end) {
-    t.layer_norm_bwd[dt](args, begin, end, partial_w + c * part_bytes, partial_b + c * part_bytes);
-  });
-  at::Tensor grad_w = at::empty_like(weight), grad_b = at::empty_like(weight);
-  t.layer_norm_bwd_reduce[dt](partial_w, parts, h, grad_w.data_ptr());
-  t.layer_norm_bwd_reduce[dt](partial_b, parts, h, grad_b.data_ptr());
-  return {grad_x, grad_w, grad_b};
+  const LayerNormBwdFn fn = table().layer_norm_bwd[dt];
+  std::vector<at::Tensor> grads = weight_grad_sums(
+      rows, weight, 2, dt, [&](int64_t begin, int64_t end, char* partial, int64_t stride) {
+        fn(args, begin, end, partial, partial + stride);  // [grad_w | grad_b]
+      });
+  return {grad_x, grads[0], grads[1]};
 }
 
 // Elementwise ops: ~16K elements per chunk (row_grain), chunk edges on whole Philox
@@ -277,7 +302,7 @@ at::Tensor cross_entropy_lse(const std::vector<at::Tensor>& chunks) {
     ptrs.push_back(c.data_ptr());
     widths.push_back(c.size(1));
   }
-  at::Tensor lse = at::empty({rows}, first.options().dtype(dt == kDouble ? at::kDouble : at::kFloat));
+  at::Tensor lse = at::empty({rows}, first.options().dtype(math_type(dt)));
   const CeLseArgs args{ptrs.data(), widths.data(), static_cast<int64_t>(chunks.size()), lse.data_ptr()};
   int64_t width = 0;
   for (int64_t w : widths) width += w;
@@ -290,7 +315,7 @@ void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& lse, const a
   const Dtype dt = kernel_dtype(logits, "cross_entropy_grad");
   check_input(logits, "logit chunk", logits.scalar_type());
   TORCH_CHECK(logits.dim() == 2, "logit chunk must be [rows, columns], got ", logits.sizes());
-  const at::ScalarType math = dt == kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType math = math_type(dt);
   check_input(lse, "lse", math);
   check_input(g, "row grads", math);
   const int64_t rows = logits.size(0), c = logits.size(1);
@@ -302,6 +327,83 @@ void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& lse, const a
   const CeGradArgs args{logits.data_ptr(), lse.data_ptr(), g.data_ptr(), out.data_ptr(), c, out.stride(0)};
   const CeGradFn fn = table().ce_grad[dt];
   parallel_rows(rows, c, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+}
+
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const Dtype dt = kernel_dtype(x, "rms_norm");
+  const auto [rows, h] = check_norm_input(x, weight, nullptr, "rms_norm");
+  at::Tensor y = at::empty_like(x);
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(math_type(dt)));
+  const LayerNormFwdArgs args{x.data_ptr(), weight.data_ptr(), nullptr, y.data_ptr(), nullptr, rstd.data_ptr(), h, eps};
+  const LayerNormFwdFn fn = table().rms_norm_fwd[dt];
+  parallel_rows(rows, h, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return {y, rstd};
+}
+
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& rstd) {
+  const Dtype dt = kernel_dtype(x, "rms_norm backward");
+  const auto [rows, h] = check_norm_input(x, weight, nullptr, "rms_norm backward");
+  check_input(grad_y, "output grad", x.scalar_type());
+  TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad shape ", grad_y.sizes(), " != input shape ", x.sizes());
+  check_row_stat(rstd, "rstd", rows, dt);
+  at::Tensor grad_x = at::empty_like(x);
+  const LayerNormBwdArgs args{grad_y.data_ptr(), x.data_ptr(), weight.data_ptr(), nullptr, rstd.data_ptr(),
+                              grad_x.data_ptr(), h};
+  const LayerNormBwdFn fn = table().rms_norm_bwd[dt];
+  std::vector<at::Tensor> grads =
+      weight_grad_sums(rows, weight, 1, dt, [&](int64_t begin, int64_t end, char* partial, int64_t) {
+        fn(args, begin, end, partial, nullptr);  // no bias
+      });
+  return {grad_x, grads[0]};
+}
+
+namespace {
+
+GluAct glu_act(const std::string& activation) {
+  if (activation == "silu") return kSilu;
+  if (activation == "gelu") return kGeluErf;
+  TORCH_CHECK(activation == "gelu_tanh", "gated_activation: activation must be silu, gelu or gelu_tanh, got '",
+              activation, "'");
+  return kGeluTanh;
+}
+
+// u [..., 2f] contiguous -> f.
+int64_t glu_width(const at::Tensor& u, const char* what) {
+  check_input(u, what, u.scalar_type());
+  TORCH_CHECK(u.dim() >= 1 && u.size(-1) % 2 == 0, what, " must be [..., 2f] ([input; gate]), got ", u.sizes());
+  return u.size(-1) / 2;
+}
+
+}  // namespace
+
+at::Tensor gated_activation_forward(const at::Tensor& u, const std::string& activation, bool gate_first) {
+  const Dtype dt = kernel_dtype(u, "gated_activation");
+  const int64_t f = glu_width(u, "up-projection output");
+  std::vector<int64_t> shape = u.sizes().vec();
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, u.options());
+  const int64_t rows = f == 0 ? 0 : y.numel() / f;
+  const GluArgs args{u.data_ptr(), nullptr, y.data_ptr(), f, gate_first ? 1 : 0, glu_act(activation)};
+  const GluFn fn = table().glu_fwd[dt];
+  parallel_rows(rows, 2 * f, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return y;
+}
+
+at::Tensor gated_activation_backward(const at::Tensor& grad_y, const at::Tensor& u, const std::string& activation,
+                                     bool gate_first) {
+  const Dtype dt = kernel_dtype(u, "gated_activation backward");
+  const int64_t f = glu_width(u, "up-projection output");
+  check_input(grad_y, "output grad", u.scalar_type());
+  TORCH_CHECK(grad_y.dim() == u.dim() && grad_y.size(-1) == f && grad_y.numel() * 2 == u.numel(),
+              "gated_activation backward: grad ", grad_y.sizes(), " does not match the input ", u.sizes());
+  at::Tensor grad_u = at::empty_like(u);
+  const int64_t rows = f == 0 ? 0 : grad_y.numel() / f;
+  const GluArgs args{u.data_ptr(), grad_y.data_ptr(), grad_u.data_ptr(), f, gate_first ? 1 : 0,
+                     glu_act(activation)};
+  const GluFn fn = table().glu_bwd[dt];
+  parallel_rows(rows, 2 * f, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+  return grad_u;
 }
 
 std::string isa() { return table().isa; }

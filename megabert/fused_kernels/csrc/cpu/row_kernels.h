@@ -1,6 +1,7 @@
 // Row kernels for softmax and LayerNorm (and, from dropout_kernels.h, dropout + residual
 // add; from attention_kernels.h, attention over real tokens; from cross_entropy_kernels.h,
-// the MLM loss's log-sum-exp and softmax gradient), compiled once per instruction set.
+// the MLM loss's log-sum-exp and softmax gradient; from norm_glu_kernels.h, RMSNorm and the
+// gated MLP's act(input) * gate), compiled once per instruction set.
 //
 // Included by isa_*.cpp after `#define MEGABERT_ISA <name>` (and, on x86, after a
 // `#pragma GCC target`), so every function here lands in its own namespace
@@ -22,21 +23,13 @@ namespace MEGABERT_ISA {
 
 // ---- element access: storage type -> math type ------------------------------------
 
+// float and double compute in their own type.
 template <typename T>
-struct Elem;
-
-template <>
-struct Elem<float> {
-  using acc_t = float;
-  static inline float load(const float* p, int64_t j) { return p[j]; }
-  static inline void store(float* p, int64_t j, float v) { p[j] = v; }
-};
-
-template <>
-struct Elem<double> {
-  using acc_t = double;
-  static inline double load(const double* p, int64_t j) { return p[j]; }
-  static inline void store(double* p, int64_t j, double v) { p[j] = v; }
+struct Elem {
+  using acc_t = T;
+  static inline T load(const T* p, int64_t j) { return p[j]; }
+  static inline void store(T* p, int64_t j, T v) { p[j] = v; }
+  static inline T round(T v) { return v; }  // the value as T holds it
 };
 
 template <>
@@ -46,11 +39,14 @@ struct Elem<bf16_t> {
     return __builtin_bit_cast(float, static_cast<uint32_t>(p[j].bits) << 16);
   }
   // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN.
-  static inline void store(bf16_t* p, int64_t j, float v) {
+  static inline uint16_t bits(float v) {
     const uint32_t u = __builtin_bit_cast(uint32_t, v);
     const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    p[j].bits = (v != v) ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
+    return (v != v) ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
   }
+  static inline void store(bf16_t* p, int64_t j, float v) { p[j].bits = bits(v); }
+  // v as a bf16 would hold it (x.to(bfloat16).float()), for math that rounds mid-way as PyTorch's chain does.
+  static inline float round(float v) { return __builtin_bit_cast(float, static_cast<uint32_t>(bits(v)) << 16); }
 };
 
 // ---- math helpers --------------------------------------------------------------------
@@ -59,14 +55,17 @@ struct Elem<bf16_t> {
 // reduction by ln 2 in two parts, degree-6 polynomial, about 2 ulp). Inputs below
 // -87 give 0 (true expf would give a denormal, invisible next to a softmax sum >= 1),
 // which makes exp(-inf) = 0 for masked positions. NaN propagates.
-inline float exp_approx(float x) {
-  const float lo = -87.0f, hi = 88.0f;
-  float c = x < lo ? lo : x;
-  c = c > hi ? hi : c;
-  // n = round(c / ln 2) with the 1.5 * 2^23 trick: vectorises without SSE4.1's round.
+constexpr float kExpLo = -87.0f, kExpHi = 88.0f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;  // ln 2 = hi - lo; n * hi is exact for |n| < 2^15
+
+// n = round(c / ln 2) with the 1.5 * 2^23 trick: vectorises without SSE4.1's round.
+inline float exp_exponent(float c) {
   const float magic = 12582912.0f;
-  const float n = (c * 1.44269504088896341f + magic) - magic;
-  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+  return (c * 1.44269504088896341f + magic) - magic;
+}
+
+// 2^n * exp(r) for |r| <= ln 2 / 2 (a bit beyond is fine), n integral in [-126, 127].
+inline float exp_reduced(float r, float n) {
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -75,7 +74,27 @@ inline float exp_approx(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const float two_n = __builtin_bit_cast(float, static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-  return x < lo ? 0.0f : p * two_n;
+  return p * two_n;
+}
+
+inline float exp_approx(float x) {
+  float c = x < kExpLo ? kExpLo : x;
+  c = c > kExpHi ? kExpHi : c;
+  const float n = exp_exponent(c);
+  const float r = (c - n * kLn2Hi) + n * kLn2Lo;
+  return x < kExpLo ? 0.0f : exp_reduced(r, n);
+}
+
+// exp(hi + lo) for hi + lo <= 88 given in two parts that together hold more bits than a float
+// (norm_glu_kernels.h's exp(-x^2 / 2)): n ln 2 is taken off hi alone, which is exact for
+// |hi| >= 1 (hi's last bit is then no finer than 2^-23 and hi - n ln 2 is below 2; for smaller
+// hi its rounding is below 2^-24), and lo is added after, so the argument's low bits survive
+// the reduction. Below -87: 0, as exp_approx (also for hi = -inf, whatever lo is).
+inline float exp_approx(float hi, float lo) {
+  const float x = hi + lo;
+  const float n = exp_exponent(x < kExpLo ? kExpLo : x);
+  const float r = ((hi - n * kLn2Hi) + n * kLn2Lo) + lo;
+  return (x < kExpLo || hi < kExpLo) ? 0.0f : exp_reduced(r, n);
 }
 
 // fp64 is for gradcheck and users who ask for it, not for speed.
@@ -296,6 +315,7 @@ void layer_norm_bwd_reduce(const void* partial_in, int64_t parts, int64_t h, voi
 #include "dropout_kernels.h"
 #include "attention_kernels.h"
 #include "cross_entropy_kernels.h"
+#include "norm_glu_kernels.h"
 
 // Indexed by Dtype: kFloat, kBFloat16, kDouble.
 const KernelTable kTable = {
@@ -314,6 +334,10 @@ const KernelTable kTable = {
     {&attn_mask<float>, &attn_mask<bf16_t>, &attn_mask<double>},
     {&ce_lse<float>, &ce_lse<bf16_t>, &ce_lse<double>},
     {&ce_grad<float>, &ce_grad<bf16_t>, &ce_grad<double>},
+    {&rms_norm_fwd<float>, &rms_norm_fwd<bf16_t>, &rms_norm_fwd<double>},
+    {&rms_norm_bwd<float>, &rms_norm_bwd<bf16_t>, &rms_norm_bwd<double>},
+    {&glu<float, false>, &glu<bf16_t, false>, &glu<double, false>},
+    {&glu<float, true>, &glu<bf16_t, true>, &glu<double, true>},
 };
 
 }  // namespace MEGABERT_ISA
