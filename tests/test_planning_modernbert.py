@@ -3,6 +3,8 @@ the meta device, every pipeline stage, TP 2) and transformers' ModernBertForMask
 answerdotai/ModernBERT-base's and -large's config values (less megabert's vocab padding);
 per-layer activation bytes equal what autograd keeps for backward in megabert's global and
 local layers (measured with saved-tensor hooks); the whole model's within a few percent."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -146,9 +148,24 @@ def test_layer_activations_equal_saved_tensors(kind, recompute):
     s = 2048
     model, batch = _model_and_batch(cfg, s)
     _, per_layer = _saved_bytes(model, batch, [layer])
-    predicted = modernbert_layer_bytes(cfg, Workload(seq_length=s, micro_batch_size=1), Layout(), recompute,
+    # Measured on the CPU: its gated-activation kernel keeps u alone (3f, not PyTorch's 4f).
+    predicted = modernbert_layer_bytes(cfg, Workload(seq_length=s, micro_batch_size=1, device="cpu"), Layout(), recompute,
                                        kind == "global")
     assert per_layer[layer] == pytest.approx(predicted, rel=0.005), (per_layer[layer] / s, predicted / s)
+
+
+def test_layer_activations_with_pytorchs_gated_chain():
+    """--dropout-add-backend torch: PyTorch's GeGLU chain keeps act(input) too (4f a token, as on
+    CUDA), and the planner counts it."""
+    cfg = modernbert_tiny(num_layers=5, global_attn_every_n_layers=3, dropout_add_backend="torch", **SMALL)
+    s = 2048
+    model, batch = _model_and_batch(cfg, s)
+    _, per_layer = _saved_bytes(model, batch, ["3"])  # a middle global layer, as above
+    run = Workload(seq_length=s, micro_batch_size=1, device="cpu")
+    predicted = modernbert_layer_bytes(cfg, run, Layout(), "none", True)
+    fused = modernbert_layer_bytes(dataclasses.replace(cfg, dropout_add_backend="auto"), run, Layout(), "none", True)
+    assert per_layer["3"] == pytest.approx(predicted, rel=0.005), (per_layer["3"] / s, predicted / s)
+    assert predicted - fused == s * cfg.ffn_hidden_size * 4  # GELU(input), fp32
 
 
 def test_model_activations_near_saved_tensors():
@@ -157,7 +174,7 @@ def test_model_activations_near_saved_tensors():
     s, b = 2048, 2
     model, batch = _model_and_batch(cfg, s, b)
     total, _ = _saved_bytes(model, batch)
-    run = Workload(seq_length=s, micro_batch_size=b, mask_prob=0.3)
+    run = Workload(seq_length=s, micro_batch_size=b, mask_prob=0.3, device="cpu")
     predicted = stage_activation_bytes(cfg, run, Layout(), 0)
     assert total == pytest.approx(predicted, rel=0.05), (total / s / b, predicted / s / b)
 

@@ -59,6 +59,14 @@ def _outside_limits(u: torch.Tensor, activation: str) -> Optional[str]:
     return dtype_outside(u, {"cpu": CPU_KERNEL_DTYPES})
 
 
+def runs_fused(activation: str, backend: str, device_type: str) -> bool:
+    """Whether a gated MLP with `activation` and --dropout-add-backend `backend` (as given:
+    auto, fused, ...) runs the CPU kernel on `device_type` (the planner's question: the kernel
+    keeps only u for backward, PyTorch's chain act(input) too)."""
+    return (device_type == "cpu" and backend in ("auto", "fused") and activation in KERNEL_ACTIVATIONS
+            and fused_kernels.kernels_for("cpu") is not None and fused_kernels.cpu_isa() != "default")
+
+
 def gated_activation(u: torch.Tensor, activation: str, gate_first: bool = False,
                      backend: str = "fused") -> torch.Tensor:
     """act(input) * gate over the last dim of u = [input; gate] ([gate; input] with `gate_first`)

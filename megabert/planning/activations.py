@@ -35,7 +35,9 @@ layer (elements of e bytes unless said; t = TP, heads n, GeGLU width f):
   local core    unpadded: the global core's; padded: (h + 2h(B+2w)/B + h)/t + n(B+2w)/t
                            q, the key and value tiles, Wo's input, the tiles' probabilities
                            + (B+2w) bytes of the window mask (one per row, shared by heads)
-  GeGLU MLP     4f/t       Wi's output ([input; gate], 2f), GELU(input) (f), Wo's input (f)
+  GeGLU MLP     4f/t       Wi's output ([input; gate], 2f), GELU(input) (f), Wo's input (f);
+                3f/t       with megabert's CPU kernel (ops.gated_activation, the CPU's default
+                           epilogue backend): it keeps only Wi's output, not GELU(input)
 Dropout masks only where ModernBERT's dropouts are set (none by default). Selective
 recompute keeps the core's input (the rotated q, k, v) and its output: 4h/t either kind.
 Measured against the saved tensors of megabert's layers in tests/test_planning_modernbert.py.
@@ -47,6 +49,7 @@ from typing import Optional
 
 from megabert.config import ModelConfig
 from megabert.families import encoder_spec
+from megabert.ops.gated_activation import runs_fused
 from megabert.planning.spec import Layout, Workload
 
 MASK_BYTES = 1  # torch keeps dropout masks as bool
@@ -77,9 +80,11 @@ def modernbert_layer_bytes(model: ModelConfig, run: Workload, layout: Layout, re
     if recompute == "full":
         return tokens * h * e / replicated_div
     # Before the core, every token: the attention norm's input and Wqkv's (+ the norm's fp32
-    # mean and rstd); after it, each row: the MLP norm's and Wi's inputs, the GeGLU's 4f.
+    # mean and rstd); after it, each row: the MLP norm's and Wi's inputs, the GeGLU's 4f (3f
+    # with the CPU kernel).
+    glu = 3 if runs_fused(spec.mlp.activation, model.dropout_add_backend, run.device) else 4
     before = tokens * (2 * h * e + NORM_STATS_BYTES) / replicated_div
-    after = rows * (2 * h * e + NORM_STATS_BYTES) / replicated_div + rows * 4 * f * e / t
+    after = rows * (2 * h * e + NORM_STATS_BYTES) / replicated_div + rows * glu * f * e / t
     if spec.residual_dropout[0] > 0:  # the attention output's dropout (replicated)
         after += rows * h * MASK_BYTES / replicated_div
     if spec.mlp.dropout > 0:
