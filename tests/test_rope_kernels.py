@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import megabert.fused_kernels as fk
-import megabert.say_once
 from megabert.model.rope import attention_input, grouped_qkv, rotate_qkv
 
 from tests.helpers.kernel_checks import check_rope, graph_functions, rope_case
@@ -84,13 +83,6 @@ def test_rope_fp32_and_bf16_forward_equal_pytorchs_path():
         torch.testing.assert_close(ours, theirs, rtol=2e-7 if dtype == torch.float32 else 2 ** -7, atol=1e-6)
         if dtype == torch.bfloat16:
             assert (ours == theirs).float().mean() > 0.99
-
-
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    monkeypatch.setattr(megabert.say_once, "_said", set())
-    caplog.set_level(logging.INFO, logger="megabert.ops")
-    return caplog
 
 
 def test_rope_torch_backend_and_outside_the_kernel_run_pytorch(fresh_log):
