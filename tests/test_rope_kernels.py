@@ -126,3 +126,16 @@ def test_families_run_the_kernel_by_default_and_pytorch_when_asked(family, atten
     assert len(results[0]) == len(results[1]) > 10
     for ours, theirs in zip(*results):  # fp32 sums in other orders (the gated MLP's kernel too)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+
+
+def test_rope_kernel_rejects_bad_shapes_in_one_line():
+    from megabert.fused_kernels import _cpu
+
+    q, kv, cos, sin = torch.randn(3, 4, 6), torch.randn(3, 2, 3, 6), torch.rand(3, 3), torch.rand(3, 3)
+    with pytest.raises(RuntimeError, match="kv_heads dividing heads") as err:
+        _cpu.rope_qkv_forward(q, kv, cos, sin)  # 3 key/value heads for 4 query heads
+    assert len(str(err.value).splitlines()) == 1
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[3, 3\]"):
+        _cpu.rope_qkv_forward(q, kv[:, :, :2], cos[:, :2], sin[:, :2])
+    with pytest.raises(RuntimeError, match="grad must be"):
+        _cpu.rope_qkv_backward(torch.randn(3, 3, 4, 6), cos, sin, 3)
