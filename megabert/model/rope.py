@@ -12,6 +12,10 @@ the unpadded layout counts from the first real token and transformers from the r
 The numbers follow transformers' ModernBertRotaryEmbedding and apply_rotary_pos_emb: the
 angles in fp32, cos/sin cast to the activations' dtype, the rotation in fp32, the result
 cast back.
+
+`attention_input` makes the attention's input from the QKV GEMM's output (or, grouped-query,
+the Q and KV GEMMs'): PyTorch's `grouped_qkv` and `rotate_qkv`, or on the CPU one fused kernel
+pass each way (FusedRotaryQKV; docs/performance.md has the figures).
 """
 from __future__ import annotations
 
