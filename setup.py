@@ -62,8 +62,8 @@ KERNELS = ("megabert", "fused_kernels", "csrc")
 
 
 def kernel_extensions():
-    """Fused softmax / LayerNorm / RMSNorm / gated activation / dropout + add / attention kernels
-    (megabert/fused_kernels/csrc): the CPU module always; the CUDA module (the fused softmax) when
+    """Fused softmax / LayerNorm / RMSNorm / gated activation / RoPE / dropout + add / attention
+    kernels (megabert/fused_kernels/csrc): the CPU module always; the CUDA module (the fused softmax) when
     torch has CUDA and nvcc is found."""
     omp_compile, omp_link = _openmp_flags()
     # No -march: the wheel may run on another CPU. The row kernels are compiled once per

@@ -9,8 +9,9 @@ what `--dropout-add-backend fused` / `torch` run) `residual + F.dropout(x, p)`; 
 (`--attention-backend torch`) and the padded fused softmax (`--attention-backend fused`) on
 [b, heads, s, s]; for RMSNorm and the gated MLP's act(input) * gate (CPU only: SwiGLU,
 GeGLU) PyTorch's op chains (`megabert.ops.reference`, what `--layernorm-backend torch` /
-`--dropout-add-backend torch` run). "x" is their time over ours: above 1,
-the fused kernel is faster. On a GPU it also prints the achieved bandwidth of our
+`--dropout-add-backend torch` run); for RoPE with the attention's (grouped-query) head layout
+PyTorch's repeat, cat and rotation (`--dropout-add-backend torch`). "x" is their time over
+ours: above 1, the fused kernel is faster. On a GPU it also prints the achieved bandwidth of our
 forward and backward kernels against the device's peak DRAM bandwidth.
 
     python bench/kernels.py                      # CPU, all threads torch uses
@@ -45,6 +46,10 @@ RMS_NORM_SHAPES = LAYER_NORM_SHAPES + [(764, 256)]
 # [tokens, 2f] of the gated MLP's up-projection output: bench/families.py's (ffn 1024), then
 # BERT-base's width (f 3072) at seq 128, micro-batch 8.
 GLU_SHAPES = [(764, 2048), (128 * 8, 2 * 3072)]
+# [tokens, heads, kv heads, head_dim] of RoPE with the attention's head layout: bench/families.py's
+# MHA families (4 heads of 64, ~764 real tokens a micro-batch), EuroBERT's grouped-query 4/2 there,
+# then BERT-base's heads at seq 512, micro-batch 8.
+ROPE_SHAPES = [(764, 4, 4, 64), (764, 4, 2, 64), (512 * 8, 12, 12, 64)]
 # [tokens, h] of the layers' hidden dropout + residual add: bench/pretrain.py's default
 # model (seq 128, batch 16, ~60% real tokens unpadded, h 256), then the two above.
 DROPOUT_ADD_SHAPES = [(1237, 256), (128 * 8, 768), (512 * 8, 1024)]
@@ -148,6 +153,28 @@ def gated_case(activation: str):
     return case
 
 
+def rope_case(shape, dtype, device):
+    """The attention's input from the QKV GEMM's output (MHA) or the Q and KV GEMMs' (GQA): the
+    kernel against PyTorch's repeat_interleave, cat and rotation (--dropout-add-backend torch)."""
+    from megabert.model.rope import attention_input, cos_sin
+
+    tokens, heads, kv_heads, d = shape
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = (t.unsqueeze(-2).to(device) for t in cos_sin(torch.arange(tokens) % 512, d, 10000.0, dtype))
+    grad = torch.randn(tokens, 3, heads, d, generator=gen).to(device, dtype)
+    if kv_heads == heads:
+        inputs = (torch.randn(tokens, 3, heads, d, generator=gen).to(device, dtype).requires_grad_(),)
+    else:
+        inputs = (torch.randn(tokens, heads, d, generator=gen).to(device, dtype).requires_grad_(),
+                  torch.randn(tokens, 2, kv_heads, d, generator=gen).to(device, dtype).requires_grad_())
+
+    def run(backend):
+        return fwd_bwd(lambda *x: attention_input(x[0], x[1] if len(x) > 1 else None, cos, sin, backend), inputs,
+                       grad)
+
+    return {"ours": run("fused"), "reference": run("torch")}, inputs
+
+
 def dropout_add_case(shape, dtype, device):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
@@ -213,9 +240,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--ops", nargs="+", default=["softmax", "layernorm", "rmsnorm", "swiglu", "geglu", "dropadd",
-                                                     "attention"],
-                        choices=["softmax", "layernorm", "rmsnorm", "swiglu", "geglu", "dropadd", "attention"],
+    parser.add_argument("--ops", nargs="+", default=["softmax", "layernorm", "rmsnorm", "swiglu", "geglu", "rope",
+                                                     "dropadd", "attention"],
+                        choices=["softmax", "layernorm", "rmsnorm", "swiglu", "geglu", "rope", "dropadd",
+                                 "attention"],
                         help="which ops to time (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case (default: 15 CPU, 100 GPU)")
@@ -241,7 +269,7 @@ def main(argv=None) -> None:
         # LayerNorm lost to PyTorch's (0.70-0.73x) and was deleted (docs/performance.md).
         cases += [("layernorm", LAYER_NORM_SHAPES, layer_norm_case), ("rmsnorm", RMS_NORM_SHAPES, rms_norm_case),
                   ("swiglu", GLU_SHAPES, gated_case("silu")), ("geglu", GLU_SHAPES, gated_case("gelu")),
-                  ("dropadd", DROPOUT_ADD_SHAPES, dropout_add_case)]
+                  ("rope", ROPE_SHAPES, rope_case), ("dropadd", DROPOUT_ADD_SHAPES, dropout_add_case)]
         cases.append(("attention", ATTENTION_SHAPES, attention_case))
     for op, shapes, build in (c for c in cases if c[0] in args.ops):
         for shape in shapes:

@@ -66,9 +66,10 @@ class ModelConfig:
     layernorm_backend: str = arg("auto", "LayerNorm: torch, fused (megabert kernel), auto (fused on CPU when "
                                  "built, else torch).", choices=("auto", "torch", "fused"))
     dropout_add_backend: str = arg("auto", "The layers' GEMM epilogues (hidden dropout + residual add "
-                                   "(+ post-LN LayerNorm), bias + GELU, a gated MLP's act(input) * gate): torch (PyTorch's op "
-                                   "chain), fused (megabert CPU kernels: dropout + add with a Philox mask, one "
-                                   "pass; the gated activation, one pass each way), compiled "
+                                   "(+ post-LN LayerNorm), bias + GELU, a gated MLP's act(input) * gate, "
+                                   "RoPE on the QKV output): torch (PyTorch's op chain), fused (megabert CPU kernels: dropout + "
+                                   "add with a Philox mask, one pass; the gated activation and RoPE (with the "
+                                   "grouped-query head layout), one pass each way), compiled "
                                    "(each epilogue one torch.compile'd function), auto (fused on CPU when built, "
                                    "else torch: on CUDA the chain measured faster than compiled).",
                                    choices=("auto", "torch", "fused", "compiled"))

@@ -25,6 +25,18 @@ def _fresh_parallel_state():
     destroy_parallel()
 
 
+@pytest.fixture
+def fresh_log(monkeypatch, caplog):
+    """Forget what megabert.ops already said once (megabert.say_once), and capture what it says now."""
+    import logging
+
+    import megabert.say_once
+
+    monkeypatch.setattr(megabert.say_once, "_said", set())
+    caplog.set_level(logging.INFO, logger="megabert.ops")
+    return caplog
+
+
 @pytest.fixture(autouse=True)
 def _fresh_compiler_state():
     """A test that compiled leaves dynamo's caches as a fresh process would find them

@@ -14,6 +14,7 @@ import torch._dynamo
 import megabert.fused_kernels as fk
 from megabert.arguments import parse_args
 from megabert.errors import ConfigError
+from megabert.model.rope import attention_input, cos_sin
 from megabert.ops import dropout_add, gated_activation, kernel_ops, layer_norm, rms_norm, scaled_masked_softmax
 from megabert.training.resolve import resolve_run
 
@@ -36,15 +37,17 @@ def _fresh_dynamo():
 def _fused_ops(scores, mask, x, weight, bias):
     y = layer_norm(x, weight, bias, 1e-5)
     u = rms_norm(x, weight, 1e-6).repeat(1, 1, 2)  # [..., 2f]
+    cos, sin = (t.unsqueeze(-2) for t in cos_sin(torch.arange(4)[:, None].expand(4, 2), 4, 500.0, x.dtype))
+    q, kv = x.view(4, 2, 4, 4), u.view(4, 2, 2, 4, 4)[:, :, :, :1]  # GQA: 4 query heads, 1 key/value head
     return (scaled_masked_softmax(scores, mask, 0.5), dropout_add(y, x, 0.3, True, backend="fused"),
-            gated_activation(u, "silu", True))
+            gated_activation(u, "silu", True), attention_input(q, kv, cos, sin, "fused"))
 
 
 @needs_kernels
 def test_fused_kernels_compile_in_one_graph():
     """fullgraph=True fails on any graph break: the pybind11 kernels are opaque to dynamo,
     the custom ops are not. Forward and gradients (softmax, LayerNorm, dropout + residual
-    add, RMSNorm, gated activation) equal eager's."""
+    add, RMSNorm, gated activation, RoPE with grouped-query heads) equal eager's."""
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(2, 3, 8, 8, generator=g).requires_grad_()
     mask = (torch.rand(2, 1, 1, 8, generator=g) < 0.3).expand(2, 1, 8, 8)
@@ -53,7 +56,7 @@ def test_fused_kernels_compile_in_one_graph():
     bias = torch.randn(16, generator=g).requires_grad_()
     leaves = (scores, x, weight, bias)
     grads_out = (torch.randn(scores.shape, generator=g), torch.randn(x.shape, generator=g),
-                 torch.randn(x.shape, generator=g))
+                 torch.randn(x.shape, generator=g), torch.randn(4, 2, 3, 4, 4, generator=g))
 
     def run(fn):
         torch.manual_seed(0)  # the dropout's Philox key is drawn from the default generator
@@ -77,6 +80,9 @@ def test_fused_kernels_compile_in_one_graph():
     ("rms_norm_backward", lambda: (torch.randn(6, 9), torch.randn(6, 9), torch.rand(9), torch.rand(6) + 0.5)),
     ("gated_activation_forward", lambda: (torch.randn(3, 2, 14), "gelu", True)),
     ("gated_activation_backward", lambda: (torch.randn(3, 7), torch.randn(3, 14), "silu", False)),
+    ("rope_qkv_forward", lambda: (torch.randn(5, 4, 6), torch.randn(5, 2, 3, 6)[:, :, 1:2], torch.rand(5, 3),
+                                  torch.rand(5, 3))),
+    ("rope_qkv_backward", lambda: (torch.randn(5, 3, 4, 6), torch.rand(5, 3), torch.rand(5, 3), 2)),
     ("dropout_add_forward", lambda: (torch.randn(3, 8), torch.randn(3, 8), 0.3, torch.tensor([7]))),
     ("dropout_backward", lambda: (torch.randn(3, 8), torch.rand(3, 8) < 0.7, 0.3)),
     ("varlen_attention_forward", lambda: (*torch.randn(5, 3, 2, 4).unbind(1), torch.tensor([0, 2, 5]), 0.5, 0.2,

@@ -114,8 +114,8 @@ _ISA_CHECK = """
 import torch
 from megabert.fused_kernels import _cpu
 from tests.helpers.kernel_checks import (check_cross_entropy_kernels, check_gated_activation, check_layer_norm,
-                                         check_rms_norm, check_softmax, check_varlen_attention, glu_case, ln_case,
-                                         philox_mask_digest, rms_case, softmax_case)
+                                         check_rms_norm, check_rope, check_softmax, check_varlen_attention, glu_case,
+                                         ln_case, philox_mask_digest, rms_case, rope_case, softmax_case)
 check_cross_entropy_kernels()
 for dtype in (torch.float32, torch.bfloat16):
     check_softmax(*softmax_case((2, 3, 4, 200), (2, 1, 4, 200), dtype))
@@ -123,6 +123,8 @@ for dtype in (torch.float32, torch.bfloat16):
     check_rms_norm(*rms_case((5, 2, 779), dtype))
     for activation in ("silu", "gelu", "gelu_new"):
         check_gated_activation(*glu_case((3, 2, 2 * 77), dtype), activation, dtype == torch.float32)
+    for kv_heads in (None, 2):
+        check_rope(*rope_case((7, 3), 4, kv_heads, 66, dtype))
 for p in (0.0, 0.3):
     check_varlen_attention(torch.float32, p)
 print(philox_mask_digest())
@@ -133,9 +135,9 @@ print(_cpu.isa())
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_narrower_instruction_sets_agree(isa, tmp_path):
     """MEGABERT_CPU_ISA caps the row kernels' instruction set; each path meets the oracle
-    (softmax, LayerNorm, RMSNorm, the gated activations, varlen attention with and without
-    dropout, the MLM loss's log-sum-exp and softmax gradient) and draws the same
-    dropout masks as the widest path this CPU runs."""
+    (softmax, LayerNorm, RMSNorm, the gated activations, RoPE (MHA and GQA), varlen attention
+    with and without dropout, the MLM loss's log-sum-exp and softmax gradient) and draws the
+    same dropout masks as the widest path this CPU runs."""
     import os
     import subprocess
     import sys

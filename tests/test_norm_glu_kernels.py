@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import megabert.fused_kernels as fk
-import megabert.say_once
 from megabert.ops import gated_activation, rms_norm
 from megabert.ops.reference import gated_activation_reference, rms_norm_reference
 
@@ -23,14 +22,6 @@ pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernels not buil
 # Spec names as the families give them; gelu_new and gelu_pytorch_tanh are one kernel activation.
 ACTIVATIONS = ["silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
-
-
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    """Forget what was already said, and capture what is said now."""
-    monkeypatch.setattr(megabert.say_once, "_said", set())
-    caplog.set_level(logging.INFO, logger="megabert.ops")
-    return caplog
 
 
 def _warnings(caplog):

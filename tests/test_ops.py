@@ -5,20 +5,11 @@ import logging
 import pytest
 import torch
 
-import megabert.say_once
 import megabert.fused_kernels as fk
 from megabert.errors import ConfigError
 from megabert.ops import (core_attention, layer_norm, resolve_attention_backend, resolve_layernorm_backend,
                           scaled_masked_softmax)
 from megabert.ops.reference import layer_norm_reference, scaled_masked_softmax_reference
-
-
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    """Forget what was already said, and capture what is said now."""
-    monkeypatch.setattr(megabert.say_once, "_said", set())
-    caplog.set_level(logging.INFO, logger="megabert.ops")
-    return caplog
 
 
 def _messages(caplog, level):

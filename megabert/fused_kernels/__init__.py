@@ -1,5 +1,5 @@
-"""megabert's compiled kernels (CPU: softmax, LayerNorm, RMSNorm, gated activation, dropout + add, attention,
-MLM cross entropy; CUDA: the fused softmax).
+"""megabert's compiled kernels (CPU: softmax, LayerNorm, RMSNorm, gated activation, RoPE, dropout + add,
+attention, MLM cross entropy; CUDA: the fused softmax).
 
 The extensions are built ahead of time by setup.py; nothing is compiled on first use.
 `_cpu` (C++, OpenMP, vectorised per instruction set) is always built; `_cuda` only

@@ -19,7 +19,7 @@ from megabert import ops
 from megabert.errors import ConfigError
 from megabert.model.context import BuildContext
 from megabert.model.local_attention import local_attention, worth_blocking
-from megabert.model.rope import RotaryTables, padded_positions, rotate_qkv
+from megabert.model.rope import RotaryTables, attention_input, grouped_qkv, padded_positions
 from megabert.model.unpad import TokenLayout
 from megabert.parallel.param_spec import describe, set_hf_names
 from megabert.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, copy_to_tp, gather_from_sp
@@ -148,10 +148,11 @@ class SelfAttention(nn.Module):
         for module, table in names.items():
             set_hf_names(self, {f"{module}.{k}": v for k, v in table.items() if k == "weight" or attn.qkv_bias})
 
-    def _gqa_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x -> [..., 3, n/tp, d]: each query head beside its group's key/value head."""
+    def _gqa_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x -> q [..., n/tp, d] and kv [..., 2, kv heads, d]: this rank's key/value heads (its
+        query heads' group's one when replicated)."""
         q = self.query(x)
-        q = q.view(*q.shape[:-1], 1, self.heads_per_rank, self.head_dim)
+        q = q.view(*q.shape[:-1], self.heads_per_rank, self.head_dim)
         if self.kv_replicated is None:
             kv = self.key_value(x)
         else:
@@ -163,9 +164,23 @@ class SelfAttention(nn.Module):
         kv = kv.view(*kv.shape[:-1], 2, -1, self.head_dim)  # [..., 2, kv heads here, d]
         if self.kv_replicated is not None:
             kv = kv.narrow(-2, self.kv_replicated, 1)
-        # Query head i of this rank reads key/value head i // group of this rank's.
-        kv = kv.repeat_interleave(self.heads_per_rank // self.kv_heads, dim=-2)
-        return torch.cat((q, kv), dim=-3)
+        return q, kv
+
+    def _attention_input(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """x -> [..., 3, n/tp, d]: Q, K and V of this rank's heads (each query head beside its
+        group's key/value head), Q and K rotated with RoPE. The rotation (and the grouped
+        layout) is the QKV GEMM's epilogue, so --dropout-add-backend (the epilogues' backend)
+        picks how it runs: 'fused' the one-pass CPU kernel, else PyTorch (rope.attention_input)."""
+        if self.kv_heads is not None:
+            q, kv = self._gqa_projections(x)
+        else:
+            qkv = getattr(self, self.qkv_name)(x)  # [s, b, 3h/tp] or [T, 3h/tp]
+            # The stride-3 QKV weight gives each token [Q_r | K_r | V_r], each heads x d.
+            q, kv = qkv.view(*qkv.shape[:-1], 3, self.heads_per_rank, self.head_dim), None
+        if self.theta is None:
+            return q if kv is None else grouped_qkv(q, kv)
+        cos, sin = inputs.rope.get(self.theta, q.dtype)  # [T, 1, d] or [s, b, 1, d]
+        return attention_input(q, kv, cos, sin, self.ctx.dropout_add_backend)
 
     @property
     def is_global(self) -> bool:
@@ -217,15 +232,7 @@ class SelfAttention(nn.Module):
         every token is still attended to."""
         if inputs is None:  # a layer run on its own: [s, b, h], no padding
             inputs = AttentionInputs.unmasked(x.size(0), x.size(1), self.head_dim, x.device)
-        if self.kv_heads is not None:
-            qkv = self._gqa_qkv(x)  # [s, b, 3, n/tp, d] or [T, 3, n/tp, d]
-        else:
-            qkv = getattr(self, self.qkv_name)(x)  # [s, b, 3h/tp] or [T, 3h/tp]
-            # The stride-3 QKV weight gives each token [Q_r | K_r | V_r], each heads x d.
-            qkv = qkv.view(*qkv.shape[:-1], 3, self.heads_per_rank, self.head_dim)
-        if self.theta is not None:
-            cos, sin = inputs.rope.get(self.theta, qkv.dtype)  # [T, 1, d] or [s, b, 1, d]
-            qkv = rotate_qkv(qkv, cos, sin)
+        qkv = self._attention_input(x, inputs)  # [s, b, 3, n/tp, d] or [T, 3, n/tp, d]
         tokens = inputs.tokens
         if tokens is not None and self.varlen:
             ctx = self._run(self._varlen_core, qkv, tokens)  # [T, n/tp, d]

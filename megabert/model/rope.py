@@ -12,11 +12,21 @@ the unpadded layout counts from the first real token and transformers from the r
 The numbers follow transformers' ModernBertRotaryEmbedding and apply_rotary_pos_emb: the
 angles in fp32, cos/sin cast to the activations' dtype, the rotation in fp32, the result
 cast back.
+
+`attention_input` makes the attention's input from the QKV GEMM's output (or, grouped-query,
+the Q and KV GEMMs'): PyTorch's `grouped_qkv` and `rotate_qkv`, or on the CPU one fused kernel
+pass each way (FusedRotaryQKV; docs/performance.md has the figures).
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
+
+from megabert.ops import kernel_ops
+from megabert.ops.dispatch import CPU_KERNEL_DTYPES, dtype_outside, use_fused_kernel
 
 
 def inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -92,6 +102,68 @@ def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     does, V as it is, in one new tensor."""
     half = qkv.size(-1) // 2
     return RotaryQKV.apply(qkv, cos[..., :half], sin[..., :half])
+
+
+def grouped_qkv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """q [..., heads, d] and kv [..., 2, kv_heads, d] -> [..., 3, heads, d]: query head h beside
+    key/value head h // (heads / kv_heads) (grouped-query attention), in PyTorch."""
+    kv = kv.repeat_interleave(q.size(-2) // kv.size(-2), dim=-2)
+    return torch.cat((q.unsqueeze(-3), kv), dim=-3)
+
+
+class FusedRotaryQKV(torch.autograd.Function):
+    """The CPU kernel (fused_kernels/csrc/cpu/rope_kernels.h): what `grouped_qkv` then
+    `rotate_qkv` make, in one pass each way. x: qkv [rows, 3, heads, d] with kv None, or q
+    [rows, heads, d] with kv [rows, 2, kv_heads, d] (strided views of the GEMMs' outputs);
+    cos, sin [rows, d/2]. -> [rows, 3, heads, d]. Backward writes the grads of q, k and v into
+    one buffer (k's and v's summed over each group), no autograd sums or splits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kv: Optional[torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        ctx.packed = kv is None
+        q, kv = (x.select(1, 0), x.narrow(1, 1, 2)) if ctx.packed else (x, kv)
+        ctx.kv_heads = kv.size(2)
+        ctx.save_for_backward(cos, sin)
+        return kernel_ops.rope_qkv_forward(q, kv, cos, sin)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        grads = kernel_ops.rope_qkv_backward(grad, cos, sin, ctx.kv_heads)  # [rows, heads + 2 kv_heads, d]
+        if ctx.packed:  # MHA: the grad of qkv as it is
+            return grads.view(grad.shape), None, None, None
+        heads = grad.size(2)
+        return grads[:, :heads], grads[:, heads:].unflatten(1, (2, ctx.kv_heads)), None, None
+
+
+def _outside_limits(q: torch.Tensor, kv: Optional[torch.Tensor], cos: torch.Tensor) -> Optional[str]:
+    if q.device.type != "cpu":
+        return f"a {q.device.type} tensor (the fused RoPE is a CPU kernel)"
+    dtypes = {q.dtype, cos.dtype} | ({kv.dtype} if kv is not None else set())
+    if len(dtypes) > 1:
+        return f"RoPE over {', '.join(sorted(map(str, dtypes)))} tensors (the kernel takes one dtype)"
+    return dtype_outside(q, {"cpu": CPU_KERNEL_DTYPES})
+
+
+def attention_input(q: torch.Tensor, kv: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                    backend: str = "fused") -> torch.Tensor:
+    """The attention's input [..., 3, heads, d] with Q and K rotated by (cos, sin) [..., 1, d]
+    (RotaryTables.get) and V as it is, from q = qkv [..., 3, heads, d] with kv None, or, with
+    grouped-query attention, q [..., heads, d] and kv [..., 2, kv_heads, d] (each query head
+    reads its group's key/value head, as `grouped_qkv`). With `backend` 'fused' the CPU kernel
+    runs where it applies (else PyTorch, said once); any other backend runs PyTorch's
+    `grouped_qkv` and `rotate_qkv`. Autograd-capable."""
+    if backend != "fused" or not use_fused_kernel("rope_qkv", q.device.type, _outside_limits(q, kv, cos)):
+        return rotate_qkv(q if kv is None else grouped_qkv(q, kv), cos, sin)
+    lead = q.shape[:-3] if kv is None else q.shape[:-2]  # [T] unpadded, [s, b] padded
+    rows, half = math.prod(lead), q.size(-1) // 2
+    x = q.reshape(rows, *q.shape[len(lead):])
+    kv = None if kv is None else kv.reshape(rows, *kv.shape[len(lead):])
+    cos, sin = (t[..., 0, :half].expand(*lead, half).reshape(rows, half) for t in (cos, sin))
+    out = FusedRotaryQKV.apply(x, kv, cos, sin)
+    return out.view(*lead, *out.shape[1:])
 
 
 def unpadded_positions(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:

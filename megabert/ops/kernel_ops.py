@@ -149,6 +149,39 @@ _gated_activation_backward_op, gated_activation_backward = _kernel_op(
     "gated_activation_backward", _gated_activation_backward, _contiguous_like(1))
 
 
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as the kernel reads them: rows contiguous, one row stride for both."""
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        return cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+def _rope_qkv_forward(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q [rows, heads, d], kv [rows, 2, kv_heads, d] (views with any row and head strides), cos, sin
+    [rows, d/2] -> the attention's input [rows, 3, heads, d]: Q and K rotated, each query head
+    beside key/value head h // (heads / kv_heads)."""
+    q, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv))
+    return _kernels(q).rope_qkv_forward(q, kv, *_rope_tables(cos, sin))
+
+
+def _rope_qkv_forward_fake(q, kv, cos, sin):
+    return q.new_empty((q.size(0), 3, q.size(1), q.size(2)))
+
+
+def _rope_qkv_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """-> [rows, heads + 2 kv_heads, d]: each row's grads of q, then of k and v (summed over each group)."""
+    return _kernels(grad).rope_qkv_backward(grad.contiguous(), *_rope_tables(cos, sin), kv_heads)
+
+
+def _rope_qkv_backward_fake(grad, cos, sin, kv_heads):
+    return grad.new_empty((grad.size(0), grad.size(2) + 2 * kv_heads, grad.size(3)))
+
+
+_rope_qkv_forward_op, rope_qkv_forward = _kernel_op("rope_qkv_forward", _rope_qkv_forward, _rope_qkv_forward_fake)
+_rope_qkv_backward_op, rope_qkv_backward = _kernel_op("rope_qkv_backward", _rope_qkv_backward,
+                                                      _rope_qkv_backward_fake)
+
+
 def _dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, p: float,
                          seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """residual + keep * x / (1 - p), keep from Philox keyed by `seed` (one int64) -> (out, keep: bool)."""

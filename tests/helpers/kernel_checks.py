@@ -249,3 +249,40 @@ def philox4x32_10(counter, key):
 def threshold(p: float) -> int:
     """The kernels' keep threshold: a word w keeps its element when w >= round(p * 2^32)."""
     return min(int(p * 4294967296.0 + 0.5), 0xFFFFFFFF)
+
+
+# ---- RoPE with the attention's head layout --------------------------------------------
+
+def rope_case(lead, heads, kv_heads, d, dtype, seed=0, theta=10000.0):
+    """Inputs of `megabert.model.rope.attention_input` for leading dims `lead` ([T] or [s, b]):
+    (q, kv, cos, sin, grad) with q = qkv [*lead, 3, heads, d] and kv None when kv_heads is None
+    (MHA), else q [*lead, heads, d] and kv [*lead, 2, kv_heads, d], each a view of a GEMM-like
+    output [*lead, width]; positions as the padded layout counts ([s, b]: the slot in the row)."""
+    from megabert.model.rope import cos_sin
+
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.arange(lead[0])[:, None].expand(*lead) if len(lead) == 2 else torch.arange(lead[0]) * 7
+    cos, sin = (t.unsqueeze(-2) for t in cos_sin(positions, d, theta, dtype))
+
+    def gemm_output(*shape):
+        return torch.randn(*lead, math.prod(shape), generator=gen).to(dtype).view(*lead, *shape)
+
+    q = gemm_output(3, heads, d) if kv_heads is None else gemm_output(heads, d)
+    kv = None if kv_heads is None else gemm_output(2, kv_heads, d)
+    return q, kv, cos, sin, torch.randn(*lead, 3, heads, d, generator=gen).to(dtype)
+
+
+def check_rope(q, kv, cos, sin, grad):
+    """The fused RoPE (it must run) against the PyTorch path (grouped_qkv, rotate_qkv) computed
+    in float64 from the same (rounded) tables: output and the grads of q and kv."""
+    from megabert.model.rope import attention_input, grouped_qkv, rotate_qkv
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, kv) if t is not None]
+    out = attention_input(leaves[0], leaves[1] if kv is not None else None, cos, sin, "fused")
+    assert "FusedRotaryQKVBackward" in graph_functions(out)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64 = leaves64[0] if kv is None else grouped_qkv(*leaves64)
+    want = rotate_qkv(x64, cos.double(), sin.double())
+    # A key/value head's grad sums its group's heads: rounding grows with the group.
+    group = 1 if kv is None else q.size(-2) // kv.size(-2)
+    _check_grads(out, want, leaves, leaves64, grad, sum_rows=group)

@@ -81,6 +81,13 @@ at::Tensor gated_activation_forward(const at::Tensor& u, const std::string& acti
 // -> grad_u [..., 2f], both halves written in one pass.
 at::Tensor gated_activation_backward(const at::Tensor& grad_y, const at::Tensor& u, const std::string& activation,
                                      bool gate_first);
+// The attention's input [rows, 3, heads, d] from q [rows, heads, d] and kv [rows, 2, kv_heads, d]
+// (strided views: each head's d contiguous): Q and K rotated by cos, sin [rows, d / 2]
+// (rotate-half RoPE, fp32 math, fp64 for fp64), each query head beside its group's K and V.
+at::Tensor rope_qkv_forward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& cos, const at::Tensor& sin);
+// -> [rows, heads + 2 kv_heads, d]: per row the grads of q, then of k and v (group sums).
+at::Tensor rope_qkv_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                             int64_t kv_heads);
 }  // namespace cpu
 
 namespace cuda {

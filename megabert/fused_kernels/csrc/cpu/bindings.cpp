@@ -3,7 +3,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
-      "megabert fused softmax, LayerNorm, RMSNorm, gated activation, dropout + residual add, varlen attention and MLM cross "
+      "megabert fused softmax, LayerNorm, RMSNorm, gated activation, RoPE, dropout + residual add, varlen attention and MLM cross "
       "entropy kernels for CPU (OpenMP across rows, "
       "vectorised rows)";
   megabert::def_kernel_ops(m, megabert::cpu::kernel_ops());
@@ -40,5 +40,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("u"), pybind11::arg("activation"), pybind11::arg("gate_first"));
   m.def("gated_activation_backward", &megabert::cpu::gated_activation_backward, "-> grad_u, both halves in one pass",
         pybind11::arg("grad_y"), pybind11::arg("u"), pybind11::arg("activation"), pybind11::arg("gate_first"));
+  m.def("rope_qkv_forward", &megabert::cpu::rope_qkv_forward,
+        "the attention's input [rows, 3, heads, d]: Q and K rotated (RoPE), K and V repeated to their query heads",
+        pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("cos"), pybind11::arg("sin"));
+  m.def("rope_qkv_backward", &megabert::cpu::rope_qkv_backward,
+        "-> [rows, heads + 2 kv_heads, d]: the grads of q, k and v (summed over each group)", pybind11::arg("grad"),
+        pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("kv_heads"));
   m.def("isa", &megabert::cpu::isa, "Instruction set the kernels run with: avx512, avx2 or default.");
 }

@@ -166,6 +166,26 @@ struct GluArgs {
   int act;  // GluAct
 };
 
+// Rotary position embeddings (rotate-half layout) and the grouped-query head layout in one pass
+// (rope_kernels.h). `qkv` [rows, 3, heads, d] is contiguous: the attention's input. The packed
+// side: q [rows, heads, d] and kv [rows, 2, heads / group, d] at the strides below (elements;
+// each head's d contiguous). Forward reads q, kv and writes qkv[r, 0, h] = rot(q[r, h]),
+// qkv[r, 1, h] = rot(k[r, h / group]), qkv[r, 2, h] = v[r, h / group]. Backward reads qkv (the
+// grad) and writes the packed side: grad_q = rot^T(g[., 0, h]), grad_k / grad_v the sums of
+// rot^T(g[., 1, h]) / g[., 2, h] over each key/value head's group. cos, sin: [rows, d / 2],
+// rows cs_row apart, in the element type.
+struct RopeArgs {
+  void* q;
+  void* kv;
+  void* qkv;
+  const void* cos;
+  const void* sin;
+  int64_t q_row, q_head;
+  int64_t kv_row, kv_which, kv_head;
+  int64_t cs_row;
+  int64_t heads, group, half;
+};
+
 using SoftmaxFwdFn = void (*)(const SoftmaxFwdArgs&, int64_t row_begin, int64_t row_end);
 using SoftmaxBwdFn = void (*)(const SoftmaxBwdArgs&, int64_t row_begin, int64_t row_end);
 using LayerNormFwdFn = void (*)(const LayerNormFwdArgs&, int64_t row_begin, int64_t row_end);
@@ -176,6 +196,7 @@ using LayerNormBwdReduceFn = void (*)(const void* partial, int64_t parts, int64_
 using CeLseFn = void (*)(const CeLseArgs&, int64_t row_begin, int64_t row_end);
 using CeGradFn = void (*)(const CeGradArgs&, int64_t row_begin, int64_t row_end);
 using GluFn = void (*)(const GluArgs&, int64_t row_begin, int64_t row_end);
+using RopeFn = void (*)(const RopeArgs&, int64_t row_begin, int64_t row_end);
 using DropoutAddFwdFn = void (*)(const DropoutAddFwdArgs&, int64_t begin, int64_t end);
 using DropoutBwdFn = void (*)(const DropoutBwdArgs&, int64_t begin, int64_t end);
 
@@ -207,6 +228,8 @@ struct KernelTable {
   LayerNormBwdFn rms_norm_bwd[kNumDtypes];
   GluFn glu_fwd[kNumDtypes];
   GluFn glu_bwd[kNumDtypes];
+  RopeFn rope_fwd[kNumDtypes];
+  RopeFn rope_bwd[kNumDtypes];
 };
 
 // One table per instruction set; nullptr where this compiler or architecture did not build it.

@@ -406,6 +406,66 @@ at::Tensor gated_activation_backward(const at::Tensor& grad_y, const at::Tensor&
   return grad_u;
 }
 
+namespace {
+
+// cos, sin [rows, d / 2] of the element type, rows equally far apart in both, each row contiguous.
+void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t rows, int64_t half,
+                       at::ScalarType dtype) {
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype, "rope_qkv: cos and sin must be CPU ", dtype,
+                " tensors, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == half && (half <= 1 || t->stride(1) == 1),
+                "rope_qkv: cos and sin must be [", rows, ", ", half, "] with contiguous rows, got ", t->sizes());
+  }
+  TORCH_CHECK(rows <= 1 || cos.stride(0) == sin.stride(0), "rope_qkv: cos and sin must have one row stride");
+}
+
+void run_rope(const RopeArgs& args, Dtype dt, bool backward, int64_t rows) {
+  const RopeFn fn = backward ? table().rope_bwd[dt] : table().rope_fwd[dt];
+  parallel_rows(rows, 6 * args.heads * args.half, [&](int64_t, int64_t begin, int64_t end) { fn(args, begin, end); });
+}
+
+}  // namespace
+
+at::Tensor rope_qkv_forward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& cos, const at::Tensor& sin) {
+  const Dtype dt = kernel_dtype(q, "rope_qkv");
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu() && kv.scalar_type() == q.scalar_type(),
+              "rope_qkv: q and kv must be CPU tensors of one dtype");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && kv.size(0) == q.size(0) && kv.size(1) == 2 &&
+                  kv.size(3) == q.size(2) && kv.size(2) > 0 && q.size(1) % kv.size(2) == 0 && q.size(2) % 2 == 0,
+              "rope_qkv: q must be [rows, heads, d] and kv [rows, 2, kv_heads, d] with kv_heads dividing heads "
+              "and d even, got ", q.sizes(), " and ", kv.sizes());
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK((d <= 1 || (q.stride(2) == 1 && kv.stride(3) == 1)), "rope_qkv: each head's d must be contiguous");
+  check_rope_tables(cos, sin, rows, d / 2, q.scalar_type());
+  at::Tensor out = at::empty({rows, 3, heads, d}, q.options());
+  const RopeArgs args{q.data_ptr(), kv.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                      q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), cos.stride(0),
+                      heads, heads / kv.size(2), d / 2};
+  run_rope(args, dt, false, rows);
+  return out;
+}
+
+at::Tensor rope_qkv_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                             int64_t kv_heads) {
+  const Dtype dt = kernel_dtype(grad, "rope_qkv backward");
+  check_input(grad, "rope_qkv output grad", grad.scalar_type());
+  TORCH_CHECK(grad.dim() == 4 && grad.size(1) == 3 && grad.size(3) % 2 == 0 && kv_heads > 0 &&
+                  grad.size(2) % kv_heads == 0,
+              "rope_qkv backward: grad must be [rows, 3, heads, d] with ", kv_heads, " dividing heads, got ",
+              grad.sizes());
+  const int64_t rows = grad.size(0), heads = grad.size(2), d = grad.size(3), width = (heads + 2 * kv_heads) * d;
+  check_rope_tables(cos, sin, rows, d / 2, grad.scalar_type());
+  // [rows, heads + 2 kv_heads, d]: each row's grad of q, then of k and v.
+  at::Tensor packed = at::empty({rows, heads + 2 * kv_heads, d}, grad.options());
+  char* base = static_cast<char*>(packed.data_ptr());
+  const RopeArgs args{base, base + heads * d * packed.element_size(), grad.data_ptr(), cos.data_ptr(),
+                      sin.data_ptr(), width, d, width, kv_heads * d, d, cos.stride(0), heads, heads / kv_heads,
+                      d / 2};
+  run_rope(args, dt, true, rows);
+  return packed;
+}
+
 std::string isa() { return table().isa; }
 
 const KernelOps& kernel_ops() {

@@ -1,7 +1,8 @@
 // Row kernels for softmax and LayerNorm (and, from dropout_kernels.h, dropout + residual
 // add; from attention_kernels.h, attention over real tokens; from cross_entropy_kernels.h,
 // the MLM loss's log-sum-exp and softmax gradient; from norm_glu_kernels.h, RMSNorm and the
-// gated MLP's act(input) * gate), compiled once per instruction set.
+// gated MLP's act(input) * gate; from rope_kernels.h, RoPE with the grouped-query head layout),
+// compiled once per instruction set.
 //
 // Included by isa_*.cpp after `#define MEGABERT_ISA <name>` (and, on x86, after a
 // `#pragma GCC target`), so every function here lands in its own namespace
@@ -316,6 +317,7 @@ void layer_norm_bwd_reduce(const void* partial_in, int64_t parts, int64_t h, voi
 #include "attention_kernels.h"
 #include "cross_entropy_kernels.h"
 #include "norm_glu_kernels.h"
+#include "rope_kernels.h"
 
 // Indexed by Dtype: kFloat, kBFloat16, kDouble.
 const KernelTable kTable = {
@@ -338,6 +340,8 @@ const KernelTable kTable = {
     {&rms_norm_bwd<float>, &rms_norm_bwd<bf16_t>, &rms_norm_bwd<double>},
     {&glu<float, false>, &glu<bf16_t, false>, &glu<double, false>},
     {&glu<float, true>, &glu<bf16_t, true>, &glu<double, true>},
+    {&rope_qkv<float, false>, &rope_qkv<bf16_t, false>, &rope_qkv<double, false>},
+    {&rope_qkv<float, true>, &rope_qkv<bf16_t, true>, &rope_qkv<double, true>},
 };
 
 }  // namespace MEGABERT_ISA
