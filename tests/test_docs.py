@@ -12,8 +12,6 @@ import os
 import re
 import shlex
 
-import pytest
-
 from tests.helpers.cli_utils import ROOT, run_main
 from tests.helpers.doc_commands import commands, doc_files, help_flags
 
